@@ -1,0 +1,42 @@
+# pagewalk — every target sets itself up: `make test`, `make serve`, `make bench`.
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+HOST    ?= 127.0.0.1
+PORT    ?= 8000
+MODEL   ?= tiny
+
+.PHONY: setup test test-gpu serve bench bench-kernel lint clean
+
+# With CUDA the venv sees the system's (user's) torch and pip never replaces it (torch>=2.4 is satisfied);
+# without CUDA we install the CPU build first (torch 2.13.0 lies on this machine's disk).
+$(STAMP): pyproject.toml
+	@test -x $(VPY) || $(PY) -m venv $(if $(HAS_CUDA),--system-site-packages) $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(if $(HAS_CUDA),,$(VPY) -m pip install -q torch==2.13.0 || $(VPY) -m pip install -q --index-url https://download.pytorch.org/whl/cpu torch)
+	$(VPY) -m pip install -q -e '.[test,bench]'
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(VPY) -m pytest -q -m "not gpu" --timeout=600 tests
+
+test-gpu: $(STAMP)
+	$(VPY) -m pytest -q -m gpu tests
+
+serve: $(STAMP)
+	$(VENV)/bin/pagewalk serve --model $(MODEL) --host $(HOST) --port $(PORT)
+
+bench: bench-kernel
+
+bench-kernel: $(STAMP)
+	$(VPY) -m kernels.benchmark
+
+lint: $(STAMP)
+	$(VPY) -m pip install -q ruff && $(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info
