@@ -1,0 +1,112 @@
+"""Backend dispatch: which implementation runs, checked up front and reported, never silently swapped.
+
+CUDA tensors take the Triton kernels for "auto"; CPU tensors take the torch references, unless the caller
+asks for backend="triton" with TRITON_INTERPRET=1 set, which runs the real kernels in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels import reference
+
+BACKENDS = ("auto", "triton", "torch")
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TORCH_DTYPES = TRITON_DTYPES + (torch.float64,)
+MAX_HEAD_DIM = 256
+
+_last_backend = "none"
+
+
+def last_backend() -> str:
+    """The backend the last paged_decode_attention / store_kv call actually ran ("none" before any)."""
+    return _last_backend
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def resolve_backend(device, requested: str = "auto") -> str:
+    """What would run on `device`: "triton" or "torch". ValueError if `requested` is impossible."""
+    if requested not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {requested!r}")
+    dev = torch.device(device)
+    if requested == "torch":
+        return "torch"
+    if dev.type == "cuda":
+        if not _triton_available():
+            if requested == "triton":
+                raise ValueError("backend='triton' needs the triton package, which is not installed")
+            return "torch"
+        return "triton"
+    if requested == "auto":
+        return "torch"
+    if not _triton_available():
+        raise ValueError("backend='triton' needs the triton package, which is not installed")
+    if not _interpreter_on():
+        raise ValueError(f"backend='triton' on {dev.type} tensors needs TRITON_INTERPRET=1 "
+                         "(the Triton interpreter); use backend='torch' or 'auto' instead")
+    return "triton"
+
+
+def _check_supported(backend, dtype, head_dim, block_size):
+    dtypes = TRITON_DTYPES if backend == "triton" else TORCH_DTYPES
+    if dtype not in dtypes:
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{backend} backend supports dtypes {{{names}}}, got {dtype}")
+    if backend == "triton" and (head_dim % 16 != 0 or not 16 <= head_dim <= MAX_HEAD_DIM):
+        raise ValueError(f"triton backend supports head_dim in multiples of 16 from 16 to {MAX_HEAD_DIM}, "
+                         f"got {head_dim}")
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two (1..256), got {block_size}")
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None, sliding_window=None,
+                           num_splits=None, backend="auto", out=None):
+    """Decode attention over a paged KV cache. q (B, Hq, D) -> (B, Hq, D); see DESIGN.md kernel contract."""
+    global _last_backend
+    chosen = resolve_backend(q.device, backend)
+    _check_supported(chosen, q.dtype, q.shape[-1], k_cache.shape[1])
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q, k_cache, v_cache must share a dtype; got {q.dtype}, {k_cache.dtype}, "
+                         f"{v_cache.dtype}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}")
+    if chosen == "triton":
+        from kernels.paged_decode import paged_decode_attention_triton
+        res = paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
+                                            sliding_window=sliding_window, num_splits=num_splits, out=out)
+    else:
+        res = reference.paged_decode_attention_dense(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
+                                                     sliding_window=sliding_window, out=out)
+    _last_backend = chosen
+    return res
+
+
+def store_kv(key, value, k_cache, v_cache, slot_mapping, backend="auto"):
+    """Write key/value (T, Hkv, D) into cache slots (slot = block_id * block_size + offset; < 0 skips)."""
+    global _last_backend
+    chosen = resolve_backend(key.device, backend)
+    _check_supported(chosen, k_cache.dtype, k_cache.shape[-1], k_cache.shape[1])
+    if key.shape != value.shape or key.shape[1:] != k_cache.shape[2:] or v_cache.shape != k_cache.shape:
+        raise ValueError(f"key/value must be (T, Hkv, D) matching caches {tuple(k_cache.shape)}; "
+                         f"got {tuple(key.shape)}, {tuple(value.shape)}")
+    if slot_mapping.shape != (key.shape[0],):
+        raise ValueError(f"slot_mapping must be ({key.shape[0]},), got {tuple(slot_mapping.shape)}")
+    if chosen == "triton":
+        from kernels.store_kv import store_kv_triton
+        store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        reference.store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+    _last_backend = chosen

@@ -1,0 +1,145 @@
+"""Torch references for the paged-decode kernels: the truth the Triton kernels are tested against.
+
+- `paged_decode_attention_dense`: gather each sequence's K/V through its block table, materialise the
+  scores, softmax in fp32 (fp64 when the inputs are fp64).
+- `paged_decode_attention_tiled`: the same function computed the flash way: K/V tiles, running max m,
+  running sum l, unnormalised accumulator o, rescaled by exp(m_old - m_new) whenever the max grows.
+- `store_kv_reference`: write new tokens' K/V into their cache slots (slot < 0: skip).
+
+Layout (DESIGN.md kernel contract): q (B, Hq, D); caches (num_blocks, block_size, Hkv, D); block_tables
+(B, max_blocks) int; seq_lens (B,) int. Query head h reads KV head h // (Hq // Hkv).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _compute_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def gather_kv(k_cache, v_cache, block_tables, seq_lens, dtype):
+    """Gather every sequence's K/V into a padded dense tensor.
+
+    Returns k, v (B, T, Hkv, D) and valid (B, T) bool, T = max(seq_lens) rounded up to whole blocks.
+    Table entries past a sequence's length are never dereferenced (clamped to block 0 and masked).
+    """
+    bsz = block_tables.shape[0]
+    block_size = k_cache.shape[1]
+    max_len = int(seq_lens.max()) if bsz else 0
+    n_blocks = max(1, -(-max_len // block_size))
+    tables = block_tables[:, :n_blocks].long()                                   # (B, nb)
+    if tables.shape[1] < n_blocks:
+        raise ValueError(f"block_tables has {tables.shape[1]} columns, seq_lens need {n_blocks}")
+    pos = torch.arange(n_blocks * block_size, device=tables.device)              # (T,)
+    valid = pos[None, :] < seq_lens.long()[:, None]                              # (B, T)
+    block_valid = valid.view(bsz, n_blocks, block_size)[:, :, 0]                 # (B, nb)
+    tables = torch.where(block_valid, tables, torch.zeros_like(tables))
+    k = k_cache[tables].to(dtype).flatten(1, 2)                                  # (B, T, Hkv, D)
+    v = v_cache[tables].to(dtype).flatten(1, 2)
+    return k, v, valid
+
+
+def _visible(valid, seq_lens, sliding_window):
+    """(B, T) mask of the keys the decode query attends to: the last `sliding_window` tokens, or all."""
+    if sliding_window is None:
+        return valid
+    pos = torch.arange(valid.shape[1], device=valid.device)
+    return valid & (pos[None, :] >= seq_lens.long()[:, None] - int(sliding_window))
+
+
+def _check(q, k_cache, block_tables, seq_lens, sliding_window):
+    if q.dim() != 3 or k_cache.dim() != 4:
+        raise ValueError(f"q must be (B, Hq, D) and caches (N, block_size, Hkv, D); got {tuple(q.shape)}, "
+                         f"{tuple(k_cache.shape)}")
+    if q.shape[1] % k_cache.shape[2] != 0:
+        raise ValueError(f"num_q_heads {q.shape[1]} is not a multiple of num_kv_heads {k_cache.shape[2]}")
+    if q.shape[2] != k_cache.shape[3]:
+        raise ValueError(f"head_dim mismatch: q {q.shape[2]} vs cache {k_cache.shape[3]}")
+    if block_tables.shape[0] != q.shape[0] or seq_lens.shape != (q.shape[0],):
+        raise ValueError("block_tables and seq_lens must have one row per sequence")
+    if sliding_window is not None and int(sliding_window) < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+
+
+def _finish(res, q, out):
+    res = res.to(q.dtype)
+    if out is None:
+        return res
+    out.copy_(res)
+    return out
+
+
+def paged_decode_attention_dense(q, k_cache, v_cache, block_tables, seq_lens, scale=None,
+                                 sliding_window=None, num_splits=None, backend="torch", out=None):
+    """Dense reference: materialise all scores of the decode query, softmax in fp32. num_splits is moot."""
+    _check(q, k_cache, block_tables, seq_lens, sliding_window)
+    bsz, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    cdt = _compute_dtype(q)
+    if bsz == 0:
+        return _finish(q.new_zeros(q.shape, dtype=cdt), q, out)
+    k, v, valid = gather_kv(k_cache, v_cache, block_tables, seq_lens, cdt)   # (B, T, Hkv, D)
+    mask = _visible(valid, seq_lens, sliding_window)                          # (B, T)
+    qg = q.to(cdt).view(bsz, hkv, hq // hkv, d)                               # (B, Hkv, G, D)
+    s = torch.einsum("bkgd,btkd->bkgt", qg, k) * scale                        # (B, Hkv, G, T)
+    s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    p = torch.nan_to_num(p, nan=0.0)                                          # empty rows -> zeros
+    o = torch.einsum("bkgt,btkd->bkgd", p, v)                                 # (B, Hkv, G, D)
+    return _finish(o.reshape(bsz, hq, d), q, out)
+
+
+def online_softmax_step(m, lsum, o, s, v, rescale=True):
+    """One online-softmax tile. m, lsum (..., G); o (..., G, D); s (..., G, N), -inf masked; v (..., N, D).
+
+    rescale=False is the classic bug (update m but not lsum and o); it exists so tests can show it is caught.
+    """
+    m_new = torch.maximum(m, s.amax(dim=-1))                                  # (..., G)
+    m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+    p = torch.exp(s - m_safe[..., None])                                      # exp(-inf) = 0
+    alpha = torch.exp(m - m_safe) if rescale else torch.ones_like(m)
+    lsum = lsum * alpha + p.sum(dim=-1)
+    o = o * alpha[..., None] + p @ v
+    return m_new, lsum, o
+
+
+def paged_decode_attention_tiled(q, k_cache, v_cache, block_tables, seq_lens, scale=None,
+                                 sliding_window=None, num_splits=None, backend="torch", out=None,
+                                 tile=8, rescale=True):
+    """Tiled online-softmax reference: keeps only m, l, o per query row; walks tiles of `tile` tokens."""
+    _check(q, k_cache, block_tables, seq_lens, sliding_window)
+    bsz, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    cdt = _compute_dtype(q)
+    if bsz == 0:
+        return _finish(q.new_zeros(q.shape, dtype=cdt), q, out)
+    k, v, valid = gather_kv(k_cache, v_cache, block_tables, seq_lens, cdt)   # (B, T, Hkv, D)
+    mask = _visible(valid, seq_lens, sliding_window)                          # (B, T)
+    qg = q.to(cdt).view(bsz, hkv, hq // hkv, d) * scale                       # (B, Hkv, G, D)
+    m = torch.full(qg.shape[:-1], float("-inf"), dtype=cdt, device=q.device)  # (B, Hkv, G)
+    lsum = torch.zeros_like(m)
+    o = torch.zeros_like(qg)
+    for start in range(0, k.shape[1], tile):
+        kt = k[:, start:start + tile].permute(0, 2, 3, 1)                     # (B, Hkv, D, N)
+        vt = v[:, start:start + tile].permute(0, 2, 1, 3)                     # (B, Hkv, N, D)
+        s = (qg @ kt).masked_fill(~mask[:, None, None, start:start + tile], float("-inf"))
+        m, lsum, o = online_softmax_step(m, lsum, o, s, vt, rescale=rescale)
+    res = torch.where(lsum[..., None] > 0, o / lsum.clamp_min(1e-30)[..., None], torch.zeros_like(o))
+    return _finish(res.reshape(bsz, hq, d), q, out)
+
+
+def store_kv_reference(key, value, k_cache, v_cache, slot_mapping, backend="torch"):
+    """k_cache[slot // bs, slot % bs] = key for every token whose slot >= 0. key/value (T, Hkv, D)."""
+    block_size = k_cache.shape[1]
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    slots = slots[keep]
+    blk, off = slots // block_size, slots % block_size
+    k_cache[blk, off] = key[keep].to(k_cache.dtype)
+    v_cache[blk, off] = value[keep].to(v_cache.dtype)
