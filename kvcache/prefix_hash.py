@@ -1,0 +1,29 @@
+"""Chained prefix hashes for full KV blocks.
+
+The hash of block ``i`` of a sequence is ``hash_fn(hash of block i-1 (None for block 0), token ids of block i)``,
+so equal hashes (barring collisions) mean equal *whole prefixes*, not just equal blocks.
+
+Choice of the default hash: Python's built-in ``hash`` of a tuple of ints.
+- It is fast (a prompt of thousands of tokens is hashed per request on the engine thread, sha256 over an
+  encoding is ~10x slower) and deterministic across processes: ``PYTHONHASHSEED`` randomises str/bytes
+  hashes only, never int or tuple-of-int hashes.
+- It is not collision-free (64 bits, and not cryptographic), and it does not need to be: the hash only picks
+  a bucket. A hit is always verified against the stored token ids of the block *and* the content tag of its
+  parent (see ``BlockPool``), so a collision, accidental or engineered, costs a bucket scan and never shares
+  a block whose K/V belong to different tokens. Tests force collisions by injecting a constant hash.
+
+Injection: pass ``hash_fn=`` to ``KVCacheManager`` / ``BlockPool``; the default is this module's
+``default_block_hash``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+# hash_fn(parent_hash or None for the first block, the block's token ids) -> any hashable value
+BlockHashFn = Callable[[Hashable | None, tuple[int, ...]], Hashable]
+
+
+def default_block_hash(parent_hash: Hashable | None, token_ids: tuple[int, ...]) -> int:
+    """Chained hash of one full block: parent's hash + this block's token ids."""
+    return hash((parent_hash, token_ids))
