@@ -1,0 +1,73 @@
+"""Per-request sampling parameters (what the API turns an OpenAI request into)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+MAX_N = 64
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass kept, (0, 1]
+    top_k: int = 0  # 0 (or -1) = disabled
+    min_p: float = 0.0  # drop tokens with p < min_p * p_max
+    seed: int | None = None  # per-request generator: reproducible whatever the batch neighbours
+    stop: list[str] = field(default_factory=list)  # stop strings: never emitted, text cut before them
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1  # choices; prefilled once, then forked
+    logprobs: int | None = None  # None: no logprobs; k: sampled token's + top-k
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise ValueError naming the first bad field and its value."""
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+               f"max_tokens must be an integer >= 1, got {self.max_tokens}")
+        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0,
+               f"top_k must be an integer >= 0 (0 or -1 disables it), got {self.top_k}")
+        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}], got {self.n}")
+        lp = self.logprobs
+        _check(lp is None or (isinstance(lp, int) and 0 <= lp <= MAX_LOGPROBS),
+               f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        _check(-2.0 <= self.presence_penalty <= 2.0,
+               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        _check(-2.0 <= self.frequency_penalty <= 2.0,
+               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        _check(self.repetition_penalty > 0.0,
+               f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+        for t in self.stop_token_ids:
+            _check(isinstance(t, int) and 0 <= t < vocab_size,
+                   f"stop_token_ids must be in [0, {vocab_size}), got {t}")
+        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed}")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
