@@ -1,0 +1,208 @@
+"""Triton paged-decode attention: block-table walk, online softmax, split-KV LSE merge, GQA-native.
+
+Stage 1, grid (seq, kv_head, split): the query heads of one KV head are the rows of one tile; each program
+walks its split's tokens in tiles of BLOCK_N (looked up through the block table, so the tile width is
+independent of block_size), keeps m, l, o in fp32 and rescales by exp2(m_old - m_new). It writes either the
+final output (one split) or a normalised partial output and its log2-sum-exp. Stage 2, grid (seq, q_head),
+merges the splits by their LSE.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.split_heuristic import (
+    MAX_FIXED_SPLITS,
+    KernelConfig,
+    choose_config,
+    choose_num_splits,
+    num_sms,
+)
+
+LOG2E = 1.4426950408889634
+NO_WINDOW = 1 << 30
+
+
+@triton.jit
+def _split_range(seq_len, window, split, num_splits, BLOCK_N: tl.constexpr):
+    """Token range [lo, hi) of this split: the visible range cut into tile-aligned equal pieces."""
+    vis_lo = tl.maximum(seq_len - window, 0)
+    per = tl.cdiv(tl.cdiv(seq_len - vis_lo, num_splits), BLOCK_N) * BLOCK_N
+    lo = vis_lo + split * per
+    hi = tl.minimum(lo + per, seq_len)
+    return lo, hi
+
+
+@triton.jit
+def _load_kv_tile(base, table_row, pos, valid, offs_d, d_mask, stride_b, stride_t, stride_d,
+                  BLOCK_SIZE: tl.constexpr):
+    """(BLOCK_N, HEAD_DIM_PAD) tile of K or V for token positions `pos`, gathered through the table."""
+    blk = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)      # (BLOCK_N,)
+    tok = (pos % BLOCK_SIZE).to(tl.int64)
+    offs = blk[:, None] * stride_b + tok[:, None] * stride_t + offs_d[None, :] * stride_d
+    return tl.load(base + offs, mask=valid[:, None] & d_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _paged_decode_stage1(
+    Q, K, V, BLOCK_TABLES, SEQ_LENS, O_PART, LSE_PART, OUT,
+    qk_scale, window, num_splits,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_tb, stride_tn,
+    stride_pb, stride_ph, stride_ps, stride_pd,
+    stride_lb, stride_lh, stride_ls,
+    stride_ob, stride_oh, stride_od,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_FINAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SEQ_LENS + seq).to(tl.int32)
+    lo, hi = _split_range(seq_len, window, split, num_splits, BLOCK_N)
+
+    offs_g = tl.arange(0, GROUP_PAD)                                    # (GP,) query rows of this KV head
+    offs_d = tl.arange(0, HEAD_DIM_PAD)                                 # (DP,)
+    offs_n = tl.arange(0, BLOCK_N)                                      # (BN,)
+    heads = kvh * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(Q + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)     # (GP, DP)
+    table_row = BLOCK_TABLES + seq.to(tl.int64) * stride_tb
+    k_base = K + kvh.to(tl.int64) * stride_kh
+    v_base = V + kvh.to(tl.int64) * stride_vh
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)              # running max (log2 units)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)                             # running sum
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)               # unnormalised output
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        valid = pos < hi
+        k = _load_kv_tile(k_base, table_row, pos, valid, offs_d, d_mask,
+                          stride_kb, stride_kt, stride_kd, BLOCK_SIZE)  # (BN, DP)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # (GP, BN)
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))                          # finite: every tile has a valid pos
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_kv_tile(v_base, table_row, pos, valid, offs_d, d_mask,
+                          stride_vb, stride_vt, stride_vd, BLOCK_SIZE)  # (BN, DP)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]                          # empty split / seq_len 0 -> zeros
+    row_mask = g_mask[:, None] & d_mask[None, :]
+    if WRITE_FINAL:
+        out_ptrs = OUT + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
+        tl.store(out_ptrs, o.to(OUT.dtype.element_ty), mask=row_mask)
+    else:
+        p_ptrs = (O_PART + seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps
+                  + offs_d[None, :] * stride_pd)
+        tl.store(p_ptrs, o, mask=row_mask)
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(LSE_PART + seq * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=g_mask)
+
+
+@triton.jit
+def _paged_decode_stage2(
+    O_PART, LSE_PART, OUT, num_splits,
+    stride_pb, stride_ph, stride_ps, stride_pd,
+    stride_lb, stride_lh, stride_ls,
+    stride_ob, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_c = tl.arange(0, CHUNK_S)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
+    lse_row = LSE_PART + seq * stride_lb + head * stride_lh
+    part_row = O_PART + seq * stride_pb + head * stride_ph
+    lse = tl.load(lse_row + offs_s * stride_ls, mask=offs_s < num_splits, other=float("-inf"))   # (BS,)
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    denom = tl.sum(tl.exp2(lse - m), 0)
+    acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
+    for c in range(0, num_splits, CHUNK_S):
+        s = c + offs_c
+        s_mask = s < num_splits
+        w = tl.exp2(tl.load(lse_row + s * stride_ls, mask=s_mask, other=float("-inf")) - m)   # (CS,)
+        o = tl.load(part_row + s[:, None] * stride_ps + offs_d[None, :] * stride_pd,
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)                          # (CS, DP)
+        acc += tl.sum(o * w[:, None], 0)
+    out = acc / tl.where(denom > 0, denom, 1.0)
+    tl.store(OUT + seq * stride_ob + head * stride_oh + offs_d * stride_od,
+             out.to(OUT.dtype.element_ty), mask=d_mask)
+
+
+def _launch(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window, num_splits,
+            cfg: KernelConfig):
+    """Grid, tile sizes and the split buffers. q (B, Hq, D); caches (N, bs, Hkv, D); out (B, Hq, D)."""
+    bsz, hq, d = q.shape
+    hkv, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = hq // hkv
+    d_pad = triton.next_power_of_2(d)
+    common = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
+                  HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n,
+                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    one = num_splits == 1
+    if one:
+        o_part = lse_part = out                                          # unused by the kernel
+        p_strides, l_strides = (0, 0, 0, 0), (0, 0, 0)
+    else:
+        o_part = torch.empty((bsz, hq, num_splits, d), device=q.device, dtype=torch.float32)
+        lse_part = torch.empty((bsz, hq, num_splits), device=q.device, dtype=torch.float32)
+        p_strides, l_strides = o_part.stride(), lse_part.stride()
+    _paged_decode_stage1[(bsz, hkv, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, out,
+        scale * LOG2E, window, num_splits,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
+        *p_strides, *l_strides, *out.stride(), WRITE_FINAL=one, **common)
+    if not one:
+        block_s = triton.next_power_of_2(num_splits)
+        _paged_decode_stage2[(bsz, hq)](
+            o_part, lse_part, out, num_splits, *p_strides, *l_strides, *out.stride(),
+            HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_S=block_s, CHUNK_S=min(block_s, 16), num_warps=4)
+    return out
+
+
+def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale=None,
+                                  sliding_window=None, num_splits=None, out=None, config=None):
+    """Checked entry point (dispatch has validated dtype/head_dim/backend). Returns out (B, Hq, D)."""
+    bsz, hq, d = q.shape
+    nb, block_size, hkv, dk = k_cache.shape
+    if hq % hkv or dk != d or v_cache.shape != k_cache.shape:
+        raise ValueError(f"bad shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
+                         f"v_cache {tuple(v_cache.shape)} (need Hq % Hkv == 0, same head_dim)")
+    if block_tables.dim() != 2 or block_tables.shape[0] != bsz or seq_lens.shape != (bsz,):
+        raise ValueError("block_tables must be (B, max_blocks) and seq_lens (B,)")
+    ints = (torch.int32, torch.int64)
+    if block_tables.dtype not in ints or seq_lens.dtype not in ints:
+        raise ValueError("block_tables and seq_lens must be int32 or int64")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if num_splits is not None and not 1 <= int(num_splits) <= MAX_FIXED_SPLITS:
+        raise ValueError(f"num_splits must be in 1..{MAX_FIXED_SPLITS} or None, got {num_splits}")
+    if out is None:
+        out = torch.empty_like(q)
+    if bsz == 0:
+        return out
+    cfg = config or choose_config(q.device, triton.next_power_of_2(d))
+    window = NO_WINDOW if sliding_window is None else int(sliding_window)
+    if num_splits is None:
+        max_len = min(block_tables.shape[1] * block_size, window)
+        num_splits = choose_num_splits(bsz, hkv, max_len, num_sms(q.device), cfg.block_n)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    return _launch(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window, int(num_splits), cfg)

@@ -1,0 +1,61 @@
+"""How many KV splits and which tile config the paged-decode kernel launches with.
+
+Split rule (both modes): a sequence's visible range [lo, seq_len) is cut into `num_splits` pieces of
+ceil(ceil((seq_len - lo) / num_splits) / BLOCK_N) * BLOCK_N tokens each. The piece size depends only on the
+sequence's own length, so with a fixed `num_splits` (batch-invariant mode) a sequence's output is bitwise the
+same whatever else is in the batch. The heuristic picks `num_splits` from the SM count, batch and the
+table's length bound (no device sync): long single sequences must fill the GPU, large batches need no split.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+# Programs per SM the heuristic aims for; a split is never shorter than MIN_SPLIT_TOKENS (stage-2 cost and
+# per-program start-up dominate below that). Tuned on the H200, see docs/kernel_notes.md.
+TARGET_PROGRAMS_PER_SM = 4
+MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 64
+MAX_FIXED_SPLITS = 256
+INTERPRETER_SMS = 4
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_n: int      # tokens per K/V tile (independent of the cache's block_size)
+    num_warps: int
+    num_stages: int
+
+
+# Measured table (H200, bf16, D=128, Hq/Hkv=4): see docs/kernel_notes.md. Keyed by padded head_dim.
+_GPU_CONFIGS = {
+    64: KernelConfig(block_n=64, num_warps=4, num_stages=3),
+    128: KernelConfig(block_n=64, num_warps=4, num_stages=3),
+    256: KernelConfig(block_n=32, num_warps=4, num_stages=2),
+}
+_INTERPRETER_CONFIG = KernelConfig(block_n=32, num_warps=4, num_stages=1)
+
+
+def choose_config(device: torch.device, head_dim_pad: int) -> KernelConfig:
+    """Tile config for this device and padded head dim; never depends on batch or lengths."""
+    if device.type != "cuda":
+        return _INTERPRETER_CONFIG
+    return _GPU_CONFIGS[min(max(head_dim_pad, 64), 256)]
+
+
+@functools.lru_cache(maxsize=8)
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, sms: int, block_n: int) -> int:
+    """Split count for the heuristic mode; max_len is an upper bound on a sequence's visible tokens."""
+    base = max(1, batch * num_kv_heads)
+    want = -(-TARGET_PROGRAMS_PER_SM * sms // base)
+    cap = max(1, max_len // max(MIN_SPLIT_TOKENS, block_n))
+    return max(1, min(want, cap, MAX_SPLITS))
