@@ -1,0 +1,91 @@
+"""Drive a workload: release requests at their arrival offsets, keep at most `concurrency` in flight.
+
+A request's clock starts when it gets a concurrency slot (as in vLLM's `bench serve`), so TTFT measures
+the server, not the client's own queue. Setting `stop` (Ctrl-C) cancels what is in flight and returns the
+records of the requests that had finished, with `interrupted=True`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+
+from loadtest.client import ClientConfig, RequestRecord, send_request
+from loadtest.workload import RequestSpec
+
+
+@dataclass
+class BenchmarkRun:
+    records: list[RequestRecord]  # finished requests (successful or failed), in completion order
+    num_requested: int
+    concurrency: int
+    interrupted: bool = False
+
+    @property
+    def start_time(self) -> float:
+        return min((r.send_time for r in self.records), default=0.0)
+
+    @property
+    def end_time(self) -> float:
+        return max((r.end_time for r in self.records), default=0.0)
+
+    @property
+    def duration_s(self) -> float:
+        """First send to last completion."""
+        return self.end_time - self.start_time
+
+
+def make_client(concurrency: int, timeout_s: float) -> httpx.AsyncClient:
+    """One async client whose connection pool matches the number of requests allowed in flight."""
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 30.0)))
+
+
+async def run_benchmark(
+    client: httpx.AsyncClient,
+    specs: list[RequestSpec],
+    cfg: ClientConfig,
+    concurrency: int,
+    offsets: list[float],
+    stop: asyncio.Event | None = None,
+    on_record: Callable[[RequestRecord], None] | None = None,
+) -> BenchmarkRun:
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    run = BenchmarkRun(records=[], num_requested=len(specs), concurrency=concurrency)
+    slots = asyncio.Semaphore(concurrency)
+    tasks: list[asyncio.Task] = []
+
+    async def one(spec: RequestSpec) -> None:
+        async with slots:
+            rec = await send_request(client, spec, cfg)
+        run.records.append(rec)
+        if on_record is not None:
+            on_record(rec)
+
+    async def dispatch() -> None:
+        t0 = time.perf_counter()
+        for spec, offset in zip(specs, offsets, strict=True):
+            delay = t0 + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(spec)))
+        await asyncio.gather(*tasks)
+
+    dispatcher = asyncio.create_task(dispatch())
+    stopper = asyncio.create_task(stop.wait()) if stop is not None else None
+    waiters = [t for t in (dispatcher, stopper) if t is not None]
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    run.interrupted = not dispatcher.done()
+    for task in [dispatcher, *tasks]:
+        task.cancel()
+    await asyncio.gather(dispatcher, *tasks, return_exceptions=True)
+    if stopper is not None:
+        stopper.cancel()
+    if not run.interrupted and dispatcher.exception() is not None:
+        raise dispatcher.exception()
+    return run

@@ -1,0 +1,154 @@
+"""`python -m loadtest` / `pagewalk loadtest`: measure a server; `... compare A.json B.json`: diff two runs.
+
+Exit status: 0 when the run finished and at least one request succeeded, 1 when none did (or on a usage
+problem such as an unreachable server during chat calibration), 130 when interrupted (Ctrl-C prints and
+saves the partial results first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shlex
+import signal
+import sys
+
+import httpx
+from rich.console import Console
+
+from loadtest.metrics import SLO
+from loadtest.plot import plot_run, plot_sweep
+from loadtest.report import load_report, print_compare, print_report, save_report
+from loadtest.session import RunSettings, discover, measure, warm_up
+from loadtest.sweep import parse_levels, run_sweep, sweep_table
+from loadtest.workload import LengthRange
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest",
+        description="Load-test an OpenAI-compatible server: throughput, TTFT, TPOT, ITL, E2EL "
+        "(vLLM bench-serve definitions). `python -m loadtest compare A.json B.json` diffs two reports.",
+    )
+    a = p.add_argument
+    a("--base-url", default="http://127.0.0.1:8000")
+    a("--endpoint", choices=("completions", "chat"), default="completions")
+    a("--model", default=None, help="model id to send (default: the first id of GET /v1/models)")
+    a("--num-requests", type=int, default=64)
+    a("--concurrency", type=int, default=None, help="max requests in flight (default: no limit)")
+    a("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = all at once")
+    a("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1 = Poisson)")
+    a("--input-len", type=int, default=128, help="prompt tokens per request")
+    a("--output-len", type=int, default=128, help="output tokens per request (max_tokens with ignore_eos)")
+    a("--input-len-range", default=None, metavar="LOW,HIGH", help="uniform prompt lengths")
+    a("--output-len-range", default=None, metavar="LOW,HIGH", help="uniform output lengths")
+    a("--seed", type=int, default=0)
+    a("--no-stream", action="store_true", help="non-streaming requests (TTFT = E2EL; no ITL/TPOT)")
+    a("--api-key", default=None)
+    a("--slo-ttft-ms", type=float, default=None, help="goodput SLO on TTFT")
+    a("--slo-tpot-ms", type=float, default=None, help="goodput SLO on TPOT")
+    a("--out", default=None, metavar="REPORT.json")
+    a("--plot", default=None, metavar="PNG")
+    a("--warmup", type=int, default=0, metavar="K", help="unmeasured requests sent first")
+    a("--sweep-concurrency", default=None, metavar="C1,C2,...", help="run once per concurrency level")
+    a("--vocab-range", default="32,126", metavar="LOW,HIGH",
+      help="token ids for completions prompts (default: printable ASCII of byte-level tokenizers)")
+    a("--temperature", type=float, default=0.0)
+    a("--request-timeout", type=float, default=600.0, metavar="S")
+    a("--save-detailed", action="store_true", help="also store every chunk's timestamp in the JSON")
+    a("--no-progress", action="store_true")
+    return p
+
+
+def settings_from_args(args: argparse.Namespace, argv: list[str]) -> RunSettings:
+    vocab = LengthRange.parse(args.vocab_range)
+    return RunSettings(
+        base_url=args.base_url, endpoint=args.endpoint, model=args.model, num_requests=args.num_requests,
+        concurrency=args.concurrency, request_rate=args.request_rate, burstiness=args.burstiness,
+        input_lens=LengthRange.parse(args.input_len_range or str(args.input_len)),
+        output_lens=LengthRange.parse(args.output_len_range or str(args.output_len)),
+        seed=args.seed, stream=not args.no_stream, api_key=args.api_key,
+        slo=SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms), warmup=args.warmup,
+        vocab_range=(vocab.low, vocab.high), temperature=args.temperature, timeout_s=args.request_timeout,
+        detailed=args.save_detailed, progress=not args.no_progress,
+        command=shlex.join(["python", "-m", "loadtest", *argv]),
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["compare"]:
+        return compare_main(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        settings = settings_from_args(args, argv)
+        levels = parse_levels(args.sweep_concurrency) if args.sweep_concurrency else None
+    except ValueError as e:
+        parser.error(str(e))
+    if settings.num_requests < 1 or (settings.concurrency is not None and settings.concurrency < 1):
+        parser.error("--num-requests and --concurrency must be >= 1")
+    try:
+        return asyncio.run(_run(settings, levels, args.out, args.plot))
+    except KeyboardInterrupt:
+        return 130
+
+
+async def _run(settings: RunSettings, levels: list[int] | None, out: str | None, plot: str | None) -> int:
+    stop = _install_sigint(asyncio.Event())
+    console, err = Console(), Console(stderr=True)
+    try:
+        server = await discover(settings)
+    except (httpx.HTTPError, RuntimeError) as e:
+        err.print(f"[red]server discovery failed:[/] {e}")
+        return 1
+    first_level = levels[0] if levels else settings.concurrency or settings.num_requests
+    warm = await warm_up(settings, server, first_level)
+    if any(not r.success for r in warm):
+        err.print(f"[yellow]warmup: {sum(not r.success for r in warm)}/{len(warm)} requests failed[/]")
+    if levels is not None:
+        reports = await run_sweep(settings, server, levels, stop, err)
+        console.print(sweep_table(reports))
+        if out:
+            save_report({"command": settings.command, "sweep": reports}, out)
+        if plot and reports:
+            plot_sweep(reports, plot)
+    else:
+        run, report = await measure(settings, server, settings.concurrency, stop, err)
+        reports = [report]
+        print_report(report, console)
+        if out:
+            save_report(report, out)
+        if plot:
+            plot_run(run, plot)
+    if any(r["interrupted"] for r in reports):
+        return 130
+    return 0 if all(r["completed"] > 0 for r in reports) else 1
+
+
+def _install_sigint(stop: asyncio.Event) -> asyncio.Event:
+    """First Ctrl-C: stop measuring and report what finished; a second one aborts."""
+    loop = asyncio.get_running_loop()
+
+    def on_sigint() -> None:
+        Console(stderr=True).print("[yellow]interrupted: reporting the requests that finished[/]")
+        stop.set()
+        loop.remove_signal_handler(signal.SIGINT)
+
+    try:
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+    except (NotImplementedError, RuntimeError, ValueError):
+        pass  # not the main thread, or no signal support: Ctrl-C aborts without a report
+    return stop
+
+
+def compare_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest compare", description="Two reports side by side.")
+    p.add_argument("a", metavar="A.json")
+    p.add_argument("b", metavar="B.json")
+    args = p.parse_args(argv)
+    a, b = load_report(args.a), load_report(args.b)
+    if "sweep" in a or "sweep" in b:
+        p.error("compare takes single-run reports, not sweeps")
+    print_compare(a, b, (args.a, args.b), Console())
+    return 0

@@ -1,0 +1,200 @@
+"""One request against an OpenAI-compatible server, timed per streamed chunk.
+
+Times are `time.perf_counter()` seconds. `send_time` is taken just before the request goes out (after the
+concurrency slot is acquired), each content chunk is stamped when its SSE line is read, `end_time` when the
+stream ends. A content chunk is one whose choice carries non-empty text (completions) or delta content
+(chat), as in vLLM's `bench serve`. The output token count is the server's `usage.completion_tokens` when
+the response has it, else the number of content chunks.
+
+Failures never raise: they come back as a record with `error_kind` set
+(`http_<status>`, `timeout`, `connect_error`, `stream_dropped`, `incomplete_stream`, `stream_error`,
+`bad_response`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from loadtest.workload import RequestSpec
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    base_url: str
+    model: str
+    endpoint: str = "completions"  # "completions" | "chat"
+    stream: bool = True
+    api_key: str | None = None
+    temperature: float = 0.0
+    timeout_s: float = 600.0
+
+    @property
+    def url(self) -> str:
+        path = "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
+        return self.base_url.rstrip("/") + path
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    input_len: int  # prompt tokens: server usage if reported, else the spec's length
+    expected_output_len: int
+    send_time: float
+    end_time: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each content chunk
+    output_tokens: int = 0
+    streamed: bool = True  # False: the whole response came at once (no ITL, no TPOT)
+    error_kind: str | None = None
+    error: str = ""
+
+    @property
+    def success(self) -> bool:
+        return self.error_kind is None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunk_times[0] - self.send_time if self.chunk_times else None
+
+    @property
+    def e2el(self) -> float:
+        return self.end_time - self.send_time
+
+    @property
+    def tpot(self) -> float | None:
+        """(e2el - ttft) / (output_tokens - 1): the first token excluded, as vLLM defines it."""
+        if not self.streamed or self.ttft is None or self.output_tokens < 2:
+            return None
+        return (self.e2el - self.ttft) / (self.output_tokens - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:], strict=False)]
+
+
+def build_payload(spec: RequestSpec, cfg: ClientConfig) -> dict:
+    payload: dict = {
+        "model": cfg.model,
+        "max_tokens": spec.output_len,
+        "temperature": cfg.temperature,
+        "ignore_eos": True,
+        "stream": cfg.stream,
+    }
+    if cfg.stream:
+        payload["stream_options"] = {"include_usage": True}
+    if cfg.endpoint == "chat":
+        payload["messages"] = [{"role": "user", "content": spec.prompt}]
+    else:
+        payload["prompt"] = spec.prompt
+    return payload
+
+
+def chunk_text(choice: dict) -> str:
+    if "delta" in choice:
+        return (choice.get("delta") or {}).get("content") or ""
+    if "message" in choice:
+        return (choice.get("message") or {}).get("content") or ""
+    return choice.get("text") or ""
+
+
+async def send_request(client: httpx.AsyncClient, spec: RequestSpec, cfg: ClientConfig) -> RequestRecord:
+    rec = RequestRecord(spec.index, spec.input_len, spec.output_len, send_time=time.perf_counter())
+    try:
+        if cfg.stream:
+            await _stream(client, spec, cfg, rec)
+        else:
+            await _unary(client, spec, cfg, rec)
+    except httpx.TimeoutException as e:
+        _fail(rec, "timeout", repr(e))
+    except httpx.ConnectError as e:
+        _fail(rec, "connect_error", repr(e))
+    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
+        _fail(rec, "stream_dropped", repr(e))
+    except httpx.HTTPError as e:
+        _fail(rec, "http_error", repr(e))
+    rec.end_time = time.perf_counter()
+    return rec
+
+
+def _fail(rec: RequestRecord, kind: str, message: str) -> None:
+    if rec.error_kind is None:
+        rec.error_kind, rec.error = kind, message[:500]
+
+
+async def _stream(client: httpx.AsyncClient, spec: RequestSpec, cfg: ClientConfig, rec: RequestRecord):
+    payload = build_payload(spec, cfg)
+    async with client.stream("POST", cfg.url, json=payload, headers=cfg.headers()) as resp:
+        if resp.status_code != 200:
+            body = (await resp.aread()).decode(errors="replace")
+            return _fail(rec, f"http_{resp.status_code}", body)
+        done = False
+        usage = None
+        async for line in resp.aiter_lines():
+            now = time.perf_counter()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                done = True
+                break
+            try:
+                chunk = json.loads(data)
+            except json.JSONDecodeError:
+                return _fail(rec, "bad_response", data)
+            if "error" in chunk:
+                return _fail(rec, "stream_error", json.dumps(chunk["error"]))
+            usage = chunk.get("usage") or usage
+            if any(chunk_text(c) for c in chunk.get("choices") or []):
+                rec.chunk_times.append(now)
+    if not done:
+        return _fail(rec, "incomplete_stream", "stream ended without data: [DONE]")
+    _apply_usage(rec, usage, len(rec.chunk_times))
+
+
+async def _unary(client: httpx.AsyncClient, spec: RequestSpec, cfg: ClientConfig, rec: RequestRecord):
+    resp = await client.post(cfg.url, json=build_payload(spec, cfg), headers=cfg.headers())
+    if resp.status_code != 200:
+        return _fail(rec, f"http_{resp.status_code}", resp.text)
+    try:
+        body = resp.json()
+    except json.JSONDecodeError:
+        return _fail(rec, "bad_response", resp.text)
+    # Without streaming the first token is seen with the whole response: TTFT = e2el, no ITL, no TPOT.
+    rec.chunk_times.append(time.perf_counter())
+    rec.streamed = False
+    _apply_usage(rec, body.get("usage"), 0)
+
+
+def _apply_usage(rec: RequestRecord, usage: dict | None, chunk_count: int) -> None:
+    usage = usage or {}
+    rec.output_tokens = int(usage["completion_tokens"]) if "completion_tokens" in usage else chunk_count
+    if "prompt_tokens" in usage:
+        rec.input_len = int(usage["prompt_tokens"])
+
+
+async def fetch_json(client: httpx.AsyncClient, base_url: str, path: str, api_key: str | None) -> dict | None:
+    """GET a small JSON document (/health, /v1/models); None when the server does not answer it."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = await client.get(base_url.rstrip("/") + path, headers=headers, timeout=10.0)
+        return resp.json() if resp.status_code == 200 else None
+    except (httpx.HTTPError, json.JSONDecodeError):
+        return None
+
+
+async def calibrate_chat_overhead(client: httpx.AsyncClient, cfg: ClientConfig, probe_len: int = 16) -> int:
+    """Prompt tokens the chat template adds around a user message (byte-level: 1 char = 1 token)."""
+    probe = RequestSpec(index=-1, prompt="a" * probe_len, input_len=probe_len, output_len=1)
+    unary = ClientConfig(cfg.base_url, cfg.model, "chat", False, cfg.api_key, cfg.temperature, cfg.timeout_s)
+    resp = await client.post(unary.url, json=build_payload(probe, unary), headers=unary.headers())
+    resp.raise_for_status()
+    prompt_tokens = (resp.json().get("usage") or {}).get("prompt_tokens")
+    if prompt_tokens is None:
+        raise RuntimeError("chat calibration needs usage.prompt_tokens in the server's response")
+    return int(prompt_tokens) - probe_len

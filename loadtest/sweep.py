@@ -1,0 +1,63 @@
+"""`--sweep-concurrency 1,8,32,128`: the same workload at each level, one throughput-vs-latency table."""
+
+from __future__ import annotations
+
+import asyncio
+
+from rich.console import Console
+from rich.table import Table
+
+from loadtest.report import fmt
+from loadtest.session import RunSettings, Server, measure
+
+COLUMNS = (
+    ("completed", "completed", None),
+    ("failed", "failed", None),
+    ("req/s", "request_throughput", None),
+    ("out tok/s", "output_throughput", None),
+    ("TTFT p50", "ttft_ms", "p50"),
+    ("TTFT p99", "ttft_ms", "p99"),
+    ("TPOT p50", "tpot_ms", "p50"),
+    ("TPOT p99", "tpot_ms", "p99"),
+    ("ITL p50", "itl_ms", "p50"),
+    ("E2EL p50", "e2el_ms", "p50"),
+)
+
+
+def parse_levels(text: str) -> list[int]:
+    levels = [int(x) for x in text.split(",") if x.strip()]
+    if not levels or min(levels) < 1:
+        raise ValueError(f"expected comma-separated concurrency levels >= 1, got {text!r}")
+    return levels
+
+
+async def run_sweep(
+    settings: RunSettings,
+    server: Server,
+    levels: list[int],
+    stop: asyncio.Event | None = None,
+    console: Console | None = None,
+) -> list[dict]:
+    """One report per level, in order; stops early (keeping the finished levels) when `stop` is set."""
+    reports = []
+    for level in levels:
+        _, report = await measure(settings, server, level, stop, console)
+        reports.append(report)
+        if report["interrupted"]:
+            break
+    return reports
+
+
+def sweep_table(reports: list[dict]) -> Table:
+    table = Table(title="concurrency sweep (latencies in ms)", title_justify="left")
+    table.add_column("concurrency", justify="right")
+    for header, _, _ in COLUMNS:
+        table.add_column(header, justify="right")
+    for r in reports:
+        cells = []
+        for _, key, stat in COLUMNS:
+            value = r.get(key) if stat is None else (r.get(key) or {}).get(stat)
+            cells.append(fmt(value))
+        suffix = " (interrupted)" if r["interrupted"] else ""
+        table.add_row(str(r["config"]["concurrency"]) + suffix, *cells)
+    return table
