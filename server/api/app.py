@@ -1,0 +1,56 @@
+"""create_app(engine): the FastAPI app over an AsyncEngine. The app holds no tensors."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from server.api import chat, completions, models, monitoring
+from server.api.auth import BearerAuthMiddleware
+from server.api.errors import CatchAllMiddleware, install_error_handlers
+from server.api.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimitMiddleware
+
+logger = logging.getLogger("pagewalk.api")
+DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
+
+
+def create_app(engine, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> FastAPI:
+    """The lifespan starts the engine and shuts it down (finishing or aborting in-flight requests).
+    Tests that drive the app through httpx's ASGITransport start and stop the engine themselves."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            await stop_engine(app)
+
+    app = FastAPI(title="pagewalk", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.engine = engine
+    app.state.created = int(time.time())
+    app.state.shutdown_timeout_s = shutdown_timeout_s
+    app.state.engine_stopped = False
+    install_error_handlers(app)
+    for module in (completions, chat, models, monitoring):
+        app.include_router(module.router)
+    if api_key:
+        app.add_middleware(BearerAuthMiddleware, api_key=api_key)
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
+    app.add_middleware(CatchAllMiddleware)
+    return app
+
+
+async def stop_engine(app: FastAPI) -> None:
+    """Shuts the engine down once (a thread, so streams keep flowing while it drains)."""
+    if app.state.engine_stopped:
+        return
+    app.state.engine_stopped = True
+    logger.info("stopping engine (in-flight requests finish or are aborted)")
+    await asyncio.to_thread(app.state.engine.shutdown, timeout=app.state.shutdown_timeout_s)

@@ -1,0 +1,161 @@
+"""POST /v1/chat/completions: messages -> chat template -> tokens; the first streamed chunk of every choice
+carries role "assistant"."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+import jinja2
+from fastapi import APIRouter, Request, Response
+
+from server.api.engine_stream import (
+    ChoiceState,
+    ClientDisconnected,
+    admit,
+    engine_error,
+    merged_outputs,
+    rejected_to_api_error,
+    unless_disconnected,
+    usage,
+)
+from server.api.errors import APIError
+from server.api.logprobs import chat_logprobs
+from server.api.parsing import check_model, parse_body
+from server.api.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatResponseMessage,
+)
+from server.api.sampling import sampling_params
+from server.api.streaming import EventStreamResponse, sse_event
+from server.engine.engine import RequestRejected
+from server.engine.sampling_params import SamplingParams
+
+router = APIRouter()
+
+
+@dataclass
+class ChatJob:
+    """One validated, admitted /v1/chat/completions request."""
+
+    engine: object
+    req: ChatCompletionRequest
+    request_id: str
+    created: int
+    prompt: list[int]
+    params: SamplingParams
+
+    @property
+    def num_top(self) -> int:
+        return self.req.top_logprobs or 0
+
+    def ids(self, token_ids: list[int]) -> list[int] | None:
+        return token_ids if self.req.return_token_ids else None
+
+    def chunk(self, choices: list[ChatChunkChoice], usage_=None, first: bool = False) -> ChatCompletionChunk:
+        prompt_ids = self.prompt if first and self.req.return_token_ids else None
+        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.engine.model_name,
+                                   choices=choices, usage=usage_, prompt_token_ids=prompt_ids)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: Request) -> Response:
+    engine = request.app.state.engine
+    req = await parse_body(request, ChatCompletionRequest)
+    check_model(engine, req.model)
+    job = _job(engine, req)
+    admit(engine, [job.prompt], job.params)
+    if req.stream:
+        return EventStreamResponse(_stream(job))
+    try:
+        body = await unless_disconnected(request, _complete(job))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return Response(content=body, media_type="application/json")
+
+
+def _prompt_ids(engine, req: ChatCompletionRequest) -> list[int]:
+    messages = []
+    for i, m in enumerate(req.messages):
+        try:
+            messages.append({"role": m.role, "content": m.text()})
+        except ValueError as e:
+            raise APIError(400, str(e), f"messages[{i}].content") from None
+    try:
+        text = engine.tokenizer.apply_chat_template(messages)
+    except (jinja2.TemplateError, ValueError) as e:  # templates may reject role orders etc.
+        raise APIError(400, f"The chat template rejected these messages: {e}", "messages") from None
+    return engine.tokenizer.encode(text, add_bos=True)  # adds BOS only where the template did not
+
+
+def _job(engine, req: ChatCompletionRequest) -> ChatJob:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs to be true.", "top_logprobs")
+    prompt = _prompt_ids(engine, req)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens is None:
+        max_tokens = _room_left(engine, len(prompt), req.n or 1)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params(req, max_tokens, logprobs, engine.tokenizer.vocab_size)
+    return ChatJob(engine, req, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), prompt, params)
+
+
+def _room_left(engine, num_prompt_tokens: int, n: int) -> int:
+    """OpenAI's default max_tokens: as much as the context (and the KV cache, for n choices) leaves."""
+    kv = engine.health()["kv_cache"]
+    kv_tokens = (kv["free_blocks"] + kv["used_blocks"]) * kv["block_size"] // n
+    return max(1, min(engine.max_model_len, kv_tokens) - num_prompt_tokens)
+
+
+async def _complete(job: ChatJob) -> bytes:
+    states = [ChoiceState() for _ in range(job.params.n)]
+    try:
+        async with aclosing(merged_outputs(job.engine, job.request_id, [job.prompt], job.params)) as outs:
+            async for _, out in outs:
+                if out.error:
+                    raise engine_error(out)
+                for d in out.deltas:
+                    states[d.index].add(d)
+    except RequestRejected as e:
+        raise rejected_to_api_error(e) from None
+    choices = [
+        ChatChoice(index=i, message=ChatResponseMessage(content=st.text),
+                   logprobs=chat_logprobs(st.logprobs, job.num_top) if job.req.logprobs else None,
+                   finish_reason=st.finish_reason, stop_reason=st.stop_reason,
+                   token_ids=job.ids(st.token_ids))
+        for i, st in enumerate(states)
+    ]
+    resp = ChatCompletionResponse(id=job.request_id, created=job.created, model=job.engine.model_name,
+                                  choices=choices, usage=usage([job.prompt], states),
+                                  prompt_token_ids=job.prompt if job.req.return_token_ids else None)
+    return resp.model_dump_json().encode()
+
+
+async def _stream(job: ChatJob) -> AsyncIterator[str]:
+    states = [ChoiceState() for _ in range(job.params.n)]
+    for i in range(job.params.n):
+        role = ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
+        yield sse_event(job.chunk([role], first=(i == 0)))
+    async with aclosing(merged_outputs(job.engine, job.request_id, [job.prompt], job.params)) as outs:
+        async for _, out in outs:
+            if out.error:
+                raise engine_error(out)
+            for d in out.deltas:
+                states[d.index].add(d)
+                if d.text or d.token_ids or d.finish_reason:
+                    logprobs = chat_logprobs(d.logprobs or [], job.num_top) if job.req.logprobs else None
+                    choice = ChatChunkChoice(index=d.index, delta=ChatDelta(content=d.text),
+                                             logprobs=logprobs, finish_reason=d.finish_reason,
+                                             stop_reason=d.stop_reason,
+                                             token_ids=job.ids(d.token_ids))
+                    yield sse_event(job.chunk([choice]))
+    if job.req.include_usage:
+        yield sse_event(job.chunk([], usage([job.prompt], states)))

@@ -1,0 +1,151 @@
+"""POST /v1/completions: prompt = str | list[str] | list[int] | list[list[int]]; choices indexed
+across prompts x n (choice index = prompt_index * n + engine choice index)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Request, Response
+
+from server.api.engine_stream import (
+    ChoiceState,
+    ClientDisconnected,
+    admit,
+    engine_error,
+    merged_outputs,
+    rejected_to_api_error,
+    unless_disconnected,
+    usage,
+)
+from server.api.errors import APIError
+from server.api.logprobs import completion_logprobs
+from server.api.parsing import check_model, parse_body
+from server.api.protocol import CompletionChoice, CompletionRequest, CompletionResponse, dump
+from server.api.sampling import DEFAULT_COMPLETION_MAX_TOKENS, check_token_ids, sampling_params
+from server.api.streaming import EventStreamResponse, sse_event
+from server.engine.engine import RequestRejected
+from server.engine.outputs import ChoiceDelta
+from server.engine.sampling_params import SamplingParams
+
+router = APIRouter()
+
+
+@dataclass
+class CompletionJob:
+    """One validated, admitted /v1/completions request."""
+
+    engine: object
+    req: CompletionRequest
+    request_id: str
+    created: int
+    prompts: list[list[int]]
+    prompt_texts: list[str]
+    params: SamplingParams
+
+    def new_states(self) -> list[ChoiceState]:
+        n = self.params.n
+        return [ChoiceState(text=self.prompt_texts[i // n] if self.req.echo else "")
+                for i in range(len(self.prompts) * n)]
+
+    def choice(self, index: int, text: str, delta: ChoiceDelta | None, offset: int,
+               token_ids: list[int] | None, with_prompt_ids: bool) -> CompletionChoice:
+        ids_wanted = bool(self.req.return_token_ids)
+        logprobs = None
+        if self.req.logprobs is not None and delta is not None:
+            logprobs = completion_logprobs(delta.logprobs or [], offset)
+        return CompletionChoice(
+            index=index, text=text, logprobs=logprobs,
+            finish_reason=delta.finish_reason if delta else None,
+            stop_reason=delta.stop_reason if delta else None,
+            token_ids=token_ids if ids_wanted else None,
+            prompt_token_ids=self.prompts[index // self.params.n] if ids_wanted and with_prompt_ids else None)
+
+    def response(self, choices: list[CompletionChoice], usage_=None) -> CompletionResponse:
+        return CompletionResponse(id=self.request_id, created=self.created, model=self.engine.model_name,
+                                  choices=choices, usage=usage_)
+
+
+@router.post("/v1/completions")
+async def create_completion(request: Request) -> Response:
+    engine = request.app.state.engine
+    req = await parse_body(request, CompletionRequest)
+    check_model(engine, req.model)
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "echo together with logprobs is not supported (no prompt logprobs).", "echo")
+    job = _job(engine, req)
+    admit(engine, job.prompts, job.params)
+    if req.stream:
+        return EventStreamResponse(_stream(job))
+    try:
+        body = await unless_disconnected(request, _complete(job))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return Response(content=body, media_type="application/json")
+
+
+def _job(engine, req: CompletionRequest) -> CompletionJob:
+    tok = engine.tokenizer
+    prompt = req.prompt
+    if isinstance(prompt, str) or isinstance(prompt[0], str):
+        texts = [prompt] if isinstance(prompt, str) else list(prompt)
+        prompts = [tok.encode(t, add_bos=True) for t in texts]
+    else:
+        prompts = [prompt] if isinstance(prompt[0], int) else [list(p) for p in prompt]
+        for ids in prompts:
+            check_token_ids(ids, tok.vocab_size, "prompt")
+        texts = [tok.decode(ids) for ids in prompts] if req.echo else [""] * len(prompts)
+    max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+    params = sampling_params(req, max_tokens, req.logprobs, tok.vocab_size)
+    return CompletionJob(engine, req, f"cmpl-{uuid.uuid4().hex}", int(time.time()), prompts, texts, params)
+
+
+async def _complete(job: CompletionJob) -> bytes:
+    states = job.new_states()
+    n = job.params.n
+    try:
+        async with aclosing(merged_outputs(job.engine, job.request_id, job.prompts, job.params)) as outs:
+            async for i, out in outs:
+                if out.error:
+                    raise engine_error(out)
+                for d in out.deltas:
+                    states[i * n + d.index].add(d)
+    except RequestRejected as e:
+        raise rejected_to_api_error(e) from None
+    choices = []
+    for index, st in enumerate(states):
+        base = len(job.prompt_texts[index // n]) if job.req.echo else 0
+        c = job.choice(index, st.text, None, base, st.token_ids, True)
+        c.finish_reason, c.stop_reason = st.finish_reason, st.stop_reason
+        if job.req.logprobs is not None:
+            c.logprobs = completion_logprobs(st.logprobs, base)
+        choices.append(c)
+    resp = job.response(choices, usage(job.prompts, states))
+    return resp.model_dump_json().encode()
+
+
+async def _stream(job: CompletionJob) -> AsyncIterator[str]:
+    states = job.new_states()
+    n = job.params.n
+    started = [False] * len(states)
+    if job.req.echo:
+        for index, st in enumerate(states):
+            started[index] = True
+            yield sse_event(job.response([job.choice(index, st.text, None, 0, [], True)]))
+    async with aclosing(merged_outputs(job.engine, job.request_id, job.prompts, job.params)) as outs:
+        async for i, out in outs:
+            if out.error:
+                raise engine_error(out)
+            for d in out.deltas:
+                index = i * n + d.index
+                offset = len(states[index].text)
+                states[index].add(d)
+                if d.text or d.token_ids or d.finish_reason:
+                    choice = job.choice(index, d.text, d, offset, d.token_ids, not started[index])
+                    started[index] = True
+                    yield sse_event(job.response([choice]))
+    if job.req.include_usage:
+        yield sse_event(dump(job.response([], usage(job.prompts, states))))

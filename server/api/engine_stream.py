@@ -1,0 +1,125 @@
+"""Running one OpenAI request on the engine: admission, one engine request per prompt, merged outputs.
+
+Closing the merged iterator (client gone, server stopping) closes every engine iterator, which aborts
+those requests and frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from fastapi import Request
+
+from server.api.errors import APIError
+from server.api.protocol import Usage
+from server.engine.engine import RequestRejected
+from server.engine.outputs import ChoiceDelta, RequestOutput, TokenLogprob
+from server.engine.sampling_params import SamplingParams
+
+T = TypeVar("T")
+DISCONNECT_POLL_S = 0.1
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its (non-streaming) answer was ready."""
+
+
+@dataclass
+class ChoiceState:
+    """Everything one choice has produced so far."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def add(self, delta: ChoiceDelta) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs or []
+        if delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
+
+def rejected_to_api_error(e: RequestRejected) -> APIError:
+    headers = {"Retry-After": "1"} if e.status == 429 else None
+    return APIError(e.status, e.message, e.param, headers=headers)
+
+
+def admit(engine, prompts: list[list[int]], params: SamplingParams) -> None:
+    """Raises the engine's rejection (400 too long, 429 queue full, 503 stopping) as an APIError."""
+    try:
+        for ids in prompts:
+            engine.check_admissible(len(ids), params)
+    except RequestRejected as e:
+        raise rejected_to_api_error(e) from None
+
+
+async def merged_outputs(engine, request_id: str, prompts: list[list[int]],
+                         params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yields (prompt index, output) from one engine request per prompt, in arrival order."""
+    if len(prompts) == 1:
+        async with aclosing(engine.generate(request_id, prompts[0], params)) as gen:
+            async for out in gen:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, ids: list[int]) -> None:
+        try:
+            async with aclosing(engine.generate(f"{request_id}-{i}", ids, params)) as gen:
+                async for out in gen:
+                    queue.put_nowait((i, out))
+        except Exception as e:  # handed to the consumer, which raises it
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, ids)) for i, ids in enumerate(prompts)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Awaits `work`, cancelling it (which aborts its engine requests) if the client disconnects."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientDisconnected()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+def usage(prompts: list[list[int]], states: list[ChoiceState]) -> Usage:
+    """Each prompt is counted once however many choices it has."""
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(len(s.token_ids) for s in states)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens)
+
+
+def engine_error(out: RequestOutput) -> APIError:
+    return APIError(500, f"The engine failed this request: {out.error}", code="engine_error")

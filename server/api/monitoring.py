@@ -1,0 +1,21 @@
+"""GET /health (engine.health(); 503 unless ok) and GET /metrics (Prometheus text)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    info = request.app.state.engine.health()
+    return JSONResponse(info, status_code=200 if info.get("status") == "ok" else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    text = generate_latest(request.app.state.engine.metrics.registry)
+    return Response(content=text, media_type=CONTENT_TYPE_LATEST)

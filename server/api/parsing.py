@@ -1,0 +1,37 @@
+"""Request bodies -> validated pydantic models, with OpenAI errors for everything that goes wrong."""
+
+from __future__ import annotations
+
+import json
+from typing import TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from server.api.errors import APIError, validation_error
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def parse_body(request: Request, model_cls: type[M]) -> M:
+    """Any content type is read as JSON (curl -d sends form-encoded headers)."""
+    raw = await request.body()
+    if not raw.strip():
+        raise APIError(400, "Request body is empty; expected a JSON object.", code="invalid_json")
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise APIError(400, "Request body is not valid JSON.", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "Request body must be a JSON object.", code="invalid_json")
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+
+
+def check_model(engine, requested: str | None) -> None:
+    """A request may omit `model`; naming another model than the one served is a 404."""
+    if requested is not None and requested != engine.model_name:
+        raise APIError(404, f"The model '{requested}' does not exist; this server serves "
+                            f"'{engine.model_name}'.", "model", "model_not_found")

@@ -1,0 +1,48 @@
+"""OpenAI request fields -> engine SamplingParams (validated against the vocabulary)."""
+
+from __future__ import annotations
+
+from server.api.errors import APIError
+from server.api.protocol import _SamplingRequest
+from server.engine.sampling_params import SamplingParams
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def sampling_params(req: _SamplingRequest, max_tokens: int, logprobs: int | None,
+                    vocab_size: int) -> SamplingParams:
+    """Builds SamplingParams from the request; an invalid value becomes a 400 naming its field."""
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_or(req.temperature, 1.0),
+        top_p=_or(req.top_p, 1.0),
+        top_k=_or(req.top_k, 0),
+        min_p=_or(req.min_p, 0.0),
+        seed=req.seed,
+        stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=bool(req.ignore_eos),
+        n=_or(req.n, 1),
+        logprobs=logprobs,
+        presence_penalty=_or(req.presence_penalty, 0.0),
+        frequency_penalty=_or(req.frequency_penalty, 0.0),
+        repetition_penalty=_or(req.repetition_penalty, 1.0),
+    )
+    try:
+        params.validate(vocab_size)
+    except ValueError as e:
+        message = str(e)
+        field = message.split(" ", 1)[0]
+        raise APIError(400, message, field if field in type(req).model_fields else None) from None
+    return params
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    for t in token_ids:
+        if not 0 <= t < vocab_size:
+            raise APIError(400, f"token id {t} in '{param}' is outside the vocabulary [0, {vocab_size})",
+                           param, "invalid_token_id")
+
+
+def _or(value, default):
+    return default if value is None else value

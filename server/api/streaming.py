@@ -1,0 +1,61 @@
+"""Server-sent events: `data: {json}\\n\\n` chunks ending with `data: [DONE]\\n\\n`."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from server.api.engine_stream import rejected_to_api_error
+from server.api.errors import APIError, error_body
+from server.api.protocol import dump
+from server.engine.engine import RequestRejected
+
+logger = logging.getLogger("pagewalk.api")
+
+SSE_DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse_event(payload: BaseModel | dict) -> str:
+    data = dump(payload) if isinstance(payload, BaseModel) else payload
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def sse_error(err: APIError) -> str:
+    return sse_event(error_body(err.status, err.message, err.param, err.code))
+
+
+async def with_error_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Passes events through; a failure mid-stream becomes an error event (never a traceback), then [DONE]."""
+    try:
+        async with aclosing(events) as inner:
+            async for event in inner:
+                yield event
+    except APIError as e:
+        yield sse_error(e)
+    except RequestRejected as e:
+        yield sse_error(rejected_to_api_error(e))
+    except Exception:
+        logger.exception("error while streaming")
+        yield sse_error(APIError(500, "Internal server error.", code="internal_error"))
+    yield SSE_DONE
+
+
+class EventStreamResponse(StreamingResponse):
+    """An SSE response whose event iterator is always closed when the response ends, however it ends
+    (client disconnect cancels the send loop; closing the iterator aborts the engine requests)."""
+
+    def __init__(self, events: AsyncIterator[str]):
+        super().__init__(with_error_events(events), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
