@@ -13,7 +13,9 @@ from server.engine.sampling_params import SamplingParams
 
 
 class Detokenizer(Protocol):
-    def push(self, token_id: int) -> str: ...
+    def push(self, token_id: int) -> str: ...  # delta text, never half a UTF-8 character
+
+    def flush(self) -> str: ...  # end of stream: whatever is still held back
 
 
 @dataclass
@@ -38,9 +40,9 @@ class StopChecker:
         """Account for one new token; return the text that may be emitted and whether the choice ended."""
         self.num_tokens += 1
         if token_id in self.stop_token_ids:
-            return StopResult(self.flush(), "stop", token_id)
+            return StopResult(self.finish(), "stop", token_id)
         if token_id in self.eos_token_ids:
-            return StopResult(self.flush(), "stop", None)
+            return StopResult(self.finish(), "stop", None)
         start = len(self.text)
         self.text += self.detokenizer.push(token_id)
         hit = self._find_stop(start)
@@ -49,12 +51,17 @@ class StopChecker:
             self.text = self.text[:pos]
             return StopResult(self.flush(), "stop", stop)
         if self.num_tokens >= self.params.max_tokens:
-            return StopResult(self.flush(), "length")
+            return StopResult(self.finish(), "length")
         return StopResult(self._emit(len(self.text) - self._held_back()), None)
 
     def flush(self) -> str:
-        """All not yet emitted text (used when the choice ends)."""
+        """All not yet emitted text."""
         return self._emit(len(self.text))
+
+    def finish(self) -> str:
+        """The choice ends without a stop string: release held bytes and held stop-string prefixes."""
+        self.text += self.detokenizer.flush()
+        return self.flush()
 
     def _emit(self, end: int) -> str:
         out = self.text[self.emitted:end]

@@ -1,0 +1,32 @@
+"""One accepted request: its n choices (Sequences), timing, and where its outputs go."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from server.engine.outputs import RequestOutput
+from server.engine.sampling_params import SamplingParams
+from server.engine.sequence import SeqStatus, Sequence
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    emit: Callable[[RequestOutput], None]  # called on the engine thread; must not block
+    arrival_time: float = field(default_factory=time.monotonic)
+    seqs: list[Sequence] = field(default_factory=list)  # index order: seqs[i].index == i
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    @property
+    def is_running(self) -> bool:
+        return any(s.status is SeqStatus.RUNNING for s in self.seqs)
+
+    def unfinished(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished]
