@@ -105,7 +105,7 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, backend="auto"):
     if slot_mapping.shape != (key.shape[0],):
         raise ValueError(f"slot_mapping must be ({key.shape[0]},), got {tuple(slot_mapping.shape)}")
     if chosen == "triton":
-        from kernels.store_kv import store_kv_triton
+        from kernels.kv_store import store_kv_triton
         store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     else:
         reference.store_kv_reference(key, value, k_cache, v_cache, slot_mapping)

@@ -1,4 +1,4 @@
-"""Triton store_kv: write new tokens' K/V into their paged cache slots.
+"""Triton store_kv kernel (module named kv_store so it never shadows the kernels.store_kv function).
 
 One program per token: slot = block_id * block_size + offset (from kvcache's slot mapping); slot < 0 is
 padding and is skipped. key/value (T, Hkv, D) and the caches (N, block_size, Hkv, D) may have any strides.

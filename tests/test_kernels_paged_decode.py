@@ -1,0 +1,105 @@
+"""Triton paged-decode kernel vs the fp64 reference, run through the Triton interpreter on CPU.
+
+The grid covers every value of each axis (batch 1..8, Hq/Hkv, head_dim, block_size, splits, dtype,
+sliding window, strides) without the full cartesian product. `out` is poisoned with NaN before each run.
+"""
+
+import os
+
+import pytest
+import torch
+
+import kernels
+from kernels.split_heuristic import KernelConfig
+from kernels.testing import TOLERANCE, make_paged_case, reference_fp64, rel_error
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="the Triton kernel runs on CPU only under TRITON_INTERPRET=1")
+
+F32, F16 = torch.float32, torch.float16
+GRID = [  # seq_lens, Hq, Hkv, D, block_size, num_splits, dtype, sliding_window, strided caches
+    ([0, 1, 37, 64], 1, 1, 32, 1, None, F32, None, False),
+    ([130], 4, 4, 64, 4, 1, F16, None, True),
+    ([5, 0, 300, 17, 1, 64], 8, 2, 80, 16, 3, F32, 40, False),
+    ([513, 2], 6, 1, 128, 256, None, F16, None, False),
+    ([1, 2, 3, 4, 5, 6, 7, 8], 8, 2, 32, 256, 1, F32, None, True),
+    ([200, 77, 0], 6, 1, 64, 1, 3, F16, 9, False),
+    ([96, 33], 4, 4, 128, 16, None, F32, None, True),
+    ([45, 300, 1, 0, 12], 1, 1, 80, 4, 3, F16, None, False),
+]
+
+
+def _run(case, **kw):
+    out = torch.full_like(case.q, float("nan"))
+    res = kernels.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
+                                         case.seq_lens, backend="triton", out=out, **kw)
+    assert res is out and kernels.last_backend() == "triton"
+    return out
+
+
+@pytest.mark.parametrize("lens,hq,hkv,d,bs,splits,dtype,win,strided", GRID)
+def test_kernel_matches_reference(lens, hq, hkv, d, bs, splits, dtype, win, strided):
+    case = make_paged_case(lens, hq, hkv, d, bs, dtype=dtype, seed=sum(lens) + d, strided=strided)
+    out = _run(case, num_splits=splits, sliding_window=win)
+    err = rel_error(out, reference_fp64(case, sliding_window=win))
+    assert err <= TOLERANCE[dtype], f"relative error {err:.2e}"
+    zero_rows = [i for i, n in enumerate(lens) if n == 0]
+    assert all(torch.equal(out[i], torch.zeros_like(out[i])) for i in zero_rows)
+
+
+@pytest.mark.parametrize("block_n", [16, 64])
+def test_tile_width_is_independent_of_block_size(block_n):
+    from kernels.paged_decode import paged_decode_attention_triton
+    case = make_paged_case([150, 61], 8, 2, 64, 32, seed=block_n)
+    out = torch.full_like(case.q, float("nan"))
+    paged_decode_attention_triton(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                  num_splits=2, out=out, config=KernelConfig(block_n, 4, 1))
+    assert rel_error(out, reference_fp64(case)) <= 1e-5
+
+
+def test_custom_scale_and_strided_q_and_out():
+    case = make_paged_case([70, 20], 8, 2, 32, 4, seed=5)
+    q_wide = torch.randn(2, 8, 64)
+    case.q = q_wide[:, :, ::2]                                    # non-contiguous q
+    out_t = torch.full((32, 8, 2), float("nan")).permute(2, 1, 0)  # non-contiguous out (2, 8, 32)
+    kernels.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                   scale=0.05, num_splits=3, backend="triton", out=out_t)
+    assert rel_error(out_t, reference_fp64(case, scale=0.05)) <= 1e-5
+
+
+def test_batch_invariance_with_fixed_splits():
+    """With num_splits fixed, a sequence's output is bitwise the same whatever else is in the batch."""
+    big = make_paged_case([90, 333, 7], 8, 2, 64, 16, seed=11)
+    solo = make_paged_case([333], 8, 2, 64, 16, seed=12)
+    solo.q, solo.k_cache, solo.v_cache = big.q[1:2].clone(), big.k_cache, big.v_cache
+    solo.block_tables = big.block_tables[1:2].clone()
+    for splits in (1, 3):
+        together = _run(big, num_splits=splits)
+        alone = _run(solo, num_splits=splits)
+        assert torch.equal(together[1], alone[0])
+
+
+def test_all_empty_sequences_give_zeros():
+    case = make_paged_case([0, 0], 4, 2, 32, 16)
+    for splits in (None, 1, 3):
+        assert torch.equal(_run(case, num_splits=splits), torch.zeros_like(case.q))
+
+
+@pytest.mark.parametrize("dtype,d,match", [(torch.float64, 64, "dtypes"), (torch.float32, 72, "head_dim"),
+                                           (torch.int32, 64, "dtypes")])
+def test_unsupported_inputs_raise(dtype, d, match):
+    case = make_paged_case([4], 2, 2, d, 4)
+    q, k, v = case.q.to(dtype), case.k_cache.to(dtype), case.v_cache.to(dtype)
+    with pytest.raises(ValueError, match=match):
+        kernels.paged_decode_attention(q, k, v, case.block_tables, case.seq_lens, backend="triton")
+
+
+def test_bad_arguments_raise():
+    case = make_paged_case([4], 6, 4, 32, 4)
+    with pytest.raises(ValueError, match="multiple"):
+        kernels.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
+                                       case.seq_lens, backend="torch")
+    case = make_paged_case([4], 4, 2, 32, 4)
+    with pytest.raises(ValueError, match="num_splits"):
+        kernels.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
+                                       case.seq_lens, num_splits=0, backend="triton")
