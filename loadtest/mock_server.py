@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
 import json
 import socket
 import threading
@@ -42,7 +41,7 @@ class MockScript:
 class MockServer:
     def __init__(self, script: MockScript) -> None:
         self.script = script
-        self.counter = itertools.count()
+        self.requests_started = 0  # completion requests received so far
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -62,7 +61,8 @@ class MockServer:
             return await _json(send, 200, {"object": "list", "data": models})
         if path not in ("/v1/completions", "/v1/chat/completions"):
             return await _json(send, 404, _error("not found", "not_found_error"))
-        behaviour = self.script.behaviours[next(self.counter) % len(self.script.behaviours)]
+        behaviour = self.script.behaviours[self.requests_started % len(self.script.behaviours)]
+        self.requests_started += 1
         if behaviour in ("429", "500"):
             return await _json(send, int(behaviour), _error(f"scripted {behaviour}", "server_error"))
         request = json.loads(body)
