@@ -1,0 +1,35 @@
+"""SamplingParams.validate: every bad field is named with its value."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.engine.sampling_params import SamplingParams
+
+
+def test_defaults_validate_and_normalise():
+    p = SamplingParams(stop="x", top_k=-1)
+    p.validate(100)
+    assert p.stop == ["x"] and p.top_k == 0 and not p.greedy and not p.has_penalties
+    assert SamplingParams(temperature=0).greedy and SamplingParams(repetition_penalty=1.1).has_penalties
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
+    ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
+    ({"max_tokens": 0}, "max_tokens must be an integer >= 1, got 0"),
+    ({"temperature": -0.1}, "temperature must be >= 0, got -0.1"),
+    ({"top_k": -3}, "top_k must be an integer >= 0"),
+    ({"min_p": 1.2}, "min_p must be in [0, 1], got 1.2"),
+    ({"n": 0}, "n must be in [1, 64], got 0"),
+    ({"logprobs": 21}, "logprobs must be in [0, 20], got 21"),
+    ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2], got 2.5"),
+    ({"frequency_penalty": -3.0}, "frequency_penalty must be in [-2, 2], got -3.0"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0, got 0.0"),
+    ({"stop": [""]}, "stop strings must be non-empty strings"),
+    ({"stop_token_ids": [100]}, "stop_token_ids must be in [0, 100), got 100"),
+])
+def test_validate_names_the_field(kwargs, message):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**kwargs).validate(100)
+    assert message in str(e.value)
