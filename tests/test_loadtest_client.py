@@ -1,0 +1,129 @@
+"""loadtest client + driver against a scripted SSE server (real uvicorn) with known token timing.
+
+The mock sends token k at 50 ms + k * 20 ms after reading the request. Timer noise on a loaded 2-core CI
+machine is tens of ms at worst, so the timing bounds are one-sided where sleeps can only overshoot.
+"""
+
+import asyncio
+
+import pytest
+
+from loadtest.benchmark import make_client, run_benchmark
+from loadtest.client import ClientConfig, calibrate_chat_overhead
+from loadtest.metrics import compute_metrics
+from loadtest.mock_server import MockScript, MockServer, free_port, serve_in_thread
+from loadtest.workload import LengthRange, arrival_offsets, build_workload
+
+pytestmark = pytest.mark.timeout(60)
+
+FIRST_MS, GAP_MS, NOISE_MS = 50.0, 20.0, 30.0
+
+
+def run(base_url, n, concurrency, output_len=8, endpoint="completions", stream=True, stop_after=None,
+        chat_overhead=0, input_len=12, rate=float("inf")):  # fmt: skip
+    specs = build_workload(n, LengthRange(input_len, input_len), LengthRange(output_len, output_len), 0,
+                           endpoint, chat_overhead=chat_overhead)  # fmt: skip
+    cfg = ClientConfig(base_url, "mock", endpoint, stream, timeout_s=10.0)
+
+    async def go():
+        stop = asyncio.Event()
+        if stop_after is not None:
+            asyncio.get_running_loop().call_later(stop_after, stop.set)
+        offsets = arrival_offsets(n, rate, 1.0, 0)
+        async with make_client(concurrency, 10.0) as client:
+            return await run_benchmark(client, specs, cfg, concurrency, offsets, stop)
+
+    return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def timed_server():
+    with serve_in_thread(MockServer(MockScript(FIRST_MS / 1000, GAP_MS / 1000))) as url:
+        yield url
+
+
+def test_timing_metrics_match_the_script(timed_server):
+    n, out_len = 6, 8
+    result = run(timed_server, n, concurrency=3, output_len=out_len)
+    m = compute_metrics(result.records, result.duration_s)
+    assert (m.completed, m.failed, result.interrupted) == (n, 0, False)
+    assert m.total_output_tokens == n * out_len and m.total_input_tokens == n * 12
+    assert FIRST_MS <= m.ttft_ms.p50 <= FIRST_MS + NOISE_MS
+    assert m.itl_ms.count == n * (out_len - 1)
+    assert GAP_MS - 5 <= m.itl_ms.mean <= GAP_MS + 5  # per request: (last - first chunk) / 7, anchored
+    assert GAP_MS - 8 <= m.itl_ms.p50 <= GAP_MS + 8
+    assert GAP_MS - 5 <= m.tpot_ms.mean <= GAP_MS + 5
+    expected_e2el = FIRST_MS + (out_len - 1) * GAP_MS
+    assert expected_e2el <= m.e2el_ms.p50 <= expected_e2el + NOISE_MS
+    # two waves of 3 at concurrency 3: the duration covers both
+    assert 2 * expected_e2el <= result.duration_s * 1000 <= 2 * expected_e2el + 3 * NOISE_MS
+    # the throughput arithmetic is exact
+    assert m.duration_s == max(r.end_time for r in result.records) - min(r.send_time for r in result.records)
+    assert m.output_throughput == m.total_output_tokens / m.duration_s
+    assert m.request_throughput == n / m.duration_s
+    for rec in result.records:
+        assert rec.tpot == pytest.approx((rec.e2el - rec.ttft) / (out_len - 1))
+        assert len(rec.chunk_times) == out_len
+
+
+def test_concurrency_limits_requests_in_flight(timed_server):
+    result = run(timed_server, 4, concurrency=1, output_len=3)
+    spans = sorted((r.send_time, r.end_time) for r in result.records)
+    assert all(prev_end <= start for (_, prev_end), (start, _) in zip(spans, spans[1:], strict=False))
+
+
+def test_poisson_arrivals_spread_the_sends(timed_server):
+    result = run(timed_server, 5, concurrency=5, output_len=2, rate=20.0)
+    sends = sorted(r.send_time - result.start_time for r in result.records)
+    expected = arrival_offsets(5, 20.0, 1.0, 0)
+    assert sends == pytest.approx(expected, abs=0.03)
+
+
+def test_no_stream_has_ttft_equal_to_e2el_and_no_itl(timed_server):
+    result = run(timed_server, 3, concurrency=3, output_len=5, stream=False)
+    m = compute_metrics(result.records, result.duration_s)
+    assert m.completed == 3 and m.total_output_tokens == 15
+    assert m.itl_ms is None and m.tpot_ms is None
+    assert m.ttft_ms.mean == pytest.approx(m.e2el_ms.mean, abs=1.0)
+    assert m.e2el_ms.p50 >= FIRST_MS + 4 * GAP_MS
+
+
+def test_chat_calibration_gives_exact_prompt_length(timed_server):
+    cfg = ClientConfig(timed_server, "mock", "chat")
+
+    async def calibrate():
+        async with make_client(1, 10.0) as client:
+            return await calibrate_chat_overhead(client, cfg)
+
+    overhead = asyncio.run(calibrate())
+    assert overhead == MockScript().chat_template_tokens
+    result = run(timed_server, 3, 3, output_len=4, endpoint="chat", chat_overhead=overhead, input_len=30)
+    assert [r.input_len for r in result.records] == [30, 30, 30]  # from the server's usage
+    assert all(len(r.chunk_times) == 4 and r.output_tokens == 4 for r in result.records)
+
+
+def test_failures_are_counted_by_kind():
+    script = MockScript(0.005, 0.002, behaviours=("ok", "429", "500", "drop", "no_done"))
+    with serve_in_thread(MockServer(script)) as url:
+        result = run(url, 10, concurrency=1, output_len=4)
+    m = compute_metrics(result.records, result.duration_s)
+    assert (m.completed, m.failed) == (2, 8)
+    assert m.errors == {"http_429": 2, "http_500": 2, "incomplete_stream": 2, "stream_dropped": 2}
+    assert m.total_output_tokens == 8  # failed requests' tokens are not counted
+    assert {r.error for r in result.records if r.error_kind == "http_429"} == {
+        '{"error": {"message": "scripted 429", "type": "server_error", "param": null, "code": null}}'
+    }
+
+
+def test_unreachable_server_fails_every_request_without_raising():
+    result = run(f"http://127.0.0.1:{free_port()}", 3, concurrency=2)
+    m = compute_metrics(result.records, result.duration_s)
+    assert (m.completed, m.failed, m.errors) == (0, 3, {"connect_error": 3})
+
+
+def test_stop_returns_the_finished_requests():
+    with serve_in_thread(MockServer(MockScript(0.05, 0.05))) as url:  # 20 tokens: ~1.0 s per request
+        result = run(url, 6, concurrency=2, output_len=20, stop_after=1.5)
+    assert result.interrupted
+    assert len(result.records) == 2 and all(r.success for r in result.records)
+    assert compute_metrics(result.records, result.duration_s).total_output_tokens == 40
