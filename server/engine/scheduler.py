@@ -20,15 +20,11 @@ class ScheduledChunk:
     seq: Sequence
     start: int  # tokens of seq already in the cache
     end: int  # run tokens [start, end)
+    samples: bool  # the chunk reaches the sequence's last token: its logits give the next token
 
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
-
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the sequence's last token: its logits give the next token."""
-        return self.end == self.seq.num_tokens
 
 
 @dataclass
@@ -89,7 +85,7 @@ class Scheduler:
             if budget == 0:
                 break
             if seq.status is SeqStatus.RUNNING and seq.is_decode and self._reserve_slots(seq, out):
-                out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, seq.num_tokens))
+                out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, seq.num_tokens, True))
                 out.num_decode_tokens += 1
                 budget -= 1
         for seq in list(self.running):  # 2) running prefills (chunked)
@@ -138,7 +134,8 @@ class Scheduler:
     # ---- helpers ----------------------------------------------------------------------------------
     def _add_prefill(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         n = min(seq.num_uncomputed, budget)
-        out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, seq.num_computed_tokens + n))
+        start = seq.num_computed_tokens
+        out.chunks.append(ScheduledChunk(seq, start, start + n, start + n == seq.num_tokens))
         out.num_prefill_tokens += n
         return n
 

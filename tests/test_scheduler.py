@@ -1,0 +1,194 @@
+"""Scheduler on a real KVCacheManager, driven by a paged token-memory simulator.
+
+The simulator writes each chunk's token ids into the physical slots the kvcache handed out and "predicts" the
+next token from what it reads back through the block table. Any wrong token range, slot, block table,
+prefix-cache reuse, fork copy or preemption resume reads back the wrong history and changes the tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import pytest
+
+from kvcache import KVCacheManager
+from server.engine.sampling_params import SamplingParams
+from server.engine.scheduler import Scheduler
+from server.engine.sequence import SeqStatus, Sequence
+
+VOCAB = 97
+
+
+def predict(history: list[int]) -> int:
+    return zlib.crc32(bytes(str(history), "ascii")) % VOCAB
+
+
+class PagedMemory:
+    """slot -> token id: what a real KV cache would hold."""
+
+    def __init__(self, kv: KVCacheManager):
+        self.kv, self.slots = kv, {}
+        self.bs = kv.usage().block_size
+
+    def run(self, seq: Sequence, start: int, end: int) -> int:
+        for slot, tok in zip(self.kv.slot_mapping(seq.seq_id, start, end), seq.all_token_ids[start:end],
+                             strict=True):
+            self.slots[slot] = tok
+        table = self.kv.block_table(seq.seq_id)
+        return predict([self.slots[table[t // self.bs] * self.bs + t % self.bs] for t in range(end)])
+
+    def copy_blocks(self, pairs):
+        for src, dst in pairs:
+            for o in range(self.bs):
+                if src * self.bs + o in self.slots:
+                    self.slots[dst * self.bs + o] = self.slots[src * self.bs + o]
+
+
+class Harness:
+    def __init__(self, num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=64, caching=True):
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
+        self.sched = Scheduler(self.kv, max_num_seqs, max_tokens_per_step)
+        self.mem = PagedMemory(self.kv)
+        self.ids = itertools.count()
+        self.finished: list[Sequence] = []
+
+    def add(self, prompt: list[int], max_tokens: int, n: int = 1) -> list[Sequence]:
+        params = SamplingParams(max_tokens=max_tokens, n=n)
+        seqs = [Sequence(next(self.ids), "r", i, prompt, params) for i in range(n)]
+        for child in seqs[1:]:
+            child.status = SeqStatus.FORK_PENDING
+            seqs[0].fork_children.append(child)
+        self.sched.add(seqs[0])
+        return seqs
+
+    def step(self):
+        out = self.sched.schedule()
+        predicted = {c.seq.seq_id: self.mem.run(c.seq, c.start, c.end) for c in out.chunks}
+        self.sched.after_step(out)
+        for c in out.chunks:
+            if not c.samples:
+                continue
+            assert predicted[c.seq.seq_id] == predict(c.seq.all_token_ids), "KV history corrupted"
+            samplers = [c.seq]
+            if c.seq.fork_children:
+                children, copies = self.sched.fork_children(c.seq)
+                self.mem.copy_blocks(copies)
+                samplers += children
+            for seq in samplers:
+                seq.output_token_ids.append(predict(seq.all_token_ids))
+                if len(seq.output_token_ids) == seq.params.max_tokens:
+                    self.sched.finish(seq)
+                    self.finished.append(seq)
+        self.kv.check_integrity()
+        return out
+
+    def run(self, max_steps=500):
+        for _ in range(max_steps):
+            if not self.sched.has_work():
+                return
+            self.step()
+        raise AssertionError("did not finish")
+
+
+def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
+    toks = list(prompt)
+    for _ in range(max_tokens):
+        toks.append(predict(toks))
+    return toks[len(prompt):]
+
+
+def test_long_prompt_is_chunked_and_samples_only_at_its_end():
+    h = Harness(max_tokens_per_step=8)
+    (seq,) = h.add(list(range(20)), max_tokens=3)
+    sizes = []
+    for _ in range(3):
+        out = h.step()
+        sizes.append([(c.num_tokens, c.samples) for c in out.chunks])
+    assert sizes == [[(8, False)], [(8, False)], [(4, True)]]
+    h.run()
+    assert seq.output_token_ids == expected_output(list(range(20)), 3)
+
+
+def test_decodes_go_first_and_prefill_takes_the_rest_of_the_budget():
+    h = Harness(max_tokens_per_step=8)
+    (a,) = h.add([1, 2, 3], max_tokens=10)
+    h.step()  # a prefilled, now decoding
+    (b,) = h.add(list(range(30, 50)), max_tokens=2)
+    out = h.step()
+    assert [(c.seq is a, c.num_tokens) for c in out.chunks] == [(True, 1), (False, 7)]
+    assert (out.num_decode_tokens, out.num_prefill_tokens) == (1, 7)
+    h.run()
+    assert a.output_token_ids == expected_output([1, 2, 3], 10)
+    assert b.output_token_ids == expected_output(list(range(30, 50)), 2)
+
+
+def test_admission_is_fcfs_and_bounded_by_max_num_seqs():
+    h = Harness(max_num_seqs=2)
+    seqs = [h.add([i, i + 1], max_tokens=4)[0] for i in range(3)]
+    h.step()
+    assert [s.status for s in seqs] == [SeqStatus.RUNNING, SeqStatus.RUNNING, SeqStatus.WAITING]
+    h.run()
+    assert all(s.output_token_ids == expected_output([i, i + 1], 4) for i, s in enumerate(seqs))
+
+
+def test_preemption_frees_latest_requeues_at_front_and_resumes_exactly():
+    h = Harness(num_blocks=7, block_size=4, caching=False)  # 6 usable blocks = 24 slots
+    a = h.add(list(range(1, 7)), max_tokens=12)[0]  # 18 tokens = 5 blocks at the end
+    b = h.add(list(range(11, 17)), max_tokens=12)[0]
+    c = h.add([20, 21], max_tokens=2)[0]
+    preempted_seen = False
+    while h.sched.has_work():
+        out = h.step()
+        if out.preempted:
+            preempted_seen = True
+            victim = out.preempted[0]
+            assert victim is b  # the most recently admitted one still running
+            assert h.sched.waiting[0] is b and b.num_computed_tokens == 0
+            assert not h.kv.has_seq(b.seq_id)
+    assert preempted_seen and h.sched.num_preemptions >= 1 and b.num_preemptions >= 1
+    assert a.output_token_ids == expected_output(list(range(1, 7)), 12)
+    assert b.output_token_ids == expected_output(list(range(11, 17)), 12)
+    assert c.output_token_ids == expected_output([20, 21], 2)
+    assert h.kv.usage().used_blocks == 0
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_many_sequences_through_a_small_cache_all_exact(caching):
+    h = Harness(num_blocks=13, block_size=4, max_num_seqs=6, max_tokens_per_step=10, caching=caching)
+    prompts = [[7, 7, 7, 7, 7, 7, 7, 7, i] for i in range(8)]  # shared prefix: prefix-cache hits
+    seqs = [h.add(p, max_tokens=8 + i)[0] for i, p in enumerate(prompts)]
+    h.run()
+    for i, (p, s) in enumerate(zip(prompts, seqs, strict=True)):
+        assert s.output_token_ids == expected_output(p, 8 + i)
+    assert h.sched.num_preemptions > 0
+    assert h.kv.usage().used_blocks == 0
+    if caching:
+        assert h.kv.usage().prefix_hits > 0
+
+
+def test_fork_shares_the_prefill_and_copies_the_partial_block():
+    h = Harness(block_size=4)
+    prompt = [5, 6, 7, 8, 9, 10]  # one full block + a partial one
+    seqs = h.add(prompt, max_tokens=3, n=3)
+    out = h.step()
+    assert [c.num_tokens for c in out.chunks] == [6]  # one prefill for three choices
+    assert all(s.status is SeqStatus.RUNNING for s in seqs)
+    tables = [h.kv.block_table(s.seq_id) for s in seqs]
+    assert tables[0][0] == tables[1][0] == tables[2][0]  # the full block is shared
+    assert len({t[1] for t in tables}) == 3  # the partial block was copied
+    out = h.step()
+    assert sorted(c.seq.index for c in out.chunks) == [0, 1, 2] and out.num_prefill_tokens == 0
+    h.run()
+    assert all(s.output_token_ids == expected_output(prompt, 3) for s in seqs)
+
+
+def test_finish_of_waiting_and_running_sequences_releases_everything():
+    h = Harness(max_num_seqs=1)
+    a = h.add([1, 2, 3], max_tokens=50)[0]
+    b = h.add([4, 5, 6], max_tokens=50, n=2)[0]
+    h.step()
+    h.sched.finish(b)  # waiting, with a pending child
+    h.sched.finish(a)  # running
+    assert not h.sched.has_work() and h.kv.usage().used_blocks == 0
+    assert b.fork_children == [] and a.is_finished and b.is_finished
