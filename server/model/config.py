@@ -1,0 +1,175 @@
+"""Model configuration: one dataclass for every supported Llama-family decoder, plus the presets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """llama3-style frequency scaling (Llama 3.1 / 3.2). `rope_type` "default" means none."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2: always; Llama: attention_bias
+    o_bias: bool = False  # Llama attention_bias also biases o_proj
+    mlp_bias: bool = False
+    sliding_window: int | None = None  # Mistral (and Qwen2 with use_sliding_window)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    init_std: float = 0.02  # std of seeded random weights (presets only)
+    seed: int = 0
+    printable_output: bool = False  # presets: unembedding limited to printable ASCII + newline + EOS
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, cfg: dict, name: str) -> ModelConfig:
+        """Build from a Hugging Face `config.json` dict (transformers 4.x and 5.x spellings)."""
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r} in config.json; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; only silu (SwiGLU) is supported")
+        num_heads = cfg["num_attention_heads"]
+        rope = _rope_params(cfg)
+        attention_bias = bool(cfg.get("attention_bias", False))
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        sliding = cfg.get("sliding_window")
+        if is_qwen2 and not cfg.get("use_sliding_window", False):
+            sliding = None
+        eos = cfg.get("eos_token_id")
+        return cls(
+            name=name,
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rope_scaling=_rope_scaling(rope),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or attention_bias,
+            o_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            sliding_window=sliding,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos])),
+        )
+
+
+def _rope_params(cfg: dict) -> dict:
+    """transformers 5 writes `rope_parameters`; 4.x writes `rope_theta` + `rope_scaling`."""
+    params = dict(cfg.get("rope_parameters") or {})
+    params.update(cfg.get("rope_scaling") or {})
+    return params
+
+
+def _rope_scaling(rope: dict) -> RopeScaling:
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return RopeScaling()
+    if rope_type != "llama3":
+        raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: 'default', 'llama3'")
+    return RopeScaling(
+        rope_type="llama3",
+        factor=float(rope["factor"]),
+        low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
+        original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+    )
+
+
+BYTE_VOCAB_SIZE = 259  # 3 specials (PAD 0, BOS 1, EOS 2) + 256 bytes; see tokenizer.ByteTokenizer
+
+PRESETS: dict[str, ModelConfig] = {
+    # A toy decoder for tests and `make serve` on a laptop: byte-level vocab, seeded random weights.
+    "tiny": ModelConfig(
+        name="tiny",
+        architecture="LlamaForCausalLM",
+        vocab_size=BYTE_VOCAB_SIZE,
+        hidden_size=256,
+        intermediate_size=688,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        init_std=0.1,  # large enough that attention matters: greedy text does not fall into a loop at once
+        printable_output=True,
+    ),
+    # Llama-3.2-1B shapes (random weights) for benchmarks; the byte tokenizer uses ids < 259.
+    "bench": ModelConfig(
+        name="bench",
+        architecture="LlamaForCausalLM",
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=RopeScaling("llama3", 32.0, 1.0, 4.0, 8192),
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        init_std=0.02,
+    ),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+    return replace(PRESETS[name], **overrides)

@@ -1,0 +1,49 @@
+"""Streaming detokenization: text deltas that never end in half a UTF-8 character.
+
+The window trick (as in vLLM / TGI): decode a short window of ids ending at the last emitted position and the
+same window plus the new ids; the delta is the difference. A trailing U+FFFD means an incomplete byte
+sequence, so the text is held back until later ids complete it (or `flush()` at the end of the stream).
+Concatenating every delta and `flush()` gives exactly `tokenizer.decode(all_ids)`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+REPLACEMENT = "\ufffd"
+
+
+class Decoder(Protocol):
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Decoder) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # start of the decode window
+        self.read_offset = 0  # ids before this are emitted
+
+    def push(self, token_id: int) -> str:
+        """Add one id; return the new text it completes ("" while a character is still incomplete)."""
+        self.ids.append(token_id)
+        return self._delta(final=False)
+
+    def flush(self) -> str:
+        """End of stream: return whatever is held back (incomplete bytes decode to U+FFFD)."""
+        return self._delta(final=True)
+
+    @property
+    def text(self) -> str:
+        return self.tokenizer.decode(self.ids)
+
+    def _delta(self, final: bool) -> str:
+        if self.read_offset == len(self.ids):
+            return ""
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        if not final and (len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT)):
+            return ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        return new_text[len(prefix_text) :]

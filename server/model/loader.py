@@ -1,0 +1,204 @@
+"""load_model: a preset name or a Hugging Face checkpoint directory -> (model, tokenizer).
+
+Checkpoints: config.json (LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM), safetensors weights
+(model.safetensors, or shards listed in model.safetensors.index.json), tokenizer.json
+(+ tokenizer_config.json, generation_config.json). Tensors are read memory-mapped and copied once into
+parameters already on the target device in the target dtype; q/k/v and gate/up are stacked into the fused
+parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from server.model.config import PRESETS, ModelConfig
+from server.model.llama import LlamaForCausalLM
+from server.model.random_init import init_random_weights, restrict_to_printable
+from server.model.tokenizer import ByteTokenizer, HFTokenizer
+
+log = logging.getLogger(__name__)
+
+# checkpoint tensor suffix -> (our parameter suffix, shard index within the fused parameter)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_FUSED_RE = re.compile(
+    r"^(model\.layers\.\d+\.)(" + "|".join(re.escape(k) for k in _FUSED) + r")\.(weight|bias)$"
+)
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """None/"auto": fp32 on CPU, bf16 on CUDA (fp16 where bf16 is unsupported)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def load_model(name_or_path: str, device=None, dtype=None):
+    """-> (LlamaForCausalLM in eval mode without grads, ByteTokenizer | HFTokenizer)."""
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    if name_or_path in PRESETS:
+        cfg = PRESETS[name_or_path]
+        model = build_model(cfg, dev, dt)
+        init_random_weights(model, cfg)
+        if cfg.printable_output:
+            restrict_to_printable(model)
+        return model, ByteTokenizer(cfg.vocab_size)
+    path = Path(name_or_path)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory"
+        )
+    cfg = ModelConfig.from_hf(_read_json(path / "config.json", required=True), name=path.name)
+    eos_ids = _generation_eos_ids(path) or cfg.eos_token_ids
+    tokenizer = HFTokenizer.from_dir(path, extra_eos_ids=tuple(eos_ids))
+    model = build_model(cfg, dev, dt)
+    load_weights(model, path)
+    return model, tokenizer
+
+
+def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    """Allocate (uninitialised) parameters straight on `device` in `dtype`."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to(dtype).to_empty(device=device)
+    model.tie_weights()
+    return model.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def load_weights(model: LlamaForCausalLM, path: Path) -> None:
+    params = dict(model.named_parameters())
+    pending = {(name, shard) for name, p in params.items() for shard in _shards_of(name)}
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                target = _target(key, model.config)
+                if target is None:
+                    continue
+                name, shard = target
+                if name not in params:
+                    raise ValueError(f"unexpected tensor {key!r} in {file.name}: no such parameter")
+                _copy_into(params[name], shard, f.get_tensor(key), key, file.name, model.config)
+                pending.discard((name, shard))
+    if pending:
+        missing = sorted(_hf_name(n, s) for n, s in pending)
+        raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {', '.join(missing[:5])}")
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = [path / f for f in sorted(set(_read_json(index, required=True)["weight_map"].values()))]
+    elif (path / "model.safetensors").is_file():
+        files = [path / "model.safetensors"]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(
+                f"no safetensors weights in {path} "
+                "(expected model.safetensors or model.safetensors.index.json)"
+            )
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"weight shard {f} listed in model.safetensors.index.json is missing")
+    return files
+
+
+def _target(key: str, cfg: ModelConfig) -> tuple[str, int | None] | None:
+    """Checkpoint name -> (our parameter name, shard index or None); None for tensors we skip."""
+    if _IGNORED.search(key) or (key == "lm_head.weight" and cfg.tie_word_embeddings):
+        return None
+    m = _FUSED_RE.match(key)
+    if m is None:
+        return key, None
+    prefix, module, kind = m.groups()
+    fused, shard = _FUSED[module]
+    return f"{prefix}{fused}.{kind}", shard
+
+
+def _shard_rows(name: str, shard: int | None, cfg: ModelConfig, total: int) -> tuple[int, int]:
+    if shard is None:
+        return 0, total
+    if "qkv_proj" in name:
+        sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+    else:
+        sizes = [cfg.intermediate_size, cfg.intermediate_size]
+    start = sum(sizes[:shard])
+    return start, start + sizes[shard]
+
+
+def _copy_into(param, shard, tensor, key, file_name, cfg) -> None:
+    start, end = _shard_rows(key if shard is None else _fused_name(key), shard, cfg, param.shape[0])
+    dest = param[start:end] if shard is not None else param
+    if tuple(tensor.shape) != tuple(dest.shape):
+        raise ValueError(
+            f"tensor {key!r} in {file_name} has shape {tuple(tensor.shape)}, "
+            f"expected {tuple(dest.shape)} from config.json"
+        )
+    dest.copy_(tensor)
+
+
+def _fused_name(key: str) -> str:
+    return "qkv_proj" if "self_attn" in key else "gate_up_proj"
+
+
+def _shards_of(name: str) -> list[int | None]:
+    if ".qkv_proj." in name:
+        return [0, 1, 2]
+    if ".gate_up_proj." in name:
+        return [0, 1]
+    return [None]
+
+
+def _hf_name(name: str, shard: int | None) -> str:
+    if shard is None:
+        return name
+    fused = "self_attn.qkv_proj" if ".qkv_proj." in name else "mlp.gate_up_proj"
+    module = next(k for k, v in _FUSED.items() if v == (fused, shard))
+    return name.replace(fused, module)
+
+
+def _generation_eos_ids(path: Path) -> list[int]:
+    eos = _read_json(path / "generation_config.json").get("eos_token_id")
+    if eos is None:
+        return []
+    return eos if isinstance(eos, list) else [eos]
+
+
+def _read_json(path: Path, required: bool = False) -> dict:
+    if not path.is_file():
+        if required:
+            raise FileNotFoundError(f"{path} not found")
+        return {}
+    return json.loads(path.read_text())
