@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="token ids for completions prompts (default: printable ASCII of byte-level tokenizers)")
     a("--temperature", type=float, default=0.0)
     a("--request-timeout", type=float, default=600.0, metavar="S")
+    a("--no-return-token-ids", action="store_true",
+      help="do not ask for per-chunk token_ids (for servers that reject unknown fields)")
     a("--save-detailed", action="store_true", help="also store every chunk's timestamp in the JSON")
     a("--no-progress", action="store_true")
     return p
@@ -70,7 +72,8 @@ def settings_from_args(args: argparse.Namespace, argv: list[str]) -> RunSettings
         seed=args.seed, stream=not args.no_stream, api_key=args.api_key,
         slo=SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms), warmup=args.warmup,
         vocab_range=(vocab.low, vocab.high), temperature=args.temperature, timeout_s=args.request_timeout,
-        detailed=args.save_detailed, progress=not args.no_progress,
+        return_token_ids=not args.no_return_token_ids, detailed=args.save_detailed,
+        progress=not args.no_progress,
         command=shlex.join(["python", "-m", "loadtest", *argv]),
     )  # fmt: skip
 

@@ -3,8 +3,11 @@
 Times are `time.perf_counter()` seconds. `send_time` is taken just before the request goes out (after the
 concurrency slot is acquired), each content chunk is stamped when its SSE line is read, `end_time` when the
 stream ends. A content chunk is one whose choice carries non-empty text (completions) or delta content
-(chat), as in vLLM's `bench serve`. The output token count is the server's `usage.completion_tokens` when
-the response has it, else the number of content chunks.
+(chat), as in vLLM's `bench serve`, or non-empty `token_ids`: streaming requests ask for them
+(`return_token_ids`, which pagewalk and vLLM honour and other servers ignore), so a token whose text is not
+yet printable (half a UTF-8 character, or an id outside a byte tokenizer's range) still counts as arriving.
+The output token count is the server's `usage.completion_tokens` when the response has it, else the number
+of token ids streamed, else the number of content chunks.
 
 Failures never raise: they come back as a record with `error_kind` set
 (`http_<status>`, `timeout`, `connect_error`, `stream_dropped`, `incomplete_stream`, `stream_error`,
@@ -13,6 +16,7 @@ Failures never raise: they come back as a record with `error_kind` set
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -31,6 +35,7 @@ class ClientConfig:
     api_key: str | None = None
     temperature: float = 0.0
     timeout_s: float = 600.0
+    return_token_ids: bool = True
 
     @property
     def url(self) -> str:
@@ -88,6 +93,8 @@ def build_payload(spec: RequestSpec, cfg: ClientConfig) -> dict:
     }
     if cfg.stream:
         payload["stream_options"] = {"include_usage": True}
+        if cfg.return_token_ids:
+            payload["return_token_ids"] = True
     if cfg.endpoint == "chat":
         payload["messages"] = [{"role": "user", "content": spec.prompt}]
     else:
@@ -135,6 +142,7 @@ async def _stream(client: httpx.AsyncClient, spec: RequestSpec, cfg: ClientConfi
             return _fail(rec, f"http_{resp.status_code}", body)
         done = False
         usage = None
+        streamed_ids = 0
         async for line in resp.aiter_lines():
             now = time.perf_counter()
             if not line.startswith("data:"):
@@ -150,11 +158,14 @@ async def _stream(client: httpx.AsyncClient, spec: RequestSpec, cfg: ClientConfi
             if "error" in chunk:
                 return _fail(rec, "stream_error", json.dumps(chunk["error"]))
             usage = chunk.get("usage") or usage
-            if any(chunk_text(c) for c in chunk.get("choices") or []):
+            choices = chunk.get("choices") or []
+            ids = sum(len(c.get("token_ids") or []) for c in choices)
+            if ids or any(chunk_text(c) for c in choices):
                 rec.chunk_times.append(now)
+                streamed_ids += ids
     if not done:
         return _fail(rec, "incomplete_stream", "stream ended without data: [DONE]")
-    _apply_usage(rec, usage, len(rec.chunk_times))
+    _apply_usage(rec, usage, streamed_ids or len(rec.chunk_times))
 
 
 async def _unary(client: httpx.AsyncClient, spec: RequestSpec, cfg: ClientConfig, rec: RequestRecord):
@@ -171,9 +182,9 @@ async def _unary(client: httpx.AsyncClient, spec: RequestSpec, cfg: ClientConfig
     _apply_usage(rec, body.get("usage"), 0)
 
 
-def _apply_usage(rec: RequestRecord, usage: dict | None, chunk_count: int) -> None:
+def _apply_usage(rec: RequestRecord, usage: dict | None, counted: int) -> None:
     usage = usage or {}
-    rec.output_tokens = int(usage["completion_tokens"]) if "completion_tokens" in usage else chunk_count
+    rec.output_tokens = int(usage["completion_tokens"]) if "completion_tokens" in usage else counted
     if "prompt_tokens" in usage:
         rec.input_len = int(usage["prompt_tokens"])
 
@@ -191,7 +202,7 @@ async def fetch_json(client: httpx.AsyncClient, base_url: str, path: str, api_ke
 async def calibrate_chat_overhead(client: httpx.AsyncClient, cfg: ClientConfig, probe_len: int = 16) -> int:
     """Prompt tokens the chat template adds around a user message (byte-level: 1 char = 1 token)."""
     probe = RequestSpec(index=-1, prompt="a" * probe_len, input_len=probe_len, output_len=1)
-    unary = ClientConfig(cfg.base_url, cfg.model, "chat", False, cfg.api_key, cfg.temperature, cfg.timeout_s)
+    unary = dataclasses.replace(cfg, endpoint="chat", stream=False)
     resp = await client.post(unary.url, json=build_payload(probe, unary), headers=unary.headers())
     resp.raise_for_status()
     prompt_tokens = (resp.json().get("usage") or {}).get("prompt_tokens")

@@ -5,7 +5,7 @@ Every request gets its first token `first_token_delay_s` after its body is read 
 `behaviours` is cycled over requests in arrival order: "ok", "429", "500", "drop" (the connection is cut after
 the first token) or "no_done" (the stream ends cleanly without `data: [DONE]`).
 Prompt tokens: token-id prompts count their ids; text counts one token per character (byte-level), plus
-`chat_template_tokens` for a chat request.
+`chat_template_tokens` for a chat request. Token ids are streamed when the request sets `return_token_ids`.
 
 `python -m loadtest.mock_server --port 8000` serves it for dry runs of the load generator.
 """
@@ -36,6 +36,8 @@ class MockScript:
     behaviours: tuple[str, ...] = ("ok",)
     chat_template_tokens: int = 5
     model: str = "mock"
+    send_usage: bool = True  # honour stream_options.include_usage
+    text_every: int = 1  # token k has text "x" when k % text_every == 0, else "" (text not printable yet)
 
 
 class MockServer:
@@ -89,11 +91,13 @@ class MockServer:
         n = request["max_tokens"]
         for k in range(n):
             await asyncio.sleep(max(0.0, self._token_time(t0, k) - time.perf_counter()))
-            await _event(send, _chunk(chat, "x", None))
+            text = "x" if k % self.script.text_every == 0 else ""
+            ids = [120] if request.get("return_token_ids") else None
+            await _event(send, _chunk(chat, text, None, ids))
             if behaviour == "drop":
                 raise DropConnection("scripted mid-stream drop")
         await _event(send, _chunk(chat, "", "length"))
-        if (request.get("stream_options") or {}).get("include_usage"):
+        if self.script.send_usage and (request.get("stream_options") or {}).get("include_usage"):
             usage = self._usage(request, chat)
             await _event(send, {"object": "text_completion", "choices": [], "usage": usage})
         if behaviour != "no_done":
@@ -110,9 +114,11 @@ class MockServer:
         await _json(send, 200, {"object": "text_completion", "choices": [choice], "usage": usage})
 
 
-def _chunk(chat: bool, text: str, finish_reason: str | None) -> dict:
+def _chunk(chat: bool, text: str, finish_reason: str | None, token_ids: list[int] | None = None) -> dict:
     choice = {"index": 0, "finish_reason": finish_reason}
     choice |= {"delta": {"content": text}} if chat else {"text": text}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
     return {"object": "chat.completion.chunk" if chat else "text_completion", "choices": [choice]}
 
 

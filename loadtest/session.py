@@ -36,6 +36,7 @@ class RunSettings:
     vocab_range: tuple[int, int] = (32, 126)
     temperature: float = 0.0
     timeout_s: float = 600.0
+    return_token_ids: bool = True
     detailed: bool = False
     progress: bool = True
     command: str = ""
@@ -79,6 +80,7 @@ def client_config(settings: RunSettings, model: str) -> ClientConfig:
     return ClientConfig(
         base_url=settings.base_url, model=model, endpoint=settings.endpoint, stream=settings.stream,
         api_key=settings.api_key, temperature=settings.temperature, timeout_s=settings.timeout_s,
+        return_token_ids=settings.return_token_ids,
     )  # fmt: skip
 
 

@@ -5,6 +5,7 @@ machine is tens of ms at worst, so the timing bounds are one-sided where sleeps 
 """
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -127,3 +128,25 @@ def test_stop_returns_the_finished_requests():
     assert result.interrupted
     assert len(result.records) == 2 and all(r.success for r in result.records)
     assert compute_metrics(result.records, result.duration_s).total_output_tokens == 40
+
+
+@pytest.mark.parametrize("return_ids, send_usage, chunks, tokens", [
+    (True, True, 8, 8),  # every token arrives as a chunk with token_ids, even the ones without text yet
+    (True, False, 8, 8),  # no usage: counted from the streamed token ids
+    (False, True, 4, 8),  # text-only chunks (vLLM's rule): half the tokens show no text; usage has the count
+    (False, False, 4, 4),  # nothing better than the chunk count
+])  # fmt: skip
+def test_chunks_without_text_still_count_with_token_ids(return_ids, send_usage, chunks, tokens):
+    script = MockScript(0.005, 0.005, send_usage=send_usage, text_every=2)
+    specs = build_workload(2, LengthRange(4, 4), LengthRange(8, 8), 0)
+    cfg = ClientConfig("", "mock", return_token_ids=return_ids, timeout_s=10.0)
+
+    async def go(url):
+        async with make_client(2, 10.0) as client:
+            return await run_benchmark(client, specs, replace(cfg, base_url=url), 2, [0.0, 0.0])
+
+    with serve_in_thread(MockServer(script)) as url:
+        result = asyncio.run(go(url))
+    assert all(r.success for r in result.records)
+    assert [len(r.chunk_times) for r in result.records] == [chunks, chunks]
+    assert [r.output_tokens for r in result.records] == [tokens, tokens]
