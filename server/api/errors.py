@@ -55,10 +55,13 @@ def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
 def _loc_to_param(loc: tuple) -> str | None:
     parts = [str(p) for p in loc if p != "body"]
     # pydantic puts union member names ("str", "list[int]") and function validator names in loc
-    parts = [p for p in parts if not (p.startswith(("list[", "str", "int", "function-")) or "[" in p)]
+    parts = [p for p in parts if p not in _TYPE_TAGS and "[" not in p and not p.startswith("function-")]
     if not parts:
         return None
     out = parts[0]
@@ -74,7 +77,7 @@ def validation_error(errors: list[dict]) -> APIError:
     param = _loc_to_param(loc)
     if first.get("type") == "json_invalid":
         return APIError(400, "Request body is not valid JSON.", None, "invalid_json")
-    msg = first.get("msg", "invalid value")
+    msg = first.get("msg", "invalid value").removeprefix("Value error, ")
     if first.get("type") == "missing":
         return APIError(400, f"Missing required field '{param}'.", param, "missing_field")
     message = f"Invalid value for '{param}': {msg}" if param else f"Invalid request body: {msg}"

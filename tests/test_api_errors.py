@@ -1,0 +1,211 @@
+"""Every bad input gets a 4xx with an OpenAI error body; failures never leak a traceback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import httpx
+import pytest
+
+from server.api.app import create_app
+from server.engine.engine import AsyncEngine, EngineConfig
+
+pytestmark = pytest.mark.timeout(120)
+
+CFG = dict(model="tiny", device="cpu", attention_backend="torch", num_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = AsyncEngine(EngineConfig(**CFG))
+    eng.start()
+    yield eng
+    eng.shutdown(timeout=5)
+
+
+def request(app, method: str, path: str, **kw) -> httpx.Response:
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.request(method, path, timeout=60, **kw)
+    return asyncio.run(go())
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = "any") -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str)
+    if param != "any":
+        assert err["param"] == param, err
+    assert "Traceback" not in r.text
+    return err
+
+
+CMPL = {"prompt": "hi", "max_tokens": 2}
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+BAD_COMPLETIONS = [
+    ({"max_tokens": 2}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [[]]}, "prompt"),
+    ({"prompt": ["a", 1]}, "prompt"),
+    ({"prompt": [1, 999999]}, "prompt"),
+    ({"prompt": [[1, 2], [-1]]}, "prompt"),
+    ({**CMPL, "max_tokens": 0}, "max_tokens"),
+    ({**CMPL, "max_tokens": -3}, "max_tokens"),
+    ({**CMPL, "max_tokens": "5"}, "max_tokens"),
+    ({**CMPL, "max_tokens": 2.5}, "max_tokens"),
+    ({**CMPL, "temperature": -0.1}, "temperature"),
+    ({**CMPL, "temperature": "hot"}, "temperature"),
+    ({**CMPL, "top_p": 0}, "top_p"),
+    ({**CMPL, "top_p": 1.5}, "top_p"),
+    ({**CMPL, "n": 0}, "n"),
+    ({**CMPL, "logprobs": 21}, "logprobs"),
+    ({**CMPL, "stream": "yes"}, "stream"),
+    ({**CMPL, "stop": 3}, "stop"),
+    ({**CMPL, "stop_token_ids": [100000]}, "stop_token_ids"),
+    ({**CMPL, "presence_penalty": 3}, "presence_penalty"),
+    ({**CMPL, "repetition_penalty": 0}, "repetition_penalty"),
+    ({**CMPL, "seed": "x"}, "seed"),
+    ({**CMPL, "echo": True, "logprobs": 1}, "echo"),
+]
+
+BAD_CHATS = [
+    ({"max_tokens": 2}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    ({**CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({**CHAT, "logprobs": 1}, "logprobs"),
+    ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ({**CHAT, "top_logprobs": 30, "logprobs": True}, "top_logprobs"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD_COMPLETIONS)
+def test_bad_completion_requests_are_400(engine, body, param):
+    err = assert_error(request(create_app(engine), "POST", "/v1/completions", json=body), 400, param)
+    assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body,param", BAD_CHATS)
+def test_bad_chat_requests_are_400(engine, body, param):
+    assert_error(request(create_app(engine), "POST", "/v1/chat/completions", json=body), 400, param)
+
+
+def test_unknown_fields_are_ignored(engine):
+    r = request(create_app(engine), "POST", "/v1/completions",
+                json={**CMPL, "user": "u1", "some_future_field": {"x": 1}, "best_of": 1})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b"", b'"a string"', b"\xff\xfe"])
+def test_malformed_body_is_400(engine, content):
+    r = request(create_app(engine), "POST", "/v1/completions", content=content,
+                headers={"content-type": "application/json"})
+    assert_error(r, 400, None)
+
+
+def test_unknown_model_is_404(engine):
+    r = request(create_app(engine), "POST", "/v1/completions", json={**CMPL, "model": "gpt-9"})
+    err = assert_error(r, 404, "model")
+    assert err["code"] == "model_not_found"
+
+
+def test_prompt_too_long_names_both_numbers(engine):
+    r = request(create_app(engine), "POST", "/v1/completions",
+                json={"prompt": "hello", "max_tokens": engine.max_model_len})
+    err = assert_error(r, 400, "max_tokens")
+    numbers = re.findall(r"\d+", err["message"])
+    assert str(len(engine.tokenizer.encode("hello"))) in numbers and str(engine.max_model_len) in numbers
+
+
+def test_unknown_route_404_and_wrong_method_405(engine):
+    app = create_app(engine)
+    assert_error(request(app, "GET", "/v1/nope"), 404)
+    assert_error(request(app, "POST", "/nothing/here", json={}), 404)
+    assert_error(request(app, "GET", "/v1/completions"), 405)
+    assert_error(request(app, "DELETE", "/v1/chat/completions"), 405)
+
+
+def test_body_size_limit_413(engine):
+    app = create_app(engine, max_body_bytes=200)
+    big = {"prompt": "x" * 500, "max_tokens": 1}
+    err = assert_error(request(app, "POST", "/v1/completions", json=big), 413)
+    assert err["code"] == "request_too_large"
+
+    async def chunked():  # no Content-Length: the streamed size is counted
+        for _ in range(10):
+            yield b" " * 50
+
+    assert_error(request(app, "POST", "/v1/completions", content=chunked()), 413)
+    assert request(app, "POST", "/v1/completions", json=CMPL).status_code == 200
+
+
+def test_bearer_auth(engine):
+    app = create_app(engine, api_key="s3cret")
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
+                    {"Authorization": "Basic s3cret"}):
+        err = assert_error(request(app, "POST", "/v1/completions", json=CMPL, headers=headers), 401)
+        assert err["type"] == "authentication_error"
+    assert_error(request(app, "GET", "/v1/models"), 401)
+    ok = {"Authorization": "Bearer s3cret"}
+    assert request(app, "POST", "/v1/completions", json=CMPL, headers=ok).status_code == 200
+    assert request(app, "GET", "/v1/models", headers=ok).status_code == 200
+    assert request(app, "GET", "/health").status_code == 200  # probes need no key
+    # auth is checked before the body is looked at
+    assert_error(request(app, "POST", "/v1/completions", content=b"{bad"), 401)
+
+
+def test_queue_full_is_429_with_retry_after():
+    eng = AsyncEngine(EngineConfig(**CFG, max_waiting=0))
+    eng.start()
+    try:
+        r = request(create_app(eng), "POST", "/v1/completions", json=CMPL)
+        err = assert_error(r, 429)
+        assert err["type"] == "rate_limit_error" and int(r.headers["retry-after"]) >= 1
+    finally:
+        eng.shutdown(timeout=5)
+
+
+def test_shutting_down_is_503():
+    eng = AsyncEngine(EngineConfig(**CFG))
+    eng.start()
+    eng.shutdown(timeout=5)
+    app = create_app(eng)
+    health = request(app, "GET", "/health")
+    assert health.status_code == 503 and health.json()["status"] == "shutting_down"
+    assert_error(request(app, "POST", "/v1/completions", json=CMPL), 503)
+
+
+def test_unexpected_exception_is_a_generic_500(engine, monkeypatch):
+    def boom(*_a, **_k):
+        raise RuntimeError("secret internal detail")
+
+    monkeypatch.setattr(engine.tokenizer, "encode", boom)
+    r = request(create_app(engine), "POST", "/v1/completions", json=CMPL)
+    err = assert_error(r, 500)
+    assert "secret" not in r.text and err["type"] == "server_error"
+
+
+def test_engine_side_error_is_500_or_an_error_event(engine, monkeypatch):
+    def broken_execute(*_a, **_k):
+        raise RuntimeError("device fell off")
+
+    monkeypatch.setattr(engine.runner, "execute", broken_execute)
+    app = create_app(engine)
+    err = assert_error(request(app, "POST", "/v1/completions", json=CMPL), 500)
+    assert err["code"] == "engine_error"
+    r = request(app, "POST", "/v1/chat/completions", json={**CHAT, "stream": True})
+    assert r.status_code == 200
+    events = [e for e in r.text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][len("data: "):])["error"]["code"] == "engine_error"
+    monkeypatch.undo()
+    assert request(app, "POST", "/v1/completions", json=CMPL).status_code == 200

@@ -1,0 +1,205 @@
+"""The OpenAI surface through httpx's ASGITransport against create_app(real engine, tiny model)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.api.app import create_app
+from server.engine.engine import AsyncEngine, EngineConfig
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = AsyncEngine(EngineConfig(model="tiny", device="cpu", attention_backend="torch", num_blocks=256))
+    eng.start()
+    yield eng
+    eng.shutdown(timeout=5)
+
+
+@pytest.fixture(scope="module")
+def app(engine):
+    return create_app(engine)
+
+
+async def _post(app, path: str, body: dict) -> httpx.Response:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        return await c.post(path, json=body, timeout=60)
+
+
+def post(app, path: str, body: dict) -> httpx.Response:
+    return asyncio.run(_post(app, path, body))
+
+
+def get(app, path: str) -> httpx.Response:
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.get(path)
+    return asyncio.run(go())
+
+
+def sse_payloads(text: str) -> list:
+    """The data payloads of an SSE body; asserts the framing and the final [DONE]."""
+    events = text.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]", text[-200:]
+    out = []
+    for ev in events[:-2]:
+        assert ev.startswith("data: "), ev
+        out.append(json.loads(ev[len("data: "):]))
+    return out
+
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def test_completion_shape_usage_and_token_ids(app, engine):
+    r = post(app, "/v1/completions", {"model": "tiny", "prompt": "Hello", "max_tokens": 7,
+                                      "return_token_ids": True, **GREEDY})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-") and body["model"] == "tiny"
+    (choice,) = body["choices"]
+    prompt_ids = engine.tokenizer.encode("Hello", add_bos=True)
+    assert choice["index"] == 0 and choice["finish_reason"] == "length"
+    assert choice["prompt_token_ids"] == prompt_ids and len(choice["token_ids"]) == 7
+    assert all(0 <= t < engine.tokenizer.vocab_size for t in choice["token_ids"])
+    assert choice["text"] == engine.tokenizer.decode(choice["token_ids"])
+    assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 7,
+                             "total_tokens": len(prompt_ids) + 7}
+
+
+def test_completion_batch_prompts_times_n(app, engine):
+    ids = engine.tokenizer.encode("abc", add_bos=True)
+    r = post(app, "/v1/completions", {"prompt": [ids, ids + [70, 71]], "n": 2, "max_tokens": 3,
+                                      "temperature": 0.9, "seed": 5, "ignore_eos": True,
+                                      "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    assert [c["prompt_token_ids"] for c in choices] == [ids, ids, ids + [70, 71], ids + [70, 71]]
+    assert all(len(c["token_ids"]) == 3 for c in choices)
+    assert r.json()["usage"]["prompt_tokens"] == 2 * len(ids) + 2
+    assert r.json()["usage"]["completion_tokens"] == 12
+
+
+def test_greedy_is_deterministic_and_echo_prepends_prompt(app):
+    a = post(app, "/v1/completions", {"prompt": "The cat", "max_tokens": 6, **GREEDY}).json()
+    b = post(app, "/v1/completions", {"prompt": "The cat", "max_tokens": 6, "echo": True, **GREEDY}).json()
+    assert b["choices"][0]["text"] == "The cat" + a["choices"][0]["text"]
+
+
+def test_completion_logprobs_shape(app, engine):
+    r = post(app, "/v1/completions", {"prompt": "xy", "max_tokens": 5, "logprobs": 3,
+                                      "return_token_ids": True, **GREEDY})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 5
+    assert all(x <= 0 for x in lp["token_logprobs"])
+    assert all(1 <= len(top) <= 3 for top in lp["top_logprobs"])
+    # greedy: the sampled token is the most likely one
+    assert all(max(top.values()) == pytest.approx(x, abs=1e-5)
+               for top, x in zip(lp["top_logprobs"], lp["token_logprobs"], strict=True))
+    offsets = [0]
+    for tok in lp["tokens"][:-1]:
+        offsets.append(offsets[-1] + len(tok))
+    assert lp["text_offset"] == offsets
+
+
+def test_chat_completion_and_logprobs(app, engine):
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi "},
+                                             {"type": "text", "text": "there"}]}]
+    r = post(app, "/v1/chat/completions", {"messages": messages, "max_completion_tokens": 4, "logprobs": True,
+                                           "top_logprobs": 2, "return_token_ids": True, **GREEDY})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    flat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    prompt = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(flat), add_bos=True)
+    assert body["prompt_token_ids"] == prompt and body["usage"]["prompt_tokens"] == len(prompt)
+    (choice,) = body["choices"]
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
+    assert choice["message"]["content"] == engine.tokenizer.decode(choice["token_ids"])
+    content = choice["logprobs"]["content"]
+    assert len(content) == 4 and all(len(c["top_logprobs"]) == 2 for c in content)
+    assert all(c["bytes"] == list(c["token"].encode()) for c in content)
+
+
+def test_stream_completion_matches_non_streaming(app):
+    req = {"prompt": "Streaming", "max_tokens": 6, **GREEDY}
+    whole = post(app, "/v1/completions", req).json()
+    r = post(app, "/v1/completions", {**req, "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    chunks = sse_payloads(r.text)
+    assert all(c["object"] == "text_completion" for c in chunks)
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == whole["choices"][0]["text"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+
+
+def test_stream_chat_first_chunk_has_role(app):
+    req = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 5, **GREEDY}
+    whole = post(app, "/v1/chat/completions", req).json()
+    chunks = sse_payloads(post(app, "/v1/chat/completions", {**req, "stream": True}).text)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == whole["choices"][0]["message"]["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and "usage" not in chunks[-1]
+
+
+def test_stop_token_ids_end_the_choice(app):
+    first = post(app, "/v1/completions", {"prompt": "stop here", "max_tokens": 6, "return_token_ids": True,
+                                          **GREEDY}).json()["choices"][0]
+    stop_at = first["token_ids"][2]
+    k = first["token_ids"].index(stop_at)
+    r = post(app, "/v1/completions", {"prompt": "stop here", "max_tokens": 6, "return_token_ids": True,
+                                      "stop_token_ids": [stop_at], **GREEDY})
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop_at
+    assert choice["token_ids"] == first["token_ids"][:k + 1]
+
+
+def test_concurrent_greedy_streams_equal_solo_runs(app):
+    prompts = [f"request number {i} says" for i in range(32)]
+
+    async def stream(c: httpx.AsyncClient, prompt: str) -> str:
+        body = {"prompt": prompt, "max_tokens": 6, "stream": True, **GREEDY}
+        r = await c.post("/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return "".join(ch["choices"][0]["text"] for ch in sse_payloads(r.text) if ch["choices"])
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            solo = [await stream(c, p) for p in prompts]
+            together = await asyncio.gather(*(stream(c, p) for p in prompts))
+        return solo, together
+
+    solo, together = asyncio.run(go())
+    assert together == solo
+
+
+def test_models_health_metrics(app, engine):
+    models = get(app, "/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["tiny"]
+    card = models["data"][0]
+    assert card["object"] == "model" and card["max_model_len"] == engine.max_model_len
+    health = get(app, "/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert set(health.json()["kv_cache"]) >= {"block_size", "num_blocks", "free_blocks", "used_blocks",
+                                              "cached_blocks"}
+    metrics = get(app, "/metrics")
+    assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(metrics.text)}
+    assert "pagewalk_time_to_first_token_seconds" in families
+    generated = [s.value for s in families["pagewalk_generation_tokens"].samples if s.name.endswith("_total")]
+    assert generated and generated[0] > 0
