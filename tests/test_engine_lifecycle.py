@@ -1,0 +1,202 @@
+"""Engine lifecycle on the real tiny model: preemption, abort, admission refusal, failures, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from engine_helpers import collect, make_engine, run_all, run_one, wait_until
+
+from server.engine.engine import RequestRejected
+from server.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = make_engine(max_waiting=64)
+    yield e
+    e.shutdown(timeout=5)
+
+
+def test_tiny_cache_preempts_and_every_request_completes_exactly():
+    e = make_engine(num_blocks=24, max_num_batched_tokens=64)  # 23 usable blocks = 368 tokens
+    try:
+        prompts = [e.tokenizer.encode(f"request number {i}: " + "xyz" * (3 + i)) for i in range(6)]
+        lengths = [48 + 4 * i for i in range(6)]
+        jobs = list(enumerate(zip(prompts, lengths, strict=True)))
+        solo = [run_one(e, f"solo-{i}", p, greedy(n)) for i, (p, n) in jobs]
+        crowd = run_all(e, [(f"crowd-{i}", p, greedy(n)) for i, (p, n) in jobs])
+        assert e.metrics.value("pagewalk_num_preemptions_total") > 0
+        for s, c, n in zip(solo, crowd, lengths, strict=True):
+            assert len(c.choices[0].token_ids) == n and c.choices[0].finish_reason == "length"
+            assert c.choices[0].token_ids == s.choices[0].token_ids
+            assert c.choices[0].text == s.choices[0].text
+        assert wait_until(lambda: e.health()["kv_cache"]["used_blocks"] == 0)
+        e.kv.check_integrity()
+    finally:
+        e.shutdown(timeout=5)
+
+
+def test_closing_the_stream_aborts_and_frees_blocks(engine):
+    async def main():
+        agen = engine.generate("abort-close", engine.tokenizer.encode("abort me"), greedy(500))
+        n = 0
+        async for out in agen:
+            n += len(out.deltas[0].token_ids)
+            if n >= 3:
+                break
+        assert engine.health()["kv_cache"]["used_blocks"] > 0
+        await agen.aclose()
+
+    aborted = engine.metrics.value("pagewalk_request_success_total", {"finish_reason": "abort"})
+    asyncio.run(main())
+    assert wait_until(lambda: engine.health()["kv_cache"]["used_blocks"] == 0)
+    assert wait_until(lambda: engine.health()["running"] == 0)
+    assert engine.metrics.value("pagewalk_request_success_total", {"finish_reason": "abort"}) == aborted + 1
+
+
+def test_explicit_abort_ends_the_stream_with_abort(engine):
+    async def main():
+        outs = []
+        async for out in engine.generate("abort-explicit", engine.tokenizer.encode("stop it"), greedy(500)):
+            outs.append(out)
+            if len(outs) == 2:
+                engine.abort("abort-explicit")
+        return outs
+
+    outs = asyncio.run(main())
+    assert outs[-1].finished and outs[-1].deltas[-1].finish_reason == "abort"
+    assert sum(len(o.deltas[0].token_ids) for o in outs) < 500
+    assert wait_until(lambda: engine.health()["kv_cache"]["used_blocks"] == 0)
+
+
+def test_cancelled_task_aborts(engine):
+    async def main():
+        prompt = engine.tokenizer.encode("cancel")
+        task = asyncio.create_task(collect(engine, "abort-cancel", prompt, greedy(500)))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert wait_until(lambda: engine.health()["kv_cache"]["used_blocks"] == 0)
+
+
+def test_admission_refusals_name_both_numbers(engine):
+    with pytest.raises(RequestRejected) as too_long:
+        engine.check_admissible(2000, SamplingParams(max_tokens=100))
+    assert too_long.value.status == 400 and "2100" in too_long.value.message
+    assert str(engine.max_model_len) in too_long.value.message and too_long.value.param == "max_tokens"
+    cap = engine.capacity_tokens  # 255 blocks x 16 = 4080 tokens
+    with pytest.raises(RequestRejected) as too_big:
+        engine.check_admissible(100, SamplingParams(max_tokens=1000, n=5))
+    assert too_big.value.status == 400
+    assert "5500" in too_big.value.message and str(cap) in too_big.value.message
+    engine.check_admissible(100, SamplingParams(max_tokens=1000, n=3))  # 3300 fits
+    with pytest.raises(RequestRejected) as empty:
+        engine.check_admissible(0, SamplingParams())
+    assert empty.value.status == 400
+
+
+def test_queue_full_is_429_and_shutdown_is_503():
+    e = make_engine(max_waiting=2)
+    e.shutdown(timeout=0)  # thread gone: nothing is ever dequeued
+    with pytest.raises(RequestRejected) as stopping:
+        e.check_admissible(5, SamplingParams())
+    assert stopping.value.status == 503
+
+
+def test_waiting_queue_limit():
+    e = make_engine(max_waiting=2, max_num_seqs=1)
+    try:
+        async def main():
+            tasks = [asyncio.create_task(collect(e, f"q-{i}", [1, 5, 6], greedy(200))) for i in range(3)]
+            await asyncio.sleep(0.3)  # q-0 runs, q-1 and q-2 wait
+            assert e.health()["waiting"] == 2
+            with pytest.raises(RequestRejected) as full:
+                e.check_admissible(3, SamplingParams())
+            assert full.value.status == 429 and "2" in full.value.message
+            with pytest.raises(RequestRejected):
+                await collect(e, "q-extra", [1, 5], greedy(2))
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run(main())
+    finally:
+        e.shutdown(timeout=5)
+
+
+def test_duplicate_request_id_is_refused(engine):
+    async def main():
+        first = asyncio.create_task(collect(engine, "dup", [1, 7, 8], greedy(300)))
+        await asyncio.sleep(0.1)
+        with pytest.raises(RequestRejected) as dup:
+            await collect(engine, "dup", [1, 7, 8], greedy(2))
+        assert dup.value.status == 400
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+
+    asyncio.run(main())
+
+
+class Exploding:
+    def append(self, token_id):
+        raise RuntimeError("detokenizer exploded")
+
+    def flush(self):
+        return ""
+
+
+def test_failure_in_one_request_fails_only_that_one(engine, monkeypatch):
+    make = engine.core.make_stop_checker
+    monkeypatch.setattr(engine.core, "make_stop_checker",
+                        lambda seq: Exploding() if seq.request_id == "bad" else make(seq))
+    bad, good = run_all(engine, [("bad", [1, 10, 11], greedy(8)), ("good", [1, 12, 13], greedy(8))])
+    assert bad.choices[0].finish_reason == "error" and "detokenizer exploded" in bad.error
+    assert good.error is None and len(good.choices[0].token_ids) == 8
+    assert wait_until(lambda: engine.health()["kv_cache"]["used_blocks"] == 0)
+
+
+def test_failed_step_fails_its_batch_and_the_engine_keeps_serving(engine, monkeypatch):
+    execute = engine.runner.execute
+    calls = {"n": 0}
+
+    def flaky(chunks):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device on fire")
+        return execute(chunks)
+
+    monkeypatch.setattr(engine.runner, "execute", flaky)
+    results = run_all(engine, [(f"flaky-{i}", [1, 20 + i, 30], greedy(10)) for i in range(3)])
+    failed = [r for r in results if r.error]
+    assert failed
+    assert all("device on fire" in r.error and r.choices[0].finish_reason == "error" for r in failed)
+    after = run_one(engine, "after-fire", [1, 2, 3], greedy(5))
+    assert after.error is None and len(after.choices[0].token_ids) == 5
+    assert wait_until(lambda: engine.health()["kv_cache"]["used_blocks"] == 0)
+
+
+def test_shutdown_lets_short_requests_finish_and_aborts_long_ones():
+    e = make_engine()
+
+    async def main():
+        short = asyncio.create_task(collect(e, "short", [1, 40, 41], greedy(3)))
+        long = asyncio.create_task(collect(e, "long", [1, 42, 43], greedy(1500)))
+        await asyncio.sleep(0.2)
+        await asyncio.to_thread(e.shutdown, 0.5)
+        return await short, await long
+
+    short, long = asyncio.run(main())
+    assert short.choices[0].finish_reason == "length" and len(short.choices[0].token_ids) == 3
+    assert long.choices[0].finish_reason == "abort" and len(long.choices[0].token_ids) < 1500
+    assert e.health()["status"] != "ok" and not e._thread.is_alive()
+    assert e.health()["kv_cache"]["used_blocks"] == 0
