@@ -199,7 +199,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         out = torch.empty_like(q)
     if bsz == 0:
         return out
-    cfg = config or choose_config(q.device, triton.next_power_of_2(d))
+    cfg = config or choose_config(q.device, triton.next_power_of_2(d), q.element_size())
     window = NO_WINDOW if sliding_window is None else int(sliding_window)
     if num_splits is None:
         max_len = min(block_tables.shape[1] * block_size, window)

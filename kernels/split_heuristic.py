@@ -39,11 +39,14 @@ _GPU_CONFIGS = {
 _INTERPRETER_CONFIG = KernelConfig(block_n=32, num_warps=4, num_stages=1)
 
 
-def choose_config(device: torch.device, head_dim_pad: int) -> KernelConfig:
-    """Tile config for this device and padded head dim; never depends on batch or lengths."""
+def choose_config(device: torch.device, head_dim_pad: int, elem_size: int = 2) -> KernelConfig:
+    """Tile config for this device, padded head dim and element size; never depends on batch or lengths."""
     if device.type != "cuda":
         return _INTERPRETER_CONFIG
-    return _GPU_CONFIGS[min(max(head_dim_pad, 64), 256)]
+    cfg = _GPU_CONFIGS[min(max(head_dim_pad, 64), 256)]
+    if elem_size > 2:  # fp32 tiles take twice the shared memory per stage
+        cfg = KernelConfig(max(16, cfg.block_n // 2), cfg.num_warps, cfg.num_stages)
+    return cfg
 
 
 @functools.lru_cache(maxsize=8)

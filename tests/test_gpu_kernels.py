@@ -1,0 +1,97 @@
+"""GPU checks of the Triton kernels (`pytest -m gpu`; skipped without CUDA): bf16, long sequences,
+large batches, every head_dim and block size, batch invariance, store_kv. Poisoned outputs, fp64 reference."""
+
+import pytest
+import torch
+
+import kernels
+from kernels import reference
+from kernels.testing import TOLERANCE, make_paged_case, reference_fp64, rel_error
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def _run(case, **kw):
+    out = torch.full_like(case.q, float("nan"))
+    kernels.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                   out=out, **kw)
+    assert kernels.last_backend() == "triton"
+    return out
+
+
+def _check(case, dtype, **kw):
+    out = _run(case, **kw)
+    kw.pop("num_splits", None)
+    err = rel_error(out, reference_fp64(case, **kw))
+    assert err <= TOLERANCE[dtype], f"relative error {err:.2e}"
+    return out
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16, F32])
+@pytest.mark.parametrize("hq,hkv,d,bs", [(32, 8, 128, 16), (8, 2, 64, 1), (6, 1, 80, 4), (4, 4, 96, 256),
+                                         (16, 2, 256, 32), (1, 1, 32, 128), (64, 8, 128, 64)])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_grid(dtype, hq, hkv, d, bs, splits):
+    lens = [0, 1, 17, 255, 1000, 4097]
+    case = make_paged_case(lens, hq, hkv, d, bs, dtype=dtype, device="cuda", seed=d + bs, strided=bs == 4)
+    out = _check(case, dtype, num_splits=splits)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("win", [1, 100, 5000])
+def test_sliding_window(dtype, win):
+    case = make_paged_case([3, 300, 9000], 32, 8, 128, 16, dtype=dtype, device="cuda", seed=win)
+    _check(case, dtype, sliding_window=win)
+
+
+@pytest.mark.parametrize("splits", [None, 1, 7, 64])
+def test_long_sequence_32k(splits):
+    case = make_paged_case([32768], 32, 8, 128, 16, dtype=BF16, device="cuda", seed=1)
+    _check(case, BF16, num_splits=splits)
+
+
+def test_large_batch():
+    lens = torch.randint(1, 3000, (256,), generator=torch.Generator().manual_seed(0)).tolist()
+    case = make_paged_case(lens, 32, 8, 128, 16, dtype=BF16, device="cuda", seed=2)
+    _check(case, BF16)
+
+
+@pytest.mark.parametrize("splits", [1, 4, 16])
+def test_batch_invariance(splits):
+    """Fixed num_splits: a sequence's output is bitwise identical whatever else is in the batch."""
+    big = make_paged_case([5000, 123, 40000, 1, 777], 32, 8, 128, 16, dtype=BF16, device="cuda", seed=3)
+    together = _run(big, num_splits=splits)
+    for i in (0, 2, 4):
+        for sl in (slice(i, i + 1), slice(0, i + 1)):
+            big_part = make_paged_case([1], 32, 8, 128, 16, dtype=BF16, device="cuda")
+            big_part.q, big_part.k_cache, big_part.v_cache = big.q[sl], big.k_cache, big.v_cache
+            big_part.block_tables, big_part.seq_lens = big.block_tables[sl], big.seq_lens[sl]
+            assert torch.equal(_run(big_part, num_splits=splits)[-1], together[i])
+
+
+def test_custom_scale_and_out_strides():
+    case = make_paged_case([700, 50], 32, 8, 128, 16, dtype=BF16, device="cuda", seed=4)
+    out = torch.full((128, 32, 2), float("nan"), device="cuda", dtype=BF16).permute(2, 1, 0)
+    kernels.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                   scale=0.2, out=out)
+    assert rel_error(out, reference_fp64(case, scale=0.2)) <= TOLERANCE[BF16]
+
+
+@pytest.mark.parametrize("dtype,bs,hkv,d", [(BF16, 16, 8, 128), (F16, 1, 2, 80), (F32, 256, 1, 64)])
+def test_store_kv(dtype, bs, hkv, d):
+    gen = torch.Generator(device="cuda").manual_seed(bs)
+    k_cache = torch.randn(40, bs, hkv, d, device="cuda", generator=gen).to(dtype)
+    v_cache = torch.randn(40, bs, hkv, d, device="cuda", generator=gen).to(dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    key = torch.randn(33, hkv, d, device="cuda", generator=gen).to(dtype)
+    value = torch.randn(33, hkv, d, device="cuda", generator=gen).to(dtype)
+    slots = torch.randperm(40 * bs, device="cuda", generator=gen)[:33].to(torch.int32)
+    slots[::5] = -1
+    kernels.store_kv(key, value, k_cache, v_cache, slots)
+    assert kernels.last_backend() == "triton"
+    reference.store_kv_reference(key, value, k_ref, v_ref, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
