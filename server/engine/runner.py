@@ -1,0 +1,241 @@
+"""ModelRunner: turns the scheduler's integer chunks into tensors, runs the decoder over the paged KV cache,
+and returns the logits of each chunk's last token.
+
+Per step it builds every index tensor (input ids, positions, slot mapping, decode block tables and seq lens,
+prefill block ids, logits rows) from one packed int32 host buffer: one (pinned, non-blocking) copy on CUDA.
+Single-token chunks (decode, or a one-token prefill) are placed first and share one paged-decode call.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+from server.engine.attention import AttentionMetadata, PagedAttention, PrefillSpan
+from server.engine.kv_cache_tensors import KVCacheTensors
+from server.model.layers import causal_mask
+from server.model.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+CPU_CACHE_TOKENS = 8192  # default KV capacity on CPU (block 0 included)
+CPU_CACHE_MAX_BYTES = 1 << 30
+DEFAULT_KV_CACHE_MEMORY = 0.9
+
+
+@dataclass
+class SeqChunk:
+    token_ids: list[int]  # the new tokens to run this step (1 for decode)
+    start_pos: int  # tokens of this sequence already in the cache before these
+    block_table: list[int]  # physical blocks covering start_pos + len(token_ids) tokens
+    slot_mapping: list[int]  # slot of each new token (block_id * block_size + offset)
+
+
+@dataclass
+class StepBatch:
+    input_ids: torch.Tensor  # (T,) int32
+    positions: torch.Tensor  # (T,) int32
+    logits_rows: torch.Tensor  # (len(chunks),) int32: flat row of each chunk's last token, in chunk order
+    meta: AttentionMetadata
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory: float | None = None,
+        attention_backend: str = "auto",
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+    ) -> None:
+        if block_size < 1 or block_size > 256 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two from 1 to 256, got {block_size}")
+        self.model, self.config = model, model.config
+        self.device, self.dtype = model.device, model.dtype
+        self.block_size = block_size
+        self.attention_backend = kernels.resolve_backend(self.device, attention_backend)
+        self.sliding_window = self.config.sliding_window
+        self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        if self.device.type == "cpu":
+            _limit_cpu_threads_for_small_model(model)
+        if num_blocks is None:
+            num_blocks = self._auto_num_blocks(kv_cache_memory)
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.capacity_tokens = (num_blocks - 1) * block_size
+        self.kv = self._allocate_cache(num_blocks)
+        log.info(
+            "runner: attention backend %s, %d KV blocks of %d tokens (%.1f MiB) on %s %s",
+            self.attention_backend, num_blocks, block_size,
+            self.kv.data.numel() * self.kv.data.element_size() / 2**20, self.device, self.dtype,
+        )
+
+    # ---- public API -------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """-> (len(chunks), vocab) fp32 logits of each chunk's last token."""
+        if not chunks:
+            return torch.empty(0, self.config.vocab_size, device=self.device)
+        batch = self._prepare(chunks)
+        attn = PagedAttention(self.kv, batch.meta, self.attention_backend, self.sliding_window)
+        hidden = self.model(batch.input_ids, batch.positions, attn)  # (T, H)
+        return self.model.compute_logits(hidden[batch.logits_rows])  # (N, V)
+
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write after a kvcache fork: block dst <- block src, every layer, K and V."""
+        for src, dst in pairs:
+            if not (0 < src < self.num_blocks and 0 < dst < self.num_blocks):
+                raise ValueError(f"copy_blocks pair ({src}, {dst}) outside blocks 1..{self.num_blocks - 1}")
+        self.kv.copy_blocks(pairs)
+
+    # ---- step inputs ------------------------------------------------------------------------------------
+
+    def _prepare(self, chunks: list[SeqChunk]) -> StepBatch:
+        for i, chunk in enumerate(chunks):
+            self._check_chunk(i, chunk)
+        order = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
+        num_decode = len(order)
+        order += [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
+        ids, positions, slots, rows = [], [], [], [0] * len(chunks)
+        for i in order:
+            c = chunks[i]
+            ids += c.token_ids
+            positions += range(c.start_pos, c.start_pos + len(c.token_ids))
+            slots += c.slot_mapping
+            rows[i] = len(ids) - 1
+        decode = [chunks[i] for i in order[:num_decode]]
+        max_blocks = max((len(c.block_table) for c in decode), default=1)
+        tables = [b for c in decode for b in c.block_table + [0] * (max_blocks - len(c.block_table))]
+        seq_lens = [c.start_pos + 1 for c in decode]
+        prefill = [chunks[i] for i in order[num_decode:]]
+        prefix_blocks = [c.block_table[: self._blocks_for(c)] for c in prefill if c.start_pos > 0]
+        flat_prefix_blocks = [b for bl in prefix_blocks for b in bl]
+        parts = [ids, positions, slots, seq_lens, tables, flat_prefix_blocks, rows]
+        dev = self._to_device([v for part in parts for v in part])
+        input_ids, pos_t, slot_t, lens_t, tables_t, blocks_t, rows_t = dev.split([len(p) for p in parts])
+        B = num_decode
+        meta = AttentionMetadata(
+            slot_mapping=slot_t,
+            num_decode=num_decode,
+            block_tables=tables_t.view(B, max_blocks),
+            seq_lens=lens_t,
+            prefills=self._prefill_spans(prefill, num_decode, blocks_t),
+        )
+        return StepBatch(input_ids, pos_t, rows_t, meta)
+
+    def _prefill_spans(self, prefill: list[SeqChunk], row: int, blocks_t: torch.Tensor) -> list[PrefillSpan]:
+        spans, offset = [], 0
+        for c in prefill:
+            n = len(c.token_ids)
+            block_ids = None
+            if c.start_pos > 0:
+                nb = self._blocks_for(c)
+                block_ids, offset = blocks_t[offset : offset + nb], offset + nb
+            mask = None
+            if c.start_pos > 0 or self.sliding_window is not None:
+                mask = causal_mask(n, c.start_pos, self.sliding_window, self.device)
+            spans.append(PrefillSpan(row, row + n, c.start_pos, block_ids, mask))
+            row += n
+        return spans
+
+    def _blocks_for(self, c: SeqChunk) -> int:
+        return -(-(c.start_pos + len(c.token_ids)) // self.block_size)
+
+    def _check_chunk(self, i: int, c: SeqChunk) -> None:
+        n = len(c.token_ids)
+        if n == 0 or len(c.slot_mapping) != n:
+            raise ValueError(f"chunk {i}: needs >= 1 token and one slot per token, got {n} and "
+                             f"{len(c.slot_mapping)}")
+        if len(c.block_table) < self._blocks_for(c):
+            raise ValueError(f"chunk {i}: block_table has {len(c.block_table)} blocks, "
+                             f"{c.start_pos + n} tokens need {self._blocks_for(c)}")
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        host = torch.tensor(values, dtype=torch.int32)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    # ---- KV cache sizing ----------------------------------------------------------------------------------
+
+    def _allocate_cache(self, num_blocks: int) -> KVCacheTensors:
+        cfg = self.config
+        return KVCacheTensors(cfg.num_layers, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
+                              self.dtype, self.device)
+
+    def _bytes_per_block(self) -> int:
+        cfg = self.config
+        return KVCacheTensors.bytes_per_block(cfg.num_layers, self.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                              self.dtype)
+
+    def _auto_num_blocks(self, kv_cache_memory: float | None) -> int:
+        if self.device.type != "cuda":
+            by_memory = CPU_CACHE_MAX_BYTES // self._bytes_per_block()
+            return max(2, min(CPU_CACHE_TOKENS // self.block_size, by_memory))
+        fraction = DEFAULT_KV_CACHE_MEMORY if kv_cache_memory is None else kv_cache_memory
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"kv_cache_memory must be in (0, 1], got {fraction}")
+        return self._profile_num_blocks(fraction)
+
+    def _profile_num_blocks(self, fraction: float) -> int:
+        """vLLM-style: run a dummy maximal batch, then give the KV cache `fraction` of the memory that was
+        free after the weights, minus the activation peak."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        free, _total = torch.cuda.mem_get_info(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        chunks, blocks_needed = self._dummy_chunks()
+        self.kv = self._allocate_cache(blocks_needed)
+        self.num_blocks = blocks_needed
+        self.execute(chunks)
+        torch.cuda.synchronize(self.device)
+        cache_bytes = self.kv.data.numel() * self.kv.data.element_size()
+        activations = torch.cuda.max_memory_allocated(self.device) - before - cache_bytes
+        del self.kv
+        torch.cuda.empty_cache()
+        budget = free * fraction - activations
+        num_blocks = int(budget // self._bytes_per_block())
+        log.info("runner: %.2f GiB free after weights, activation peak %.2f GiB -> %d KV blocks",
+                 free / 2**30, activations / 2**30, num_blocks)
+        if num_blocks < 2:
+            raise RuntimeError(
+                f"not enough GPU memory for the KV cache: {free / 2**30:.2f} GiB free after weights, "
+                f"{activations / 2**30:.2f} GiB activation peak; raise kv_cache_memory or use a smaller model"
+            )
+        return num_blocks
+
+    def _dummy_chunks(self) -> tuple[list[SeqChunk], int]:
+        """max_num_batched_tokens tokens over min(max_num_seqs, tokens) prefill chunks, in fresh blocks."""
+        tokens = min(self.max_num_batched_tokens, self.config.max_position_embeddings)
+        num_seqs = max(1, min(self.max_num_seqs, tokens))
+        lengths = [tokens // num_seqs + (1 if i < tokens % num_seqs else 0) for i in range(num_seqs)]
+        chunks, next_block = [], 1
+        for n in lengths:
+            nb = -(-n // self.block_size)
+            table = list(range(next_block, next_block + nb))
+            next_block += nb
+            slots = [table[t // self.block_size] * self.block_size + t % self.block_size for t in range(n)]
+            chunks.append(SeqChunk([0] * n, 0, table, slots))
+        return chunks, next_block
+
+
+SMALL_MODEL_PARAMS = 50_000_000
+
+
+def _limit_cpu_threads_for_small_model(model: LlamaForCausalLM) -> None:
+    """A small model's matmuls (one decode token, hidden 256) are far cheaper than waking intra-op threads;
+    on a loaded machine the spin-waits cost 10x. One thread is the faster choice below SMALL_MODEL_PARAMS."""
+    num_params = sum(p.numel() for p in model.parameters())
+    if num_params < SMALL_MODEL_PARAMS and torch.get_num_threads() > 1:
+        log.info("runner: %d parameters on CPU: torch intra-op threads %d -> 1", num_params,
+                 torch.get_num_threads())
+        torch.set_num_threads(1)
