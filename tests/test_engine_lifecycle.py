@@ -105,7 +105,7 @@ def test_admission_refusals_name_both_numbers(engine):
     assert empty.value.status == 400
 
 
-def test_queue_full_is_429_and_shutdown_is_503():
+def test_shutdown_refuses_new_requests_with_503():
     e = make_engine(max_waiting=2)
     e.shutdown(timeout=0)  # thread gone: nothing is ever dequeued
     with pytest.raises(RequestRejected) as stopping:
@@ -117,9 +117,12 @@ def test_waiting_queue_limit():
     e = make_engine(max_waiting=2, max_num_seqs=1)
     try:
         async def main():
-            tasks = [asyncio.create_task(collect(e, f"q-{i}", [1, 5, 6], greedy(200))) for i in range(3)]
-            await asyncio.sleep(0.3)  # q-0 runs, q-1 and q-2 wait
-            assert e.health()["waiting"] == 2
+            tasks = [asyncio.create_task(collect(e, "q-0", [1, 5, 6], greedy(1500)))]
+            while e.health()["running"] < 1:
+                await asyncio.sleep(0.01)
+            tasks += [asyncio.create_task(collect(e, f"q-{i}", [1, 5, 6], greedy(1500))) for i in (1, 2)]
+            await asyncio.sleep(0.05)  # q-0 runs, q-1 and q-2 wait (max_num_seqs=1)
+            assert (e.health()["running"], e.health()["waiting"]) == (1, 2)
             with pytest.raises(RequestRejected) as full:
                 e.check_admissible(3, SamplingParams())
             assert full.value.status == 429 and "2" in full.value.message

@@ -65,7 +65,7 @@ class AsyncEngine:
                                   attention_backend=config.attention_backend)
         self.attention_backend = self.runner.attention_backend
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.capacity_tokens = (self.runner.num_blocks - 1) * config.block_size  # block 0 is the null block
+        self.capacity_tokens = self.runner.capacity_tokens  # usable blocks x block_size (block 0 is null)
         self.metrics = EngineMetrics(self.model_name, self.attention_backend, self.device, self.dtype)
         self.core = EngineCore(self.runner, self.tokenizer, self.kv, self.metrics,
                                partial(IncrementalDetokenizer, self.tokenizer), config.max_num_seqs,
@@ -183,6 +183,8 @@ class AsyncEngine:
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, []
                 deadline = self._deadline
+                if inbox:  # keep them counted as waiting until the next snapshot
+                    self._snapshot = {**self._snapshot, "waiting": self._snapshot["waiting"] + len(inbox)}
             for req in inbox:
                 core.add_request(req)
             outputs = [o for rid in aborts if (o := core.abort_request(rid))]
