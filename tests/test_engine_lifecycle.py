@@ -103,11 +103,15 @@ def test_admission_refusals_name_both_numbers(engine):
     with pytest.raises(RequestRejected) as empty:
         engine.check_admissible(0, SamplingParams())
     assert empty.value.status == 400
+    with pytest.raises(RequestRejected) as too_many:
+        engine.check_admissible(5, SamplingParams(n=17))  # max_num_seqs=16: could never be scheduled
+    assert too_many.value.status == 400 and too_many.value.param == "n"
 
 
 def test_shutdown_refuses_new_requests_with_503():
-    e = make_engine(max_waiting=2)
-    e.shutdown(timeout=0)  # thread gone: nothing is ever dequeued
+    e = make_engine()
+    e.check_admissible(5, SamplingParams())
+    e.shutdown(timeout=0)
     with pytest.raises(RequestRejected) as stopping:
         e.check_admissible(5, SamplingParams())
     assert stopping.value.status == 503

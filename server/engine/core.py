@@ -33,6 +33,7 @@ class StepOutput:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     num_preempted: int = 0
+    scheduled: bool = False  # some chunk ran (or failed) this step
 
 
 class EngineCore:
@@ -108,6 +109,7 @@ class EngineCore:
             self.metrics.num_preemptions.inc(len(sched.preempted))
         if sched.is_empty:
             return step
+        step.scheduled = True
         try:
             rows, sampled = self._run_batch(sched)
         except Exception as e:  # the whole batch failed: fail its requests, keep serving

@@ -108,6 +108,9 @@ class AsyncEngine:
             raise RequestRejected(503, "the engine is shutting down")
         if num_prompt_tokens < 1:
             raise RequestRejected(400, "the prompt must contain at least one token", "prompt")
+        if params.n > self.config.max_num_seqs:
+            raise RequestRejected(
+                400, f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})", "n")
         total = num_prompt_tokens + params.max_tokens
         if total > self.max_model_len:
             raise RequestRejected(
@@ -185,9 +188,8 @@ class AsyncEngine:
                 deadline = self._deadline
                 if inbox:  # keep them counted as waiting until the next snapshot
                     self._snapshot = {**self._snapshot, "waiting": self._snapshot["waiting"] + len(inbox)}
-            for req in inbox:
-                core.add_request(req)
-            outputs = [o for rid in aborts if (o := core.abort_request(rid))]
+            outputs = [o for req in inbox if (o := self._add(req))]
+            outputs += [o for rid in aborts if (o := core.abort_request(rid))]
             stop = deadline is not None and (not core.has_work() or time.monotonic() >= deadline)
             if stop:
                 outputs += [o for rid in list(core.requests) if (o := core.abort_request(rid))]
@@ -198,9 +200,25 @@ class AsyncEngine:
                 self._abort_inbox()
                 return
 
+    def _add(self, req: Request) -> tuple[Request, RequestOutput] | None:
+        try:
+            self.core.add_request(req)
+            return None
+        except Exception as e:
+            logger.exception("could not add request %s", req.request_id)
+            error = f"{type(e).__name__}: {e}"
+            if req.request_id in self.core.requests:
+                return self.core.abort_request(req.request_id, "error", error)
+            deltas = [ChoiceDelta(i, "", [], None, "error", None) for i in range(req.params.n)]
+            return req, RequestOutput(req.request_id, req.prompt_token_ids, deltas, True, error)
+
     def _step(self) -> list:
         try:
-            return self.core.step().outputs
+            step = self.core.step()
+            if not step.scheduled:  # nothing could run (should not happen): do not spin
+                with self._cond:
+                    self._cond.wait(0.01)
+            return step.outputs
         except Exception as e:  # a bug outside the batch guard: fail everything in flight, keep serving
             logger.exception("engine step crashed")
             msg = f"{type(e).__name__}: {e}"
@@ -212,7 +230,10 @@ class AsyncEngine:
             if out.finished:
                 with self._cond:
                     self._live.discard(req.request_id)
-            req.emit(out)
+            try:
+                req.emit(out)
+            except Exception:
+                logger.exception("could not deliver an output of request %s", req.request_id)
         snapshot = self._take_snapshot()
         with self._cond:
             self._snapshot = snapshot
