@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     low, high = (int(x) for x in args.vocab_range.split(","))
     model, source = load_hf_model(args.model, device, dtype)
     if args.compile:
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        mode = "reduce-overhead" if device.type == "cuda" else None  # CUDA graphs on GPU
+        model.forward = torch.compile(model.forward, mode=mode, fullgraph=True)
     command = shlex.join(["python", "-m", "loadtest.hf_baseline", *(sys.argv[1:] if argv is None else argv)])
     result = {"tool": "hf_baseline", "model": args.model, "source": source, "cache_implementation": "static",
               "compile": args.compile, "command": command}  # fmt: skip

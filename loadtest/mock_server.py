@@ -3,7 +3,8 @@
 Every request gets its first token `first_token_delay_s` after its body is read and the k-th token
 (k = 0, 1, ...) at `first_token_delay_s + k * inter_token_delay_s`, so TTFT, ITL and TPOT have known values.
 `behaviours` is cycled over requests in arrival order: "ok", "429", "500", "drop" (the connection is cut after
-the first token) or "no_done" (the stream ends cleanly without `data: [DONE]`).
+the first token), "no_done" (the stream ends cleanly without `data: [DONE]`) or "error" (an error event
+after the first token, then `data: [DONE]`, as servers report failures once the stream has started).
 Prompt tokens: token-id prompts count their ids; text counts one token per character (byte-level), plus
 `chat_template_tokens` for a chat request. Token ids are streamed when the request sets `return_token_ids`.
 
@@ -96,7 +97,11 @@ class MockServer:
             await _event(send, _chunk(chat, text, None, ids))
             if behaviour == "drop":
                 raise DropConnection("scripted mid-stream drop")
-        await _event(send, _chunk(chat, "", "length"))
+            if behaviour == "error":
+                await _event(send, _error("scripted mid-stream error", "server_error"))
+                break
+        if behaviour != "error":
+            await _event(send, _chunk(chat, "", "length"))
         if self.script.send_usage and (request.get("stream_options") or {}).get("include_usage"):
             usage = self._usage(request, chat)
             await _event(send, {"object": "text_completion", "choices": [], "usage": usage})
