@@ -51,17 +51,17 @@ def greedy_paged(runner: ModelRunner, prompts: list[list[int]], steps: int) -> t
     """Prefill all prompts in one step, then decode all of them together; -> (prefill logits, new tokens)."""
     alloc = Allocator()
     tables = [alloc.table(len(p) + steps) for p in prompts]
-    logits = runner.execute([SeqChunk(p, 0, t, slots(t, 0, len(p))) for p, t in zip(prompts, tables)])
-    prefill_logits = logits
+    chunks = [SeqChunk(p, 0, t, slots(t, 0, len(p))) for p, t in zip(prompts, tables, strict=True)]
+    logits = prefill_logits = runner.execute(chunks)
     seqs = [list(p) for p in prompts]
-    for _ in range(steps):
-        for s, row in zip(seqs, logits):
+    for step in range(steps):
+        for s, row in zip(seqs, logits, strict=True):
             s.append(int(row.argmax()))
-        if len(seqs[0]) - len(prompts[0]) == steps:
-            break
-        chunks = [SeqChunk([s[-1]], len(s) - 1, t, slots(t, len(s) - 1, len(s))) for s, t in zip(seqs, tables)]
-        logits = runner.execute(chunks)
-    return prefill_logits, [s[len(p) :] for s, p in zip(seqs, prompts)]
+        if step + 1 < steps:
+            chunks = [SeqChunk(s[-1:], len(s) - 1, t, slots(t, len(s) - 1, len(s)))
+                      for s, t in zip(seqs, tables, strict=True)]  # fmt: skip
+            logits = runner.execute(chunks)
+    return prefill_logits, [s[len(p) :] for s, p in zip(seqs, prompts, strict=True)]
 
 
 def test_last_token_logits_match_transformers(checkpoint):
@@ -69,7 +69,7 @@ def test_last_token_logits_match_transformers(checkpoint):
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     runner = ModelRunner(model, block_size=BLOCK_SIZE, num_blocks=64, attention_backend="torch")
     ours, _ = greedy_paged(runner, prompts, steps=1)
-    for prompt, row in zip(prompts, ours):
+    for prompt, row in zip(prompts, ours, strict=True):
         with torch.no_grad():
             ref = hf_model(torch.tensor([prompt])).logits[0, -1]
         rel = (row - ref).abs().max() / ref.abs().max()
@@ -83,7 +83,7 @@ def test_greedy_continuations_match_transformers_generate(checkpoint):
     runner = ModelRunner(model, block_size=BLOCK_SIZE, num_blocks=64, attention_backend="torch")
     steps = 16
     _, ours = greedy_paged(runner, prompts, steps)
-    for prompt, got in zip(prompts, ours):
+    for prompt, got in zip(prompts, ours, strict=True):
         with torch.no_grad():
             out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
                                     max_new_tokens=steps, min_new_tokens=steps, do_sample=False,

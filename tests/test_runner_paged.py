@@ -1,0 +1,226 @@
+"""Paged = contiguous: the runner's greedy tokens equal a dense recompute of the whole sequence, whatever the
+block size, the physical block order, prefix-cache hits, chunked prefill, mixed batches or forks."""
+
+from __future__ import annotations
+
+import random
+from functools import cache
+
+import pytest
+import torch
+
+import kernels
+from kvcache import KVCacheManager
+from server.engine.runner import ModelRunner, SeqChunk
+from server.model import load_model
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog",
+    "paged attention",
+    "héllo 東京 🙂, a prompt whose length is not a multiple of anything in particular.",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tokenizer = load_model("tiny", "cpu", torch.float32)
+    return model, tokenizer
+
+
+@cache
+def _dense_greedy(model, ids: tuple[int, ...], steps: int) -> tuple[int, ...]:
+    """Greedy continuation by recomputing the whole contiguous sequence each step (no KV cache at all)."""
+    seq = list(ids)
+    with torch.inference_mode():
+        for _ in range(steps):
+            hidden = model(torch.tensor(seq), torch.arange(len(seq)))
+            seq.append(int(model.compute_logits(hidden[-1:]).argmax()))
+    return tuple(seq[len(ids) :])
+
+
+def dense_greedy(model, ids: list[int], steps: int) -> list[int]:
+    return list(_dense_greedy(model, tuple(ids), steps))
+
+
+class ShuffledBlocks:
+    """A tiny allocator: free blocks 1..N-1 in a seeded random order; tables grow on demand."""
+
+    def __init__(self, num_blocks: int, block_size: int, seed: int = 0) -> None:
+        self.free = list(range(1, num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.block_size = block_size
+        self.tables: dict[str, list[int]] = {}
+
+    def grow(self, seq: str, num_tokens: int) -> list[int]:
+        table = self.tables.setdefault(seq, [])
+        while len(table) * self.block_size < num_tokens:
+            table.append(self.free.pop())
+        return table
+
+    def chunk(self, seq: str, token_ids: list[int], start: int) -> SeqChunk:
+        table = self.grow(seq, start + len(token_ids))
+        bs = self.block_size
+        slots = [table[t // bs] * bs + t % bs for t in range(start, start + len(token_ids))]
+        return SeqChunk(list(token_ids), start, list(table), slots)
+
+
+def decode_together(runner, blocks, seqs: dict[str, list[int]], logits, steps: int) -> None:
+    """Append argmax of `logits` (one row per seq, dict order) to each seq, then decode all of them."""
+    for step in range(steps):
+        for seq, row in zip(seqs.values(), logits, strict=True):
+            seq.append(int(row.argmax()))
+        if step + 1 < steps:
+            logits = runner.execute([blocks.chunk(name, s[-1:], len(s) - 1) for name, s in seqs.items()])
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 256])
+def test_block_size_and_shuffled_physical_blocks(tiny, block_size):
+    model, tok = tiny
+    prompts = [tok.encode(p) for p in PROMPTS]
+    num_blocks = 1 + sum(-(-(len(p) + 12) // block_size) for p in prompts)
+    runner = ModelRunner(model, block_size=block_size, num_blocks=num_blocks, attention_backend="torch")
+    blocks = ShuffledBlocks(num_blocks, block_size, seed=block_size)
+    seqs = {f"s{i}": list(p) for i, p in enumerate(prompts)}
+    logits = runner.execute([blocks.chunk(n, s, 0) for n, s in seqs.items()])
+    decode_together(runner, blocks, seqs, logits, steps=12)
+    for prompt, seq in zip(prompts, seqs.values(), strict=True):
+        assert seq[len(prompt) :] == dense_greedy(model, prompt, 12)
+
+
+def test_prefix_cache_hit_shares_blocks_and_starts_late(tiny):
+    model, tok = tiny
+    bs = 8
+    runner = ModelRunner(model, block_size=bs, num_blocks=64, attention_backend="torch")
+    blocks = ShuffledBlocks(64, bs, seed=1)
+    a = tok.encode("A shared system prompt, then question one?")
+    b = a[:32] + tok.encode("Different tail: question two!", add_bos=False)
+    runner.execute([blocks.chunk("a", a, 0)])
+    blocks.tables["b"] = list(blocks.tables["a"][:4])  # 32 cached tokens = 4 full blocks of `a`
+    shared_before = runner.kv.data[:, :, blocks.tables["a"][:4]].clone()
+    logits = runner.execute([blocks.chunk("b", b[32:], 32)])
+    seqs = {"b": list(b)}
+    decode_together(runner, blocks, seqs, logits, steps=10)
+    assert seqs["b"][len(b) :] == dense_greedy(model, b, 10)
+    assert torch.equal(runner.kv.data[:, :, blocks.tables["a"][:4]], shared_before)
+
+
+def test_chunked_prefill_in_mixed_batches(tiny):
+    model, tok = tiny
+    bs = 4
+    runner = ModelRunner(model, block_size=bs, num_blocks=128, attention_backend="torch")
+    blocks = ShuffledBlocks(128, bs, seed=2)
+    a, b = tok.encode(PROMPTS[0]), tok.encode(PROMPTS[2])
+    seq_a = list(a)
+    logits = runner.execute([blocks.chunk("a", a, 0)])
+    seq_a.append(int(logits[0].argmax()))
+    for start in range(0, len(b), 5):  # b arrives 5 tokens per step, each step also decodes a
+        end = min(start + 5, len(b))
+        chunks = [blocks.chunk("a", seq_a[-1:], len(seq_a) - 1), blocks.chunk("b", b[start:end], start)]
+        logits = runner.execute(chunks)
+        seq_a.append(int(logits[0].argmax()))
+    seqs = {"a": seq_a[:-1], "b": list(b)}
+    decode_together(runner, blocks, seqs, logits, steps=6)
+    assert seqs["a"][len(a) :] == dense_greedy(model, a, len(seqs["a"]) - len(a))
+    assert seqs["b"][len(b) :] == dense_greedy(model, b, 6)
+
+
+def test_fork_then_copy_on_write_keeps_parent_and_child_apart(tiny):
+    model, tok = tiny
+    bs = 8
+    runner = ModelRunner(model, block_size=bs, num_blocks=64, attention_backend="torch")
+    blocks = ShuffledBlocks(64, bs, seed=3)
+    parent = tok.encode("Fork me after a partial block")  # 30 tokens: last block partial
+    assert len(parent) % bs != 0
+    logits = runner.execute([blocks.chunk("p", parent, 0)])
+    first = int(logits[0].argmax())
+    forced = (first + 1) % model.config.vocab_size  # the child continues with a different token
+    table = blocks.tables["p"]
+    child_table = table[:-1] + [blocks.free.pop()]  # full blocks shared, partial last block copied
+    runner.copy_blocks([(table[-1], child_table[-1])])
+    assert torch.equal(runner.kv.data[:, :, child_table[-1]], runner.kv.data[:, :, table[-1]])
+    blocks.tables["c"] = child_table
+    seqs = {"p": parent + [first], "c": parent + [forced]}
+    logits = runner.execute([blocks.chunk(n, s[-1:], len(parent)) for n, s in seqs.items()])
+    decode_together(runner, blocks, seqs, logits, steps=8)
+    assert seqs["p"][len(parent) :] == dense_greedy(model, parent, 9)
+    assert seqs["c"][len(parent) + 1 :] == dense_greedy(model, parent + [forced], 8)
+
+
+def test_kvcache_manager_prefix_hit_and_fork(tiny):
+    """The same scenario driven by the real kvcache.KVCacheManager block bookkeeping."""
+    model, tok = tiny
+    bs = 4
+    mgr = KVCacheManager(96, bs, enable_prefix_caching=True)
+    runner = ModelRunner(model, block_size=bs, num_blocks=96, attention_backend="torch")
+    a = tok.encode("Common prefix for both requests; then A")
+    b = a[:-1] + tok.encode("B", add_bos=False)
+    seqs: dict[str, list[int]] = {}
+
+    def chunk(seq_id, start):
+        ids = seqs[seq_id]
+        slots = mgr.slot_mapping(seq_id, start, len(ids))
+        return SeqChunk(ids[start:], start, mgr.block_table(seq_id), slots)
+
+    def step(seq_ids, starts):
+        logits = runner.execute([chunk(s, st) for s, st in zip(seq_ids, starts, strict=True)])
+        for s, row in zip(seq_ids, logits, strict=True):
+            mgr.mark_computed(s, len(seqs[s]))
+            seqs[s].append(int(row.argmax()))
+            assert mgr.append_slots(s, 1, [seqs[s][-1]])
+
+    seqs["a"] = list(a)
+    assert mgr.allocate("a", a) is not None
+    step(["a"], [0])
+    seqs["b"] = list(b)
+    assert mgr.allocate("b", b) is not None
+    hit = mgr.num_cached_tokens("b")
+    assert hit > 0 and hit % bs == 0
+    step(["b"], [hit])
+    seqs["c"] = list(seqs["a"])
+    copies = mgr.fork("a", "c")
+    runner.copy_blocks(copies)
+    for _ in range(6):
+        step(["a", "b", "c"], [len(seqs[s]) - 1 for s in ("a", "b", "c")])
+    mgr.check_integrity()
+    assert seqs["a"][len(a) :] == dense_greedy(model, a, 7)
+    assert seqs["b"][len(b) :] == dense_greedy(model, b, 7)
+    assert seqs["c"] == seqs["a"]
+
+
+def test_triton_interpreter_backend_matches_torch(tiny):
+    try:
+        kernels.resolve_backend("cpu", "triton")
+    except ValueError as exc:
+        pytest.skip(str(exc))
+    model, tok = tiny
+    results = []
+    for backend in ("torch", "triton"):
+        runner = ModelRunner(model, block_size=8, num_blocks=32, attention_backend=backend)
+        assert runner.attention_backend == backend
+        blocks = ShuffledBlocks(32, 8, seed=4)
+        seqs = {"a": tok.encode(PROMPTS[0]), "b": tok.encode(PROMPTS[1])}
+        logits = runner.execute([blocks.chunk(n, s, 0) for n, s in seqs.items()])
+        decode_together(runner, blocks, seqs, logits, steps=3)
+        results.append((seqs, runner.execute([blocks.chunk(n, s[-1:], len(s) - 1) for n, s in seqs.items()])))
+    assert results[0][0] == results[1][0]
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-4, atol=1e-4)
+
+
+def test_execute_rejects_inconsistent_chunks(tiny):
+    model, _ = tiny
+    runner = ModelRunner(model, block_size=4, num_blocks=8, attention_backend="torch")
+    with pytest.raises(ValueError, match="one slot per token"):
+        runner.execute([SeqChunk([5, 6], 0, [1], [4])])
+    with pytest.raises(ValueError, match="block_table has 1 blocks"):
+        runner.execute([SeqChunk([5] * 5, 0, [1], [4, 5, 6, 7, 8])])
+    with pytest.raises(ValueError, match="copy_blocks"):
+        runner.copy_blocks([(0, 3)])
+
+
+def test_cpu_cache_defaults(tiny):
+    model, _ = tiny
+    runner = ModelRunner(model, block_size=16)
+    assert runner.attention_backend == kernels.resolve_backend("cpu", "auto")
+    assert runner.num_blocks == 8192 // 16 and runner.capacity_tokens == (8192 // 16 - 1) * 16
+    assert runner.device == torch.device("cpu") and runner.dtype == torch.float32
+    assert runner.execute([]).shape == (0, model.config.vocab_size)
