@@ -1,0 +1,12 @@
+"""pagewalk's load generator: `python -m loadtest` (or `pagewalk loadtest`) measures an OpenAI-compatible
+server the way serving benchmarks do (vLLM `bench serve` definitions of TTFT, TPOT, ITL, E2EL, goodput).
+
+workload.py  prompts of exact token lengths + Poisson/gamma arrival offsets
+client.py    one timed request (SSE per-chunk timestamps), failures as records
+benchmark.py concurrency-limited driver, Ctrl-C stop
+metrics.py   the arithmetic          report.py  JSON, tables, compare
+session.py   one measured run        sweep.py   --sweep-concurrency
+plot.py      PNGs                    cli.py     flags
+hf_baseline.py  the same shape through HF transformers generate (static cache)
+mock_server.py  scripted SSE server with known timing (tests, dry runs)
+"""

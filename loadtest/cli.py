@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
 async def _run(settings: RunSettings, levels: list[int] | None, out: str | None, plot: str | None) -> int:
     stop = _install_sigint(asyncio.Event())
-    console, err = Console(), Console(stderr=True)
+    console, err = stdout_console(), Console(stderr=True)
     try:
         server = await discover(settings)
     except (httpx.HTTPError, RuntimeError) as e:
@@ -129,6 +129,11 @@ async def _run(settings: RunSettings, levels: list[int] | None, out: str | None,
     return 0 if all(r["completed"] > 0 for r in reports) else 1
 
 
+def stdout_console() -> Console:
+    """Tables to stdout; when it is a pipe or file, wide enough that no column is cut (rich assumes 80)."""
+    return Console() if sys.stdout.isatty() else Console(width=160)
+
+
 def _install_sigint(stop: asyncio.Event) -> asyncio.Event:
     """First Ctrl-C: stop measuring and report what finished; a second one aborts."""
     loop = asyncio.get_running_loop()
@@ -153,5 +158,5 @@ def compare_main(argv: list[str]) -> int:
     a, b = load_report(args.a), load_report(args.b)
     if "sweep" in a or "sweep" in b:
         p.error("compare takes single-run reports, not sweeps")
-    print_compare(a, b, (args.a, args.b), Console())
+    print_compare(a, b, (args.a, args.b), stdout_console())
     return 0

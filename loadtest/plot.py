@@ -58,7 +58,7 @@ def plot_sweep(reports: list[dict], path: str | Path) -> None:
             lat = [(r.get(metric) or {}).get(stat) for r in reports]
             pts = [(x, y, c) for x, y, c in zip(lat, tput, conc, strict=True) if x is not None]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker, label=stat)
-            for x, y, c in pts:
+            for x, y, c in pts if stat == "p50" else []:
                 ax.annotate(f"c={c}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
         ax.set_xlabel(f"{metric.removesuffix('_ms').upper()} (ms)")
         ax.set_ylabel("output tokens/s")
