@@ -141,6 +141,12 @@ def test_waiting_queue_limit():
         e.shutdown(timeout=5)
 
 
+def test_invalid_params_are_refused_by_generate(engine):
+    with pytest.raises(RequestRejected) as bad:
+        run_one(engine, "bad-params", [1, 2], SamplingParams(top_p=1.5))
+    assert bad.value.status == 400 and "top_p must be in (0, 1], got 1.5" in bad.value.message
+
+
 def test_duplicate_request_id_is_refused(engine):
     async def main():
         first = asyncio.create_task(collect(engine, "dup", [1, 7, 8], greedy(300)))

@@ -60,6 +60,7 @@ class AsyncEngine:
         self.device = str(next(model.parameters()).device)
         self.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
+        self.vocab_size = model.config.vocab_size  # width of the logits
         self.runner = ModelRunner(model, block_size=config.block_size, num_blocks=config.num_blocks,
                                   kv_cache_memory=config.kv_cache_memory,
                                   attention_backend=config.attention_backend)
@@ -145,6 +146,10 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def _submit(self, req: Request) -> None:
+        try:
+            req.params.validate(self.vocab_size)
+        except ValueError as e:
+            raise RequestRejected(400, str(e)) from None
         with self._cond:
             self.check_admissible(len(req.prompt_token_ids), req.params)
             if req.request_id in self._live:
