@@ -1,0 +1,128 @@
+"""Tokenizers (byte-level and the tokenizer.json wrapper), chat templates, and streaming detokenization."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from server.model import IncrementalDetokenizer
+from server.model.testing import CHAT_TEMPLATE, byte_bpe_tokenizer
+from server.model.tokenizer import ByteTokenizer, HFTokenizer
+
+TEXTS = ["", "hello", "héllo wörld", "東京 🙂 \n\t tabs", "\x00\x7f control"]
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+
+
+def stream(tokenizer, ids: list[int]) -> list[str]:
+    detok = IncrementalDetokenizer(tokenizer)
+    return [detok.push(i) for i in ids] + [detok.flush()]
+
+
+@pytest.fixture(scope="module")
+def hf_tok(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok")
+    byte_bpe_tokenizer().save(str(path / "tokenizer.json"))
+    cfg = {"bos_token": {"content": "<s>"}, "eos_token": "</s>", "pad_token": "<pad>",
+           "chat_template": CHAT_TEMPLATE}  # fmt: skip
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return HFTokenizer.from_dir(path, extra_eos_ids=(7,))
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_byte_tokenizer_round_trip(text):
+    tok = ByteTokenizer()
+    ids = tok.encode(text)
+    assert ids[0] == tok.bos_token_id and len(ids) == 1 + len(text.encode())
+    assert tok.encode(text, add_bos=False) == ids[1:]
+    assert all(3 <= i < tok.vocab_size for i in ids[1:])
+    assert tok.decode(ids + [tok.EOS, tok.PAD]) == text
+
+
+def test_byte_tokenizer_larger_vocab_ignores_unused_ids():
+    tok = ByteTokenizer(vocab_size=128256)
+    assert tok.vocab_size == 128256 and tok.eos_token_ids == {2}
+    assert tok.decode([ord("a") + 3, 300, 128255, ord("b") + 3]) == "ab"
+    with pytest.raises(ValueError, match="vocab_size >= 259"):
+        ByteTokenizer(vocab_size=100)
+
+
+def test_simple_chat_template():
+    text = ByteTokenizer().apply_chat_template(MESSAGES)
+    assert text == "system: be brief\nuser: hi\nassistant:"
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert ByteTokenizer().apply_chat_template(parts, add_generation_prompt=False) == "user: ab\n"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=64), st.lists(st.sampled_from([0, 1, 2]), max_size=4), st.randoms())
+def test_byte_detokenizer_concat_equals_decode(data, specials, rnd):
+    tok = ByteTokenizer()
+    ids = [b + 3 for b in data]
+    for special in specials:
+        ids.insert(rnd.randint(0, len(ids)), special)
+    deltas = stream(tok, ids)
+    assert "".join(deltas) == tok.decode(ids)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=40))
+def test_byte_detokenizer_never_emits_half_a_character(text):
+    tok = ByteTokenizer()
+    deltas = stream(tok, tok.encode(text))
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas if "\ufffd" not in text)
+    assert deltas[-1] == ""  # nothing left to flush after valid UTF-8
+
+
+def test_detokenizer_holds_incomplete_bytes_until_completed():
+    tok = ByteTokenizer()
+    ids = tok.encode("a€", add_bos=False)  # € is 3 bytes
+    detok = IncrementalDetokenizer(tok)
+    assert [detok.push(i) for i in ids] == ["a", "", "", "€"]
+    detok.push(0xE2 + 3)  # a dangling lead byte is released only by flush
+    assert detok.flush() == "\ufffd"
+
+
+def test_hf_tokenizer_bos_eos_and_round_trip(hf_tok):
+    assert hf_tok.bos_token_id == 1 and hf_tok.pad_token_id == 0 and hf_tok.eos_token_ids == {2, 7}
+    assert hf_tok.vocab_size == 300
+    for text in TEXTS:
+        ids = hf_tok.encode(text)
+        assert ids[0] == 1 and hf_tok.decode(ids) == text
+        assert hf_tok.encode(text, add_bos=False) == ids[1:]
+
+
+def test_hf_chat_template_from_config_and_single_bos(hf_tok):
+    text = hf_tok.apply_chat_template(MESSAGES)
+    assert text == "<s><|system|>\nbe brief</s>\n<|user|>\nhi</s>\n<|assistant|>\n"
+    ids = hf_tok.encode(text)
+    assert ids.count(1) == 1 and ids[0] == 1  # the template's BOS is parsed, not doubled
+    assert 2 in ids  # </s> is parsed as the special token
+
+
+def test_hf_chat_template_file_and_named_list(tmp_path):
+    byte_bpe_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    templates = [{"name": "tool_use", "template": "T"},
+                 {"name": "default", "template": "{{ messages[0].role }}"}]  # fmt: skip
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": templates}))
+    tok = HFTokenizer.from_dir(tmp_path)
+    assert tok.bos_token_id is None and tok.encode("ab") == tok.encode("ab", add_bos=False)
+    assert tok.apply_chat_template(MESSAGES) == "system"
+    (tmp_path / "chat_template.jinja").write_text("{{ messages | length }}")
+    assert HFTokenizer.from_dir(tmp_path).apply_chat_template(MESSAGES) == "2"
+
+
+def test_hf_tokenizer_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        HFTokenizer.from_dir(tmp_path)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(max_size=30))
+def test_hf_detokenizer_concat_equals_decode(hf_tok, text):
+    ids = hf_tok.encode(text)
+    deltas = stream(hf_tok, ids)
+    assert "".join(deltas) == hf_tok.decode(ids) == text
