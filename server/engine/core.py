@@ -89,8 +89,8 @@ class EngineCore:
             seq.finish_reason = reason
             self.scheduler.finish(seq)
             self.metrics.request_success.labels(finish_reason=reason).inc()
-            deltas.append(ChoiceDelta(seq.index, seq.stop_checker.flush() if reason == "abort" else "",
-                                      [], None, reason, None))
+            text = _safe_flush(seq) if reason == "abort" else ""
+            deltas.append(ChoiceDelta(seq.index, text, [], None, reason, None))
         return req, self._finish_output(req, deltas, error)
 
     def _finish_output(self, req: Request, deltas: list[ChoiceDelta], error: str | None) -> RequestOutput:
@@ -204,6 +204,14 @@ def _token_range(seq: Sequence, start: int, end: int) -> list[int]:
     if start >= p:
         return seq.output_token_ids[start - p:end - p]
     return seq.all_token_ids[start:end]
+
+
+def _safe_flush(seq: Sequence) -> str:
+    """Held-back text of an aborted choice; nothing if its detokenizer is what broke."""
+    try:
+        return seq.stop_checker.flush()
+    except Exception:
+        return ""
 
 
 def _describe(e: BaseException) -> str:
