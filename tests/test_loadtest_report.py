@@ -54,16 +54,16 @@ def test_run_writes_report_and_plot(mock, tmp_path, capsys):
     assert "output_throughput" in printed and "ttft" in printed and "server /health" in printed
 
 
-def test_sweep_runs_each_level(mock, tmp_path, capsys):
-    _, url = mock
+def test_sweep_runs_each_level(tmp_path, capsys):
     out, png = tmp_path / "s.json", tmp_path / "s.png"
-    rc = main(args(url, "--num-requests", "6", "--sweep-concurrency", "1,3", "--out", str(out),
-                   "--plot", str(png)))  # fmt: skip
+    with serve_in_thread(MockServer(MockScript(0.04, 0.01))) as url:  # 90 ms per request
+        rc = main(args(url, "--num-requests", "6", "--sweep-concurrency", "1,3", "--out", str(out),
+                       "--plot", str(png)))  # fmt: skip
     assert rc == 0
     sweep = json.loads(out.read_text())["sweep"]
     assert [r["config"]["concurrency"] for r in sweep] == [1, 3]
     assert all(r["completed"] == 6 and r["total_output_tokens"] == 36 for r in sweep)
-    assert sweep[0]["duration_s"] > sweep[1]["duration_s"]  # one at a time takes longer than three
+    assert sweep[0]["duration_s"] > sweep[1]["duration_s"] + 0.15  # 6 x 90 ms one at a time vs 2 x 90 ms
     assert png.read_bytes()[:8] == PNG_MAGIC
     assert "concurrency sweep" in capsys.readouterr().out
 
