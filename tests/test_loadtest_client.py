@@ -51,9 +51,9 @@ def test_timing_metrics_match_the_script(timed_server):
     assert m.total_output_tokens == n * out_len and m.total_input_tokens == n * 12
     assert FIRST_MS <= m.ttft_ms.p50 <= FIRST_MS + NOISE_MS
     assert m.itl_ms.count == n * (out_len - 1)
-    assert GAP_MS - 5 <= m.itl_ms.mean <= GAP_MS + 5  # per request: (last - first chunk) / 7, anchored
-    assert GAP_MS - 8 <= m.itl_ms.p50 <= GAP_MS + 8
-    assert GAP_MS - 5 <= m.tpot_ms.mean <= GAP_MS + 5
+    assert GAP_MS - 6 <= m.itl_ms.mean <= GAP_MS + 6  # per request: (last - first chunk) / 7, anchored
+    assert GAP_MS - 10 <= m.itl_ms.p50 <= GAP_MS + 10
+    assert GAP_MS - 6 <= m.tpot_ms.mean <= GAP_MS + 6
     expected_e2el = FIRST_MS + (out_len - 1) * GAP_MS
     assert expected_e2el <= m.e2el_ms.p50 <= expected_e2el + NOISE_MS
     # two waves of 3 at concurrency 3: the duration covers both
@@ -77,7 +77,7 @@ def test_poisson_arrivals_spread_the_sends(timed_server):
     result = run(timed_server, 5, concurrency=5, output_len=2, rate=20.0)
     sends = sorted(r.send_time - result.start_time for r in result.records)
     expected = arrival_offsets(5, 20.0, 1.0, 0)
-    assert sends == pytest.approx(expected, abs=0.03)
+    assert sends == pytest.approx(expected, abs=0.04)
 
 
 def test_no_stream_has_ttft_equal_to_e2el_and_no_itl(timed_server):
