@@ -1,0 +1,167 @@
+"""load_model: presets (seeded weights, shapes) and checkpoint loading (sharding, dtype, errors)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from server.engine.runner import ModelRunner, SeqChunk
+from server.model import PRESETS, ModelConfig, load_model
+from server.model.llama import LlamaForCausalLM
+from server.model.testing import hf_config, write_hf_checkpoint
+from server.model.tokenizer import ByteTokenizer
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    write_hf_checkpoint(path, hf_config("llama"))
+    return path
+
+
+def copy_checkpoint(src, dst):
+    dst.mkdir(exist_ok=True)
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def state(model) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny", "cpu")
+
+
+def test_tiny_preset_is_seeded_and_shaped_as_documented(tiny):
+    model, tok = tiny
+    cfg = model.config
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (4, 256, 8, 2)
+    assert cfg.head_dim == 32 and cfg.max_position_embeddings == 2048 and model.dtype == torch.float32
+    assert cfg.vocab_size == tok.vocab_size == 259 and isinstance(tok, ByteTokenizer)
+    again, _ = load_model("tiny", "cpu")
+    first = state(model)
+    assert all(torch.equal(first[k], v) for k, v in state(again).items())
+    gen = torch.Generator().manual_seed(cfg.seed)
+    embed = torch.empty(cfg.vocab_size, cfg.hidden_size).normal_(0.0, cfg.init_std, generator=gen)
+    assert torch.equal(model.model.embed_tokens.weight, embed)  # the first parameter drawn
+
+
+def test_tiny_greedy_text_is_printable_and_not_a_single_repeated_byte(tiny):
+    model, tok = tiny
+    runner = ModelRunner(model, block_size=16, num_blocks=8, attention_backend="torch")
+    table = [1, 2, 3, 4]
+    seq = tok.encode("Once upon a time")
+    start = 0
+    for _ in range(32):
+        slots = [table[t // 16] * 16 + t % 16 for t in range(start, len(seq))]
+        chunk = SeqChunk(seq[start:], start, table, slots)
+        start = len(seq)
+        seq.append(int(runner.execute([chunk])[0].argmax()))
+    text = tok.decode(seq[-32:])
+    assert all(c.isprintable() or c == "\n" for c in text)
+    assert len(set(seq[-32:])) > 8
+
+
+def test_bench_preset_matches_llama_3_2_1b_shape():
+    cfg = PRESETS["bench"]
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert sum(p.numel() for p in model.parameters()) == 1_235_814_400  # Llama-3.2-1B
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling.rope_type == "llama3"
+
+
+def test_sharded_checkpoint_loads_like_unsharded(tmp_path, llama_dir):
+    write_hf_checkpoint(tmp_path, hf_config("llama"), max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    sharded, _ = load_model(str(tmp_path), "cpu", torch.float32)
+    whole, _ = load_model(str(llama_dir), "cpu", torch.float32)
+    a, b = state(sharded), state(whole)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fused_parameters_stack_q_k_v_and_gate_up(llama_dir):
+    model, _ = load_model(str(llama_dir), "cpu", torch.float32)
+    ckpt = load_file(str(llama_dir / "model.safetensors"))
+    qkv = model.model.layers[1].self_attn.qkv_proj.weight
+    expected = torch.cat([ckpt[f"model.layers.1.self_attn.{n}_proj.weight"] for n in "qkv"])
+    assert torch.equal(qkv, expected)
+    gate_up = model.model.layers[0].mlp.gate_up_proj.weight
+    assert torch.equal(gate_up, torch.cat([ckpt["model.layers.0.mlp.gate_proj.weight"],
+                                           ckpt["model.layers.0.mlp.up_proj.weight"]]))  # fmt: skip
+
+
+def test_bfloat16_load_keeps_rope_frequencies_fp32(llama_dir):
+    model, _ = load_model(str(llama_dir), "cpu", "bf16")
+    assert model.dtype == torch.bfloat16 and all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert model.model.rotary.inv_freq.dtype == torch.float32
+
+
+def test_generation_config_eos_ids(tmp_path, llama_dir):
+    path = copy_checkpoint(llama_dir, tmp_path / "ck")
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5]}))
+    _, tok = load_model(str(path), "cpu")
+    assert tok.eos_token_ids == {2, 5}
+
+
+def test_unknown_model_and_missing_files(tmp_path, llama_dir):
+    with pytest.raises(FileNotFoundError, match="neither a preset"):
+        load_model(str(tmp_path / "nope"), "cpu")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(str(tmp_path), "cpu")
+    path = copy_checkpoint(llama_dir, tmp_path / "no_weights")
+    (path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no safetensors weights"):
+        load_model(str(path), "cpu")
+    index = {"weight_map": {"a": "shard-1.safetensors"}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(FileNotFoundError, match="shard-1.safetensors"):
+        load_model(str(path), "cpu")
+
+
+def test_unsupported_architecture(tmp_path, llama_dir):
+    path = copy_checkpoint(llama_dir, tmp_path / "gpt2")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported: LlamaForCausalLM"):
+        load_model(str(path), "cpu")
+
+
+def test_shape_mismatch_names_the_tensor(tmp_path, llama_dir):
+    path = copy_checkpoint(llama_dir, tmp_path / "bad_shape")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["intermediate_size"] = 128
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.(gate|up|down)_proj\.weight'.*shape"):
+        load_model(str(path), "cpu")
+
+
+def test_missing_tensor_is_named(tmp_path, llama_dir):
+    path = copy_checkpoint(llama_dir, tmp_path / "missing")
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors["model.layers.1.self_attn.v_proj.weight"]
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"lacks 1 tensors, e\.g\. model\.layers\.1\.self_attn\.v_proj\."):
+        load_model(str(path), "cpu")
+
+
+def test_config_from_hf_spellings():
+    base = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 10, "hidden_size": 8,
+            "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "rope_theta": 1e6,
+            "sliding_window": 4, "use_sliding_window": False, "eos_token_id": [3, 4]}  # fmt: skip
+    cfg = ModelConfig.from_hf(base, "q")
+    assert cfg.qkv_bias and not cfg.o_bias and cfg.sliding_window is None and cfg.head_dim == 4
+    assert cfg.rope_theta == 1e6 and cfg.eos_token_ids == (3, 4)
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn'"):
+        ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "q")
