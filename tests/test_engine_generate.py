@@ -133,3 +133,16 @@ def test_health_and_metrics_after_requests(engine):
     assert m.value("pagewalk_request_success_total", {"finish_reason": "length"}) > 0
     assert m.value("pagewalk_info", {"model": "tiny", "attention_backend": "torch", "device": "cpu",
                                      "dtype": "float32"}) == 1.0
+
+
+def test_prefix_cache_skips_the_shared_prefix_and_output_is_unchanged(engine):
+    prompt = prompt_of(engine, "a long shared system prompt that spans several blocks of sixteen tokens")
+    first_before = engine.core.num_prefill_tokens
+    first = run_one(engine, "prefix-1", prompt, greedy(8)).choices[0].token_ids
+    assert engine.core.num_prefill_tokens - first_before == len(prompt)
+    before = engine.core.num_prefill_tokens
+    second = run_one(engine, "prefix-2", prompt, greedy(8)).choices[0].token_ids
+    computed = engine.core.num_prefill_tokens - before
+    assert computed == len(prompt) - (len(prompt) - 1) // 16 * 16  # only the last, partial block reruns
+    assert second == first
+    assert engine.metrics.value("pagewalk_prefix_cache_hit_rate") > 0
