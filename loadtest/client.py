@@ -149,8 +149,8 @@ async def _stream(client: httpx.AsyncClient, spec: RequestSpec, cfg: ClientConfi
                 continue
             data = line[5:].strip()
             if data == "[DONE]":
-                done = True
-                break
+                done = True  # read on to the end of the body so the connection returns to the pool
+                continue
             try:
                 chunk = json.loads(data)
             except json.JSONDecodeError:
