@@ -35,7 +35,7 @@ SHAPES = [(1, 4096), (1, 32768), (16, 4096), (64, 2048), (64, 8192), (128, 4096)
 EXTRA_BLOCK_SIZES = [(64, 8192, 1), (64, 8192, 128)]
 SWEEP_CONFIGS = [KernelConfig(bn, w, s) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)
                  if not (bn == 128 and s == 4)]
-SPLIT_CHOICES = (1, 2, 4, 8, 16, 32, 64)
+SPLIT_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def bench_us(fn) -> float:

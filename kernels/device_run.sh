@@ -8,4 +8,5 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -m gpu --noconftest -p no:cacheprovider -n 8 \
     tests/test_gpu_kernels.py > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests rc=$?"; tail -n 15 "$OUT/gpu_tests.log"
+if [ -n "${DIAG:-}" ]; then python3 -m kernels.device_check --out "$OUT" 2>&1 | tee "$OUT/device_check.log"; fi
 python3 -m kernels.benchmark --out "$OUT" ${SWEEP:+--sweep} --budget-s "${BUDGET:-200}" 2>&1 | tee "$OUT/bench.log"

@@ -38,10 +38,15 @@ def _split_range(seq_len, window, split, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _load_kv_tile(base, table_row, pos, valid, offs_d, d_mask, stride_b, stride_t, stride_d,
+def _load_block_ids(table_row, pos, hi, BLOCK_SIZE: tl.constexpr):
+    """(BLOCK_N,) physical block of each token position (0 past `hi`, never dereferenced there)."""
+    return tl.load(table_row + pos // BLOCK_SIZE, mask=pos < hi, other=0).to(tl.int64)
+
+
+@triton.jit
+def _load_kv_tile(base, blk, pos, valid, offs_d, d_mask, stride_b, stride_t, stride_d,
                   BLOCK_SIZE: tl.constexpr):
-    """(BLOCK_N, HEAD_DIM_PAD) tile of K or V for token positions `pos`, gathered through the table."""
-    blk = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)      # (BLOCK_N,)
+    """(BLOCK_N, HEAD_DIM_PAD) tile of K or V for token positions `pos` living in blocks `blk`."""
     tok = (pos % BLOCK_SIZE).to(tl.int64)
     offs = blk[:, None] * stride_b + tok[:, None] * stride_t + offs_d[None, :] * stride_d
     return tl.load(base + offs, mask=valid[:, None] & d_mask[None, :], other=0.0)
@@ -83,19 +88,22 @@ def _paged_decode_stage1(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)              # running max (log2 units)
     l_i = tl.zeros([GROUP_PAD], tl.float32)                             # running sum
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)               # unnormalised output
+    blk = _load_block_ids(table_row, lo + offs_n, hi, BLOCK_SIZE)     # (BN,) table of the first tile
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
         valid = pos < hi
-        k = _load_kv_tile(k_base, table_row, pos, valid, offs_d, d_mask,
-                          stride_kb, stride_kt, stride_kd, BLOCK_SIZE)  # (BN, DP)
+        # K and V of this tile are both in flight before any math; the next tile's block ids follow.
+        k = _load_kv_tile(k_base, blk, pos, valid, offs_d, d_mask, stride_kb, stride_kt, stride_kd,
+                          BLOCK_SIZE)                                   # (BN, DP)
+        v = _load_kv_tile(v_base, blk, pos, valid, offs_d, d_mask, stride_vb, stride_vt, stride_vd,
+                          BLOCK_SIZE)                                   # (BN, DP)
+        blk = _load_block_ids(table_row, pos + BLOCK_N, hi, BLOCK_SIZE)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # (GP, BN)
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))                          # finite: every tile has a valid pos
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_kv_tile(v_base, table_row, pos, valid, offs_d, d_mask,
-                          stride_vb, stride_vt, stride_vd, BLOCK_SIZE)  # (BN, DP)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 

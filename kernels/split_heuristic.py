@@ -18,7 +18,7 @@ import torch
 # per-program start-up dominate below that). Tuned on the H200, see docs/kernel_notes.md.
 TARGET_PROGRAMS_PER_SM = 4
 MIN_SPLIT_TOKENS = 256
-MAX_SPLITS = 64
+MAX_SPLITS = 256
 MAX_FIXED_SPLITS = 256
 INTERPRETER_SMS = 4
 

@@ -1,0 +1,114 @@
+"""Where the time goes at small decode shapes (device diagnostic, not a test): `python -m kernels.device_check`.
+
+For each shape it reports: host µs per call (CPU launch cost, 200 calls back to back); do_bench median
+(L2 cleared before each call, CPU launch overlapping the clear); and the GPU-only cold-L2 time from CUDA-graph
+replays of (clear L2; call) minus replays of (clear L2) alone, which removes launch gaps entirely.
+Then it times configs x split counts for the small shapes both ways. Writes JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kernels.benchmark import Shape, bench_us
+from kernels.split_heuristic import KernelConfig
+
+CLEAR_BYTES = 256 * 2**20
+CONFIGS = [KernelConfig(64, 4, 3), KernelConfig(128, 8, 3), KernelConfig(128, 4, 2), KernelConfig(32, 4, 4),
+           KernelConfig(64, 4, 1), KernelConfig(128, 8, 1), KernelConfig(256, 8, 2)]
+
+
+def host_us(fn, n=200) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
+
+
+def _graph(body, n):
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        body()                                   # warm-up / compile outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            body()
+    return g
+
+
+def _replay_ms(g, reps=10) -> float:
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def gpu_cold_us(fn, n=20) -> float:
+    """GPU-only time of fn with a cold L2 and no launch gaps (graph of clear+fn minus graph of clear)."""
+    cache = torch.empty(CLEAR_BYTES // 4, dtype=torch.int32, device="cuda")
+    with_fn = _graph(lambda: (cache.zero_(), fn()), n)
+    alone = _graph(lambda: cache.zero_(), n)
+    return (_replay_ms(with_fn) - _replay_ms(alone)) / n * 1e3
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args(argv)
+    res = {"overhead": [], "configs": []}
+    print("shape         what          host_us  do_bench_us  gpu_cold_us")
+    for batch, ctx in ((1, 4096), (1, 32768), (16, 4096), (64, 8192)):
+        shape = Shape(batch, ctx, 16)
+        for name, fn in (("ours", shape.ours), ("sdpa_contig", shape.sdpa_contig)):
+            row = {"B": batch, "L": ctx, "what": name, "host_us": host_us(fn), "do_bench_us": bench_us(fn),
+                   "gpu_cold_us": gpu_cold_us(fn)}
+            res["overhead"].append(row)
+            print(f"({batch},{ctx})".ljust(14) + f"{name:<13} {row['host_us']:8.1f} {row['do_bench_us']:11.1f} "
+                  f"{row['gpu_cold_us']:11.1f}", flush=True)
+        if batch > 16:
+            continue
+        splits = (8, 16, 32, 64) if ctx == 4096 and batch == 1 else (16, 32, 64, 128, 256)
+        for cfg in CONFIGS:
+            for s in splits:
+                if s * cfg.block_n > ctx:
+                    continue
+                fn = (lambda c=cfg, s=s: shape.ours(s, c))
+                try:
+                    row = {"B": batch, "L": ctx, "config": vars(cfg), "splits": s, "do_bench_us": bench_us(fn),
+                           "gpu_cold_us": gpu_cold_us(fn)}
+                except Exception as exc:  # a config the compiler rejects is reported, not fatal
+                    row = {"B": batch, "L": ctx, "config": vars(cfg), "splits": s, "error": str(exc)[:200]}
+                res["configs"].append(row)
+        del shape
+        torch.cuda.empty_cache()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "device_check.json").write_text(json.dumps(res, indent=1))
+    for b, ctx in ((1, 4096), (1, 32768), (16, 4096)):
+        rows = [r for r in res["configs"] if r["B"] == b and r["L"] == ctx and "error" not in r]
+        for key in ("do_bench_us", "gpu_cold_us"):
+            best = sorted(rows, key=lambda r: r[key])[:3]
+            print(f"({b},{ctx}) best by {key}: " + "; ".join(
+                f"{tuple(r['config'].values())} s={r['splits']} db={r['do_bench_us']:.1f} "
+                f"gpu={r['gpu_cold_us']:.1f}" for r in best))
+
+
+if __name__ == "__main__":
+    main()
