@@ -1,4 +1,4 @@
-"""Where the time goes at small decode shapes (device diagnostic, not a test): `python -m kernels.device_check`.
+"""Where the time goes at small decode shapes (device diagnostic): `python -m kernels.device_check`.
 
 For each shape it reports: host µs per call (CPU launch cost, 200 calls back to back); do_bench median
 (L2 cleared before each call, CPU launch overlapping the clear); and the GPU-only cold-L2 time from CUDA-graph
@@ -69,6 +69,23 @@ def gpu_cold_us(fn, n=20) -> float:
     return (_replay_ms(with_fn) - _replay_ms(alone)) / n * 1e3
 
 
+def sweep_small(shape: Shape, res: dict) -> None:
+    """Configs x split counts for one small shape, timed with do_bench and GPU-only."""
+    batch, ctx = shape.batch, shape.ctx
+    splits = (8, 16, 32, 64) if ctx == 4096 and batch == 1 else (16, 32, 64, 128, 256)
+    for cfg in CONFIGS:
+        for s in splits:
+            if s * cfg.block_n > ctx:
+                continue
+            row = {"B": batch, "L": ctx, "config": vars(cfg), "splits": s}
+            fn = (lambda c=cfg, s=s: shape.ours(s, c))
+            try:
+                row.update(do_bench_us=bench_us(fn), gpu_cold_us=gpu_cold_us(fn))
+            except Exception as exc:  # a config the compiler rejects is reported, not fatal
+                row["error"] = str(exc)[:200]
+            res["configs"].append(row)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -81,23 +98,11 @@ def main(argv=None) -> None:
             row = {"B": batch, "L": ctx, "what": name, "host_us": host_us(fn), "do_bench_us": bench_us(fn),
                    "gpu_cold_us": gpu_cold_us(fn)}
             res["overhead"].append(row)
-            print(f"({batch},{ctx})".ljust(14) + f"{name:<13} {row['host_us']:8.1f} {row['do_bench_us']:11.1f} "
-                  f"{row['gpu_cold_us']:11.1f}", flush=True)
-        if batch > 16:
-            continue
-        splits = (8, 16, 32, 64) if ctx == 4096 and batch == 1 else (16, 32, 64, 128, 256)
-        for cfg in CONFIGS:
-            for s in splits:
-                if s * cfg.block_n > ctx:
-                    continue
-                fn = (lambda c=cfg, s=s: shape.ours(s, c))
-                try:
-                    row = {"B": batch, "L": ctx, "config": vars(cfg), "splits": s, "do_bench_us": bench_us(fn),
-                           "gpu_cold_us": gpu_cold_us(fn)}
-                except Exception as exc:  # a config the compiler rejects is reported, not fatal
-                    row = {"B": batch, "L": ctx, "config": vars(cfg), "splits": s, "error": str(exc)[:200]}
-                res["configs"].append(row)
-        del shape
+            print(f"({batch},{ctx})".ljust(14) + f"{name:<13} {row['host_us']:8.1f} "
+                  f"{row['do_bench_us']:11.1f} {row['gpu_cold_us']:11.1f}", flush=True)
+        if batch <= 16:
+            sweep_small(shape, res)
+        shape = None
         torch.cuda.empty_cache()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "device_check.json").write_text(json.dumps(res, indent=1))
