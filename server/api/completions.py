@@ -24,7 +24,7 @@ from server.api.engine_stream import (
 from server.api.errors import APIError
 from server.api.logprobs import completion_logprobs
 from server.api.parsing import check_model, parse_body
-from server.api.protocol import CompletionChoice, CompletionRequest, CompletionResponse, dump
+from server.api.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from server.api.sampling import DEFAULT_COMPLETION_MAX_TOKENS, check_token_ids, sampling_params
 from server.api.streaming import EventStreamResponse, sse_event
 from server.engine.engine import RequestRejected
@@ -148,4 +148,4 @@ async def _stream(job: CompletionJob) -> AsyncIterator[str]:
                     started[index] = True
                     yield sse_event(job.response([choice]))
     if job.req.include_usage:
-        yield sse_event(dump(job.response([], usage(job.prompts, states))))
+        yield sse_event(job.response([], usage(job.prompts, states)))
