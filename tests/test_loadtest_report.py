@@ -26,8 +26,9 @@ def mock():
         yield server, url
 
 
-def args(url, *extra):
-    return ["--base-url", url, "--input-len", "12", "--output-len", "6", "--no-progress", *extra]
+def args(url, *extra, progress=False):
+    return ["--base-url", url, "--input-len", "12", "--output-len", "6",
+            *([] if progress else ["--no-progress"]), *extra]  # fmt: skip
 
 
 def test_run_writes_report_and_plot(mock, tmp_path, capsys):
@@ -58,7 +59,7 @@ def test_sweep_runs_each_level(tmp_path, capsys):
     out, png = tmp_path / "s.json", tmp_path / "s.png"
     with serve_in_thread(MockServer(MockScript(0.04, 0.01))) as url:  # 90 ms per request
         rc = main(args(url, "--num-requests", "6", "--sweep-concurrency", "1,3", "--out", str(out),
-                       "--plot", str(png)))  # fmt: skip
+                       "--plot", str(png), progress=True))  # fmt: skip
     assert rc == 0
     sweep = json.loads(out.read_text())["sweep"]
     assert [r["config"]["concurrency"] for r in sweep] == [1, 3]
