@@ -165,6 +165,7 @@ PRESETS: dict[str, ModelConfig] = {
         bos_token_id=1,
         eos_token_ids=(2,),
         init_std=0.02,
+        printable_output=True,  # ids >= 259 would decode to nothing
     ),
 }
 

@@ -8,18 +8,27 @@ from server.model.config import ModelConfig
 from server.model.llama import LlamaForCausalLM
 
 
+CPU_DRAW_MAX_PARAMS = 50_000_000
+
+
 @torch.no_grad()
 def init_random_weights(model: LlamaForCausalLM, cfg: ModelConfig) -> None:
-    """Norm weights 1, biases 0, every matrix ~ N(0, init_std) from one CPU generator seeded with cfg.seed.
+    """Norm weights 1, biases 0, every matrix ~ N(0, init_std), drawn in `named_parameters()` order.
 
-    Parameters are drawn in `named_parameters()` order (tied weights once), in fp32, then cast and copied.
+    Small models (`tiny`) draw from one CPU generator seeded with cfg.seed, in fp32, then cast and copy:
+    identical weights on any machine and device. Large ones (`bench`) on an accelerator draw on the device
+    itself (seeded, so reproducible per device type): 1.2B CPU normals would cost tens of seconds.
     """
-    gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
+    num_params = sum(p.numel() for p in model.parameters())
+    on_device = model.device.type != "cpu" and num_params > CPU_DRAW_MAX_PARAMS
+    gen = torch.Generator(device=model.device if on_device else "cpu").manual_seed(cfg.seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         elif name.endswith(".bias"):
             param.zero_()
+        elif on_device:
+            param.normal_(0.0, cfg.init_std, generator=gen)
         else:
             weights = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, cfg.init_std, generator=gen)
             param.copy_(weights)
@@ -27,15 +36,16 @@ def init_random_weights(model: LlamaForCausalLM, cfg: ModelConfig) -> None:
 
 @torch.no_grad()
 def restrict_to_printable(model: LlamaForCausalLM) -> None:
-    """Zero the unembedding rows of byte ids that are not printable ASCII, newline or EOS (byte vocab).
+    """Zero the unembedding rows of ids that are not printable ASCII, newline, BOS or EOS (byte vocab).
 
-    A random decoder picks among all 259 ids; this keeps the toy's greedy text readable (zero logit vs. the
-    random logits of the ~97 kept ids), without touching anything the paging or kernels depend on.
+    A random decoder picks among all ids (259, or 128256 for `bench`); this keeps the presets' greedy text
+    readable (zero logit vs. the random logits of the ~98 kept ids) at unchanged compute cost. With tied
+    embeddings the zeroed rows are embeddings of ids the byte tokenizer never produces; BOS is kept.
     """
     from server.model.tokenizer import ByteTokenizer
 
     keep = torch.zeros(model.config.vocab_size, dtype=torch.bool)
-    keep[ByteTokenizer.EOS] = True
+    keep[[ByteTokenizer.BOS, ByteTokenizer.EOS]] = True
     keep[ByteTokenizer.OFFSET + ord("\n")] = True
     keep[ByteTokenizer.OFFSET + 32 : ByteTokenizer.OFFSET + 127] = True
     model.lm_head.weight[~keep.to(model.device)] = 0.0
