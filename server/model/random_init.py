@@ -1,4 +1,4 @@
-"""Seeded random weights for the presets: identical on any machine (drawn on CPU, then moved)."""
+"""Seeded random weights for the presets (tiny: drawn on CPU, identical on any machine)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import torch
 
 from server.model.config import ModelConfig
 from server.model.llama import LlamaForCausalLM
-
 
 CPU_DRAW_MAX_PARAMS = 50_000_000
 
