@@ -8,4 +8,6 @@ from kvcache.manager import KVCacheManager
 from kvcache.prefix_hash import BlockHashFn, default_block_hash
 from kvcache.usage import KVCacheUsage
 
-__all__ = ["KVCacheManager", "BlockPool", "KVCacheUsage", "NULL_BLOCK_ID", "BlockHashFn", "default_block_hash"]
+__all__ = [
+    "KVCacheManager", "BlockPool", "KVCacheUsage", "NULL_BLOCK_ID", "BlockHashFn", "default_block_hash",
+]

@@ -46,7 +46,7 @@ class _Block:
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True, hash_fn: BlockHashFn | None = None):
         if not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be an int >= 1 (block 0 is the null block), got {num_blocks!r}")
+            raise ValueError(f"num_blocks must be an int >= 1 (block 0 is the null block): {num_blocks!r}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.hash_fn: BlockHashFn = hash_fn if hash_fn is not None else prefix_hash.default_block_hash
@@ -196,7 +196,8 @@ class BlockPool:
         check(self.num_free_blocks + self.num_used_blocks == self.num_blocks - 1,
               "free + used != num_blocks - 1")
         cached = sum(1 for b in free if self._blocks[b].block_hash is not None)
-        check(cached == self._num_cached, f"cached-block counter {self._num_cached} != {cached} hashed free blocks")
+        check(cached == self._num_cached,
+              f"cached-block counter {self._num_cached} != {cached} hashed free blocks")
         hashed = {i for i, b in enumerate(self._blocks) if b.block_hash is not None}
         in_buckets = [i for bucket in self._buckets.values() for i in bucket]
         check(len(in_buckets) == len(set(in_buckets)), "a block id appears twice in the hash map")
@@ -209,8 +210,8 @@ class BlockPool:
             check(bool(bucket), f"empty bucket for hash {h!r}")
             for i in bucket:
                 b = self._blocks[i]
-                check(b.block_hash == h, f"block {i} sits in the bucket of hash {h!r} but has {b.block_hash!r}")
-                check(b.token_ids is not None and b.tag is not None, f"hashed block {i} lacks token ids or tag")
+                check(b.block_hash == h, f"block {i} sits in the bucket of hash {h!r}, has {b.block_hash!r}")
+                check(b.token_ids is not None and b.tag is not None, f"hashed block {i} lacks token ids/tag")
                 content = (b.parent_tag, b.token_ids)
                 check(content_to_tag.setdefault(content, b.tag) == b.tag,
                       f"block {i}: equal content registered under two tags")

@@ -99,7 +99,10 @@ class KVCacheManager:
         return hits
 
     def allocate(self, seq_id: object, token_ids: Sequence[int]) -> list[int] | None:
-        """Reserve slots for all ``token_ids``, reusing cached prefix blocks. None (no change) if out of blocks."""
+        """Reserve slots for all ``token_ids``, reusing cached prefix blocks.
+
+        None (and no change) if out of blocks. The hit length is ``num_cached_tokens(seq_id)``.
+        """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already allocated")
         token_ids = list(token_ids)
@@ -120,7 +123,7 @@ class KVCacheManager:
         return list(table)
 
     def append_slots(self, seq_id: object, n: int, token_ids: Sequence[int] | None = None) -> bool:
-        """Grow by ``n`` slots (``token_ids``, if given, are their ids). False (no change) if out of blocks."""
+        """Grow by ``n`` slots (``token_ids``, if given: their ids); False if out of blocks."""
         seq = self._seq(seq_id)
         if n < 0:
             raise ValueError(f"append_slots: n must be >= 0, got {n}")
@@ -253,4 +256,4 @@ class KVCacheManager:
                           f"seq {sid!r}: hashed block {block_id} chains on another prefix")
         for block_id in range(1, pool.num_blocks):
             check(pool.ref_count(block_id) == holders[block_id],
-                  f"block {block_id}: ref count {pool.ref_count(block_id)} != {holders[block_id]} tables holding it")
+                  f"block {block_id}: ref count {pool.ref_count(block_id)} != {holders[block_id]} tables")

@@ -1,7 +1,7 @@
 """Chained prefix hashes for full KV blocks.
 
-The hash of block ``i`` of a sequence is ``hash_fn(hash of block i-1 (None for block 0), token ids of block i)``,
-so equal hashes (barring collisions) mean equal *whole prefixes*, not just equal blocks.
+The hash of block ``i`` of a sequence is ``hash_fn(parent, token ids of block i)``, ``parent`` being the
+hash of block ``i-1`` (None for block 0): equal hashes (barring collisions) mean equal *whole prefixes*.
 
 Choice of the default hash: Python's built-in ``hash`` of a tuple of ints.
 - It is fast (a prompt of thousands of tokens is hashed per request on the engine thread, sha256 over an

@@ -1,0 +1,161 @@
+"""Forced hash collisions never share blocks; check_integrity() really fails on corrupted state."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcache import BlockPool, KVCacheManager, default_block_hash, prefix_hash
+
+
+def const_hash(parent, tokens):
+    return 0
+
+
+# ---- hashing ---------------------------------------------------------------------------------------
+def test_default_hash_is_chained():
+    h0 = default_block_hash(None, (1, 2))
+    assert h0 == default_block_hash(None, (1, 2))
+    assert default_block_hash(h0, (3, 4)) != default_block_hash(default_block_hash(None, (9, 9)), (3, 4))
+    assert KVCacheManager(4, 2).pool.hash_fn is prefix_hash.default_block_hash
+
+
+def test_forced_collision_does_not_share():
+    mgr = KVCacheManager(10, 4, hash_fn=const_hash)
+    assert mgr.allocate("a", [1, 2, 3, 4, 5]) == [1, 2]
+    mgr.mark_computed("a", 5)
+    assert mgr.pool.block_hash(1) == 0
+    # a different block forced onto the same hash: looked up, rejected on token ids
+    assert mgr.allocate("b", [9, 9, 9, 9, 5]) == [3, 4]
+    assert mgr.num_cached_tokens("b") == 0
+    assert mgr.pool.ref_count(1) == 1
+    mgr.mark_computed("b", 5)
+    assert mgr.pool.block_hash(3) == 0  # both live in the one bucket
+    # the genuine prefix still hits the right block in the shared bucket
+    assert mgr.allocate("c", [9, 9, 9, 9, 7]) == [3, 5]
+    assert mgr.allocate("d", [1, 2, 3, 4, 7]) == [1, 6]
+    mgr.check_integrity()
+
+
+def test_forced_collision_same_tokens_different_parent():
+    mgr = KVCacheManager(10, 2, hash_fn=const_hash)
+    mgr.allocate("a", [1, 1, 2, 2, 0])  # blocks (1,1) (2,2)
+    mgr.mark_computed("a", 5)
+    mgr.allocate("b", [3, 3, 2, 2, 0])  # same second block, different parent
+    mgr.mark_computed("b", 5)
+    assert mgr.block_table("b") == [4, 5, 6]
+    mgr.free("a")
+    mgr.free("b")
+    assert mgr.allocate("c", [3, 3, 2, 2, 9]) == [4, 5, 7]
+    assert mgr.allocate("d", [1, 1, 2, 2, 9]) == [1, 2, 8]
+    mgr.check_integrity()
+
+
+def test_stale_parent_id_is_not_trusted():
+    """A child block chains on its parent's content tag, not its id: reuse of the parent id is no hit."""
+    pool = BlockPool(4, hash_fn=const_hash)
+    assert pool.take_new(2) == [1, 2]
+    pool.register(1, None, (1, 1))
+    pool.register(2, 1, (2, 2))
+    pool.release([1, 2])  # head freed first (only possible at pool level)
+    assert pool.free_queue_ids() == [3, 1, 2]
+    assert pool.take_new(2) == [3, 1]  # evicts block 1 (1,1), block 2 (2,2) stays cached
+    pool.register(1, None, (3, 3))
+    assert pool.lookup(0, None, (3, 3)) == 1
+    assert pool.lookup(0, pool.block_tag(1), (2, 2)) is None  # block 2's K/V follow (1,1), not (3,3)
+    pool.check_integrity()
+
+
+def test_equal_content_registered_twice_shares_a_tag():
+    mgr = KVCacheManager(8, 2)
+    mgr.allocate("a", [1, 2, 3])
+    mgr.allocate("b", [1, 2, 3])  # concurrent: no hit, its own blocks
+    mgr.mark_computed("a", 3)
+    mgr.mark_computed("b", 3)
+    assert mgr.block_table("a") == [1, 2] and mgr.block_table("b") == [3, 4]
+    assert mgr.pool.block_tag(1) == mgr.pool.block_tag(3)
+    mgr.free("a")
+    assert mgr.pool.free_queue_ids() == [5, 6, 7, 2, 1]
+    assert mgr.allocate("x", [7] * 10) == [5, 6, 7, 2, 1]  # evicts a's copy
+    assert mgr.pool.block_hash(1) is None
+    mgr.free("x")
+    assert mgr.allocate("c", [1, 2, 5]) == [3, 1]  # b's copy serves the prefix
+    assert mgr.num_cached_tokens("c") == 2
+    mgr.check_integrity()
+
+
+# ---- check_integrity can fail ----------------------------------------------------------------------
+def busy_manager() -> KVCacheManager:
+    mgr = KVCacheManager(10, 4)
+    mgr.allocate("a", list(range(6)))  # [1, 2]
+    mgr.mark_computed("a", 6)
+    mgr.fork("a", "b")  # [1, 3]
+    mgr.allocate("c", [7, 7, 7])  # [4]
+    mgr.free("c")
+    mgr.check_integrity()
+    return mgr
+
+
+def test_integrity_catches_wrong_ref_count():
+    mgr = busy_manager()
+    mgr.pool._blocks[1].ref_count = 1
+    with pytest.raises(AssertionError, match="block 1: ref count 1 != 2 tables"):
+        mgr.check_integrity()
+
+
+def test_integrity_catches_free_queue_mismatch():
+    mgr = busy_manager()
+    del mgr.pool._free[4]
+    with pytest.raises(AssertionError, match="in free queue"):
+        mgr.check_integrity()
+
+
+def test_integrity_catches_used_block_in_free_queue():
+    mgr = busy_manager()
+    mgr.pool._free[2] = None
+    with pytest.raises(AssertionError, match="block 2: ref count 1 but in free queue = True"):
+        mgr.check_integrity()
+
+
+def test_integrity_catches_null_block_handed_out():
+    mgr = busy_manager()
+    mgr._seqs["a"].block_table[1] = 0
+    with pytest.raises(AssertionError, match="null block"):
+        mgr.check_integrity()
+
+
+def test_integrity_catches_shared_partial_block():
+    mgr = busy_manager()
+    seq_b = mgr._seqs["b"]
+    mgr.pool.release([seq_b.block_table[-1]])
+    seq_b.block_table[-1] = 2  # b now writes into a's partial block
+    mgr.pool.touch([2])
+    with pytest.raises(AssertionError, match="partial block 2 .* is shared"):
+        mgr.check_integrity()
+
+
+def test_integrity_catches_table_size():
+    mgr = busy_manager()
+    mgr._seqs["a"].token_ids.extend([1, 2, 3])  # 9 tokens in 2 blocks
+    with pytest.raises(AssertionError, match="2 blocks for 9 tokens"):
+        mgr.check_integrity()
+
+
+def test_integrity_catches_hashed_block_with_other_tokens():
+    mgr = busy_manager()
+    mgr._seqs["b"].token_ids[0] = 99
+    with pytest.raises(AssertionError, match="holds other token ids"):
+        mgr.check_integrity()
+
+
+def test_integrity_catches_stale_hash_map():
+    mgr = busy_manager()
+    mgr.pool._blocks[1].clear_hash()
+    with pytest.raises(AssertionError, match="hash map entries != hashed blocks"):
+        mgr.check_integrity()
+
+
+def test_integrity_catches_cached_counter():
+    mgr = busy_manager()
+    mgr.pool._num_cached += 1
+    with pytest.raises(AssertionError, match="cached-block counter"):
+        mgr.check_integrity()
