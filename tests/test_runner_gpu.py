@@ -1,0 +1,71 @@
+"""The runner on CUDA: Triton kernels, profiled KV cache sizing, paged = dense (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.engine.runner import ModelRunner, SeqChunk
+from server.model import load_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+PROMPTS = ["The quick brown fox", "paged", "héllo 東京 🙂 " * 5]
+
+
+def dense_reference(model, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens and per-step last-token logits by recomputing the contiguous sequence."""
+    seq, logits = list(prompt), []
+    with torch.inference_mode():
+        for _ in range(steps):
+            pos = torch.arange(len(seq), device=model.device)
+            hidden = model(torch.tensor(seq, device=model.device), pos)
+            logits.append(model.compute_logits(hidden[-1:])[0])
+            seq.append(int(logits[-1].argmax()))
+    return seq[len(prompt) :], logits
+
+
+def paged_logits(runner: ModelRunner, seqs: list[list[int]], prompt_lens: list[int]) -> list[list]:
+    """Teacher-forced: prefill each prompt, then feed the given continuation one token per step."""
+    bs = runner.block_size
+    per_seq = -(-max(map(len, seqs)) // bs)
+    tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq))[::-1] for i in range(len(seqs))]
+
+    def chunk(i, start, end):
+        slots = [tables[i][t // bs] * bs + t % bs for t in range(start, end)]
+        return SeqChunk(seqs[i][start:end], start, tables[i], slots)
+
+    out = [[row] for row in runner.execute([chunk(i, 0, n) for i, n in enumerate(prompt_lens)])]
+    for pos in range(min(prompt_lens), max(map(len, seqs)) - 1):
+        live = [i for i, n in enumerate(prompt_lens) if n <= pos < len(seqs[i]) - 1]
+        for i, row in zip(live, runner.execute([chunk(i, pos, pos + 1) for i in live]), strict=True):
+            out[i].append(row)
+    return out
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 256])
+def test_triton_paged_logits_equal_dense(block_size):
+    model, tok = load_model("tiny", "cuda", torch.float32)
+    runner = ModelRunner(model, block_size=block_size, num_blocks=512, attention_backend="auto")
+    assert runner.attention_backend == "triton"
+    prompts = [tok.encode(p) for p in PROMPTS]
+    refs = [dense_reference(model, p, 12) for p in prompts]
+    seqs = [p + toks for p, (toks, _) in zip(prompts, refs, strict=True)]
+    got = paged_logits(runner, seqs, [len(p) for p in prompts])
+    for (_, ref_logits), rows in zip(refs, got, strict=True):
+        assert len(rows) == len(ref_logits)
+        for ref, row in zip(ref_logits, rows, strict=True):
+            assert (row - ref).abs().max() / ref.abs().max() < 5e-3  # Triton may use TF32 dots in fp32
+
+
+def test_kv_cache_is_sized_from_free_memory():
+    model, _ = load_model("tiny", "cuda", torch.bfloat16)
+    free_before, _ = torch.cuda.mem_get_info()
+    runner = ModelRunner(model, block_size=16, kv_cache_memory=0.1)
+    cache_bytes = runner.kv.data.numel() * runner.kv.data.element_size()
+    assert 0.05 * free_before < cache_bytes <= 0.1 * free_before  # tiny's activations are far below 5%
+    assert runner.capacity_tokens == (runner.num_blocks - 1) * 16
+    logits = runner.execute([SeqChunk([1, 40, 41, 42], 0, [1], [16, 17, 18, 19])])
+    assert logits.shape == (1, model.config.vocab_size) and torch.isfinite(logits).all()
