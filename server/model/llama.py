@@ -35,10 +35,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn | None):
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(T, self.num_heads, self.head_dim), cos, sin)  # (T, Hq, D)
-        k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)  # (T, Hkv, D)
-        v = v.reshape(T, self.num_kv_heads, self.head_dim).contiguous()  # (T, Hkv, D)
+        qkv = self.qkv_proj(x)  # (T, (Hq + 2 Hkv) D)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = apply_rope(qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)  # one pass
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # (T, Hq, D), (T, Hkv, D): strided views
+        v = v.view(T, self.num_kv_heads, self.head_dim)  # (T, Hkv, D), strided
         if attn is None:
             o = causal_attention(q, k, v, self.sliding_window)
         else:
