@@ -224,3 +224,15 @@ def test_cpu_cache_defaults(tiny):
     assert runner.num_blocks == 8192 // 16 and runner.capacity_tokens == (8192 // 16 - 1) * 16
     assert runner.device == torch.device("cpu") and runner.dtype == torch.float32
     assert runner.execute([]).shape == (0, model.config.vocab_size)
+
+
+def test_profiling_dummy_batch_is_a_valid_maximal_step(tiny):
+    """The batch that sizes the CUDA KV cache (run here on CPU): max tokens over max seqs, own blocks."""
+    model, _ = tiny
+    runner = ModelRunner(model, block_size=16, num_blocks=2, max_num_batched_tokens=300, max_num_seqs=7)
+    chunks, blocks_needed = runner._dummy_chunks()
+    assert sum(len(c.token_ids) for c in chunks) == 300 and len(chunks) == 7
+    slots = [s for c in chunks for s in c.slot_mapping]
+    assert len(set(slots)) == 300 and 16 <= min(slots) and max(slots) < blocks_needed * 16
+    runner.kv, runner.num_blocks = runner._allocate_cache(blocks_needed), blocks_needed
+    assert runner.execute(chunks).shape == (7, model.config.vocab_size)

@@ -193,6 +193,7 @@ class ModelRunner:
         free, _total = torch.cuda.mem_get_info(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
+        reserved_before = torch.cuda.memory_reserved(self.device)
         chunks, blocks_needed = self._dummy_chunks()
         self.kv = self._allocate_cache(blocks_needed)
         self.num_blocks = blocks_needed
@@ -202,10 +203,13 @@ class ModelRunner:
         activations = torch.cuda.max_memory_allocated(self.device) - before - cache_bytes
         del self.kv
         torch.cuda.empty_cache()
-        budget = free * fraction - activations
+        # memory taken outside torch's allocator by the run (cuBLAS workspaces, compiled kernels, ...)
+        free_after, _ = torch.cuda.mem_get_info(self.device)
+        non_torch = max(0, free - free_after - (torch.cuda.memory_reserved(self.device) - reserved_before))
+        budget = free * fraction - activations - non_torch
         num_blocks = int(budget // self._bytes_per_block())
-        log.info("runner: %.2f GiB free after weights, activation peak %.2f GiB -> %d KV blocks",
-                 free / 2**30, activations / 2**30, num_blocks)
+        log.info("runner: %.2f GiB free after weights, activations %.2f GiB, other %.2f GiB -> %d KV blocks",
+                 free / 2**30, activations / 2**30, non_torch / 2**30, num_blocks)
         if num_blocks < 2:
             raise RuntimeError(
                 f"not enough GPU memory for the KV cache: {free / 2**30:.2f} GiB free after weights, "
