@@ -213,6 +213,12 @@ def test_execute_rejects_inconsistent_chunks(tiny):
         runner.execute([SeqChunk([5, 6], 0, [1], [4])])
     with pytest.raises(ValueError, match="block_table has 1 blocks"):
         runner.execute([SeqChunk([5] * 5, 0, [1], [4, 5, 6, 7, 8])])
+    with pytest.raises(ValueError, match="token ids must be in"):
+        runner.execute([SeqChunk([259], 0, [1], [4])])
+    with pytest.raises(ValueError, match="slots must be in"):
+        runner.execute([SeqChunk([5], 0, [1], [32])])
+    with pytest.raises(ValueError, match="block ids must be in"):
+        runner.execute([SeqChunk([5], 3, [8], [4])])
     with pytest.raises(ValueError, match="copy_blocks"):
         runner.copy_blocks([(0, 3)])
 

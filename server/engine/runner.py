@@ -112,13 +112,14 @@ class ModelRunner:
             slots += c.slot_mapping
             rows[i] = len(ids) - 1
         decode = [chunks[i] for i in order[:num_decode]]
-        max_blocks = max((len(c.block_table) for c in decode), default=1)
-        tables = [b for c in decode for b in c.block_table + [0] * (max_blocks - len(c.block_table))]
+        decode_tables = [c.block_table[: self._blocks_for(c)] for c in decode]
+        max_blocks = max(map(len, decode_tables), default=1)
+        tables = [b for t in decode_tables for b in t + [0] * (max_blocks - len(t))]
         seq_lens = [c.start_pos + 1 for c in decode]
         prefill = [chunks[i] for i in order[num_decode:]]
-        prefix_blocks = [c.block_table[: self._blocks_for(c)] for c in prefill if c.start_pos > 0]
-        flat_prefix_blocks = [b for bl in prefix_blocks for b in bl]
-        parts = [ids, positions, slots, seq_lens, tables, flat_prefix_blocks, rows]
+        prefix_blocks = [b for c in prefill if c.start_pos > 0 for b in c.block_table[: self._blocks_for(c)]]
+        self._check_ranges(ids, slots, tables + prefix_blocks)
+        parts = [ids, positions, slots, seq_lens, tables, prefix_blocks, rows]
         dev = self._to_device([v for part in parts for v in part])
         input_ids, pos_t, slot_t, lens_t, tables_t, blocks_t, rows_t = dev.split([len(p) for p in parts])
         B = num_decode
@@ -157,6 +158,17 @@ class ModelRunner:
         if len(c.block_table) < self._blocks_for(c):
             raise ValueError(f"chunk {i}: block_table has {len(c.block_table)} blocks, "
                              f"{c.start_pos + n} tokens need {self._blocks_for(c)}")
+
+    def _check_ranges(self, ids: list[int], slots: list[int], blocks: list[int]) -> None:
+        """Out-of-range ids or slots would be an illegal memory access on CUDA, fatal to the process."""
+        if min(ids) < 0 or max(ids) >= self.config.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), "
+                             f"got {min(ids)}..{max(ids)}")
+        if min(slots) < 0 or max(slots) >= self.num_blocks * self.block_size:
+            raise ValueError(f"slots must be in [0, {self.num_blocks * self.block_size}), "
+                             f"got {min(slots)}..{max(slots)}")
+        if blocks and (min(blocks) < 0 or max(blocks) >= self.num_blocks):
+            raise ValueError(f"block ids must be in [0, {self.num_blocks}), got {min(blocks)}..{max(blocks)}")
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         host = torch.tensor(values, dtype=torch.int32)
