@@ -9,6 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.launch_cache import CachedLauncher
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -39,15 +41,18 @@ def _store_kv_kernel(
         tl.store(dst_v, v.to(V_CACHE.dtype.element_ty), mask=mask)
 
 
+_store = CachedLauncher(_store_kv_kernel)
+
+
 def _launch(key, value, k_cache, v_cache, slot_mapping):
     """Grid (T,); the (Hkv, D) tile of a token is padded to powers of two and masked."""
     t, hkv, d = key.shape
     heads_pad, d_pad = triton.next_power_of_2(hkv), triton.next_power_of_2(d)
     warps = 4 if heads_pad * d_pad >= 1024 else 1
-    _store_kv_kernel[(t,)](
-        key, value, k_cache, v_cache, slot_mapping, k_cache.shape[1],
+    _store(
+        (t,), key, value, k_cache, v_cache, slot_mapping, k_cache.shape[1],
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
-        NUM_HEADS=hkv, HEADS_PAD=heads_pad, HEAD_DIM=d, HEAD_DIM_PAD=d_pad, num_warps=warps)
+        NUM_HEADS=hkv, HEADS_PAD=heads_pad, HEAD_DIM=d, HEAD_DIM_PAD=d_pad, num_warps=warps, num_stages=1)
 
 
 def store_kv_triton(key, value, k_cache, v_cache, slot_mapping):

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch_cache import CachedLauncher
 from kernels.split_heuristic import (
     MAX_FIXED_SPLITS,
     KernelConfig,
@@ -154,6 +155,10 @@ def _paged_decode_stage2(
              out.to(OUT.dtype.element_ty), mask=d_mask)
 
 
+_stage1 = CachedLauncher(_paged_decode_stage1)
+_stage2 = CachedLauncher(_paged_decode_stage2)
+
+
 def _launch(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window, num_splits,
             cfg: KernelConfig):
     """Grid, tile sizes and the split buffers. q (B, Hq, D); caches (N, bs, Hkv, D); out (B, Hq, D)."""
@@ -173,16 +178,17 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window, num
         o_part = torch.empty((bsz, hq, num_splits, d), device=q.device, dtype=torch.float32)
         lse_part = torch.empty((bsz, hq, num_splits), device=q.device, dtype=torch.float32)
         p_strides, l_strides = o_part.stride(), lse_part.stride()
-    _paged_decode_stage1[(bsz, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, out,
+    _stage1(
+        (bsz, hkv, num_splits), q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, out,
         scale * LOG2E, window, num_splits,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         *p_strides, *l_strides, *out.stride(), WRITE_FINAL=one, **common)
     if not one:
         block_s = triton.next_power_of_2(num_splits)
-        _paged_decode_stage2[(bsz, hq)](
-            o_part, lse_part, out, num_splits, *p_strides, *l_strides, *out.stride(),
-            HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_S=block_s, CHUNK_S=min(block_s, 16), num_warps=4)
+        _stage2(
+            (bsz, hq), o_part, lse_part, out, num_splits, *p_strides, *l_strides, *out.stride(),
+            HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_S=block_s, CHUNK_S=min(block_s, 16),
+            num_warps=4, num_stages=1)
     return out
 
 

@@ -95,3 +95,21 @@ def test_store_kv(dtype, bs, hkv, d):
     assert kernels.last_backend() == "triton"
     reference.store_kv_reference(key, value, k_ref, v_ref, slots)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_repeat_calls_through_the_launch_cache(splits):
+    """Calls after the first launch the cached compiled kernel directly; they must see the new data."""
+    case = make_paged_case([300, 4000], 32, 8, 128, 16, dtype=BF16, device="cuda", seed=9)
+    for _ in range(3):
+        case.q.normal_()
+        case.k_cache.normal_()
+        _check(case, BF16, num_splits=splits)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for _ in range(2):
+        k_cache, v_cache = torch.zeros(8, 16, 8, 128, device="cuda", dtype=BF16), torch.zeros_like(
+            torch.empty(8, 16, 8, 128, device="cuda", dtype=BF16))
+        key = torch.randn(5, 8, 128, device="cuda", generator=gen).to(BF16)
+        slots = torch.tensor([3, 17, -1, 100, 127], device="cuda")
+        kernels.store_kv(key, key, k_cache, v_cache, slots)
+        assert torch.equal(k_cache.view(-1, 8, 128)[slots[slots >= 0]], key[slots >= 0])
