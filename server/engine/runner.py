@@ -112,7 +112,7 @@ class ModelRunner:
             slots += c.slot_mapping
             rows[i] = len(ids) - 1
         decode = [chunks[i] for i in order[:num_decode]]
-        decode_tables = [c.block_table[: self._blocks_for(c)] for c in decode]
+        decode_tables = [list(c.block_table[: self._blocks_for(c)]) for c in decode]
         max_blocks = max(map(len, decode_tables), default=1)
         tables = [b for t in decode_tables for b in t + [0] * (max_blocks - len(t))]
         seq_lens = [c.start_pos + 1 for c in decode]

@@ -93,6 +93,7 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> L
         model = LlamaForCausalLM(cfg)
     model = model.to(dtype).to_empty(device=device)
     model.tie_weights()
+    model.model.rotary.inv_freq = model.model.rotary.inv_freq.to(device)  # fp32, outside inference mode
     return model.eval().requires_grad_(False)
 
 
