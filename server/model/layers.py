@@ -56,14 +56,14 @@ def prefix_causal_attention(
     if mask is None and (start_pos > 0 or sliding_window is not None):
         mask = causal_mask(n, start_pos, sliding_window, q.device)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),  # (Hq, n, D)
-        k.transpose(0, 1),  # (Hkv, L, D)
-        v.transpose(0, 1),
+        q.transpose(0, 1)[None],  # (1, Hq, n, D): 4-D so the fused CUDA kernels are eligible
+        k.transpose(0, 1)[None],  # (1, Hkv, L, D)
+        v.transpose(0, 1)[None],
         attn_mask=mask,
         is_causal=mask is None,
         enable_gqa=num_heads != k.shape[1],
-    )  # (Hq, n, D)
-    return out.transpose(0, 1)
+    )  # (1, Hq, n, D)
+    return out[0].transpose(0, 1)
 
 
 def causal_mask(n: int, start_pos: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
