@@ -51,12 +51,12 @@ class PagedAttention:
             return self._decode(q, k_cache, v_cache)
         out = torch.empty_like(q)
         if meta.num_decode:
-            out[: meta.num_decode] = self._decode(q[: meta.num_decode], k_cache, v_cache)
+            self._decode(q[: meta.num_decode], k_cache, v_cache, out=out[: meta.num_decode])
         for span in meta.prefills:
             out[span.start : span.end] = self._prefill(span, q, k, v, k_cache, v_cache)
         return out
 
-    def _decode(self, q, k_cache, v_cache) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, out=None) -> torch.Tensor:
         return kernels.paged_decode_attention(
             q,
             k_cache,
@@ -65,6 +65,7 @@ class PagedAttention:
             self.meta.seq_lens,
             sliding_window=self.sliding_window,
             backend=self.backend,
+            out=out,
         )
 
     def _prefill(self, span: PrefillSpan, q, k, v, k_cache, v_cache) -> torch.Tensor:

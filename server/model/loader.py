@@ -110,7 +110,12 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
                 name, shard = target
                 if name not in params:
                     raise ValueError(f"unexpected tensor {key!r} in {file.name}: no such parameter")
-                _copy_into(params[name], shard, f.get_tensor(key), key, file.name, model.config)
+                dest = _destination(params[name], name, shard, model.config)
+                tensor = f.get_tensor(key)
+                if tuple(tensor.shape) != tuple(dest.shape):
+                    raise ValueError(f"tensor {key!r} in {file.name} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(dest.shape)} from config.json")
+                dest.copy_(tensor)
                 pending.discard((name, shard))
     if pending:
         missing = sorted(_hf_name(n, s) for n, s in pending)
@@ -148,30 +153,16 @@ def _target(key: str, cfg: ModelConfig) -> tuple[str, int | None] | None:
     return f"{prefix}{fused}.{kind}", shard
 
 
-def _shard_rows(name: str, shard: int | None, cfg: ModelConfig, total: int) -> tuple[int, int]:
+def _destination(param: torch.Tensor, name: str, shard: int | None, cfg: ModelConfig) -> torch.Tensor:
+    """The rows of `param` that checkpoint shard `shard` fills (all of it when not fused)."""
     if shard is None:
-        return 0, total
-    if "qkv_proj" in name:
+        return param
+    if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
         sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
     else:
         sizes = [cfg.intermediate_size, cfg.intermediate_size]
     start = sum(sizes[:shard])
-    return start, start + sizes[shard]
-
-
-def _copy_into(param, shard, tensor, key, file_name, cfg) -> None:
-    start, end = _shard_rows(key if shard is None else _fused_name(key), shard, cfg, param.shape[0])
-    dest = param[start:end] if shard is not None else param
-    if tuple(tensor.shape) != tuple(dest.shape):
-        raise ValueError(
-            f"tensor {key!r} in {file_name} has shape {tuple(tensor.shape)}, "
-            f"expected {tuple(dest.shape)} from config.json"
-        )
-    dest.copy_(tensor)
-
-
-def _fused_name(key: str) -> str:
-    return "qkv_proj" if "self_attn" in key else "gate_up_proj"
+    return param[start : start + sizes[shard]]
 
 
 def _shards_of(name: str) -> list[int | None]:
