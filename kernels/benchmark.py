@@ -16,6 +16,7 @@ import gc
 import json
 import math
 import re
+import statistics
 import time
 from pathlib import Path
 
@@ -33,13 +34,61 @@ HQ, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16
 SHAPES = [(1, 4096), (1, 32768), (16, 4096), (64, 2048), (64, 8192), (128, 4096), (256, 1024)]
 EXTRA_BLOCK_SIZES = [(64, 8192, 1), (64, 8192, 128)]
-SWEEP_CONFIGS = [KernelConfig(bn, w, s) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)
-                 if not (bn == 128 and s == 4)]
+SWEEP_CONFIGS = [KernelConfig(64, 4, 2), KernelConfig(64, 4, 3), KernelConfig(64, 4, 2, True),
+                 KernelConfig(64, 4, 3, True), KernelConfig(32, 4, 2), KernelConfig(32, 4, 4),
+                 KernelConfig(128, 4, 2), KernelConfig(128, 8, 3)]
+CLEAR_BYTES = 256 * 2**20
 SPLIT_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def bench_us(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def host_us(fn, n=200) -> float:
+    """Host time per call, calls back to back (the GPU keeps up at small shapes, so this is launch cost)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
+
+
+def _graph(body, n):
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        body()                                   # warm-up / compile outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            body()
+    return g
+
+
+def _replay_ms(g, reps=10) -> float:
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def gpu_cold_us(fn, n=20) -> float:
+    """GPU-only time of fn with a cold L2 and no launch gaps: graph of (clear; fn) minus graph of clear."""
+    cache = torch.empty(CLEAR_BYTES // 4, dtype=torch.int32, device="cuda")
+    with_fn = _graph(lambda: (cache.zero_(), fn()), n)
+    alone = _graph(lambda: cache.zero_(), n)
+    return (_replay_ms(with_fn) - _replay_ms(alone)) / n * 1e3
 
 
 def try_bench_us(fn) -> float:
@@ -144,7 +193,9 @@ def measure_row(batch, ctx, block_size, copy, args, deadline, configs, with_ref=
            "heuristic": {"config": vars(cfg0), "splits": splits0},
            "ours_us": bench_us(shape.ours), "sdpa_contig_us": bench_us(shape.sdpa_contig),
            "gather_sdpa_us": bench_us(shape.gather_sdpa),
-           "torch_ref_us": bench_us(shape.torch_ref) if with_ref else None}
+           "torch_ref_us": bench_us(shape.torch_ref) if with_ref else None,
+           "ours_host_us": host_us(shape.ours), "sdpa_host_us": host_us(shape.sdpa_contig),
+           "ours_gpu_us": gpu_cold_us(shape.ours), "sdpa_gpu_us": gpu_cold_us(shape.sdpa_contig)}
     if args.sweep:
         row["sweep"] = sweep(shape, deadline, configs)
         best = min(row["sweep"] + [{"us": row["ours_us"], **row["heuristic"]}], key=lambda r: r["us"])
@@ -205,7 +256,8 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         best = r.get("best")
         best_s = (f"{best['us']:.1f} ({best['config']['block_n']}/{best['config']['num_warps']}w/"
-                  f"{best['config']['num_stages']}s, {best['splits']})" if best else "-")
+                  f"{best['config']['num_stages']}s{'/ef' if best['config'].get('evict_first') else ''}, "
+                   f"{best['splits']})" if best else "-")
         ref_s = f"{r['torch_ref_us']:.0f}" if r["torch_ref_us"] else "-"
         lines.append(f"| {r['B']} | {r['L']} | {r['block_size']} | {r['ours_us']:.1f} | {best_s} | "
                      f"{r['sdpa_contig_us']:.1f} | {r['gather_sdpa_us']:.1f} | {ref_s} | "
@@ -246,12 +298,15 @@ def plot(result: dict, path: Path) -> None:
 
 
 def table(result: dict) -> str:
-    out = ["B     L      bs  ours_us  best_us  sdpa_us  gather_us  ours_TB/s  heur(cfg,splits) -> best"]
+    out = ["B     L      bs  ours_us  best_us  sdpa_us  gather_us  ours_TB/s  gpu-only ours/sdpa  "
+           "host ours/sdpa  heur(cfg,splits) -> best"]
     for r in result["rows"]:
         b = r.get("best") or {"us": float("nan"), "config": {}, "splits": "-"}
         h = r["heuristic"]
         out.append(f"{r['B']:<5} {r['L']:<6} {r['block_size']:<3} {r['ours_us']:8.1f} {b['us']:8.1f} "
                    f"{r['sdpa_contig_us']:8.1f} {r['gather_sdpa_us']:9.1f} {r['ours_TBps']:9.2f}  "
+                   f"{r['ours_gpu_us']:8.1f}/{r['sdpa_gpu_us']:<8.1f} "
+                   f"{r['ours_host_us']:6.1f}/{r['sdpa_host_us']:<6.1f} "
                    f"{tuple(h['config'].values())},{h['splits']} -> "
                    f"{tuple(b['config'].values())},{b['splits']}")
     out.append(f"copy {result['copy_TBps']:.2f} TB/s; "

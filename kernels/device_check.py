@@ -10,63 +10,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from kernels.benchmark import Shape, bench_us
+from kernels.benchmark import Shape, bench_us, gpu_cold_us, host_us
 from kernels.split_heuristic import KernelConfig
 
-CLEAR_BYTES = 256 * 2**20
 CONFIGS = [KernelConfig(64, 4, 3), KernelConfig(128, 8, 3), KernelConfig(128, 4, 2), KernelConfig(32, 4, 4),
            KernelConfig(64, 4, 1), KernelConfig(128, 8, 1), KernelConfig(256, 8, 2)]
-
-
-def host_us(fn, n=200) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
-
-
-def _graph(body, n):
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        body()                                   # warm-up / compile outside capture
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            body()
-    return g
-
-
-def _replay_ms(g, reps=10) -> float:
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
-def gpu_cold_us(fn, n=20) -> float:
-    """GPU-only time of fn with a cold L2 and no launch gaps (graph of clear+fn minus graph of clear)."""
-    cache = torch.empty(CLEAR_BYTES // 4, dtype=torch.int32, device="cuda")
-    with_fn = _graph(lambda: (cache.zero_(), fn()), n)
-    alone = _graph(lambda: cache.zero_(), n)
-    return (_replay_ms(with_fn) - _replay_ms(alone)) / n * 1e3
 
 
 def sweep_small(shape: Shape, res: dict) -> None:

@@ -28,6 +28,7 @@ class KernelConfig:
     block_n: int      # tokens per K/V tile (independent of the cache's block_size)
     num_warps: int
     num_stages: int
+    evict_first: bool = False  # K/V are read once: hint L2 to drop them first
 
 
 # Measured table (H200, bf16, D=128, Hq/Hkv=4; docs/kernel_notes.md): 64-token tiles, 4 warps, 2 stages were

@@ -107,8 +107,8 @@ def test_repeat_calls_through_the_launch_cache(splits):
         _check(case, BF16, num_splits=splits)
     gen = torch.Generator(device="cuda").manual_seed(1)
     for _ in range(2):
-        k_cache, v_cache = torch.zeros(8, 16, 8, 128, device="cuda", dtype=BF16), torch.zeros_like(
-            torch.empty(8, 16, 8, 128, device="cuda", dtype=BF16))
+        k_cache = torch.zeros(8, 16, 8, 128, device="cuda", dtype=BF16)
+        v_cache = torch.zeros_like(k_cache)
         key = torch.randn(5, 8, 128, device="cuda", generator=gen).to(BF16)
         slots = torch.tensor([3, 17, -1, 100, 127], device="cuda")
         kernels.store_kv(key, key, k_cache, v_cache, slots)
