@@ -43,5 +43,5 @@ class CachedLauncher:
             return kernel
         # the launcher takes every parameter in definition order and drops the constexprs itself
         tail = [constexprs[name] for name in self.fn.arg_names[len(args):]]
-        kernel[grid](*args, *tail)
+        kernel[tuple(grid) + (1,) * (3 - len(grid))](*args, *tail)      # the runner wants a 3-d grid
         return kernel
