@@ -34,9 +34,8 @@ HQ, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16
 SHAPES = [(1, 4096), (1, 32768), (16, 4096), (64, 2048), (64, 8192), (128, 4096), (256, 1024)]
 EXTRA_BLOCK_SIZES = [(64, 8192, 1), (64, 8192, 128)]
-SWEEP_CONFIGS = [KernelConfig(64, 4, 2), KernelConfig(64, 4, 3), KernelConfig(64, 4, 2, True),
-                 KernelConfig(64, 4, 3, True), KernelConfig(32, 4, 2), KernelConfig(32, 4, 4),
-                 KernelConfig(128, 4, 2), KernelConfig(128, 8, 3)]
+SWEEP_CONFIGS = [KernelConfig(64, 4, 2), KernelConfig(64, 4, 3), KernelConfig(32, 4, 4),
+                 KernelConfig(128, 4, 2)]
 CLEAR_BYTES = 256 * 2**20
 SPLIT_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -145,9 +144,11 @@ class Shape:
         return reference.paged_decode_attention_dense(c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens)
 
     def heuristic(self):
-        cfg = choose_config(self.case.q.device, triton.next_power_of_2(D), self.case.q.element_size())
+        dev = self.case.q.device
         splits = choose_num_splits(self.batch, HKV, self.case.block_tables.shape[1] * self.block_size,
-                                   num_sms(self.case.q.device), cfg.block_n)
+                                   num_sms(dev))
+        cfg = choose_config(dev, triton.next_power_of_2(D), self.case.q.element_size(), self.block_size,
+                            splits)
         return cfg, splits
 
 
@@ -256,7 +257,7 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         best = r.get("best")
         best_s = (f"{best['us']:.1f} ({best['config']['block_n']}/{best['config']['num_warps']}w/"
-                  f"{best['config']['num_stages']}s{'/ef' if best['config'].get('evict_first') else ''}, "
+                  f"{best['config']['num_stages']}s, "
                    f"{best['splits']})" if best else "-")
         ref_s = f"{r['torch_ref_us']:.0f}" if r["torch_ref_us"] else "-"
         lines.append(f"| {r['B']} | {r['L']} | {r['block_size']} | {r['ours_us']:.1f} | {best_s} | "

@@ -46,14 +46,11 @@ def _load_block_ids(table_row, pos, hi, BLOCK_SIZE: tl.constexpr):
 
 @triton.jit
 def _load_kv_tile(base, blk, pos, valid, offs_d, d_mask, stride_b, stride_t, stride_d,
-                  BLOCK_SIZE: tl.constexpr, EVICT_FIRST: tl.constexpr):
+                  BLOCK_SIZE: tl.constexpr):
     """(BLOCK_N, HEAD_DIM_PAD) tile of K or V for token positions `pos` living in blocks `blk`."""
     tok = (pos % BLOCK_SIZE).to(tl.int64)
-    ptrs = base + (blk[:, None] * stride_b + tok[:, None] * stride_t + offs_d[None, :] * stride_d)
-    mask = valid[:, None] & d_mask[None, :]
-    if EVICT_FIRST:
-        return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
-    return tl.load(ptrs, mask=mask, other=0.0)
+    offs = blk[:, None] * stride_b + tok[:, None] * stride_t + offs_d[None, :] * stride_d
+    return tl.load(base + offs, mask=valid[:, None] & d_mask[None, :], other=0.0)
 
 
 @triton.jit
@@ -69,7 +66,7 @@ def _paged_decode_stage1(
     stride_ob, stride_oh, stride_od,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_FINAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, EVICT_FIRST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -98,9 +95,9 @@ def _paged_decode_stage1(
         valid = pos < hi
         # K and V of this tile are both in flight before any math; the next tile's block ids follow.
         k = _load_kv_tile(k_base, blk, pos, valid, offs_d, d_mask, stride_kb, stride_kt, stride_kd,
-                          BLOCK_SIZE, EVICT_FIRST)                      # (BN, DP)
+                          BLOCK_SIZE)                                   # (BN, DP)
         v = _load_kv_tile(v_base, blk, pos, valid, offs_d, d_mask, stride_vb, stride_vt, stride_vd,
-                          BLOCK_SIZE, EVICT_FIRST)                      # (BN, DP)
+                          BLOCK_SIZE)                                   # (BN, DP)
         blk = _load_block_ids(table_row, pos + BLOCK_N, hi, BLOCK_SIZE)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # (GP, BN)
         qk = tl.where(valid[None, :], qk, float("-inf"))
@@ -171,7 +168,7 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window, num
     d_pad = triton.next_power_of_2(d)
     common = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
                   HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n,
-                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", EVICT_FIRST=cfg.evict_first,
+                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     one = num_splits == 1
     if one:
@@ -216,10 +213,11 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         out = torch.empty_like(q)
     if bsz == 0:
         return out
-    cfg = config or choose_config(q.device, triton.next_power_of_2(d), q.element_size())
     window = NO_WINDOW if sliding_window is None else int(sliding_window)
     if num_splits is None:
         max_len = min(block_tables.shape[1] * block_size, window)
-        num_splits = choose_num_splits(bsz, hkv, max_len, num_sms(q.device), cfg.block_n)
+        num_splits = choose_num_splits(bsz, hkv, max_len, num_sms(q.device))
+    cfg = config or choose_config(q.device, triton.next_power_of_2(d), q.element_size(), block_size,
+                                  int(num_splits))
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     return _launch(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window, int(num_splits), cfg)

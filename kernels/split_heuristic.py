@@ -28,24 +28,32 @@ class KernelConfig:
     block_n: int      # tokens per K/V tile (independent of the cache's block_size)
     num_warps: int
     num_stages: int
-    evict_first: bool = False  # K/V are read once: hint L2 to drop them first
 
 
-# Measured table (H200, bf16, D=128, Hq/Hkv=4; docs/kernel_notes.md): 64-token tiles, 4 warps, 2 stages were
-# best or within noise of best from batch 64 up, and within ~3% at the small shapes. Keyed by padded head_dim.
-_GPU_CONFIGS = {
-    64: KernelConfig(block_n=64, num_warps=4, num_stages=2),
-    128: KernelConfig(block_n=64, num_warps=4, num_stages=2),
-    256: KernelConfig(block_n=32, num_warps=4, num_stages=2),
-}
+# Measured on the H200 (bf16, D=128, Hq/Hkv=4; docs/kernel_notes.md). One split (batch >= 64): 64-token
+# tiles, 4 warps, 2 stages were best or within noise of best; with several splits (few long sequences)
+# 3 stages won; with block_size 1 (every token its own block) 32-token tiles and 4 stages did best.
+_ONE_SPLIT = KernelConfig(block_n=64, num_warps=4, num_stages=2)
+_MANY_SPLITS = KernelConfig(block_n=64, num_warps=4, num_stages=3)
+_TINY_BLOCKS = KernelConfig(block_n=32, num_warps=4, num_stages=4)
+_HEAD_DIM_256 = KernelConfig(block_n=32, num_warps=4, num_stages=2)
 _INTERPRETER_CONFIG = KernelConfig(block_n=32, num_warps=4, num_stages=1)
 
 
-def choose_config(device: torch.device, head_dim_pad: int, elem_size: int = 2) -> KernelConfig:
-    """Tile config for this device, padded head dim and element size; never depends on batch or lengths."""
+def choose_config(device: torch.device, head_dim_pad: int, elem_size: int = 2, block_size: int = 16,
+                  num_splits: int = 1) -> KernelConfig:
+    """Tile config from the device, head dim, element size, block size and split count only.
+
+    Never from the batch, so a fixed num_splits keeps the batch-invariance promise.
+    """
     if device.type != "cuda":
         return _INTERPRETER_CONFIG
-    cfg = _GPU_CONFIGS[min(max(head_dim_pad, 64), 256)]
+    if head_dim_pad > 128:
+        cfg = _HEAD_DIM_256
+    elif block_size <= 4:
+        cfg = _TINY_BLOCKS
+    else:
+        cfg = _ONE_SPLIT if num_splits == 1 else _MANY_SPLITS
     if elem_size > 2:  # fp32 tiles take twice the shared memory per stage
         cfg = KernelConfig(max(16, cfg.block_n // 2), cfg.num_warps, cfg.num_stages)
     return cfg
@@ -58,7 +66,7 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, sms: int, block_n: int) -> int:
+def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, sms: int, block_n: int = 64) -> int:
     """Split count for the heuristic mode; max_len is an upper bound on a sequence's visible tokens."""
     base = max(1, batch * num_kv_heads)
     want = -(-TARGET_PROGRAMS_PER_SM * sms // base)
