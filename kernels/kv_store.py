@@ -41,7 +41,7 @@ def _store_kv_kernel(
         tl.store(dst_v, v.to(V_CACHE.dtype.element_ty), mask=mask)
 
 
-_store = CachedLauncher(_store_kv_kernel)
+_store = CachedLauncher(_store_kv_kernel, num_tensors=5)
 
 
 def _launch(key, value, k_cache, v_cache, slot_mapping):

@@ -155,8 +155,8 @@ def _paged_decode_stage2(
              out.to(OUT.dtype.element_ty), mask=d_mask)
 
 
-_stage1 = CachedLauncher(_paged_decode_stage1)
-_stage2 = CachedLauncher(_paged_decode_stage2)
+_stage1 = CachedLauncher(_paged_decode_stage1, num_tensors=8)
+_stage2 = CachedLauncher(_paged_decode_stage2, num_tensors=3)
 
 
 def _launch(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window, num_splits,
