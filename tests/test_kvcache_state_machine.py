@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 
 import hypothesis.strategies as st
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvcache import KVCacheManager
@@ -35,7 +35,7 @@ def snapshot(mgr: KVCacheManager):
 
 
 class KVCacheMachine(RuleBasedStateMachine):
-    @initialize(bs=st.sampled_from([1, 2, 4, 8]), num_blocks=st.integers(2, 24), caching=st.booleans(),
+    @initialize(bs=st.sampled_from([1, 2, 4, 8]), num_blocks=st.integers(2, 32), caching=st.booleans(),
                 hash_name=st.sampled_from(sorted(HASHES)))
     def setup(self, bs, num_blocks, caching, hash_name):
         self.bs = bs
@@ -62,18 +62,19 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.kv[table[p // self.bs] * self.bs + p % self.bs] = tuple(toks[:p + 1])
 
     # ---- rules ---------------------------------------------------------------------------------------
-    @rule(data=st.data())
-    def allocate(self, data):
+    @rule(data=st.data(), prefill=st.booleans())
+    def allocate(self, data, prefill):
         base = []
-        if self.history and data.draw(st.booleans()):  # reuse a known prefix (live or freed): provokes hits
+        if self.history and data.draw(st.integers(0, 2)):  # reuse a known prefix (live or freed): hits
             base = data.draw(st.sampled_from(self.history))
-            base = base[:data.draw(st.integers(0, len(base)))]
+            base = base[:data.draw(st.one_of(st.just(len(base)), st.integers(0, len(base))))]
         toks = base + data.draw(st.lists(st.integers(0, 2), min_size=0 if base else 1, max_size=12))
         seq = next(self.ids)
         can = self.mgr.can_allocate(len(toks))
         before = snapshot(self.mgr)
         table = self.mgr.allocate(seq, toks)
         if table is None:
+            event("allocate: out of blocks")
             assert not can, "can_allocate() said yes but allocate failed"
             assert snapshot(self.mgr) == before, "failed allocate changed state"
             return
@@ -82,11 +83,21 @@ class KVCacheMachine(RuleBasedStateMachine):
         if not self.mgr.enable_prefix_caching:
             assert cached == 0
         hits = table[:cached // self.bs]
+        revived = [b for b in hits if b in self.queue]
+        event("allocate: prefix hit" if hits else "allocate: miss")
+        if revived:
+            event("allocate: hit revives cached blocks")
+        if len(revived) < len(hits):
+            event("allocate: hit on a block in use")
         self.queue = [b for b in self.queue if b not in hits]
         self.take_front(table[len(hits):])
         self.tokens[seq] = list(toks)
         self.history.append(toks)
         self.computed[seq] = cached  # hit slots must already hold our prefix (checked by the invariant)
+        if prefill:  # the runner computes the rest of the prompt right away
+            self.write(seq, cached, len(toks))
+            self.mgr.mark_computed(seq, len(toks))
+            self.computed[seq] = len(toks)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), n=st.integers(0, 5), known=st.booleans())
@@ -105,7 +116,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.tokens[seq] += toks if known else [("u", next(self.unknown)) for _ in range(n)]
 
     @precondition(lambda self: self.tokens)
-    @rule(data=st.data(), k=st.integers(0, 8))
+    @rule(data=st.data(), k=st.integers(0, 16))
     def mark_computed(self, data, k):
         seq = self.pick(data)
         new = min(self.computed[seq] + k, len(self.tokens[seq]))
@@ -128,6 +139,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert ctable[:n_full] == ptable[:n_full]
         if len(self.tokens[parent]) % self.bs:
             assert copies == [(ptable[-1], ctable[-1])] and ctable[-1] != ptable[-1]
+            event("fork: copy-on-write")
             self.take_front([ctable[-1]])
         else:
             assert copies == [] and ctable == ptable
@@ -183,6 +195,6 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 
 KVCacheMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None,
+    max_examples=250, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 test_kvcache_state_machine = KVCacheMachine.TestCase
