@@ -137,7 +137,12 @@ class KVCacheManager:
         return True
 
     def mark_computed(self, seq_id: object, num_tokens: int) -> None:
-        """K/V of tokens [0, num_tokens) are written: register their full blocks in the prefix cache."""
+        """K/V of tokens [0, num_tokens) are written: register their full blocks in the prefix cache.
+
+        Monotonic (a smaller count than before changes nothing). Blocks holding a token whose id is unknown
+        (``append_slots`` without ``token_ids``) end the sequence's hash chain: they and later blocks stay
+        private.
+        """
         seq = self._seq(seq_id)
         if not 0 <= num_tokens <= len(seq.token_ids):
             raise ValueError(f"mark_computed: {num_tokens} outside [0, {len(seq.token_ids)}]")
