@@ -379,3 +379,11 @@ def test_misuse_raises():
     with pytest.raises(KeyError):
         mgr.free("a")
     mgr.check_integrity()
+
+
+def test_kvcache_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, kvcache; assert 'torch' not in sys.modules and 'numpy' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
