@@ -26,6 +26,10 @@ GRID = [  # seq_lens, Hq, Hkv, D, block_size, num_splits, dtype, sliding_window,
     ([200, 77, 0], 6, 1, 64, 1, 3, F16, 9, False),
     ([96, 33], 4, 4, 128, 16, None, F32, None, True),
     ([45, 300, 1, 0, 12], 1, 1, 80, 4, 3, F16, None, False),
+    # beyond the grid: head_dim 96/256, block sizes 2/8/128, a window over a long ragged batch
+    ([3, 0, 129, 64, 255, 1, 77, 500], 8, 2, 96, 8, None, F16, 100, True),
+    ([260, 31], 4, 1, 256, 128, 3, F32, None, False),
+    ([1000], 6, 1, 64, 2, None, F32, 333, False),
 ]
 
 
