@@ -12,6 +12,9 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 $PY -c "import torch, triton; print('gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu', 'torch', torch.__version__, 'triton', triton.__version__)" \
   | tee "$OUT/versions.txt"
 
+echo "== host profile of the paged-decode call"
+[ "$DEVICE" = cuda ] && timeout 120 $PY -m kernels.host_profile --out "$OUT" 2>&1 | tail -n 45
+
 echo "== GPU tests (runner, engine)"
 timeout 240 $PY -m pytest -q -m gpu tests/test_runner_gpu.py 2>&1 | tail -n 15 | tee "$OUT/gpu_tests.log"
 
@@ -24,7 +27,7 @@ for _ in $(seq 1 180); do $PY -c "$HEALTH" > "$OUT/health.json" 2>/dev/null && b
 cat "$OUT/health.json"; echo
 LT="$PY -m loadtest --base-url $URL --input-len $IN --output-len $OUTLEN --no-progress --seed 0"
 timeout 120 $LT --num-requests 8 --concurrency 1 --warmup 2 --out "$OUT/serve_c1.json" | tail -n 25
-timeout 240 $LT --num-requests 512 --sweep-concurrency 16,64,256 --warmup 8 --out "$OUT/serve_sweep.json" \
+timeout 240 $LT --num-requests 256 --sweep-concurrency 16,64,256 --warmup 8 --out "$OUT/serve_sweep.json" \
   | tail -n 30
 kill -TERM $SERVER; wait $SERVER; echo "server exit code $?"
 grep -iE "backend|capacity|listening" "$OUT/server.log" | head -n 5
