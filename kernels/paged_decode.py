@@ -3,8 +3,11 @@
 Stage 1, grid (seq, kv_head, split): the query heads of one KV head are the rows of one tile; each program
 walks its split's tokens in tiles of BLOCK_N (looked up through the block table, so the tile width is
 independent of block_size), keeps m, l, o in fp32 and rescales by exp2(m_old - m_new). It writes either the
-final output (one split) or a normalised partial output and its log2-sum-exp. Stage 2, grid (seq, q_head),
-merges the splits by their LSE.
+final output (one split) or a normalised partial output and its log2-sum-exp. The splits are merged by
+their LSE either in the same launch (FUSED_MERGE: every split program takes a ticket from a per-(seq, kv_head)
+counter after its partial is written; the one that draws the last ticket merges all splits, in split order,
+so the result does not depend on which program finished last) or by a second launch, stage 2, grid
+(seq, q_head). One launch instead of two halves the host cost of a call, which dominates at small shapes.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from kernels.split_heuristic import (
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30
+FUSED_MERGE_DEFAULT = True   # one launch per call; False: separate stage-2 merge launch
 
 
 @triton.jit
@@ -55,7 +59,7 @@ def _load_kv_tile(base, blk, pos, valid, offs_d, d_mask, stride_b, stride_t, str
 
 @triton.jit
 def _paged_decode_stage1(
-    Q, K, V, BLOCK_TABLES, SEQ_LENS, O_PART, LSE_PART, OUT,
+    Q, K, V, BLOCK_TABLES, SEQ_LENS, O_PART, LSE_PART, OUT, TICKETS,
     qk_scale, window, num_splits,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
@@ -66,7 +70,7 @@ def _paged_decode_stage1(
     stride_ob, stride_oh, stride_od,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_FINAL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -120,6 +124,42 @@ def _paged_decode_stage1(
         tl.store(p_ptrs, o, mask=row_mask)
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(LSE_PART + seq * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=g_mask)
+        if FUSED_MERGE:
+            # every thread's partial stores are done (barrier) before the release of the ticket; the
+            # acquire of the last ticket orders the merge's loads after all other splits' releases
+            tl.debug_barrier()
+            ticket = tl.atomic_add(TICKETS + seq * tl.num_programs(1) + kvh, 1, sem="acq_rel", scope="gpu")
+            if ticket == num_splits - 1:
+                _merge_group(O_PART, LSE_PART, OUT, seq, heads, g_mask, offs_d, d_mask, num_splits,
+                             stride_pb, stride_ph, stride_ps, stride_pd, stride_lb, stride_lh, stride_ls,
+                             stride_ob, stride_oh, stride_od, GROUP_PAD, HEAD_DIM_PAD)
+
+
+@triton.jit
+def _merge_group(O_PART, LSE_PART, OUT, seq, heads, g_mask, offs_d, d_mask, num_splits,
+                 stride_pb, stride_ph, stride_ps, stride_pd, stride_lb, stride_lh, stride_ls,
+                 stride_ob, stride_oh, stride_od, GROUP_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    """Merge the num_splits partials of the GROUP query heads `heads` by their log2-sum-exp, in split order.
+    Loads bypass L1 (.cg): other SMs wrote these partials during this launch."""
+    lse_row = LSE_PART + seq * stride_lb + heads * stride_lh                        # (GP,) pointers
+    part_rows = O_PART + seq * stride_pb + heads[:, None] * stride_ph + offs_d[None, :] * stride_pd
+    row_mask = g_mask[:, None] & d_mask[None, :]
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    for s in range(num_splits):
+        m = tl.maximum(m, tl.load(lse_row + s * stride_ls, mask=g_mask, other=float("-inf"),
+                                  cache_modifier=".cg"))
+    m = tl.where(m == float("-inf"), 0.0, m)                                       # all splits empty
+    denom = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    for s in range(num_splits):
+        w = tl.exp2(tl.load(lse_row + s * stride_ls, mask=g_mask, other=float("-inf"),
+                            cache_modifier=".cg") - m)                              # (GP,)
+        o = tl.load(part_rows + s * stride_ps, mask=row_mask, other=0.0, cache_modifier=".cg")  # (GP, DP)
+        denom += w
+        acc += o * w[:, None]
+    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+    tl.store(OUT + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+             out.to(OUT.dtype.element_ty), mask=row_mask)
 
 
 @triton.jit
@@ -155,35 +195,39 @@ def _paged_decode_stage2(
              out.to(OUT.dtype.element_ty), mask=d_mask)
 
 
-_stage1 = CachedLauncher(_paged_decode_stage1, num_tensors=8)
+_stage1 = CachedLauncher(_paged_decode_stage1, num_tensors=9)
 _stage2 = CachedLauncher(_paged_decode_stage2, num_tensors=3)
 
 
 def _launch(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window, num_splits,
-            cfg: KernelConfig):
+            cfg: KernelConfig, fused_merge: bool):
     """Grid, tile sizes and the split buffers. q (B, Hq, D); caches (N, bs, Hkv, D); out (B, Hq, D)."""
     bsz, hq, d = q.shape
     hkv, block_size = k_cache.shape[2], k_cache.shape[1]
     group = hq // hkv
     d_pad = triton.next_power_of_2(d)
+    one = num_splits == 1
+    fused = fused_merge and not one
     common = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
                   HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n,
                   DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    one = num_splits == 1
     if one:
-        o_part = lse_part = out                                          # unused by the kernel
+        o_part = lse_part = tickets = out                                # unused by the kernel
         p_strides, l_strides = (0, 0, 0, 0), (0, 0, 0)
     else:
-        o_part = torch.empty((bsz, hq, num_splits, d), device=q.device, dtype=torch.float32)
-        lse_part = torch.empty((bsz, hq, num_splits), device=q.device, dtype=torch.float32)
+        # one allocation for both partial buffers: o (B, Hq, S, D) then lse (B, Hq, S), fp32
+        work = torch.empty(bsz * hq * num_splits * (d + 1), device=q.device, dtype=torch.float32)
+        o_part = work[: bsz * hq * num_splits * d].view(bsz, hq, num_splits, d)
+        lse_part = work[bsz * hq * num_splits * d:].view(bsz, hq, num_splits)
         p_strides, l_strides = o_part.stride(), lse_part.stride()
+        tickets = torch.zeros(bsz * hkv, device=q.device, dtype=torch.int32) if fused else out
     _stage1(
-        (bsz, hkv, num_splits), q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, out,
+        (bsz, hkv, num_splits), q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, out, tickets,
         scale * LOG2E, window, num_splits,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
-        *p_strides, *l_strides, *out.stride(), WRITE_FINAL=one, **common)
-    if not one:
+        *p_strides, *l_strides, *out.stride(), WRITE_FINAL=one, FUSED_MERGE=fused, **common)
+    if not (one or fused):
         block_s = triton.next_power_of_2(num_splits)
         _stage2(
             (bsz, hq), o_part, lse_part, out, num_splits, *p_strides, *l_strides, *out.stride(),
@@ -193,8 +237,10 @@ def _launch(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window, num
 
 
 def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale=None,
-                                  sliding_window=None, num_splits=None, out=None, config=None):
-    """Checked entry point (dispatch has validated dtype/head_dim/backend). Returns out (B, Hq, D)."""
+                                  sliding_window=None, num_splits=None, out=None, config=None,
+                                  fused_merge=FUSED_MERGE_DEFAULT):
+    """Checked entry point (dispatch has validated dtype/head_dim/backend). Returns out (B, Hq, D).
+    fused_merge: merge splits inside the stage-1 launch (one launch) instead of a stage-2 launch."""
     bsz, hq, d = q.shape
     nb, block_size, hkv, dk = k_cache.shape
     if hq % hkv or dk != d or v_cache.shape != k_cache.shape:
@@ -220,4 +266,5 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     cfg = config or choose_config(q.device, triton.next_power_of_2(d), q.element_size(), block_size,
                                   int(num_splits))
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    return _launch(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window, int(num_splits), cfg)
+    return _launch(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window, int(num_splits), cfg,
+                   fused_merge)

@@ -113,3 +113,21 @@ def test_repeat_calls_through_the_launch_cache(splits):
         slots = torch.tensor([3, 17, -1, 100, 127], device="cuda")
         kernels.store_kv(key, key, k_cache, v_cache, slots)
         assert torch.equal(k_cache.view(-1, 8, 128)[slots[slots >= 0]], key[slots >= 0])
+
+
+@pytest.mark.parametrize("splits", [2, 7, 64])
+def test_fused_merge_has_no_race(splits):
+    """The in-launch merge reads partials other CTAs wrote in the same launch: a missing barrier/fence shows
+    as a result that moves between identical runs or differs from the two-launch merge. 50 repeats each."""
+    from kernels.paged_decode import paged_decode_attention_triton
+    case = make_paged_case([8192, 300, 1, 4097] * 4, 32, 8, 128, 16, dtype=BF16, device="cuda", seed=splits)
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
+    two = paged_decode_attention_triton(*args, num_splits=splits, fused_merge=False)
+    first = None
+    for _ in range(50):
+        out = torch.full_like(case.q, float("nan"))
+        paged_decode_attention_triton(*args, num_splits=splits, out=out, fused_merge=True)
+        first = out.clone() if first is None else first
+        assert torch.equal(out, first)
+    assert rel_error(first, reference_fp64(case)) <= TOLERANCE[BF16]
+    torch.testing.assert_close(first.float(), two.float(), rtol=1e-2, atol=1e-2)

@@ -107,3 +107,21 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="num_splits"):
         kernels.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
                                        case.seq_lens, num_splits=0, backend="triton")
+
+
+@pytest.mark.parametrize("splits", [2, 5])
+def test_fused_and_two_launch_merge_agree(splits):
+    """The in-launch merge (last ticket merges) and the stage-2 launch give the same result; the fused one
+    leaves no ticket behind un-drawn (its counters are per call, so a stale count would break the next)."""
+    from kernels.paged_decode import paged_decode_attention_triton
+    case = make_paged_case([0, 300, 65, 1], 8, 2, 64, 16, seed=splits)
+    ref = reference_fp64(case)
+    outs = []
+    for fused in (True, False, True):
+        out = torch.full_like(case.q, float("nan"))
+        paged_decode_attention_triton(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                      num_splits=splits, out=out, fused_merge=fused)
+        assert rel_error(out, ref) <= 1e-5
+        outs.append(out)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
+    assert torch.equal(outs[0], outs[2])
