@@ -127,10 +127,13 @@ class Shape:
         v = c.v_cache[c.block_tables.long()].flatten(1, 2)[:, :self.ctx]
         return k.transpose(1, 2), v.transpose(1, 2)
 
-    def ours(self, num_splits=None, config=None):
+    def ours(self, num_splits=None, config=None, fused_merge=True):
         c = self.case
         return paged_decode_attention_triton(c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens,
-                                             num_splits=num_splits, config=config)
+                                             num_splits=num_splits, config=config, fused_merge=fused_merge)
+
+    def ours_two_launch(self):
+        return self.ours(fused_merge=False)
 
     def sdpa_contig(self):
         return F.scaled_dot_product_attention(self.q4, self.k_contig, self.v_contig, enable_gqa=True)
@@ -192,7 +195,8 @@ def measure_row(batch, ctx, block_size, copy, args, deadline, configs, with_ref=
     cfg0, splits0 = shape.heuristic()
     row = {"B": batch, "L": ctx, "block_size": block_size, "rel_err_vs_sdpa": err,
            "heuristic": {"config": vars(cfg0), "splits": splits0},
-           "ours_us": bench_us(shape.ours), "sdpa_contig_us": bench_us(shape.sdpa_contig),
+           "ours_us": bench_us(shape.ours), "ours_two_launch_us": bench_us(shape.ours_two_launch),
+           "sdpa_contig_us": bench_us(shape.sdpa_contig),
            "gather_sdpa_us": bench_us(shape.gather_sdpa),
            "torch_ref_us": bench_us(shape.torch_ref) if with_ref else None,
            "ours_host_us": host_us(shape.ours), "sdpa_host_us": host_us(shape.sdpa_contig),
@@ -251,16 +255,18 @@ def markdown(result: dict) -> str:
              f"torch {result['torch']}, triton {result['triton']}; Hq={HQ}, Hkv={HKV}, D={D}, bf16; "
              f"do_bench median (L2 cleared per call). Copy bandwidth {result['copy_TBps']:.2f} TB/s "
              f"(read+write). SDPA backend seen: `{result['sdpa_backend']}`.", "",
-             "| B | L | block | ours µs | best µs (cfg, splits) | SDPA-contig µs | gather-SDPA µs | ref µs "
+             "| B | L | block | ours µs | ours, 2-launch merge µs | best µs (cfg, splits) | SDPA-contig µs "
+             "| gather-SDPA µs | ref µs "
              "| ours TB/s | SDPA TB/s | ours / copy |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         best = r.get("best")
         best_s = (f"{best['us']:.1f} ({best['config']['block_n']}/{best['config']['num_warps']}w/"
                   f"{best['config']['num_stages']}s, "
                    f"{best['splits']})" if best else "-")
         ref_s = f"{r['torch_ref_us']:.0f}" if r["torch_ref_us"] else "-"
-        lines.append(f"| {r['B']} | {r['L']} | {r['block_size']} | {r['ours_us']:.1f} | {best_s} | "
+        lines.append(f"| {r['B']} | {r['L']} | {r['block_size']} | {r['ours_us']:.1f} | "
+                     f"{r['ours_two_launch_us']:.1f} | {best_s} | "
                      f"{r['sdpa_contig_us']:.1f} | {r['gather_sdpa_us']:.1f} | {ref_s} | "
                      f"{r['ours_TBps']:.2f} | "
                      f"{r['sdpa_contig_TBps']:.2f} | {r['ours_frac_of_copy']:.2f} |")
@@ -299,12 +305,13 @@ def plot(result: dict, path: Path) -> None:
 
 
 def table(result: dict) -> str:
-    out = ["B     L      bs  ours_us  best_us  sdpa_us  gather_us  ours_TB/s  gpu-only ours/sdpa  "
+    out = ["B     L      bs  ours_us  2launch  best_us  sdpa_us  gather_us  ours_TB/s  gpu-only ours/sdpa  "
            "host ours/sdpa  heur(cfg,splits) -> best"]
     for r in result["rows"]:
         b = r.get("best") or {"us": float("nan"), "config": {}, "splits": "-"}
         h = r["heuristic"]
-        out.append(f"{r['B']:<5} {r['L']:<6} {r['block_size']:<3} {r['ours_us']:8.1f} {b['us']:8.1f} "
+        out.append(f"{r['B']:<5} {r['L']:<6} {r['block_size']:<3} {r['ours_us']:8.1f} "
+                   f"{r['ours_two_launch_us']:8.1f} {b['us']:8.1f} "
                    f"{r['sdpa_contig_us']:8.1f} {r['gather_sdpa_us']:9.1f} {r['ours_TBps']:9.2f}  "
                    f"{r['ours_gpu_us']:8.1f}/{r['sdpa_gpu_us']:<8.1f} "
                    f"{r['ours_host_us']:6.1f}/{r['sdpa_host_us']:<6.1f} "
