@@ -55,6 +55,8 @@ BAD_COMPLETIONS = [
     ({"prompt": ["a", 1]}, "prompt"),
     ({"prompt": [1, 999999]}, "prompt"),
     ({"prompt": [[1, 2], [-1]]}, "prompt"),
+    ({**CMPL, "logit_bias": {"5": 100}}, "logit_bias"),
+    ({**CMPL, "best_of": 3}, "best_of"),
     ({**CMPL, "max_tokens": 0}, "max_tokens"),
     ({**CMPL, "max_tokens": -3}, "max_tokens"),
     ({**CMPL, "max_tokens": "5"}, "max_tokens"),
@@ -77,6 +79,8 @@ BAD_COMPLETIONS = [
 BAD_CHATS = [
     ({"max_tokens": 2}, "messages"),
     ({"messages": []}, "messages"),
+    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"content": "hi"}]}, "messages[0].role"),

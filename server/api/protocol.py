@@ -44,6 +44,23 @@ class _SamplingRequest(_Request):
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = False
     user: str | None = None
+    # OpenAI fields pagewalk does not implement: accepted only at their no-op value, never silently ignored
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v):
+        if v:
+            raise ValueError("logit_bias is not supported by pagewalk")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, v):
+        if v is not None and v != 1:
+            raise ValueError("best_of is not supported by pagewalk (use n)")
+        return v
 
     @property
     def include_usage(self) -> bool:
@@ -94,6 +111,22 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v):
+        if v:
+            raise ValueError("tools (function calling) are not supported by pagewalk")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format_only(cls, v):
+        if v is not None and v.get("type", "text") != "text":
+            raise ValueError("only response_format {'type': 'text'} is supported by pagewalk")
+        return v
 
 
 # ---- responses -------------------------------------------------------------------------------------------
