@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-model-len", type=int, default=None, help="prompt + completion tokens per sequence")
     s.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"])
     s.add_argument("--no-prefix-caching", action="store_true", help="disable prefix-cache block reuse")
+    s.add_argument("--enforce-eager", action="store_true", help="no CUDA-graph decode (eager kernels only)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
@@ -63,7 +64,8 @@ def engine_config(args: argparse.Namespace):
         block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting=args.max_waiting, max_model_len=args.max_model_len,
-        attention_backend=args.attention_backend, enable_prefix_caching=not args.no_prefix_caching)
+        attention_backend=args.attention_backend, enable_prefix_caching=not args.no_prefix_caching,
+        enforce_eager=args.enforce_eager)
 
 
 def startup_line(engine, url: str) -> str:

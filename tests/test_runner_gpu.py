@@ -1,9 +1,11 @@
-"""The runner on CUDA: Triton kernels, profiled KV cache sizing, paged = dense (skipped without a GPU)."""
+"""The runner on CUDA: Triton kernels, profiled KV cache sizing, paged = dense, CUDA-graph decode = eager
+(skipped without a GPU)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from test_runner_cuda_graphs import graph_and_eager_steps, ragged
 
 from server.engine.runner import ModelRunner, SeqChunk
 from server.model import load_model
@@ -62,6 +64,8 @@ def test_triton_paged_logits_equal_dense(block_size):
 
 def test_kv_cache_is_sized_from_free_memory():
     model, _ = load_model("tiny", "cuda", torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # earlier tests' cached blocks would make free_before smaller than the runner's
     free_before, _ = torch.cuda.mem_get_info()
     runner = ModelRunner(model, block_size=16, kv_cache_memory=0.1)
     cache_bytes = runner.kv.data.numel() * runner.kv.data.element_size()
@@ -69,3 +73,53 @@ def test_kv_cache_is_sized_from_free_memory():
     assert runner.capacity_tokens == (runner.num_blocks - 1) * 16
     logits = runner.execute([SeqChunk([1, 40, 41, 42], 0, [1], [16, 17, 18, 19])])
     assert logits.shape == (1, model.config.vocab_size) and torch.isfinite(logits).all()
+
+
+# ---- CUDA-graph decode ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16():
+    model, _ = load_model("tiny", "cuda", torch.bfloat16)
+    return model
+
+
+def graph_runner(model, **kwargs) -> ModelRunner:
+    runner = ModelRunner(model, block_size=16, num_blocks=256, max_num_seqs=8, **kwargs)
+    assert runner.cuda_graphs and sorted(runner.graphs.graphs) == [1, 2, 4, 8]
+    assert runner.graphs.block_tables.shape == (8, 2048 // 16)  # tiny's max_position_embeddings
+    return runner
+
+
+@pytest.mark.parametrize("num_seqs", [1, 3, 4, 5, 8])
+def test_graph_decode_equals_eager(tiny_bf16, num_seqs):
+    """Exact (1, 4, 8) and padded (3 -> 4, 5 -> 8) buckets; ragged prompts of 1..13 tokens decoded for 20
+    steps across the 16-token block boundary. The graph runs the split heuristic on the full-width table,
+    eager on the batch's own width, so the bf16 rounding differs; a wrong row or padding leak would not."""
+    runner = graph_runner(tiny_bf16)
+    steps = graph_and_eager_steps(runner, ragged(num_seqs), steps=20, seed=num_seqs)
+    assert runner.graphs.num_replays == 20
+    for graph, eager in steps:
+        assert graph.shape == (num_seqs, tiny_bf16.config.vocab_size) and torch.isfinite(graph).all()
+        assert (graph - eager).abs().max() / eager.abs().max() < 5e-2
+    assert not runner.kv.data[:, :, 0].any()  # padding rows wrote nothing into the null block
+
+
+@pytest.mark.parametrize("num_seqs", [1, 2, 4, 8])
+def test_graph_decode_is_bitwise_eager_at_exact_buckets_with_fixed_splits(tiny_bf16, num_seqs):
+    """Same shapes and a fixed split count on both paths: the graph replays exactly the eager kernels."""
+    runner = graph_runner(tiny_bf16, decode_num_splits=4)
+    for graph, eager in graph_and_eager_steps(runner, ragged(num_seqs), steps=20, seed=num_seqs):
+        assert torch.equal(graph, eager)
+
+
+def test_batch_above_the_largest_graph_runs_eagerly(tiny_bf16):
+    runner = graph_runner(tiny_bf16)
+    for graph, eager in graph_and_eager_steps(runner, ragged(9), steps=3):
+        assert torch.equal(graph, eager) and torch.isfinite(graph).all()
+    assert runner.graphs.num_replays == 0
+
+
+def test_enforce_eager_captures_nothing(tiny_bf16):
+    runner = ModelRunner(tiny_bf16, block_size=16, num_blocks=64, enforce_eager=True)
+    assert not runner.cuda_graphs and runner.graphs is None

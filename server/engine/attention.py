@@ -38,9 +38,15 @@ class PagedAttention:
     """The model's AttentionFn for one step (see server.model.llama.AttentionFn)."""
 
     def __init__(
-        self, kv: KVCacheTensors, meta: AttentionMetadata, backend: str, sliding_window: int | None
+        self,
+        kv: KVCacheTensors,
+        meta: AttentionMetadata,
+        backend: str,
+        sliding_window: int | None,
+        decode_num_splits: int | None = None,  # None: the kernel's heuristic
     ) -> None:
         self.kv, self.meta, self.backend, self.sliding_window = kv, meta, backend, sliding_window
+        self.decode_num_splits = decode_num_splits
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q (T, Hq, D); k, v (T, Hkv, D)
@@ -64,6 +70,7 @@ class PagedAttention:
             self.meta.block_tables,
             self.meta.seq_lens,
             sliding_window=self.sliding_window,
+            num_splits=self.decode_num_splits,
             backend=self.backend,
             out=out,
         )

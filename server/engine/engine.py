@@ -42,6 +42,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # True: no CUDA-graph decode
 
 
 class RequestRejected(Exception):
@@ -63,7 +64,10 @@ class AsyncEngine:
         self.vocab_size = model.config.vocab_size  # width of the logits
         self.runner = ModelRunner(model, block_size=config.block_size, num_blocks=config.num_blocks,
                                   kv_cache_memory=config.kv_cache_memory,
-                                  attention_backend=config.attention_backend)
+                                  attention_backend=config.attention_backend,
+                                  max_num_batched_tokens=config.max_num_batched_tokens,
+                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+                                  enforce_eager=config.enforce_eager)
         self.attention_backend = self.runner.attention_backend
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.capacity_tokens = self.runner.capacity_tokens  # usable blocks x block_size (block 0 is null)

@@ -4,6 +4,8 @@ and returns the logits of each chunk's last token.
 Per step it builds every index tensor (input ids, positions, slot mapping, decode block tables and seq lens,
 prefill block ids, logits rows) from one packed int32 host buffer: one (pinned, non-blocking) copy on CUDA.
 Single-token chunks (decode, or a one-token prefill) are placed first and share one paged-decode call.
+On CUDA (Triton backend) a batch of only single-token chunks replays a captured CUDA graph instead
+(server/engine/cuda_graphs.py); mixed and prefill batches, and batches above the largest graph, run eagerly.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 import kernels
 from server.engine.attention import AttentionMetadata, PagedAttention, PrefillSpan
+from server.engine.cuda_graphs import GRAPH_MEMORY_MARGIN, DecodeGraphs, capture_sizes, pack_decode_inputs
 from server.engine.kv_cache_tensors import KVCacheTensors
 from server.model.layers import causal_mask
 from server.model.llama import LlamaForCausalLM
@@ -52,6 +55,9 @@ class ModelRunner:
         attention_backend: str = "auto",
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
+        decode_num_splits: int | None = None,
     ) -> None:
         if block_size < 1 or block_size > 256 or block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two from 1 to 256, got {block_size}")
@@ -61,6 +67,12 @@ class ModelRunner:
         self.attention_backend = kernels.resolve_backend(self.device, attention_backend)
         self.sliding_window = self.config.sliding_window
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.max_model_len = max_model_len or self.config.max_position_embeddings
+        self.decode_num_splits = decode_num_splits  # None: the kernel's heuristic; int: batch-invariant
+        # graphs need CUDA and the Triton kernels (the torch reference syncs on seq_lens.max())
+        on_triton_cuda = self.device.type == "cuda" and self.attention_backend == "triton"
+        self.cuda_graphs = on_triton_cuda and not enforce_eager
+        self.graphs: DecodeGraphs | None = None  # captured after the KV cache is allocated
         if self.device.type == "cpu":
             _limit_cpu_threads_for_small_model(model)
         if num_blocks is None:
@@ -75,6 +87,12 @@ class ModelRunner:
             self.attention_backend, num_blocks, block_size,
             self.kv.data.numel() * self.kv.data.element_size() / 2**20, self.device, self.dtype,
         )
+        if self.cuda_graphs:
+            self.graphs = self._decode_graphs(use_cuda_graphs=True)
+            self.graphs.capture()
+        else:
+            log.info("runner: CUDA graphs off (%s)", "enforce_eager" if enforce_eager else
+                     f"{self.device.type} device, {self.attention_backend} backend")
 
     # ---- public API -------------------------------------------------------------------------------------
 
@@ -83,10 +101,13 @@ class ModelRunner:
         """-> (len(chunks), vocab) fp32 logits of each chunk's last token."""
         if not chunks:
             return torch.empty(0, self.config.vocab_size, device=self.device)
-        batch = self._prepare(chunks)
-        attn = PagedAttention(self.kv, batch.meta, self.attention_backend, self.sliding_window)
-        hidden = self.model(batch.input_ids, batch.positions, attn)  # (T, H)
-        return self.model.compute_logits(hidden[batch.logits_rows])  # (N, V)
+        for i, chunk in enumerate(chunks):
+            self._check_chunk(i, chunk)
+        hidden = self._replay_decode(chunks)  # (N, H), or None: not a graph batch
+        if hidden is None:
+            batch = self._prepare(chunks)
+            hidden = self._forward(batch.input_ids, batch.positions, batch.meta)[batch.logits_rows]
+        return self.model.compute_logits(hidden)  # (N, V)
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -96,11 +117,43 @@ class ModelRunner:
                 raise ValueError(f"copy_blocks pair ({src}, {dst}) outside blocks 1..{self.num_blocks - 1}")
         self.kv.copy_blocks(pairs)
 
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        # input_ids, positions (T,) -> hidden (T, H)
+        attn = PagedAttention(self.kv, meta, self.attention_backend, self.sliding_window,
+                              self.decode_num_splits)
+        return self.model(input_ids, positions, attn)
+
+    # ---- CUDA-graph decode --------------------------------------------------------------------------------
+
+    def _decode_graphs(self, use_cuda_graphs: bool) -> DecodeGraphs:
+        """Graphs for decode batches up to min(max_num_seqs, max_num_batched_tokens) sequences of up to
+        max_model_len tokens (capture() still to be called)."""
+        sizes = capture_sizes(min(self.max_num_seqs, self.max_num_batched_tokens))
+        max_blocks = -(-self.max_model_len // self.block_size)
+        return DecodeGraphs(self._forward, sizes, max_blocks, self.config.hidden_size, self.dtype,
+                            self.device, use_cuda_graphs)
+
+    def _replay_decode(self, chunks: list[SeqChunk]) -> torch.Tensor | None:
+        """(N, H) hidden states from a captured graph; None if the batch is not all single-token chunks or
+        is larger / longer than the graphs were captured for."""
+        graphs = self.graphs
+        if graphs is None or any(len(c.token_ids) != 1 for c in chunks):
+            return None
+        tables = [c.block_table[: self._blocks_for(c)] for c in chunks]
+        width = max(map(len, tables))
+        if not graphs.fits(len(chunks), width):
+            return None
+        ids = [c.token_ids[0] for c in chunks]
+        slots = [c.slot_mapping[0] for c in chunks]
+        self._check_ranges(ids, slots, [b for t in tables for b in t])
+        size = graphs.padded_size(len(chunks))
+        packed, width = pack_decode_inputs(ids, [c.start_pos for c in chunks], slots, tables, size,
+                                           graphs.max_size)
+        return graphs.replay(self._to_device(packed), len(chunks), size, width)
+
     # ---- step inputs ------------------------------------------------------------------------------------
 
     def _prepare(self, chunks: list[SeqChunk]) -> StepBatch:
-        for i, chunk in enumerate(chunks):
-            self._check_chunk(i, chunk)
         order = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
         num_decode = len(order)
         order += [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
@@ -218,10 +271,14 @@ class ModelRunner:
         # memory taken outside torch's allocator by the run (cuBLAS workspaces, compiled kernels, ...)
         free_after, _ = torch.cuda.mem_get_info(self.device)
         non_torch = max(0, free - free_after - (torch.cuda.memory_reserved(self.device) - reserved_before))
-        budget = free * fraction - activations - non_torch
+        # The graph pool is captured after the cache is allocated and is not shared with eager steps; its
+        # peak is one decode step of <= max_num_batched_tokens rows, bounded by the dummy prefill's peak.
+        graph_pool = activations + GRAPH_MEMORY_MARGIN if self.cuda_graphs else 0
+        budget = free * fraction - activations - non_torch - graph_pool
         num_blocks = int(budget // self._bytes_per_block())
-        log.info("runner: %.2f GiB free after weights, activations %.2f GiB, other %.2f GiB -> %d KV blocks",
-                 free / 2**30, activations / 2**30, non_torch / 2**30, num_blocks)
+        log.info("runner: %.2f GiB free after weights, activations %.2f GiB, other %.2f GiB, CUDA graphs "
+                 "%.2f GiB -> %d KV blocks", free / 2**30, activations / 2**30, non_torch / 2**30,
+                 graph_pool / 2**30, num_blocks)
         if num_blocks < 2:
             raise RuntimeError(
                 f"not enough GPU memory for the KV cache: {free / 2**30:.2f} GiB free after weights, "

@@ -1,0 +1,205 @@
+"""CUDA-graph decode, the parts that run on CPU: bucket sizes, padding, packed inputs, and the static-buffer
+replay path (DecodeGraphs with use_cuda_graphs=False: every buffer and padding row, minus the capture) against
+the eager runner. tests/test_runner_gpu.py runs the same comparison with real graphs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import kernels
+from server.cli import build_parser, engine_config
+from server.engine.cuda_graphs import DecodeGraphs, capture_sizes, pack_decode_inputs, padded_size
+from server.engine.runner import ModelRunner, SeqChunk
+from server.model import load_model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, _ = load_model("tiny", "cpu", torch.float32)
+    return model
+
+
+# ---- pure functions -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "max_num_seqs, sizes",
+    [
+        (1, [1]),
+        (3, [1, 2, 3]),
+        (8, [1, 2, 4, 8]),
+        (12, [1, 2, 4, 8, 12]),
+        (64, [1, 2, 4, 8, 16, 32, 48, 64]),
+        (100, [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 100]),
+    ],
+)
+def test_capture_sizes(max_num_seqs, sizes):
+    assert capture_sizes(max_num_seqs) == sizes
+
+
+def test_capture_sizes_rejects_zero():
+    with pytest.raises(ValueError, match="max_num_seqs must be >= 1"):
+        capture_sizes(0)
+
+
+def test_padded_size_is_the_smallest_bucket_that_fits():
+    sizes = capture_sizes(100)
+    for n in range(1, 101):
+        got = padded_size(n, sizes)
+        assert got in sizes and got >= n and all(s < n for s in sizes if s < got)
+    assert padded_size(1, sizes) == 1 and padded_size(3, sizes) == 4 and padded_size(17, sizes) == 32
+    assert padded_size(101, sizes) is None
+
+
+def test_pack_decode_inputs_layout():
+    packed, width = pack_decode_inputs(
+        token_ids=[7, 8, 9], start_pos=[4, 0, 9], slots=[21, 12, 37], tables=[[3, 5], [3], [2, 6, 9]],
+        size=4, max_size=5)
+    assert width == 3
+    assert packed[:20] == [
+        7, 8, 9, 0, 0,  # input_ids, padding token 0
+        4, 0, 9, 0, 0,  # positions
+        21, 12, 37, -1, -1,  # slot_mapping, padding writes nothing
+        5, 1, 10, 0, 0,  # seq_lens = start_pos + 1, padding attends to nothing
+    ]
+    assert packed[20:] == [3, 5, 0, 3, 0, 0, 2, 6, 9, 0, 0, 0]  # (size 4, width 3), null block 0 padding
+
+
+def test_pack_decode_inputs_rejects_a_batch_above_its_size():
+    with pytest.raises(ValueError, match="num_seqs"):
+        pack_decode_inputs([1, 2, 3], [0, 0, 0], [4, 5, 6], [[1], [1], [1]], size=2, max_size=4)
+
+
+def test_decode_graphs_rejects_unsorted_sizes(tiny):
+    with pytest.raises(ValueError, match="ascending"):
+        DecodeGraphs(lambda *a: None, [4, 2], 8, 256, torch.float32, torch.device("cpu"), False)
+
+
+# ---- the static-buffer replay path vs eager ---------------------------------------------------------------
+
+
+class RaggedBatch:
+    """Sequences of random tokens with ragged lengths in shuffled physical blocks, fed one token per step."""
+
+    def __init__(self, lengths: list[int], block_size: int, num_blocks: int, seed: int = 0) -> None:
+        self.rng = random.Random(seed)
+        self.free = list(range(1, num_blocks))
+        self.rng.shuffle(self.free)
+        self.block_size = block_size
+        self.seqs = [[self.rng.randrange(3, 259) for _ in range(n)] for n in lengths]
+        self.tables: list[list[int]] = [[] for _ in lengths]
+
+    def _chunk(self, i: int, start: int) -> SeqChunk:
+        seq, table, bs = self.seqs[i], self.tables[i], self.block_size
+        while len(table) * bs < len(seq):
+            table.append(self.free.pop())
+        slots = [table[t // bs] * bs + t % bs for t in range(start, len(seq))]
+        return SeqChunk(seq[start:], start, list(table), slots)
+
+    def prefill(self) -> list[SeqChunk]:
+        return [self._chunk(i, 0) for i in range(len(self.seqs))]
+
+    def decode(self) -> list[SeqChunk]:
+        for seq in self.seqs:
+            seq.append(self.rng.randrange(3, 259))
+        return [self._chunk(i, len(s) - 1) for i, s in enumerate(self.seqs)]
+
+
+def run_eager(runner: ModelRunner, chunks: list[SeqChunk]) -> torch.Tensor:
+    graphs, runner.graphs = runner.graphs, None
+    try:
+        return runner.execute(chunks)
+    finally:
+        runner.graphs = graphs
+
+
+def graph_and_eager_steps(runner: ModelRunner, lengths: list[int], steps: int, seed: int = 0):
+    """Per decode step: (logits through the graph path, eager logits of the same step). The eager run comes
+    second and rewrites the same K/V slots, so both see the same history at every step."""
+    batch = RaggedBatch(lengths, runner.block_size, runner.num_blocks, seed)
+    runner.execute(batch.prefill())
+    out = []
+    for _ in range(steps):
+        chunks = batch.decode()
+        out.append((runner.execute(chunks), run_eager(runner, chunks)))
+    return out
+
+
+def ragged(num_seqs: int) -> list[int]:
+    return [(3 + 5 * i) % 13 + 1 for i in range(num_seqs)]  # 4, 9, 1, 6, 11, 3, ...
+
+
+def cpu_graph_runner(model, backend: str = "torch") -> ModelRunner:
+    runner = ModelRunner(model, block_size=4, num_blocks=64, attention_backend=backend, max_num_seqs=8,
+                         max_model_len=64)
+    assert not runner.cuda_graphs and runner.graphs is None  # CPU: always eager
+    runner.graphs = runner._decode_graphs(use_cuda_graphs=False)
+    runner.graphs.capture()
+    assert runner.graphs.sizes == [1, 2, 4, 8] and runner.graphs.block_tables.shape == (8, 16)
+    return runner
+
+
+@pytest.mark.parametrize("num_seqs", [1, 3, 4, 5, 8])
+def test_static_replay_equals_eager(tiny, num_seqs):
+    """Exact (1, 4, 8) and padded (3 -> 4, 5 -> 8) buckets, ragged lengths, 6 steps across 4-token blocks."""
+    runner = cpu_graph_runner(tiny)
+    steps = graph_and_eager_steps(runner, ragged(num_seqs), steps=6, seed=num_seqs)
+    assert runner.graphs.num_replays == 6
+    for graph, eager in steps:
+        assert graph.shape == (num_seqs, tiny.config.vocab_size)
+        torch.testing.assert_close(graph, eager, rtol=1e-5, atol=1e-5)
+    assert not runner.kv.data[:, :, 0].any()  # padding rows wrote nothing, not even into the null block
+
+
+def test_batch_above_the_largest_bucket_runs_eagerly(tiny):
+    runner = cpu_graph_runner(tiny)
+    for graph, eager in graph_and_eager_steps(runner, ragged(9), steps=2):
+        torch.testing.assert_close(graph, eager, rtol=0, atol=0)
+    assert runner.graphs.num_replays == 0
+
+
+def test_mixed_and_multi_token_batches_run_eagerly(tiny):
+    runner = cpu_graph_runner(tiny)
+    batch = RaggedBatch([5, 1], runner.block_size, runner.num_blocks)
+    runner.execute(batch.prefill())  # a 5-token prefill with a 1-token one: eager
+    assert runner.graphs.num_replays == 0
+    runner.execute(batch.decode())
+    assert runner.graphs.num_replays == 1
+
+
+def test_longer_than_the_static_table_runs_eagerly(tiny):
+    runner = cpu_graph_runner(tiny)  # tables of 16 blocks of 4 = 64 tokens
+    batch = RaggedBatch([64], runner.block_size, runner.num_blocks)
+    runner.execute(batch.prefill())
+    logits = runner.execute(batch.decode())  # token 65 needs a 17th block
+    assert runner.graphs.num_replays == 0 and logits.shape == (1, tiny.config.vocab_size)
+
+
+def test_replay_path_checks_ranges(tiny):
+    runner = cpu_graph_runner(tiny)
+    with pytest.raises(ValueError, match="slots must be in"):
+        runner.execute([SeqChunk([5], 0, [1], [64 * 4])])
+    with pytest.raises(ValueError, match="block ids must be in"):
+        runner.execute([SeqChunk([5], 0, [64], [4])])
+    assert runner.graphs.num_replays == 0
+
+
+def test_static_replay_on_the_triton_interpreter(tiny):
+    """The real kernels over the full-width static table, padding rows with seq_len 0 and slot -1."""
+    try:
+        kernels.resolve_backend("cpu", "triton")
+    except ValueError as exc:
+        pytest.skip(str(exc))
+    runner = cpu_graph_runner(tiny, backend="triton")
+    for graph, eager in graph_and_eager_steps(runner, ragged(3), steps=2):
+        torch.testing.assert_close(graph, eager, rtol=1e-4, atol=1e-4)
+    assert runner.graphs.num_replays == 2
+
+
+def test_enforce_eager_flag_reaches_the_engine_config():
+    parse = build_parser().parse_args
+    assert engine_config(parse(["serve", "--enforce-eager"])).enforce_eager is True
+    assert engine_config(parse(["serve"])).enforce_eager is False
