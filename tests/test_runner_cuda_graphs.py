@@ -199,6 +199,15 @@ def test_static_replay_on_the_triton_interpreter(tiny):
     assert runner.graphs.num_replays == 2
 
 
+def test_a_failed_capture_leaves_the_runner_eager(tiny, caplog):
+    runner = ModelRunner(tiny, block_size=4, num_blocks=16, attention_backend="torch")
+    runner.cuda_graphs = True
+    runner._capture_graphs()  # real capture on a CPU runner: torch.cuda fails
+    assert not runner.cuda_graphs and runner.graphs is None
+    assert "CUDA graph capture failed; decoding eagerly" in caplog.text
+    assert runner.execute([SeqChunk([5], 0, [1], [4])]).shape == (1, tiny.config.vocab_size)
+
+
 def test_enforce_eager_flag_reaches_the_engine_config():
     parse = build_parser().parse_args
     assert engine_config(parse(["serve", "--enforce-eager"])).enforce_eager is True

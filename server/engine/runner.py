@@ -88,8 +88,7 @@ class ModelRunner:
             self.kv.data.numel() * self.kv.data.element_size() / 2**20, self.device, self.dtype,
         )
         if self.cuda_graphs:
-            self.graphs = self._decode_graphs(use_cuda_graphs=True)
-            self.graphs.capture()
+            self._capture_graphs()
         else:
             log.info("runner: CUDA graphs off (%s)", "enforce_eager" if enforce_eager else
                      f"{self.device.type} device, {self.attention_backend} backend")
@@ -132,6 +131,17 @@ class ModelRunner:
         max_blocks = -(-self.max_model_len // self.block_size)
         return DecodeGraphs(self._forward, sizes, max_blocks, self.config.hidden_size, self.dtype,
                             self.device, use_cuda_graphs)
+
+    def _capture_graphs(self) -> None:
+        """A failed capture leaves the runner eager (cuda_graphs False) with a warning, not a dead server."""
+        graphs = self._decode_graphs(use_cuda_graphs=True)
+        try:
+            graphs.capture()
+        except Exception:  # any capture failure: serve eagerly, loudly
+            log.warning("runner: CUDA graph capture failed; decoding eagerly", exc_info=True)
+            self.cuda_graphs = False
+            return
+        self.graphs = graphs
 
     def _replay_decode(self, chunks: list[SeqChunk]) -> torch.Tensor | None:
         """(N, H) hidden states from a captured graph; None if the batch is not all single-token chunks or
