@@ -18,16 +18,32 @@ async def parse_body(request: Request, model_cls: type[M]) -> M:
     raw = await request.body()
     if not raw.strip():
         raise APIError(400, "Request body is empty; expected a JSON object.", code="invalid_json")
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise APIError(400, "Request body is not valid JSON.", code="invalid_json") from None
+    data = _load_json(raw)
     if not isinstance(data, dict):
         raise APIError(400, "Request body must be a JSON object.", code="invalid_json")
     try:
         return model_cls.model_validate(data)
     except ValidationError as e:
         raise validation_error(e.errors()) from None
+
+
+def _load_json(raw: bytes) -> object:
+    """json.loads, with 400s for bad JSON, nesting too deep to decode and unpaired surrogate escapes
+    ("\\ud800"), which decode to a str no tokenizer can encode."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise APIError(400, "Request body is not valid JSON.", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "Request body is nested too deeply.", code="invalid_json") from None
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, "Request body contains an unpaired UTF-16 surrogate escape (e.g. \"\\ud800\"); "
+                            "strings must be valid Unicode.", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "Request body is nested too deeply.", code="invalid_json") from None
+    return data
 
 
 def check_model(engine, requested: str | None) -> None:

@@ -55,6 +55,9 @@ class EngineCore:
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
+        """ValueError (request not added) for prompt ids outside the vocabulary: caught here, not in a
+        batch, they fail this request only."""
+        _check_prompt(req.prompt_token_ids, self.runner.config.vocab_size)
         p = req.params
         req.seqs = [self._new_seq(req, i) for i in range(p.n)]
         parent = req.seqs[0]
@@ -204,6 +207,12 @@ def _token_range(seq: Sequence, start: int, end: int) -> list[int]:
     if start >= p:
         return seq.output_token_ids[start - p:end - p]
     return seq.all_token_ids[start:end]
+
+
+def _check_prompt(token_ids: list[int], vocab_size: int) -> None:
+    bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    if bad:
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}), got {bad[0]!r}")
 
 
 def _safe_flush(seq: Sequence) -> str:

@@ -59,9 +59,9 @@ class Sampler:
 
 def _sample(logits: torch.Tensor, temps: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     params = [r.params for r in rows]
-    dev = logits.device
+    dev, V = logits.device, logits.shape[-1]
     scaled = logits / torch.where(temps == 0, torch.ones_like(temps), temps)[:, None]  # (B, V)
-    top_k = torch.tensor([p.top_k for p in params], device=dev)
+    top_k = torch.tensor([min(p.top_k, V) for p in params], device=dev)  # any int: a huge one means all
     top_p = torch.tensor([p.top_p for p in params], device=dev)
     if bool((top_k > 0).any()) or bool((top_p < 1).any()):
         scaled = apply_top_k_top_p(scaled, top_k, top_p)
