@@ -18,6 +18,7 @@ largest first so the smaller ones reuse its blocks (the vLLM / nano-vllm recipe)
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -146,12 +147,18 @@ class DecodeGraphs:
         free_before, _ = torch.cuda.mem_get_info(device)
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):
-            self._body(size)  # warm-up: nothing may compile or allocate a cuBLAS handle inside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._body(size)
-            self.graphs[size] = graph
+        stream = torch.cuda.Stream(device)  # warm-up and capture on one side stream (its cuBLAS workspace)
+        gc.disable()  # a collection inside a capture could unload a Triton module and invalidate it
+        try:
+            with torch.cuda.stream(stream):
+                for size in reversed(self.sizes):
+                    self._body(size)  # warm-up: compiles and allocates outside the capture
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        self._body(size)
+                    self.graphs[size] = graph
+        finally:
+            gc.enable()
         torch.cuda.synchronize(device)
         free_after, _ = torch.cuda.mem_get_info(device)
         log.info("runner: captured %d CUDA decode graphs (batch sizes %s, %d-block tables) in %.2f s, "
