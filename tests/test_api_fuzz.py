@@ -145,3 +145,13 @@ def test_bad_prompt_ids_on_the_engine_fail_only_their_own_request(engine):
     assert good.error is None and good.choices[0].finish_reason == "length"
     assert "prompt token ids" in bad.error and bad.choices[0].finish_reason == "error"
     assert wait_until(lambda: engine.health()["running"] == 0, timeout=10)
+
+
+@pytest.mark.parametrize("value", [b"\xb2", b"\xb9\xb2", b"-1", b"1e3"])
+def test_bad_content_length_is_400(engine, value):
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(engine)),
+                                     base_url="http://t") as c:
+            return await c.post(CMPL, content=cmpl(), headers={"content-length": value})
+
+    check_response(asyncio.run(main()), 400)

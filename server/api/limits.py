@@ -25,8 +25,9 @@ class BodySizeLimitMiddleware:
             await self.app(scope, receive, send)
             return
         declared = Headers(scope=scope).get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
-            err = (BodyTooLarge(self.max_body_bytes) if declared.isdigit()
+        valid = declared is not None and declared.isascii() and declared.isdigit()  # "²".isdigit() too
+        if declared is not None and (not valid or int(declared) > self.max_body_bytes):
+            err = (BodyTooLarge(self.max_body_bytes) if valid
                    else APIError(400, "Invalid Content-Length header."))
             await error_response(err)(scope, receive, send)
             return
