@@ -22,10 +22,8 @@ from tests.engine_helpers import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
-BLOCK = 16
-CFG = dict(model="tiny", device="cpu", dtype="float32", block_size=BLOCK, num_blocks=32, max_num_seqs=8,
+CFG = dict(model="tiny", device="cpu", dtype="float32", block_size=16, num_blocks=32, max_num_seqs=8,
            max_num_batched_tokens=64, max_model_len=256, attention_backend="torch")
-CAPACITY = 31 * BLOCK  # block 0 is the null block
 PREFIXES = ["The quick brown fox jumps over the lazy dog. " * 2, "Once upon a time, in a paged cache, "]
 STOPS = ["e", "zz", "th", "x" * 300]
 
@@ -64,11 +62,27 @@ class Job:
     result: dict = field(default_factory=dict)
 
 
-def random_job(rng: random.Random, tokenizer) -> Job:
-    n = rng.randint(1, 4)
-    body: dict = {"max_tokens": rng.randint(1, 40), "stream": rng.random() < 0.5, "n": n,
-                  "return_token_ids": True, "ignore_eos": rng.random() < 0.7,
-                  "temperature": rng.choice([0.0, 0.7, 1.0])}
+def random_job(rng: random.Random, engine: AsyncEngine) -> Job:
+    body = _sampling_fields(rng)
+    kind = rng.random()
+    if kind < 0.15:  # near the context limit: token ids, n = 1
+        body.update(n=1, max_tokens=rng.randint(1, 8))
+        num_prompt = CFG["max_model_len"] - body["max_tokens"] - rng.randint(0, 2)
+        body["prompt"] = [rng.randint(3, 258) for _ in range(num_prompt)]
+    else:
+        _add_prompt(rng, body)
+    if 0.15 <= kind < 0.25:  # n choices beyond the whole KV cache
+        body.update(n=4, max_tokens=120)
+    mode = rng.choices(["finish", "cancel", "disconnect"], [0.6, 0.2, 0.2])[0]
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    num_choices = body["n"] * len(_prompts(body, engine.tokenizer))
+    return Job(path, body, num_choices, _fits(body, engine), mode, rng.uniform(0, 0.5))
+
+
+def _sampling_fields(rng: random.Random) -> dict:
+    body = {"max_tokens": rng.randint(1, 40), "stream": rng.random() < 0.5, "n": rng.randint(1, 4),
+            "return_token_ids": True, "ignore_eos": rng.random() < 0.7,
+            "temperature": rng.choice([0.0, 0.7, 1.0])}
     if rng.random() < 0.4:
         body["stop"] = rng.sample(STOPS, rng.randint(1, 3))
     if rng.random() < 0.3:
@@ -76,37 +90,35 @@ def random_job(rng: random.Random, tokenizer) -> Job:
                     repetition_penalty=rng.uniform(0.5, 2))
     if rng.random() < 0.3:
         body["seed"] = rng.randint(0, 2**40)
+    return body
+
+
+def _add_prompt(rng: random.Random, body: dict) -> None:
+    """A chat or completions prompt sharing a prefix with others (prefix-cache hits), maybe with logprobs."""
     text = rng.choice(PREFIXES) + "".join(rng.choices("abcdefgh ", k=rng.randint(0, 20)))
-    kind = rng.random()
-    if kind < 0.15:  # near the context limit: token ids, n = 1
-        body.update(n=1, max_tokens=rng.randint(1, 8))
-        body["prompt"] = [rng.randint(3, 258) for _ in range(256 - body["max_tokens"] - rng.randint(0, 2))]
-    elif rng.random() < 0.5:
+    if rng.random() < 0.5:
         body["messages"] = [{"role": "user", "content": text}]
         if rng.random() < 0.3:
             body.update(logprobs=True, top_logprobs=rng.randint(0, 5))
-    else:
-        body["prompt"] = text if rng.random() < 0.7 else [text, rng.choice(PREFIXES)]
-        if rng.random() < 0.3:
-            body["logprobs"] = rng.randint(0, 5)
-    if 0.15 <= kind < 0.25:  # n choices beyond the whole KV cache
-        body.update(n=4, max_tokens=120)
-    mode = rng.choices(["finish", "cancel", "disconnect"], [0.6, 0.2, 0.2])[0]
-    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    prompts = body["prompt"] if isinstance(body.get("prompt"), list) and isinstance(body["prompt"][0], str) \
-        else [None]
-    return Job(path, body, body["n"] * len(prompts), _fits(body, tokenizer), mode, rng.uniform(0, 0.5))
+        return
+    body["prompt"] = text if rng.random() < 0.7 else [text, rng.choice(PREFIXES)]
+    if rng.random() < 0.3:
+        body["logprobs"] = rng.randint(0, 5)
 
 
-def _fits(body: dict, tokenizer) -> bool:
+def _prompts(body: dict, tokenizer) -> list[list[int]]:
+    """The token ids of each prompt of the request (one engine request each)."""
     if "messages" in body:
-        prompts = [tokenizer.encode(tokenizer.apply_chat_template(body["messages"]))]
-    elif isinstance(body["prompt"], str) or isinstance(body["prompt"][0], int):
-        prompts = [body["prompt"]]
-    else:
-        prompts = body["prompt"]
-    totals = [len(tokenizer.encode(p) if isinstance(p, str) else p) + body["max_tokens"] for p in prompts]
-    return all(t <= CFG["max_model_len"] and t * body["n"] <= CAPACITY for t in totals)
+        return [tokenizer.encode(tokenizer.apply_chat_template(body["messages"]))]
+    prompt = body["prompt"]
+    if isinstance(prompt, str) or isinstance(prompt[0], int):
+        prompt = [prompt]
+    return [tokenizer.encode(p) if isinstance(p, str) else p for p in prompt]
+
+
+def _fits(body: dict, engine: AsyncEngine) -> bool:
+    totals = [len(p) + body["max_tokens"] for p in _prompts(body, engine.tokenizer)]
+    return all(t <= engine.max_model_len and t * body["n"] <= engine.capacity_tokens for t in totals)
 
 
 async def call_asgi(app, path: str, body: dict, disconnect_after: float | None) -> tuple[int, bytes]:
@@ -190,7 +202,7 @@ def check_job(job: Job) -> None:
 def test_random_mix_with_cancellations_leaves_nothing_behind(engine):
     rng = random.Random(1234)
     app = create_app(engine)
-    jobs = [random_job(rng, engine.tokenizer) for _ in range(40)]
+    jobs = [random_job(rng, engine) for _ in range(40)]
 
     async def main():
         await asyncio.gather(*(run_job(app, j) for j in jobs))
