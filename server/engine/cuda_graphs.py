@@ -148,6 +148,7 @@ class DecodeGraphs:
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)  # warm-up and capture on one side stream (its cuBLAS workspace)
+        gc_was_enabled = gc.isenabled()
         gc.disable()  # a collection inside a capture could unload a Triton module and invalidate it
         try:
             with torch.cuda.stream(stream):
@@ -158,7 +159,8 @@ class DecodeGraphs:
                         self._body(size)
                     self.graphs[size] = graph
         finally:
-            gc.enable()
+            if gc_was_enabled:
+                gc.enable()
         torch.cuda.synchronize(device)
         free_after, _ = torch.cuda.mem_get_info(device)
         log.info("runner: captured %d CUDA decode graphs (batch sizes %s, %d-block tables) in %.2f s, "
