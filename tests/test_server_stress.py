@@ -269,6 +269,7 @@ def abort(core, req: Request) -> None:
     _, out = core.abort_request(req.request_id)
     assert out.finished and {d.finish_reason for d in out.deltas} == {"abort"}
     assert req.request_id not in core.requests
+    assert not any(core.kv.has_seq(s.seq_id) for s in req.seqs), "an aborted choice still holds blocks"
     core.kv.check_integrity()
 
 
