@@ -32,6 +32,7 @@ class StopChecker:
         self.eos_token_ids = set() if params.ignore_eos else set(eos_token_ids)
         self.stop_token_ids = set(params.stop_token_ids)
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
+        self.stop_firsts = {s[0] for s in params.stop if s}  # a held-back tail starts with one of these
         self.text = ""  # everything decoded so far (cut at a stop string once one is found)
         self.emitted = 0  # chars of self.text already handed out
         self.num_tokens = 0
@@ -70,12 +71,9 @@ class StopChecker:
 
     def _find_stop(self, new_from: int) -> tuple[int, str] | None:
         """Earliest stop string that ends inside the newly decoded text."""
-        if not self.params.stop:
-            return None
-        lo = max(0, new_from - self.max_stop_len + 1)
         best: tuple[int, str] | None = None
-        for stop in self.params.stop:
-            pos = self.text.find(stop, lo)
+        for stop in self.params.stop:  # each scans only where it could end in the new text
+            pos = self.text.find(stop, max(0, new_from - len(stop) + 1))
             if pos >= 0 and (best is None or pos < best[0]):
                 best = (pos, stop)
         return best
@@ -84,6 +82,8 @@ class StopChecker:
         """Length of the longest unemitted tail that is a proper prefix of some stop string."""
         pending = len(self.text) - self.emitted
         for k in range(min(self.max_stop_len - 1, pending), 0, -1):
+            if self.text[-k] not in self.stop_firsts:
+                continue
             tail = self.text[-k:]
             if any(s.startswith(tail) for s in self.params.stop):
                 return k
