@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 
 import httpx
 import pytest
@@ -12,6 +13,9 @@ import pytest
 from server.api.app import create_app
 from server.engine.engine import AsyncEngine, EngineConfig
 from server.engine.sampling_params import SamplingParams
+from server.engine.stop_checker import StopChecker
+from server.model import IncrementalDetokenizer
+from server.model.tokenizer import ByteTokenizer
 from tests.engine_helpers import collect, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -155,3 +159,34 @@ def test_bad_content_length_is_400(engine, value):
             return await c.post(CMPL, content=cmpl(), headers={"content-length": value})
 
     check_response(asyncio.run(main()), 400)
+
+
+def reference_stop(text: str, stops: list[str], max_tokens: int) -> tuple[str, str | None]:
+    """The text a client must see and the stop string hit (None: ended by length), feeding one char a step."""
+    for i in range(1, min(len(text), max_tokens) + 1):
+        hits = [(text[:i].find(s), j) for j, s in enumerate(stops) if s in text[:i]]
+        if hits:
+            pos, j = min(hits)
+            return text[:pos], stops[j]
+    return text[:max_tokens], None
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_stop_strings_match_a_naive_reference(seed):
+    rng = random.Random(seed)
+    text = "".join(rng.choices("abc", k=rng.randint(1, 40)))
+    stops = ["".join(rng.choices("abc", k=rng.choice([1, 2, 3, 5, 60]))) for _ in range(rng.randint(1, 6))]
+    max_tokens = rng.randint(1, 45)
+    tok = ByteTokenizer()
+    params = SamplingParams(stop=stops, max_tokens=max_tokens)
+    checker = StopChecker(params, IncrementalDetokenizer(tok), set())
+    emitted, stop_reason = "", None
+    for token in tok.encode(text, add_bos=False):
+        res = checker.append(token)
+        emitted += res.text
+        if res.finish_reason:
+            stop_reason = res.stop_reason
+            break
+    else:
+        emitted += checker.finish()
+    assert (emitted, stop_reason) == reference_stop(text, stops, max_tokens), (text, stops)
