@@ -222,19 +222,37 @@ def test_random_mix_with_cancellations_leaves_nothing_behind(engine):
 
 
 def test_closing_engine_streams_early_frees_everything(engine):
+    """i % 3 == 0: aclose() after the first output; 1: drop the iterator unclosed (the loop's async-generator
+    finalizer closes it); 2: read to the end. The first two abort long before max_tokens."""
+    aborted_before = _num_aborted(engine)
+
     async def read_some(i: int) -> None:
-        params = SamplingParams(max_tokens=30, n=1 + i % 4, ignore_eos=True, seed=i)
+        params = SamplingParams(max_tokens=200, n=1 + i % 2, ignore_eos=True, seed=i)
         gen = engine.generate(f"close-{i}", list(range(3, 3 + 20 + i)), params)
-        async for _ in gen:
-            if i % 3 == 0:
+        finished = False
+        async for out in gen:
+            finished = out.finished
+            if i % 3 != 2:
                 break
-        await gen.aclose()
+        assert finished == (i % 3 == 2)
+        if i % 3 == 0:
+            await gen.aclose()
 
     async def main():
         await asyncio.gather(*(read_some(i) for i in range(9)))
+        for _ in range(1000):  # while this loop runs: it is the one that closes the dropped iterators
+            if not engine._live:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"requests left running: {engine._live}")
 
     asyncio.run(main())
+    assert _num_aborted(engine) - aborted_before == sum(1 + i % 2 for i in range(9) if i % 3 != 2)
     assert_drained(engine)
+
+
+def _num_aborted(engine: AsyncEngine) -> float:
+    return engine.metrics.value("pagewalk_request_success_total", {"finish_reason": "abort"})
 
 
 # ---- aborts at each lifecycle stage, driven step by step on the engine core (no thread) ----------------
