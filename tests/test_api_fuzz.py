@@ -86,6 +86,7 @@ NASTY = [
     (CMPL, cmpl(max_tokens=400, n=4), 400),  # n x (prompt + max_tokens) beyond the whole KV cache
     (CMPL, cmpl(max_tokens=5, n=64), 400),  # n beyond max_num_seqs
     (CMPL, cmpl(prompt=[[5]] * 300, max_tokens=1), 200),
+    (CMPL, cmpl(prompt=[[5]] * 5000, max_tokens=1), 400),  # more prompts than max_waiting: never a 429
     (CMPL, cmpl(prompt="hi", stream_options={"include_usage": "yes"}), 400),
     (CHAT, chat(content=[{"type": "text", "text": "a"}] * 200), 200),
     (CHAT, chat(content="{{ 7*7 }}{% for x in range(10**9) %}{% endfor %}"), 200),

@@ -52,7 +52,12 @@ def rejected_to_api_error(e: RequestRejected) -> APIError:
 
 
 def admit(engine, prompts: list[list[int]], params: SamplingParams) -> None:
-    """Raises the engine's rejection (400 too long, 429 queue full, 503 stopping) as an APIError."""
+    """Raises the engine's rejection (400 too long, 429 queue full, 503 stopping) as an APIError; more
+    prompts than the whole waiting queue holds is a 400 (a retry would never succeed)."""
+    limit = engine.config.max_waiting
+    if len(prompts) > max(1, limit):
+        raise APIError(400, f"{len(prompts)} prompts in one request exceed the waiting queue "
+                            f"(max_waiting={limit}); send at most {limit}.", "prompt")
     try:
         for ids in prompts:
             engine.check_admissible(len(ids), params)
