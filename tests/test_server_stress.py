@@ -212,8 +212,11 @@ def test_random_mix_with_cancellations_leaves_nothing_behind(engine):
         check_job(job)
     assert {j.mode for j in jobs} == {"finish", "cancel", "disconnect"}
     assert {j.admissible for j in jobs} == {True, False}
+    assert any(j.result["status"] in ("cancelled", 499) for j in jobs), "no request was cut off mid-flight"
     assert engine.core.scheduler.num_preemptions > 0, "the mix should have forced a preemption"
     assert_drained(engine)
+    health = asyncio.run(_get(app, "/health"))
+    assert (health["kv_cache"]["used_blocks"], health["running"], health["waiting"]) == (0, 0, 0), health
     fresh = Job("/v1/completions", {"prompt": "still alive", "max_tokens": 3, "ignore_eos": True,
                                     "return_token_ids": True, "stream": True}, 1, True, "finish")
     asyncio.run(run_job(app, fresh))
@@ -348,6 +351,13 @@ def test_engine_abort_of_finished_and_unknown_ids_is_ignored(engine):
     assert_drained(engine)
     r = asyncio.run(_post(create_app(engine), {"prompt": "ok", "max_tokens": 2}))
     assert r.status_code == 200
+
+
+async def _get(app, path: str) -> dict:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        r = await c.get(path, timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()
 
 
 async def _post(app, body: dict) -> httpx.Response:
