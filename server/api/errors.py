@@ -124,16 +124,23 @@ class CatchAllMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
+        started = client_gone = False
 
         async def tracking_send(message: Message) -> None:
-            nonlocal started
+            nonlocal started, client_gone
             started = started or message["type"] == "http.response.start"
-            await send(message)
+            try:
+                await send(message)
+            except Exception:  # the server says the client is gone (ASGI spec 2.4: OSError)
+                client_gone = True
+                raise
 
         try:
             await self.app(scope, receive, tracking_send)
         except Exception as exc:
+            if client_gone:  # nobody to answer; not a server error
+                logger.info("client went away during %s %s", scope.get("method"), scope.get("path"))
+                return
             if isinstance(exc, APIError):
                 err = exc
             else:
