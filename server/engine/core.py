@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -210,7 +211,7 @@ def _token_range(seq: Sequence, start: int, end: int) -> list[int]:
 
 
 def _check_prompt(token_ids: list[int], vocab_size: int) -> None:
-    bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
+    bad = [t for t in token_ids if not (isinstance(t, numbers.Integral) and 0 <= t < vocab_size)]
     if bad:
         raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}), got {bad[0]!r}")
 
