@@ -209,7 +209,7 @@ def check_job(job: Job) -> None:
 def test_random_mix_with_cancellations_leaves_nothing_behind(engine, caplog):
     rng = random.Random(1234)
     app = create_app(engine)
-    jobs = [random_job(rng, engine) for _ in range(40)]
+    jobs = [random_job(rng, engine) for _ in range(80)]
 
     async def main():
         await asyncio.gather(*(run_job(app, j) for j in jobs))
