@@ -15,7 +15,7 @@ $PY -c "import torch, triton; print('gpu', torch.cuda.get_device_name() if torch
   | tee "$OUT/versions.txt"
 
 echo "== host profile of the paged-decode call"
-[ "$DEVICE" = cuda ] && timeout 120 $PY -m kernels.host_profile --out "$OUT" 2>&1 | tail -n 8
+[ "$DEVICE" = cuda ] && [ -z "${SKIP_PROFILE:-}" ] && timeout 120 $PY -m kernels.host_profile --out "$OUT" 2>&1 | tail -n 8
 
 echo "== GPU tests (runner, CUDA graphs)"
 timeout 240 $PY -m pytest -q -m gpu tests/test_runner_gpu.py 2>&1 | tail -n 15 | tee "$OUT/runner_gpu_tests.log"
@@ -50,7 +50,7 @@ timeout 120 $LT --num-requests 256 --concurrency 64 --warmup 8 --out "$OUT/serve
 stop_server eager
 
 echo "== HF generate baseline (static cache), same weights and shape"
-for B in 1 64; do
+for B in ${HF_BATCHES:-1 64}; do
   timeout 240 $PY -m loadtest.hf_baseline --model $MODEL --device $DEVICE --batch-size $B --input-len $IN \
     --output-len $OUTLEN --iters 2 --out "$OUT/hf_b$B.json" | grep -E "output_throughput|decode_throughput"
 done
