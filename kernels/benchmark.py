@@ -26,7 +26,7 @@ import triton
 from triton.testing import do_bench
 
 from kernels import reference
-from kernels.paged_decode import paged_decode_attention_triton
+from kernels.paged_decode import FUSED_MERGE_DEFAULT, paged_decode_attention_triton
 from kernels.split_heuristic import KernelConfig, choose_config, choose_num_splits, num_sms
 from kernels.testing import make_paged_case, rel_error
 
@@ -127,13 +127,13 @@ class Shape:
         v = c.v_cache[c.block_tables.long()].flatten(1, 2)[:, :self.ctx]
         return k.transpose(1, 2), v.transpose(1, 2)
 
-    def ours(self, num_splits=None, config=None, fused_merge=True):
+    def ours(self, num_splits=None, config=None, fused_merge=FUSED_MERGE_DEFAULT):
         c = self.case
         return paged_decode_attention_triton(c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens,
                                              num_splits=num_splits, config=config, fused_merge=fused_merge)
 
-    def ours_two_launch(self):
-        return self.ours(fused_merge=False)
+    def ours_fused_merge(self):
+        return self.ours(fused_merge=True)
 
     def sdpa_contig(self):
         return F.scaled_dot_product_attention(self.q4, self.k_contig, self.v_contig, enable_gqa=True)
@@ -195,7 +195,7 @@ def measure_row(batch, ctx, block_size, copy, args, deadline, configs, with_ref=
     cfg0, splits0 = shape.heuristic()
     row = {"B": batch, "L": ctx, "block_size": block_size, "rel_err_vs_sdpa": err,
            "heuristic": {"config": vars(cfg0), "splits": splits0},
-           "ours_us": bench_us(shape.ours), "ours_two_launch_us": bench_us(shape.ours_two_launch),
+           "ours_us": bench_us(shape.ours), "ours_fused_merge_us": bench_us(shape.ours_fused_merge),
            "sdpa_contig_us": bench_us(shape.sdpa_contig),
            "gather_sdpa_us": bench_us(shape.gather_sdpa),
            "torch_ref_us": bench_us(shape.torch_ref) if with_ref else None,
@@ -255,7 +255,7 @@ def markdown(result: dict) -> str:
              f"torch {result['torch']}, triton {result['triton']}; Hq={HQ}, Hkv={HKV}, D={D}, bf16; "
              f"do_bench median (L2 cleared per call). Copy bandwidth {result['copy_TBps']:.2f} TB/s "
              f"(read+write). SDPA backend seen: `{result['sdpa_backend']}`.", "",
-             "| B | L | block | ours µs | ours, 2-launch merge µs | best µs (cfg, splits) | SDPA-contig µs "
+             "| B | L | block | ours µs | ours, fused merge µs | best µs (cfg, splits) | SDPA-contig µs "
              "| gather-SDPA µs | ref µs "
              "| ours TB/s | SDPA TB/s | ours / copy |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -266,7 +266,7 @@ def markdown(result: dict) -> str:
                    f"{best['splits']})" if best else "-")
         ref_s = f"{r['torch_ref_us']:.0f}" if r["torch_ref_us"] else "-"
         lines.append(f"| {r['B']} | {r['L']} | {r['block_size']} | {r['ours_us']:.1f} | "
-                     f"{r['ours_two_launch_us']:.1f} | {best_s} | "
+                     f"{r['ours_fused_merge_us']:.1f} | {best_s} | "
                      f"{r['sdpa_contig_us']:.1f} | {r['gather_sdpa_us']:.1f} | {ref_s} | "
                      f"{r['ours_TBps']:.2f} | "
                      f"{r['sdpa_contig_TBps']:.2f} | {r['ours_frac_of_copy']:.2f} |")
@@ -305,13 +305,13 @@ def plot(result: dict, path: Path) -> None:
 
 
 def table(result: dict) -> str:
-    out = ["B     L      bs  ours_us  2launch  best_us  sdpa_us  gather_us  ours_TB/s  gpu-only ours/sdpa  "
+    out = ["B     L      bs  ours_us  fused    best_us  sdpa_us  gather_us  ours_TB/s  gpu-only ours/sdpa  "
            "host ours/sdpa  heur(cfg,splits) -> best"]
     for r in result["rows"]:
         b = r.get("best") or {"us": float("nan"), "config": {}, "splits": "-"}
         h = r["heuristic"]
         out.append(f"{r['B']:<5} {r['L']:<6} {r['block_size']:<3} {r['ours_us']:8.1f} "
-                   f"{r['ours_two_launch_us']:8.1f} {b['us']:8.1f} "
+                   f"{r['ours_fused_merge_us']:8.1f} {b['us']:8.1f} "
                    f"{r['sdpa_contig_us']:8.1f} {r['gather_sdpa_us']:9.1f} {r['ours_TBps']:9.2f}  "
                    f"{r['ours_gpu_us']:8.1f}/{r['sdpa_gpu_us']:<8.1f} "
                    f"{r['ours_host_us']:6.1f}/{r['sdpa_host_us']:<6.1f} "

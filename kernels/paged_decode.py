@@ -29,7 +29,10 @@ from kernels.split_heuristic import (
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30
-FUSED_MERGE_DEFAULT = True   # one launch per call; False: separate stage-2 merge launch
+# Merge splits in a second launch by default: on the H200 the fused merge (one launch) was slower both in
+# do_bench and in GPU-only time (its last program merges the splits serially, and the ticket counters need a
+# memset), e.g. 75.8 vs 35.8 us at (1, 4096) and 61.9 vs 54.8 us at (1, 32768); see docs/kernel_notes.md.
+FUSED_MERGE_DEFAULT = False
 
 
 @triton.jit
