@@ -3,7 +3,8 @@
 The thread owns the EngineCore (scheduler, KV cache manager, runner, sampler) and steps it while there is
 work, sleeping on a condition otherwise. The asyncio side never waits on compute: `generate` puts a request
 in an inbox under a lock and awaits its own asyncio.Queue, which the thread fills through
-`loop.call_soon_threadsafe`. Aborts travel the same way and take effect at the start of the next step.
+`loop.call_soon_threadsafe`: one call per event loop per step, carrying every output of that step.
+Aborts travel the same way and take effect at the start of the next step.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ class AsyncEngine:
         """Stream of RequestOutputs, the last with finished=True. Closing it early aborts the request."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        req = Request(request_id, list(prompt_token_ids), params, partial(_deliver, loop, queue))
+        req = Request(request_id, list(prompt_token_ids), params, QueueSink(loop, queue))
         self._submit(req)
         finished = False
         try:
@@ -235,14 +236,22 @@ class AsyncEngine:
             return [o for rid in list(core.requests) if (o := core.abort_request(rid, "error", msg))]
 
     def _publish(self, outputs: list) -> None:
+        finished = [req.request_id for req, out in outputs if out.finished]
+        if finished:
+            with self._cond:
+                self._live.difference_update(finished)
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for req, out in outputs:
-            if out.finished:
-                with self._cond:
-                    self._live.discard(req.request_id)
+            sink = req.emit
+            if isinstance(sink, QueueSink):
+                batches.setdefault(sink.loop, []).append((sink.queue, out))
+                continue
             try:
-                req.emit(out)
+                sink(out)
             except Exception:
                 logger.exception("could not deliver an output of request %s", req.request_id)
+        for loop, items in batches.items():
+            _deliver(loop, items)
         snapshot = self._take_snapshot()
         with self._cond:
             self._snapshot = snapshot
@@ -267,9 +276,25 @@ class AsyncEngine:
             req.emit(RequestOutput(req.request_id, req.prompt_token_ids, deltas, True))
 
 
-def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, out: RequestOutput) -> None:
+@dataclass(frozen=True)
+class QueueSink:
+    """A request's `emit`: its asyncio.Queue on its event loop. `_publish` batches sinks by loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def __call__(self, out: RequestOutput) -> None:
+        _deliver(self.loop, [(self.queue, out)])
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
     try:
-        loop.call_soon_threadsafe(queue.put_nowait, out)
-    except RuntimeError:  # the request's event loop is closed: nobody is listening any more
+        loop.call_soon_threadsafe(_put_all, items)
+    except RuntimeError:  # the event loop is closed: nobody is listening any more
         pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, out in items:
+        queue.put_nowait(out)
 
