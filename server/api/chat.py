@@ -8,6 +8,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
+from functools import cached_property
 
 import jinja2
 from fastapi import APIRouter, Request, Response
@@ -35,8 +36,16 @@ from server.api.protocol import (
     ChatResponseMessage,
 )
 from server.api.sampling import sampling_params
-from server.api.streaming import EventStreamResponse, sse_event
+from server.api.streaming import (
+    CHUNK_TAIL,
+    EventStreamResponse,
+    chunk_head,
+    json_member,
+    json_text,
+    sse_event,
+)
 from server.engine.engine import RequestRejected
+from server.engine.outputs import ChoiceDelta
 from server.engine.sampling_params import SamplingParams
 
 router = APIRouter()
@@ -64,6 +73,28 @@ class ChatJob:
         prompt_ids = self.prompt if first and self.req.return_token_ids else None
         return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.engine.model_name,
                                    choices=choices, usage=usage_, prompt_token_ids=prompt_ids)
+
+    @cached_property
+    def head(self) -> str:
+        return chunk_head(self.request_id, "chat.completion.chunk", self.created, self.engine.model_name)
+
+    def delta_event(self, d: ChoiceDelta) -> str:
+        """The SSE event of one streamed delta: the bytes of sse_event(chunk([ChatChunkChoice(...)])),
+        built without pydantic when no logprobs are asked for (the per-token hot path)."""
+        if self.req.logprobs:
+            choice = ChatChunkChoice(index=d.index, delta=ChatDelta(content=d.text),
+                                     logprobs=chat_logprobs(d.logprobs or [], self.num_top),
+                                     finish_reason=d.finish_reason, stop_reason=d.stop_reason,
+                                     token_ids=self.ids(d.token_ids))
+            return sse_event(self.chunk([choice]))
+        parts = [self.head, '{"index":', str(d.index), ',"delta":{"content":', json_text(d.text),
+                 '},"logprobs":null', json_member("finish_reason", d.finish_reason)]
+        if d.stop_reason is not None:
+            parts.append(json_member("stop_reason", d.stop_reason))
+        if self.req.return_token_ids:
+            parts.append(json_member("token_ids", d.token_ids))
+        parts.append("}" + CHUNK_TAIL)
+        return "".join(parts)
 
 
 @router.post("/v1/chat/completions")
@@ -151,11 +182,6 @@ async def _stream(job: ChatJob) -> AsyncIterator[str]:
             for d in out.deltas:
                 states[d.index].add(d)
                 if d.text or d.token_ids or d.finish_reason:
-                    logprobs = chat_logprobs(d.logprobs or [], job.num_top) if job.req.logprobs else None
-                    choice = ChatChunkChoice(index=d.index, delta=ChatDelta(content=d.text),
-                                             logprobs=logprobs, finish_reason=d.finish_reason,
-                                             stop_reason=d.stop_reason,
-                                             token_ids=job.ids(d.token_ids))
-                    yield sse_event(job.chunk([choice]))
+                    yield job.delta_event(d)
     if job.req.include_usage:
         yield sse_event(job.chunk([], usage([job.prompt], states)))

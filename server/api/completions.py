@@ -8,6 +8,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
+from functools import cached_property
 
 from fastapi import APIRouter, Request, Response
 
@@ -26,7 +27,7 @@ from server.api.logprobs import completion_logprobs
 from server.api.parsing import check_model, parse_body
 from server.api.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from server.api.sampling import DEFAULT_COMPLETION_MAX_TOKENS, check_token_ids, sampling_params
-from server.api.streaming import EventStreamResponse, sse_event
+from server.api.streaming import CHUNK_TAIL, EventStreamResponse, chunk_head, json_member, sse_event
 from server.engine.engine import RequestRejected
 from server.engine.outputs import ChoiceDelta
 from server.engine.sampling_params import SamplingParams
@@ -67,6 +68,26 @@ class CompletionJob:
     def response(self, choices: list[CompletionChoice], usage_=None) -> CompletionResponse:
         return CompletionResponse(id=self.request_id, created=self.created, model=self.engine.model_name,
                                   choices=choices, usage=usage_)
+
+    @cached_property
+    def head(self) -> str:
+        return chunk_head(self.request_id, "text_completion", self.created, self.engine.model_name)
+
+    def delta_event(self, index: int, delta: ChoiceDelta, offset: int, with_prompt_ids: bool) -> str:
+        """The SSE event of one streamed delta: the bytes of sse_event(response([choice(...)])), built
+        without pydantic when no logprobs are asked for (the per-token hot path)."""
+        if self.req.logprobs is not None:
+            choice = self.choice(index, delta.text, delta, offset, delta.token_ids, with_prompt_ids)
+            return sse_event(self.response([choice]))
+        parts = [self.head, '{"index":', str(index), json_member("text", delta.text), ',"logprobs":null',
+                 json_member("finish_reason", delta.finish_reason),
+                 json_member("stop_reason", delta.stop_reason)]
+        if self.req.return_token_ids:
+            if with_prompt_ids:
+                parts.append(json_member("prompt_token_ids", self.prompts[index // self.params.n]))
+            parts.append(json_member("token_ids", delta.token_ids))
+        parts.append("}" + CHUNK_TAIL)
+        return "".join(parts)
 
 
 @router.post("/v1/completions")
@@ -144,8 +165,8 @@ async def _stream(job: CompletionJob) -> AsyncIterator[str]:
                 offset = len(states[index].text)
                 states[index].add(d)
                 if d.text or d.token_ids or d.finish_reason:
-                    choice = job.choice(index, d.text, d, offset, d.token_ids, not started[index])
+                    event = job.delta_event(index, d, offset, not started[index])
                     started[index] = True
-                    yield sse_event(job.response([choice]))
+                    yield event
     if job.req.include_usage:
         yield sse_event(job.response([], usage(job.prompts, states)))

@@ -22,9 +22,29 @@ SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+def json_text(data) -> str:
+    """Compact JSON, non-ASCII kept: the encoding of every SSE payload."""
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
 def sse_event(payload: BaseModel | dict) -> str:
     data = dump(payload) if isinstance(payload, BaseModel) else payload
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {json_text(data)}\n\n"
+
+
+def json_member(key: str, value) -> str:
+    """`,"key":value` (leading comma): one member of a JSON object built by hand."""
+    return f',"{key}":{json_text(value)}'
+
+
+def chunk_head(id_: str, object_: str, created: int, model: str) -> str:
+    """`data: {"id":..,"object":..,"created":..,"model":..,"choices":[`: the fixed start of every streamed
+    chunk of one response, in the field order of the pydantic chunk models."""
+    return (f'data: {{"id":{json_text(id_)}{json_member("object", object_)}{json_member("created", created)}'
+            f'{json_member("model", model)},"choices":[')
+
+
+CHUNK_TAIL = "]}\n\n"  # closes "choices" and the chunk (usage / prompt ids omitted)
 
 
 def sse_error(err: APIError) -> str:

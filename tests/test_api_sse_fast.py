@@ -1,0 +1,77 @@
+"""The hand-built SSE chunks of the streaming hot path are byte-identical to the pydantic models' output."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from server.api.chat import ChatJob
+from server.api.completions import CompletionJob
+from server.api.logprobs import chat_logprobs
+from server.api.protocol import ChatChunkChoice, ChatCompletionRequest, ChatDelta, CompletionRequest
+from server.api.streaming import sse_event
+from server.engine.outputs import ChoiceDelta, TokenLogprob
+from server.engine.sampling_params import SamplingParams
+
+ENGINE = SimpleNamespace(model_name='tiny "model" é')
+PROMPTS = [[1, 72, 105], [1, 33]]
+
+DELTAS = [
+    ChoiceDelta(0, "Hello", [75], None),
+    ChoiceDelta(1, "", [260], None),
+    ChoiceDelta(0, 'quote " back \\ slash\nnew\tline \x01 ctrl', [3, 4], None),
+    ChoiceDelta(1, "héllo wörld ✓ 𝄞 \u2028 \ufffd", [200, 201], None),
+    ChoiceDelta(0, "end", [5], None, "stop", "STOP"),
+    ChoiceDelta(1, "", [2], None, "stop", 2),
+    ChoiceDelta(0, "x", [6], None, "length", None),
+    ChoiceDelta(1, "", [], None, "abort", None),
+]
+
+
+def completion_job(return_token_ids: bool, n: int = 2) -> CompletionJob:
+    req = CompletionRequest(prompt=PROMPTS, stream=True, return_token_ids=return_token_ids)
+    params = SamplingParams(n=n)
+    return CompletionJob(ENGINE, req, "cmpl-abc123", 1_700_000_000, PROMPTS, ["", ""], params)
+
+
+def chat_job(return_token_ids: bool) -> ChatJob:
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], stream=True,
+                                return_token_ids=return_token_ids)
+    return ChatJob(ENGINE, req, "chatcmpl-xyz", 1_700_000_001, PROMPTS[0], SamplingParams())
+
+
+@pytest.mark.parametrize("return_token_ids", [False, True])
+@pytest.mark.parametrize("with_prompt_ids", [False, True])
+@pytest.mark.parametrize("choice_index", [0, 3])
+@pytest.mark.parametrize("delta", DELTAS, ids=range(len(DELTAS)))
+def test_completion_delta_event_matches_pydantic(delta, choice_index, with_prompt_ids, return_token_ids):
+    job = completion_job(return_token_ids)
+    choice = job.choice(choice_index, delta.text, delta, 0, delta.token_ids, with_prompt_ids)
+    expected = sse_event(job.response([choice]))
+    assert job.delta_event(choice_index, delta, 0, with_prompt_ids) == expected
+
+
+@pytest.mark.parametrize("return_token_ids", [False, True])
+@pytest.mark.parametrize("delta", DELTAS, ids=range(len(DELTAS)))
+def test_chat_delta_event_matches_pydantic(delta, return_token_ids):
+    job = chat_job(return_token_ids)
+    choice = ChatChunkChoice(index=delta.index, delta=ChatDelta(content=delta.text), logprobs=None,
+                             finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                             token_ids=job.ids(delta.token_ids))
+    assert job.delta_event(delta) == sse_event(job.chunk([choice]))
+
+
+def test_logprob_chunks_keep_the_pydantic_path():
+    lp = TokenLogprob(75, "H", -0.25, [(75, "H", -0.25), (76, "I", -1.5)])
+    delta = ChoiceDelta(0, "H", [75], [lp])
+    req = CompletionRequest(prompt=PROMPTS[0], stream=True, logprobs=2)
+    job = CompletionJob(ENGINE, req, "cmpl-lp", 1, [PROMPTS[0]], [""], SamplingParams(logprobs=2))
+    event = job.delta_event(0, delta, 7, True)
+    assert '"text_offset":[7]' in event and '"top_logprobs":[{"H":-0.25,"I":-1.5}]' in event
+
+    chat = ChatJob(ENGINE, ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], logprobs=True,
+                                                 top_logprobs=1), "chatcmpl-lp", 1, PROMPTS[0],
+                   SamplingParams(logprobs=1))
+    choice = ChatChunkChoice(index=0, delta=ChatDelta(content="H"), logprobs=chat_logprobs([lp], 1))
+    assert chat.delta_event(delta) == sse_event(chat.chunk([choice]))
