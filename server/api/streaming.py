@@ -22,9 +22,12 @@ SSE_DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # what json.dumps builds per call
+
+
 def json_text(data) -> str:
-    """Compact JSON, non-ASCII kept: the encoding of every SSE payload."""
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    """Compact JSON, non-ASCII kept: the encoding of every SSE payload (= json.dumps with these options)."""
+    return _ENCODER.encode(data)
 
 
 def sse_event(payload: BaseModel | dict) -> str:
@@ -34,7 +37,7 @@ def sse_event(payload: BaseModel | dict) -> str:
 
 def json_member(key: str, value) -> str:
     """`,"key":value` (leading comma): one member of a JSON object built by hand."""
-    return f',"{key}":{json_text(value)}'
+    return f',"{key}":null' if value is None else f',"{key}":{_ENCODER.encode(value)}'
 
 
 def chunk_head(id_: str, object_: str, created: int, model: str) -> str:
