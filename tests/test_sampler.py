@@ -162,3 +162,17 @@ def test_logprobs_are_model_logprobs_of_sampled_and_top():
 def test_no_logprobs_when_nobody_asks():
     out = Sampler()(torch.randn(3, 10), [Row(SamplingParams())] * 3)
     assert out.logprobs is None and out.top_ids is None
+
+
+def test_mixed_batch_greedy_rows_argmax_and_sampled_rows_unchanged():
+    """Greedy rows (temperature 0, or one that is 0 in fp32) take argmax; a seeded row beside them draws
+    the same token as alone, top_p/min_p of the other rows notwithstanding."""
+    torch.manual_seed(3)
+    logits = torch.randn(4, 40)
+    seeded = SamplingParams(temperature=0.7, top_p=0.9, seed=11)
+    rows = [Row(SamplingParams(temperature=0.0)), Row(seeded, generator=make_generator(11, 0, "cpu")),
+            Row(SamplingParams(temperature=1e-46, top_k=3)), Row(SamplingParams(temperature=0.0, min_p=0.5))]
+    tokens = Sampler()(logits, rows).token_ids
+    assert [tokens[0], tokens[2], tokens[3]] == logits[[0, 2, 3]].argmax(-1).tolist()
+    alone = Sampler()(logits[1:2], [Row(seeded, generator=make_generator(11, 0, "cpu"))]).token_ids
+    assert tokens[1] == alone[0]

@@ -42,14 +42,13 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         logits = logits.float()  # (B, V)
         params = [r.params for r in rows]
-        dev = logits.device
         processed = logits
         if any(p.has_penalties for p in params):
             processed = apply_penalties(logits, rows)
-        tokens = processed.argmax(dim=-1)  # (B,) greedy
-        if not all(p.greedy for p in params):
-            temps = torch.tensor([p.temperature for p in params], device=dev)
-            tokens = torch.where(temps == 0, tokens, _sample(processed, temps, rows))
+        if all(p.greedy for p in params):
+            tokens = processed.argmax(dim=-1)  # (B,)
+        else:
+            tokens = _sample_or_argmax(processed, rows)
         out = SamplerOutput(tokens.tolist())
         ks = [p.logprobs for p in params if p.logprobs is not None]
         if ks:
@@ -57,16 +56,29 @@ class Sampler:
         return out
 
 
-def _sample(logits: torch.Tensor, temps: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    params = [r.params for r in rows]
+def _sample_or_argmax(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """(B,) sampled tokens; argmax for rows whose temperature is 0 (in fp32)."""
+    knobs = torch.tensor([[r.params.temperature, r.params.top_p, r.params.min_p] for r in rows])  # (B, 3)
+    greedy = knobs[:, 0] == 0  # on the host: the flags below need no device sync
+    sampled = _sample(logits, knobs, greedy, rows)
+    if not bool(greedy.any()):
+        return sampled
+    return torch.where(greedy.to(logits.device), logits.argmax(dim=-1), sampled)
+
+
+def _sample(logits: torch.Tensor, knobs: torch.Tensor, greedy: torch.Tensor,
+            rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """knobs: (B, 3) host fp32 temperature, top_p, min_p; greedy rows are scaled by 1 (and overridden)."""
     dev, V = logits.device, logits.shape[-1]
-    scaled = logits / torch.where(temps == 0, torch.ones_like(temps), temps)[:, None]  # (B, V)
-    top_k = torch.tensor([min(p.top_k, V) for p in params], device=dev)  # any int: a huge one means all
-    top_p = torch.tensor([p.top_p for p in params], device=dev)
-    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
-        scaled = apply_top_k_top_p(scaled, top_k, top_p)
-    min_p = torch.tensor([p.min_p for p in params], device=dev)
-    if bool((min_p > 0).any()):
+    top_k = [min(r.params.top_k, V) for r in rows]  # any int: a huge one means all
+    use_top = any(k > 0 for k in top_k) or bool((knobs[:, 1] < 1).any())
+    use_min_p = bool((knobs[:, 2] > 0).any())
+    knobs[:, 0].masked_fill_(greedy, 1.0)  # greedy rows: divide by 1
+    temps, top_p, min_p = knobs.to(dev).unbind(1)  # one copy to the device
+    scaled = logits / temps[:, None]  # (B, V)
+    if use_top:
+        scaled = apply_top_k_top_p(scaled, torch.tensor(top_k, device=dev), top_p)
+    if use_min_p:
         scaled = apply_min_p(scaled, min_p)
     probs = scaled.softmax(dim=-1)  # (B, V)
     q = exponential_noise(probs.shape, [r.generator for r in rows], dev)
