@@ -148,8 +148,9 @@ class EngineCore:
                 row_index.extend([i] * len(children))
         if not rows:
             return rows, None
-        index = torch.tensor(row_index, device=logits.device)
-        return rows, self.sampler(logits.index_select(0, index), rows)  # (R, V)
+        if row_index != list(range(logits.shape[0])):  # some chunks do not sample, or forks share a row
+            logits = logits.index_select(0, torch.tensor(row_index, device=logits.device))
+        return rows, self.sampler(logits, rows)  # (R, V)
 
     def _process(self, rows: list[Sequence],
                  sampled: SamplerOutput | None) -> list[tuple[Request, RequestOutput]]:
@@ -158,6 +159,7 @@ class EngineCore:
             by_request.setdefault(seq.request_id, []).append(r)
         outputs = []
         now = time.monotonic()
+        self.metrics.generation_tokens.inc(len(rows))
         for rid, row_ids in by_request.items():
             req = self.requests[rid]
             try:
@@ -183,7 +185,6 @@ class EngineCore:
         return ChoiceDelta(seq.index, res.text, [token], logprobs, res.finish_reason, res.stop_reason)
 
     def _observe_latency(self, req: Request, seq: Sequence, now: float) -> None:
-        self.metrics.generation_tokens.inc()
         if seq.last_token_time is None:
             self.metrics.time_to_first_token.observe(now - req.arrival_time)
         else:

@@ -262,9 +262,9 @@ class AsyncEngine:
         m.prefix_cache_hit_rate.set(kv.prefix_hit_rate)
 
     def _take_snapshot(self) -> dict:
-        reqs = list(self.core.requests.values())
-        running = sum(1 for r in reqs if r.is_running)
-        return {"kv": self.kv.usage(), "running": running, "waiting": len(reqs) - running}
+        """Requests running (some choice holds KV blocks: it is in the scheduler's running list) / waiting."""
+        running = len({seq.request_id for seq in self.core.scheduler.running})
+        return {"kv": self.kv.usage(), "running": running, "waiting": len(self.core.requests) - running}
 
     def _abort_inbox(self) -> None:
         """Requests accepted but never started (engine stopping): end them with finish_reason abort."""

@@ -81,14 +81,20 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        prefills: list[Sequence] = []  # running, not decoding (complete unless the budget ran out first)
         for seq in list(self.running):  # 1) decodes, one token each, in admission order
             if budget == 0:
                 break
-            if seq.status is SeqStatus.RUNNING and seq.is_decode and self._reserve_slots(seq, out):
-                out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, seq.num_tokens, True))
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            start, end = seq.num_computed_tokens, seq.num_tokens
+            if end - start != 1:
+                prefills.append(seq)
+            elif self._reserve_slots(seq, out):
+                out.chunks.append(ScheduledChunk(seq, start, end, True))
                 out.num_decode_tokens += 1
                 budget -= 1
-        for seq in list(self.running):  # 2) running prefills (chunked)
+        for seq in prefills:  # 2) running prefills (chunked), in admission order
             if budget == 0:
                 break
             if seq.status is SeqStatus.RUNNING and not seq.is_decode and self._reserve_slots(seq, out):
@@ -160,11 +166,11 @@ class Scheduler:
         """Make the cache hold a slot for every token of seq, preempting from the back. False: seq itself
         was preempted."""
         have = self.kv.num_tokens(seq.seq_id)
-        need = seq.num_tokens - have
+        num_prompt = len(seq.prompt_token_ids)
+        need = num_prompt + len(seq.output_token_ids) - have
         if need <= 0:
             return True
-        new_ids = seq.all_token_ids[have:] if have < len(seq.prompt_token_ids) else \
-            seq.output_token_ids[have - len(seq.prompt_token_ids):]
+        new_ids = seq.all_token_ids[have:] if have < num_prompt else seq.output_token_ids[have - num_prompt:]
         while not self.kv.append_slots(seq.seq_id, need, new_ids):
             victim = self.running[-1]
             self._preempt(victim, out)
