@@ -130,9 +130,10 @@ class KVCacheManager:
         if token_ids is not None and len(token_ids) != n:
             raise ValueError(f"append_slots: {len(token_ids)} token ids for {n} slots")
         num_new = self._num_blocks_for(len(seq.token_ids) + n) - len(seq.block_table)
-        if num_new > self.pool.num_free_blocks:
-            return False
-        seq.block_table.extend(self.pool.take_new(num_new))
+        if num_new > 0:  # most decode steps fit in the last block
+            if num_new > self.pool.num_free_blocks:
+                return False
+            seq.block_table.extend(self.pool.take_new(num_new))
         seq.token_ids.extend(token_ids if token_ids is not None else [None] * n)
         return True
 
@@ -205,13 +206,17 @@ class KVCacheManager:
     def num_computed_tokens(self, seq_id: object) -> int:
         return self._seq(seq_id).num_computed_tokens
 
-    def slot_mapping(self, seq_id: object, start: int, end: int) -> list[int]:
-        """Physical slot ``block_id * block_size + offset`` of each token in [start, end)."""
+    def chunk_view(self, seq_id: object, start: int, end: int) -> tuple[list[int], list[int]]:
+        """``(block_table(seq_id), slot_mapping(seq_id, start, end))`` with one lookup: a step's chunk."""
         seq = self._seq(seq_id)
         if not 0 <= start <= end <= len(seq.token_ids):
             raise ValueError(f"slot_mapping: [{start}, {end}) outside [0, {len(seq.token_ids)}]")
         bs, table = self._block_size, seq.block_table
-        return [table[t // bs] * bs + t % bs for t in range(start, end)]
+        return list(table), [table[t // bs] * bs + t % bs for t in range(start, end)]
+
+    def slot_mapping(self, seq_id: object, start: int, end: int) -> list[int]:
+        """Physical slot ``block_id * block_size + offset`` of each token in [start, end)."""
+        return self.chunk_view(seq_id, start, end)[1]
 
     def usage(self) -> KVCacheUsage:
         q, h = self._prefix_queries, self._prefix_hits

@@ -126,10 +126,8 @@ class EngineCore:
         return step
 
     def _run_batch(self, sched: SchedulerOutput) -> tuple[list[Sequence], SamplerOutput | None]:
-        kv = self.kv
-        chunks = [SeqChunk(token_ids=_token_range(c.seq, c.start, c.end), start_pos=c.start,
-                           block_table=kv.block_table(c.seq.seq_id),
-                           slot_mapping=kv.slot_mapping(c.seq.seq_id, c.start, c.end))
+        view = self.kv.chunk_view
+        chunks = [SeqChunk(_token_range(c.seq, c.start, c.end), c.start, *view(c.seq.seq_id, c.start, c.end))
                   for c in sched.chunks]
         logits = self.runner.execute(chunks)  # (len(chunks), V) fp32
         self.scheduler.after_step(sched)

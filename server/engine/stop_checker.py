@@ -46,14 +46,15 @@ class StopChecker:
             return StopResult(self.finish(), "stop", None)
         start = len(self.text)
         self.text += self.detokenizer.push(token_id)
-        hit = self._find_stop(start)
+        hit = self._find_stop(start) if self.params.stop else None
         if hit is not None:
             pos, stop = hit
             self.text = self.text[:pos]
             return StopResult(self.flush(), "stop", stop)
         if self.num_tokens >= self.params.max_tokens:
             return StopResult(self.finish(), "length")
-        return StopResult(self._emit(len(self.text) - self._held_back()), None)
+        held = self._held_back() if self.max_stop_len > 1 else 0  # only a proper prefix is held
+        return StopResult(self._emit(len(self.text) - held), None)
 
     def flush(self) -> str:
         """All not yet emitted text."""
