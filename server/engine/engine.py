@@ -2,7 +2,7 @@
 
 The thread owns the EngineCore (scheduler, KV cache manager, runner, sampler) and steps it while there is
 work, sleeping on a condition otherwise. The asyncio side never waits on compute: `generate` puts a request
-in an inbox under a lock and awaits its own asyncio.Queue, which the thread fills through
+in an inbox under a lock and awaits its own OutputChannel, which the thread fills through
 `loop.call_soon_threadsafe`: one call per event loop per step, carrying every output of that step.
 Aborts travel the same way and take effect at the start of the next step.
 """
@@ -13,6 +13,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import partial
@@ -137,13 +138,13 @@ class AsyncEngine:
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Stream of RequestOutputs, the last with finished=True. Closing it early aborts the request."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        req = Request(request_id, list(prompt_token_ids), params, QueueSink(loop, queue))
+        channel = OutputChannel(loop)
+        req = Request(request_id, list(prompt_token_ids), params, ChannelSink(loop, channel))
         self._submit(req)
         finished = False
         try:
             while not finished:
-                out = await queue.get()
+                out = await channel.get()
                 finished = out.finished
                 yield out
         finally:
@@ -240,11 +241,11 @@ class AsyncEngine:
         if finished:
             with self._cond:
                 self._live.difference_update(finished)
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[OutputChannel, RequestOutput]]] = {}
         for req, out in outputs:
             sink = req.emit
-            if isinstance(sink, QueueSink):
-                batches.setdefault(sink.loop, []).append((sink.queue, out))
+            if isinstance(sink, ChannelSink):
+                batches.setdefault(sink.loop, []).append((sink.channel, out))
                 continue
             try:
                 sink(out)
@@ -276,25 +277,49 @@ class AsyncEngine:
             req.emit(RequestOutput(req.request_id, req.prompt_token_ids, deltas, True))
 
 
+class OutputChannel:
+    """One request's outputs, on its event loop: an unbounded FIFO with one waiting reader (lighter than
+    asyncio.Queue, which keeps getter/putter queues and task accounting)."""
+
+    __slots__ = ("loop", "items", "waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.items: deque[RequestOutput] = deque()
+        self.waiter: asyncio.Future | None = None
+
+    def put(self, out: RequestOutput) -> None:
+        self.items.append(out)
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None and not waiter.done():  # done: its reader was cancelled
+            waiter.set_result(None)
+
+    async def get(self) -> RequestOutput:
+        while not self.items:
+            self.waiter = self.loop.create_future()
+            await self.waiter
+        return self.items.popleft()
+
+
 @dataclass(frozen=True)
-class QueueSink:
-    """A request's `emit`: its asyncio.Queue on its event loop. `_publish` batches sinks by loop."""
+class ChannelSink:
+    """A request's `emit`: its OutputChannel on its event loop. `_publish` batches sinks by loop."""
 
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    channel: OutputChannel
 
     def __call__(self, out: RequestOutput) -> None:
-        _deliver(self.loop, [(self.queue, out)])
+        _deliver(self.loop, [(self.channel, out)])
 
 
-def _deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+def _deliver(loop: asyncio.AbstractEventLoop, items: list[tuple[OutputChannel, RequestOutput]]) -> None:
     try:
         loop.call_soon_threadsafe(_put_all, items)
     except RuntimeError:  # the event loop is closed: nobody is listening any more
         pass
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for queue, out in items:
-        queue.put_nowait(out)
+def _put_all(items: list[tuple[OutputChannel, RequestOutput]]) -> None:
+    for channel, out in items:
+        channel.put(out)
 
