@@ -98,7 +98,8 @@ class EngineCore:
         return req, self._finish_output(req, deltas, error)
 
     def _finish_output(self, req: Request, deltas: list[ChoiceDelta], error: str | None) -> RequestOutput:
-        finished = req.finished
+        # a delta without finish_reason is a choice still running: no need to look at every choice
+        finished = all(d.finish_reason is not None for d in deltas) and req.finished
         if finished:
             del self.requests[req.request_id]
             self.metrics.e2e_request_latency.observe(time.monotonic() - req.arrival_time)
