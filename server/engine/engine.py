@@ -180,7 +180,7 @@ class AsyncEngine:
         return {
             "status": "ok" if accepting else "shutting_down",
             "model": self.model_name, "device": self.device, "dtype": self.dtype,
-            "attention_backend": self.attention_backend,
+            "attention_backend": self.attention_backend, "cuda_graphs": self.runner.cuda_graphs,
             "kv_cache": {"block_size": kv.block_size, "num_blocks": kv.num_blocks,
                          "free_blocks": kv.free_blocks, "used_blocks": kv.used_blocks,
                          "cached_blocks": kv.cached_blocks},
