@@ -17,9 +17,9 @@ from server.api.engine_stream import (
     ChoiceState,
     ClientDisconnected,
     admit,
+    collect_choices,
     engine_error,
     merged_outputs,
-    rejected_to_api_error,
     unless_disconnected,
     usage,
 )
@@ -44,7 +44,6 @@ from server.api.streaming import (
     json_text,
     sse_event,
 )
-from server.engine.engine import RequestRejected
 from server.engine.outputs import ChoiceDelta
 from server.engine.sampling_params import SamplingParams
 
@@ -148,15 +147,7 @@ def _room_left(engine, num_prompt_tokens: int, n: int) -> int:
 
 async def _complete(job: ChatJob) -> bytes:
     states = [ChoiceState() for _ in range(job.params.n)]
-    try:
-        async with aclosing(merged_outputs(job.engine, job.request_id, [job.prompt], job.params)) as outs:
-            async for _, out in outs:
-                if out.error:
-                    raise engine_error(out)
-                for d in out.deltas:
-                    states[d.index].add(d)
-    except RequestRejected as e:
-        raise rejected_to_api_error(e) from None
+    await collect_choices(job.engine, job.request_id, [job.prompt], job.params, states)
     choices = [
         ChatChoice(index=i, message=ChatResponseMessage(content=st.text),
                    logprobs=chat_logprobs(st.logprobs, job.num_top) if job.req.logprobs else None,

@@ -16,9 +16,9 @@ from server.api.engine_stream import (
     ChoiceState,
     ClientDisconnected,
     admit,
+    collect_choices,
     engine_error,
     merged_outputs,
-    rejected_to_api_error,
     unless_disconnected,
     usage,
 )
@@ -28,7 +28,6 @@ from server.api.parsing import check_model, parse_body
 from server.api.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from server.api.sampling import DEFAULT_COMPLETION_MAX_TOKENS, check_token_ids, sampling_params
 from server.api.streaming import CHUNK_TAIL, EventStreamResponse, chunk_head, json_member, sse_event
-from server.engine.engine import RequestRejected
 from server.engine.outputs import ChoiceDelta
 from server.engine.sampling_params import SamplingParams
 
@@ -125,17 +124,8 @@ def _job(engine, req: CompletionRequest) -> CompletionJob:
 
 
 async def _complete(job: CompletionJob) -> bytes:
-    states = job.new_states()
+    states = await collect_choices(job.engine, job.request_id, job.prompts, job.params, job.new_states())
     n = job.params.n
-    try:
-        async with aclosing(merged_outputs(job.engine, job.request_id, job.prompts, job.params)) as outs:
-            async for i, out in outs:
-                if out.error:
-                    raise engine_error(out)
-                for d in out.deltas:
-                    states[i * n + d.index].add(d)
-    except RequestRejected as e:
-        raise rejected_to_api_error(e) from None
     choices = []
     for index, st in enumerate(states):
         base = len(job.prompt_texts[index // n]) if job.req.echo else 0

@@ -102,6 +102,23 @@ async def merged_outputs(engine, request_id: str, prompts: list[list[int]],
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def collect_choices(engine, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                          states: list[ChoiceState]) -> list[ChoiceState]:
+    """Run a non-streaming request to the end: choice j of prompt i accumulates into states[i * n + j].
+    Engine failures become a 500 APIError, refusals their 4xx."""
+    n = params.n
+    try:
+        async with aclosing(merged_outputs(engine, request_id, prompts, params)) as outs:
+            async for i, out in outs:
+                if out.error:
+                    raise engine_error(out)
+                for d in out.deltas:
+                    states[i * n + d.index].add(d)
+    except RequestRejected as e:
+        raise rejected_to_api_error(e) from None
+    return states
+
+
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Awaits `work`, cancelling it (which aborts its engine requests) if the client disconnects."""
     task = asyncio.ensure_future(work)
