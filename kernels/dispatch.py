@@ -6,6 +6,7 @@ asks for backend="triton" with TRITON_INTERPRET=1 set, which runs the real kerne
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
@@ -18,6 +19,7 @@ TORCH_DTYPES = TRITON_DTYPES + (torch.float64,)
 MAX_HEAD_DIM = 256
 
 _last_backend = "none"
+_paged_decode_triton = None
 
 
 def last_backend() -> str:
@@ -31,6 +33,10 @@ def _triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+# found without importing it (an import costs CPU-only users ~1 s); the CUDA hot path checks this constant
+_TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
 
 def _interpreter_on() -> bool:
@@ -60,7 +66,7 @@ def resolve_backend(device, requested: str = "auto") -> str:
     return "triton"
 
 
-def _check_supported(backend, dtype, head_dim, block_size):
+def check_supported(backend, dtype, head_dim, block_size):
     dtypes = TRITON_DTYPES if backend == "triton" else TORCH_DTYPES
     if dtype not in dtypes:
         names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
@@ -74,31 +80,46 @@ def _check_supported(backend, dtype, head_dim, block_size):
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None, sliding_window=None,
                            num_splits=None, backend="auto", out=None):
-    """Decode attention over a paged KV cache. q (B, Hq, D) -> (B, Hq, D); see DESIGN.md kernel contract."""
+    """Decode attention over a paged KV cache. q (B, Hq, D) -> (B, Hq, D); see DESIGN.md kernel contract.
+
+    The Triton wrapper checks its own inputs once per call signature, so the CUDA hot path goes straight
+    there.
+    """
     global _last_backend
-    chosen = resolve_backend(q.device, backend)
-    _check_supported(chosen, q.dtype, q.shape[-1], k_cache.shape[1])
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"q, k_cache, v_cache must share a dtype; got {q.dtype}, {k_cache.dtype}, "
-                         f"{v_cache.dtype}")
-    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}")
-    if chosen == "triton":
-        from kernels.paged_decode import paged_decode_attention_triton
-        res = paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
-                                            sliding_window=sliding_window, num_splits=num_splits, out=out)
+    if backend == "auto" and q.is_cuda and _TRITON_AVAILABLE:
+        chosen = "triton"
     else:
+        chosen = resolve_backend(q.device, backend)
+    if chosen == "triton":
+        res = _triton_decode()(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
+                               sliding_window=sliding_window, num_splits=num_splits, out=out)
+    else:
+        check_supported(chosen, q.dtype, q.shape[-1], k_cache.shape[1])
+        if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+            raise ValueError(f"q, k_cache, v_cache must share a dtype; got {q.dtype}, {k_cache.dtype}, "
+                             f"{v_cache.dtype}")
+        if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
+            raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}")
         res = reference.paged_decode_attention_dense(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
                                                      sliding_window=sliding_window, out=out)
     _last_backend = chosen
     return res
 
 
+def _triton_decode():
+    """kernels.paged_decode imported on first use (it imports triton, which CPU-only callers may lack)."""
+    global _paged_decode_triton
+    if _paged_decode_triton is None:
+        from kernels.paged_decode import paged_decode_attention_triton
+        _paged_decode_triton = paged_decode_attention_triton
+    return _paged_decode_triton
+
+
 def store_kv(key, value, k_cache, v_cache, slot_mapping, backend="auto"):
     """Write key/value (T, Hkv, D) into cache slots (slot = block_id * block_size + offset; < 0 skips)."""
     global _last_backend
     chosen = resolve_backend(key.device, backend)
-    _check_supported(chosen, k_cache.dtype, k_cache.shape[-1], k_cache.shape[1])
+    check_supported(chosen, k_cache.dtype, k_cache.shape[-1], k_cache.shape[1])
     if key.shape != value.shape or key.shape[1:] != k_cache.shape[2:] or v_cache.shape != k_cache.shape:
         raise ValueError(f"key/value must be (T, Hkv, D) matching caches {tuple(k_cache.shape)}; "
                          f"got {tuple(key.shape)}, {tuple(value.shape)}")

@@ -1,40 +1,97 @@
 """Cheaper host-side launches of @triton.jit kernels.
 
-Triton's JIT re-binds and re-specialises every argument on each call. On the H200 machine (triton 3.6,
-a slow VM CPU) one paged-decode call (two launches, ~40 arguments each) cost ~121 µs of host time through
-the JIT against ~23-32 µs for a whole SDPA call; at small decode shapes that is longer than the kernels.
-The first call with a given specialisation goes through the JIT (compiling if needed); its CompiledKernel is
-kept under a key that covers everything Triton specialises on (dtypes, 16-byte pointer alignment, exact
-integer/float values, constexprs, warps, stages, device), and later calls launch it directly."""
+Triton's JIT re-binds and re-specialises every argument on each call, and in triton 3.6 its CompiledKernel
+runner also builds launch metadata and calls an (empty) enter/exit hook chain on every launch. On the H200
+machine (a slow VM CPU) that cost ~40 µs per launch, against ~25 µs for a whole SDPA call: at small decode
+shapes longer than the kernels themselves (docs/kernel_notes.md, runs 2-6).
+
+`CompiledLaunch` binds one CompiledKernel for direct launches: on a triton whose launcher layout was verified
+(3.6) it calls the C launch function with the raw stream and no hooks; elsewhere, or while a launch hook is
+installed (e.g. a profiler), it goes through the CompiledKernel's own runner. `CachedLauncher` keeps compiled
+kernels under a key covering everything Triton specialises on (dtypes, 16-byte pointer alignment, integer
+values, constexprs, warps, stages, launch options, device).
+"""
 
 from __future__ import annotations
 
 import os
 
+import torch
+import triton
+
+# triton versions whose CompiledKernel.run is a CudaLauncher with .launch(gridX, gridY, gridZ, stream,
+# function, cooperative, pdl, global_scratch, profile_scratch, packed_metadata, launch_metadata,
+# enter_hook, exit_hook, *args) -- read from triton 3.6.0's nvidia/driver.py and run on the H200.
+_VERIFIED_LAUNCHER = ("3.6.",)
+
+
+def _hooks_installed() -> bool:
+    hooks = triton.knobs.runtime
+    return bool(getattr(hooks.launch_enter_hook, "calls", hooks.launch_enter_hook)
+                or getattr(hooks.launch_exit_hook, "calls", hooks.launch_exit_hook))
+
+
+class CompiledLaunch:
+    """launch(grid3, stream, args): one compiled kernel; args are all parameters in definition order
+    (tensors or raw device pointers, ints, floats, and the constexpr values, which the launcher skips)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.direct = None
+        run = kernel.run                                    # loads the module on first use
+        if (triton.__version__.startswith(_VERIFIED_LAUNCHER) and hasattr(run, "launch")
+                and not getattr(run, "global_scratch_size", 1)
+                and not getattr(run, "profile_scratch_size", 1)):
+            self.direct = (run.launch, kernel.function, run.launch_cooperative_grid, run.launch_pdl,
+                           kernel.packed_metadata)
+
+    def __call__(self, grid, stream, args):
+        if self.direct is None or _hooks_installed():
+            self.kernel[grid](*args, stream=stream)
+            return
+        launch, function, coop, pdl, packed = self.direct
+        launch(grid[0], grid[1], grid[2], stream, function, coop, pdl, None, None, packed, None, None, None,
+               *args)
+
+
+def current_stream(device_index: int) -> int:
+    """The raw CUDA stream handle Triton launches on (what triton's driver itself asks torch for)."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
 
 class CachedLauncher:
-    """launcher(grid, *args, num_warps=, num_stages=, **constexprs) for one @triton.jit function whose first
-    `num_tensors` parameters are tensors and the rest of the positional ones ints/floats."""
+    """launcher(grid, *args, num_warps=, num_stages=, **constexprs_and_options) for one @triton.jit function
+    whose first `num_tensors` parameters are tensors and the rest of the positional ones ints/floats.
+    `launch_pdl=True` (an option, not a constexpr) launches with programmatic dependent launch."""
 
     def __init__(self, fn, num_tensors: int):
         self.fn = fn
         self.num_tensors = num_tensors
-        self.compiled = {}
+        self.compiled: dict = {}
         self.direct_ok = os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
-    def __call__(self, grid, *args, num_warps, num_stages, **constexprs):
-        if not (self.direct_ok and args[0].is_cuda):
-            return self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+    def compiled_for(self, grid, args, num_warps, num_stages, kw) -> CompiledLaunch:
+        """The bound kernel for this specialisation, compiling (and launching once) through the JIT if new.
+        Returns (launch, launched_already)."""
         tensors = args[:self.num_tensors]
         key = (tuple(t.dtype for t in tensors), tuple(t.data_ptr() % 16 == 0 for t in tensors),
-               args[self.num_tensors:], tuple(constexprs.values()), num_warps, num_stages,
-               args[0].get_device())
-        kernel = self.compiled.get(key)
-        if kernel is None:
-            kernel = self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
-            self.compiled[key] = kernel
-            return kernel
-        # the launcher takes every parameter in definition order and drops the constexprs itself
-        tail = [constexprs[name] for name in self.fn.arg_names[len(args):]]
-        kernel[tuple(grid) + (1,) * (3 - len(grid))](*args, *tail)      # the runner wants a 3-d grid
-        return kernel
+               args[self.num_tensors:], tuple(kw.items()), num_warps, num_stages, args[0].get_device())
+        bound = self.compiled.get(key)
+        if bound is not None:
+            return bound, False
+        kernel = self.fn[grid](*args, **kw, num_warps=num_warps, num_stages=num_stages)
+        bound = self.compiled[key] = CompiledLaunch(kernel)
+        return bound, True
+
+    def tail(self, nargs: int, kw: dict) -> list:
+        """The constexpr values after the positional args, in definition order (options dropped)."""
+        return [kw[name] for name in self.fn.arg_names[nargs:]]
+
+    def __call__(self, grid, *args, num_warps, num_stages, **kw):
+        if not (self.direct_ok and args[0].is_cuda):
+            return self.fn[grid](*args, **kw, num_warps=num_warps, num_stages=num_stages)
+        bound, launched = self.compiled_for(grid, args, num_warps, num_stages, kw)
+        if not launched:
+            grid3 = tuple(grid) + (1,) * (3 - len(grid))                # the launcher wants a 3-d grid
+            bound(grid3, current_stream(args[0].get_device()), (*args, *self.tail(len(args), kw)))
+        return bound

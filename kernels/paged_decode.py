@@ -17,8 +17,10 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels.launch_cache import CachedLauncher
+from kernels.dispatch import check_supported
+from kernels.launch_cache import CachedLauncher, CompiledLaunch, current_stream
 from kernels.split_heuristic import (
     MAX_FIXED_SPLITS,
     KernelConfig,
@@ -73,8 +75,10 @@ def _paged_decode_stage1(
     stride_ob, stride_oh, stride_od,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_FINAL: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        gdc_launch_dependents()              # stage 2 may start launching now; it waits for our writes itself
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -97,15 +101,31 @@ def _paged_decode_stage1(
     l_i = tl.zeros([GROUP_PAD], tl.float32)                             # running sum
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)               # unnormalised output
     blk = _load_block_ids(table_row, lo + offs_n, hi, BLOCK_SIZE)     # (BN,) table of the first tile
+    if PREFETCH:  # register double buffer: tile i+1's K/V loads are in flight while tile i is computed
+        k_next = _load_kv_tile(k_base, blk, lo + offs_n, lo + offs_n < hi, offs_d, d_mask, stride_kb,
+                               stride_kt, stride_kd, BLOCK_SIZE)
+        v_next = _load_kv_tile(v_base, blk, lo + offs_n, lo + offs_n < hi, offs_d, d_mask, stride_vb,
+                               stride_vt, stride_vd, BLOCK_SIZE)
+        blk = _load_block_ids(table_row, lo + BLOCK_N + offs_n, hi, BLOCK_SIZE)
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
         valid = pos < hi
-        # K and V of this tile are both in flight before any math; the next tile's block ids follow.
-        k = _load_kv_tile(k_base, blk, pos, valid, offs_d, d_mask, stride_kb, stride_kt, stride_kd,
-                          BLOCK_SIZE)                                   # (BN, DP)
-        v = _load_kv_tile(v_base, blk, pos, valid, offs_d, d_mask, stride_vb, stride_vt, stride_vd,
-                          BLOCK_SIZE)                                   # (BN, DP)
-        blk = _load_block_ids(table_row, pos + BLOCK_N, hi, BLOCK_SIZE)
+        if PREFETCH:
+            k = k_next
+            v = v_next
+            npos = pos + BLOCK_N
+            k_next = _load_kv_tile(k_base, blk, npos, npos < hi, offs_d, d_mask, stride_kb, stride_kt,
+                                   stride_kd, BLOCK_SIZE)
+            v_next = _load_kv_tile(v_base, blk, npos, npos < hi, offs_d, d_mask, stride_vb, stride_vt,
+                                   stride_vd, BLOCK_SIZE)
+            blk = _load_block_ids(table_row, npos + BLOCK_N, hi, BLOCK_SIZE)
+        else:
+            # K and V of this tile are both in flight before any math; the next tile's block ids follow.
+            k = _load_kv_tile(k_base, blk, pos, valid, offs_d, d_mask, stride_kb, stride_kt, stride_kd,
+                              BLOCK_SIZE)                               # (BN, DP)
+            v = _load_kv_tile(v_base, blk, pos, valid, offs_d, d_mask, stride_vb, stride_vt, stride_vd,
+                              BLOCK_SIZE)                               # (BN, DP)
+            blk = _load_block_ids(table_row, pos + BLOCK_N, hi, BLOCK_SIZE)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # (GP, BN)
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))                          # finite: every tile has a valid pos
@@ -172,7 +192,10 @@ def _paged_decode_stage2(
     stride_lb, stride_lh, stride_ls,
     stride_ob, stride_oh, stride_od,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        gdc_wait()                           # launched early (PDL): wait until stage 1's partials are visible
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -202,50 +225,98 @@ _stage1 = CachedLauncher(_paged_decode_stage1, num_tensors=9)
 _stage2 = CachedLauncher(_paged_decode_stage2, num_tensors=3)
 
 
-def _launch(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window, num_splits,
-            cfg: KernelConfig, fused_merge: bool):
-    """Grid, tile sizes and the split buffers. q (B, Hq, D); caches (N, bs, Hkv, D); out (B, Hq, D)."""
-    bsz, hq, d = q.shape
-    hkv, block_size = k_cache.shape[2], k_cache.shape[1]
-    group = hq // hkv
-    d_pad = triton.next_power_of_2(d)
-    one = num_splits == 1
-    fused = fused_merge and not one
-    common = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
-                  HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n,
-                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if one:
-        o_part = lse_part = tickets = out                                # unused by the kernel
-        p_strides, l_strides = (0, 0, 0, 0), (0, 0, 0)
-    else:
-        # one allocation for both partial buffers: o (B, Hq, S, D) then lse (B, Hq, S), fp32
-        work = torch.empty(bsz * hq * num_splits * (d + 1), device=q.device, dtype=torch.float32)
-        o_part = work[: bsz * hq * num_splits * d].view(bsz, hq, num_splits, d)
-        lse_part = work[bsz * hq * num_splits * d:].view(bsz, hq, num_splits)
-        p_strides, l_strides = o_part.stride(), lse_part.stride()
-        tickets = torch.zeros(bsz * hkv, device=q.device, dtype=torch.int32) if fused else out
-    _stage1(
-        (bsz, hkv, num_splits), q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, out, tickets,
-        scale * LOG2E, window, num_splits,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
-        *p_strides, *l_strides, *out.stride(), WRITE_FINAL=one, FUSED_MERGE=fused, **common)
-    if not (one or fused):
+class _DecodePlan:
+    """Everything about one call signature that does not depend on the data: grids, split count, tile config,
+    strides, constexprs, and (after the first call) the bound compiled kernels. A call then costs two tensor
+    allocations and one or two direct launches. q (B, Hq, D); caches (N, bs, Hkv, D); out (B, Hq, D)."""
+
+    def __init__(self, q, k_cache, v_cache, block_tables, out, scale, window, num_splits, cfg: KernelConfig,
+                 fused_merge: bool):
+        bsz, hq, d = q.shape
+        hkv, block_size = k_cache.shape[2], k_cache.shape[1]
+        self.bsz, self.hq, self.hkv, self.d, self.num_splits = bsz, hq, hkv, d, num_splits
+        self.device_index = q.get_device()
+        self.one = num_splits == 1
+        self.fused = fused_merge and not self.one
+        pdl = cfg.pdl and q.is_cuda and not (self.one or self.fused)
+        self.out_strides = out.stride() if out is not None else (hq * d, d, 1)    # ours are contiguous
+        d_pad = triton.next_power_of_2(d)
+        self.kw1 = dict(GROUP=hq // hkv, GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)), HEAD_DIM=d,
+                        HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n,
+                        WRITE_FINAL=self.one, FUSED_MERGE=self.fused,
+                        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PREFETCH=cfg.prefetch,
+                        USE_PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         block_s = triton.next_power_of_2(num_splits)
-        _stage2(
-            (bsz, hq), o_part, lse_part, out, num_splits, *p_strides, *l_strides, *out.stride(),
-            HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_S=block_s, CHUNK_S=min(block_s, 16),
-            num_warps=4, num_stages=1)
-    return out
+        self.kw2 = dict(HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_S=block_s, CHUNK_S=min(block_s, 16),
+                        USE_PDL=pdl,
+                        num_warps=4, num_stages=1, **({"launch_pdl": True} if pdl else {}))
+        # partial buffers, one fp32 allocation: o (B, Hq, S, D) then lse (B, Hq, S); contiguous strides
+        self.part_numel = bsz * hq * num_splits * d
+        self.p_strides = (hq * num_splits * d, num_splits * d, d, 1) if not self.one else (0, 0, 0, 0)
+        self.l_strides = (hq * num_splits, num_splits, 1) if not self.one else (0, 0, 0)
+        self.ints1 = (scale * LOG2E, window, num_splits, *q.stride(), *k_cache.stride(), *v_cache.stride(),
+                      *block_tables.stride(), *self.p_strides, *self.l_strides, *self.out_strides)
+        self.ints2 = (num_splits, *self.p_strides, *self.l_strides, *self.out_strides)
+        self.grid1, self.grid2 = (bsz, hkv, num_splits), (bsz, hq, 1)
+        self.bound = None                                   # (stage-1, stage-2) CompiledLaunch once compiled
+
+    def __call__(self, q, k_cache, v_cache, block_tables, seq_lens, out):
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if self.bsz == 0:
+            return out
+        work = None if self.one else torch.empty(self.part_numel + self.part_numel // self.d,
+                                                 device=q.device, dtype=torch.float32)
+        tickets = torch.zeros(self.bsz * self.hkv, device=q.device, dtype=torch.int32) if self.fused else out
+        if self.bound is None or not q.is_cuda:
+            return self._first_call(q, k_cache, v_cache, block_tables, seq_lens, out, work, tickets)
+        stream = current_stream(self.device_index)
+        o_ptr = out.data_ptr()
+        w_ptr = o_ptr if work is None else work.data_ptr()
+        l_ptr = o_ptr if work is None else w_ptr + 4 * self.part_numel
+        stage1, stage2 = self.bound
+        stage1(self.grid1, stream, (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                    block_tables.data_ptr(), seq_lens.data_ptr(), w_ptr, l_ptr, o_ptr,
+                                    tickets.data_ptr(), *self.ints1, *self.tail1))
+        if stage2 is not None:
+            stage2(self.grid2, stream, (w_ptr, l_ptr, o_ptr, *self.ints2, *self.tail2))
+        return out
+
+    def _first_call(self, q, k_cache, v_cache, block_tables, seq_lens, out, work, tickets):
+        """Through the JIT with tensors (compiling if needed); binds the compiled kernels for later calls."""
+        o_part = lse_part = out
+        if work is not None:
+            o_part, lse_part = work[:self.part_numel], work[self.part_numel:]
+        args1 = (q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, out, tickets, *self.ints1)
+        bound1 = _stage1(self.grid1, *args1, **self.kw1)
+        bound2 = None
+        if not (self.one or self.fused):
+            bound2 = _stage2(self.grid2[:2], o_part, lse_part, out, *self.ints2, **self.kw2)
+        if isinstance(bound1, CompiledLaunch):
+            self.tail1 = _stage1.tail(len(args1), self.kw1)
+            self.tail2 = _stage2.tail(3 + len(self.ints2), self.kw2) if bound2 is not None else ()
+            self.bound = (bound1, bound2)
+        return out
 
 
-def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale=None,
-                                  sliding_window=None, num_splits=None, out=None, config=None,
-                                  fused_merge=FUSED_MERGE_DEFAULT):
-    """Checked entry point (dispatch has validated dtype/head_dim/backend). Returns out (B, Hq, D).
-    fused_merge: merge splits inside the stage-1 launch (one launch) instead of a stage-2 launch."""
+# one plan per call signature; bounded so a server with ever-changing batch sizes cannot grow it forever
+_PLANS: dict = {}
+MAX_PLANS = 4096
+
+
+def _signature(*tensors) -> tuple:
+    """What a plan depends on: shapes, strides, dtypes, devices and 16-byte alignment of each tensor."""
+    return tuple(None if t is None else
+                 (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15 == 0) for t in tensors)
+
+
+def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, sliding_window, num_splits):
+    check_supported("triton", q.dtype, q.shape[-1], k_cache.shape[1])
     bsz, hq, d = q.shape
     nb, block_size, hkv, dk = k_cache.shape
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q, k_cache, v_cache must share a dtype; got {q.dtype}, {k_cache.dtype}, "
+                         f"{v_cache.dtype}")
     if hq % hkv or dk != d or v_cache.shape != k_cache.shape:
         raise ValueError(f"bad shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
                          f"v_cache {tuple(v_cache.shape)} (need Hq % Hkv == 0, same head_dim)")
@@ -254,20 +325,47 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     ints = (torch.int32, torch.int64)
     if block_tables.dtype not in ints or seq_lens.dtype not in ints:
         raise ValueError("block_tables and seq_lens must be int32 or int64")
+    if seq_lens.stride() != (1,) and bsz > 1:
+        raise ValueError("seq_lens must be contiguous")
+    devices = {t.device for t in (q, k_cache, v_cache, block_tables, seq_lens)}
+    if len(devices) != 1:
+        raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     if num_splits is not None and not 1 <= int(num_splits) <= MAX_FIXED_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_FIXED_SPLITS} or None, got {num_splits}")
-    if out is None:
-        out = torch.empty_like(q)
-    if bsz == 0:
-        return out
+
+
+def _make_plan(q, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_window, num_splits, config,
+               fused_merge) -> _DecodePlan:
+    _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, sliding_window, num_splits)
+    d, block_size, hkv = q.shape[-1], k_cache.shape[1], k_cache.shape[2]
     window = NO_WINDOW if sliding_window is None else int(sliding_window)
     if num_splits is None:
         max_len = min(block_tables.shape[1] * block_size, window)
-        num_splits = choose_num_splits(bsz, hkv, max_len, num_sms(q.device))
+        num_splits = choose_num_splits(q.shape[0], hkv, max_len, num_sms(q.device))
     cfg = config or choose_config(q.device, triton.next_power_of_2(d), q.element_size(), block_size,
                                   int(num_splits))
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    return _launch(q, k_cache, v_cache, block_tables, seq_lens, out, scale, window, int(num_splits), cfg,
-                   fused_merge)
+    return _DecodePlan(q, k_cache, v_cache, block_tables, out, scale, window, int(num_splits), cfg,
+                       fused_merge)
+
+
+def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale=None,
+                                  sliding_window=None, num_splits=None, out=None, config=None,
+                                  fused_merge=FUSED_MERGE_DEFAULT):
+    """Checked public wrapper: returns out (B, Hq, D). The first call with a given signature validates the
+    inputs and builds a plan; later calls with the same signature go straight to the launches.
+    fused_merge: merge splits inside the stage-1 launch (one launch) instead of a stage-2 launch."""
+    key = (_signature(q, k_cache, v_cache, block_tables, seq_lens, out), scale, sliding_window, num_splits,
+           config, fused_merge)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _make_plan(q, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_window, num_splits,
+                          config, fused_merge)
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan(q, k_cache, v_cache, block_tables, seq_lens, out)

@@ -9,6 +9,7 @@ table's length bound (no device sync): long single sequences must fill the GPU, 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -28,6 +29,8 @@ class KernelConfig:
     block_n: int      # tokens per K/V tile (independent of the cache's block_size)
     num_warps: int
     num_stages: int
+    prefetch: bool = False   # register double buffer: next tile's K/V loads issued before this tile's math
+    pdl: bool = False        # launch stage 2 with programmatic dependent launch (CUDA only)
 
 
 # Measured on the H200 (bf16, D=128, Hq/Hkv=4; docs/kernel_notes.md). One split (batch >= 64): 64-token
@@ -55,7 +58,7 @@ def choose_config(device: torch.device, head_dim_pad: int, elem_size: int = 2, b
     else:
         cfg = _ONE_SPLIT if num_splits == 1 else _MANY_SPLITS
     if elem_size > 2:  # fp32 tiles take twice the shared memory per stage
-        cfg = KernelConfig(max(16, cfg.block_n // 2), cfg.num_warps, cfg.num_stages)
+        cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
     return cfg
 
 

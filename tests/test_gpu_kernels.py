@@ -131,3 +131,74 @@ def test_fused_merge_has_no_race(splits):
         assert torch.equal(out, first)
     assert rel_error(first, reference_fp64(case)) <= TOLERANCE[BF16]
     torch.testing.assert_close(first.float(), two.float(), rtol=1e-2, atol=1e-2)
+
+
+VARIANTS = [dict(block_n=64, num_warps=4, num_stages=1, prefetch=True, pdl=True),
+            dict(block_n=32, num_warps=4, num_stages=2, pdl=True),
+            dict(block_n=128, num_warps=8, num_stages=1, prefetch=True),
+            dict(block_n=32, num_warps=2, num_stages=1, prefetch=True, pdl=True)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("splits", [1, 5, 64])
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_tuning_variants(variant, splits, dtype):
+    """Every knob the tuner sweeps (register prefetch, PDL stage 2, tile widths, warps) against fp64."""
+    from kernels.paged_decode import paged_decode_attention_triton
+    from kernels.split_heuristic import KernelConfig
+    cfg = KernelConfig(**variant)
+    if dtype == F32:
+        cfg = KernelConfig(**{**variant, "block_n": min(variant["block_n"], 32)})
+    case = make_paged_case([0, 1, 63, 300, 5000, 9001], 32, 8, 128, 16, dtype=dtype, device="cuda",
+                           seed=splits)
+    for _ in range(2):                                   # first call compiles; the second launches directly
+        out = torch.full_like(case.q, float("nan"))
+        paged_decode_attention_triton(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                      num_splits=splits, out=out, config=cfg)
+        assert rel_error(out, reference_fp64(case)) <= TOLERANCE[dtype]
+        case.q.normal_()
+
+
+def test_pdl_decode_under_cuda_graph():
+    """Stage 2 launched with programmatic dependent launch inside a captured graph gives the eager result."""
+    from kernels.paged_decode import paged_decode_attention_triton
+    from kernels.split_heuristic import KernelConfig
+    cfg = KernelConfig(64, 4, 1, prefetch=True, pdl=True)
+    case = make_paged_case([4000, 17, 32768], 32, 8, 128, 16, dtype=BF16, device="cuda", seed=7)
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
+    out = torch.full_like(case.q, float("nan"))
+    eager = paged_decode_attention_triton(*args, num_splits=16, config=cfg).clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        paged_decode_attention_triton(*args, num_splits=16, config=cfg, out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode_attention_triton(*args, num_splits=16, config=cfg, out=out)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+def test_launch_hooks_still_fire():
+    """With a Triton launch hook installed (a profiler, say) launches go through Triton's own runner."""
+    import triton
+
+    from kernels.paged_decode import paged_decode_attention_triton
+    seen = []
+
+    def hook(meta):
+        seen.append(meta["name"])
+
+    case = make_paged_case([3000], 32, 8, 128, 16, dtype=BF16, device="cuda", seed=8)
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
+    paged_decode_attention_triton(*args, num_splits=4)
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        out = paged_decode_attention_triton(*args, num_splits=4)
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    assert any("stage1" in n for n in seen) and any("stage2" in n for n in seen)
+    assert rel_error(out, reference_fp64(case)) <= TOLERANCE[BF16]

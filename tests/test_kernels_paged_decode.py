@@ -125,3 +125,37 @@ def test_fused_and_two_launch_merge_agree(splits):
         outs.append(out)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
     assert torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("row", [0, 2, 5, 9])
+def test_prefetch_variant_matches_reference(row):
+    """The register double-buffered loop (next tile's K/V issued before this tile's math) over grid rows with
+    empty splits, windows, ragged lengths and several tiles per split."""
+    from kernels.paged_decode import paged_decode_attention_triton
+    lens, hq, hkv, d, bs, splits, dtype, win, strided = GRID[row]
+    case = make_paged_case(lens, hq, hkv, d, bs, dtype=dtype, seed=row, strided=strided)
+    out = torch.full_like(case.q, float("nan"))
+    paged_decode_attention_triton(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                  num_splits=splits, sliding_window=win, out=out,
+                                  config=KernelConfig(16, 4, 1, prefetch=True))
+    assert rel_error(out, reference_fp64(case, sliding_window=win)) <= TOLERANCE[dtype]
+
+
+def test_plans_are_per_signature_and_see_new_data():
+    """A repeated call reuses its plan but reads the new inputs; another signature (here out's strides or
+    the batch) gets its own plan, and bad inputs are refused before any plan is kept."""
+    from kernels import paged_decode
+    case = make_paged_case([40, 9], 4, 2, 32, 4, seed=3)
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
+    before = len(paged_decode._PLANS)
+    first = paged_decode.paged_decode_attention_triton(*args, num_splits=2)
+    case.q.normal_()
+    again = paged_decode.paged_decode_attention_triton(*args, num_splits=2)
+    assert len(paged_decode._PLANS) == before + 1
+    assert not torch.equal(first, again) and rel_error(again, reference_fp64(case)) <= 1e-5
+    out_t = torch.full((32, 4, 2), float("nan")).permute(2, 1, 0)
+    paged_decode.paged_decode_attention_triton(*args, num_splits=2, out=out_t)
+    assert len(paged_decode._PLANS) == before + 2 and torch.equal(out_t, again)
+    with pytest.raises(ValueError, match="one device|dtype"):
+        paged_decode.paged_decode_attention_triton(case.q.double(), *args[1:])
+    assert len(paged_decode._PLANS) == before + 2

@@ -1,0 +1,128 @@
+"""Config sweep for the paged-decode kernel (not a test): `python -m kernels.tune --out DIR`.
+
+For each benchmark shape, times every (tile config, split count) candidate by GPU-only time (CUDA graph of
+L2-clear + call, minus the clear alone), then the best few again with programmatic dependent launch of stage 2
+and with do_bench. The winners feed the measured table in kernels/split_heuristic.py; the notes on what each
+knob did are in docs/kernel_notes.md. Prints a short table last; writes tune.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+from kernels import paged_decode_attention
+from kernels.benchmark import Shape, bench_us, gpu_cold_us, host_us
+from kernels.split_heuristic import KernelConfig
+
+K = KernelConfig
+CONFIGS = [K(64, 4, 1), K(64, 4, 2), K(64, 4, 3), K(32, 4, 1), K(32, 4, 2), K(64, 4, 1, prefetch=True),
+           K(32, 4, 1, prefetch=True), K(64, 8, 1, prefetch=True), K(32, 2, 1, prefetch=True),
+           K(128, 8, 1, prefetch=True)]
+SPLITS = {(1, 4096): (8, 16, 32, 64), (1, 32768): (16, 32, 48, 64, 128), (16, 4096): (1, 2, 3, 4, 8),
+          (64, 2048): (1, 2), (64, 8192): (1,), (128, 4096): (1,), (256, 1024): (1,)}
+BLOCK_SIZE_ROWS = [(64, 8192, 1), (64, 8192, 128)]
+
+
+def gpu_us_or_inf(fn) -> float:
+    try:
+        return gpu_cold_us(fn)
+    except Exception as exc:  # noqa: BLE001 - a config the compiler rejects is ruled out, not fatal
+        print(f"  failed: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+        return float("inf")
+
+
+def sweep_shape(shape: Shape, splits, configs, deadline) -> list[dict]:
+    rows = []
+    for cfg in configs:
+        for s in splits:
+            if time.time() > deadline:
+                return rows
+            us = gpu_us_or_inf(lambda c=cfg, s=s: shape.ours(s, c))
+            rows.append({"config": dataclasses.asdict(cfg), "splits": s, "gpu_us": us})
+    return rows
+
+
+def refine(shape: Shape, rows, top=3) -> list[dict]:
+    """The best `top` candidates again: with PDL, and by do_bench (with and without PDL)."""
+    best = sorted((r for r in rows if r["gpu_us"] < float("inf")), key=lambda r: r["gpu_us"])[:top]
+    out = []
+    for r in best:
+        for pdl in ((False, True) if r["splits"] > 1 else (False,)):
+            cfg = K(**{**r["config"], "pdl": pdl})
+            s = r["splits"]
+            out.append({"config": dataclasses.asdict(cfg), "splits": s,
+                        "gpu_us": gpu_us_or_inf(lambda s=s, cfg=cfg: shape.ours(s, cfg)),
+                        "do_bench_us": bench_us(lambda s=s, cfg=cfg: shape.ours(s, cfg))})
+    return out
+
+
+def host_row(shape: Shape) -> dict:
+    c = shape.case
+    args = (c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens)
+    return {"public_host_us": host_us(lambda: paged_decode_attention(*args), n=2000),
+            "sdpa_host_us": host_us(shape.sdpa_contig, n=2000),
+            "public_do_bench_us": bench_us(lambda: paged_decode_attention(*args)),
+            "sdpa_do_bench_us": bench_us(shape.sdpa_contig),
+            "sdpa_gpu_us": gpu_cold_us(shape.sdpa_contig)}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="docs/benchmarks")
+    ap.add_argument("--budget-s", type=float, default=360)
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    deadline = t0 + args.budget_s
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "shapes": []}
+    for (b, ctx), splits in SPLITS.items():
+        shape = Shape(b, ctx, 16)
+        rows = sweep_shape(shape, splits, CONFIGS, deadline)
+        entry = {"B": b, "L": ctx, "block_size": 16, "sweep": rows, "refined": refine(shape, rows),
+                 **host_row(shape)}
+        result["shapes"].append(entry)
+        best = min(r["gpu_us"] for r in rows)
+        print(f"[{time.time() - t0:5.0f}s] {b}x{ctx}: best {best:.1f} us", flush=True)
+        del shape
+        torch.cuda.empty_cache()
+    for b, ctx, bs in BLOCK_SIZE_ROWS:
+        shape = Shape(b, ctx, bs)
+        rows = sweep_shape(shape, (1,), CONFIGS, deadline)
+        result["shapes"].append({"B": b, "L": ctx, "block_size": bs, "sweep": rows,
+                                 "refined": refine(shape, rows)})
+        del shape
+        torch.cuda.empty_cache()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    Path(args.out, "tune.json").write_text(json.dumps(result, indent=1))
+    print(table(result))
+
+
+def table(result) -> str:
+    lines = ["B     L      bs  best gpu-only (cfg, splits)              do_bench best      "
+             "public host/dobench  sdpa host/dobench/gpu"]
+    for e in result["shapes"]:
+        if not e["sweep"]:
+            continue
+        g = min(e["sweep"], key=lambda r: r["gpu_us"])
+        d = min(e["refined"], key=lambda r: r["do_bench_us"]) if e["refined"] else None
+        c = g["config"]
+        cfg = f"{c['block_n']}/{c['num_warps']}w/{c['num_stages']}s{'/pf' if c['prefetch'] else ''}"
+        dcfg = (f"{d['do_bench_us']:.1f} s{d['splits']}{' pdl' if d['config']['pdl'] else ''}"
+                f"{' pf' if d['config']['prefetch'] else ''}") if d else "-"
+        host = (f"{e['public_host_us']:.1f}/{e['public_do_bench_us']:.1f}" if "public_host_us" in e else "-")
+        sd = (f"{e['sdpa_host_us']:.1f}/{e['sdpa_do_bench_us']:.1f}/{e['sdpa_gpu_us']:.1f}"
+              if "sdpa_host_us" in e else "-")
+        lines.append(f"{e['B']:<5} {e['L']:<6} {e['block_size']:<3} {g['gpu_us']:7.1f} "
+                     f"({cfg}, {g['splits']}){'':8} {dcfg:18} {host:20} {sd}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
