@@ -75,7 +75,8 @@ def _paged_decode_stage1(
     stride_ob, stride_oh, stride_od,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_FINAL: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, DOT_PRECISION: tl.constexpr, TABLE_IN_LOOP: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
         gdc_launch_dependents()              # stage 2 may start launching now; it waits for our writes itself
@@ -100,32 +101,21 @@ def _paged_decode_stage1(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)              # running max (log2 units)
     l_i = tl.zeros([GROUP_PAD], tl.float32)                             # running sum
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)               # unnormalised output
-    blk = _load_block_ids(table_row, lo + offs_n, hi, BLOCK_SIZE)     # (BN,) table of the first tile
-    if PREFETCH:  # register double buffer: tile i+1's K/V loads are in flight while tile i is computed
-        k_next = _load_kv_tile(k_base, blk, lo + offs_n, lo + offs_n < hi, offs_d, d_mask, stride_kb,
-                               stride_kt, stride_kd, BLOCK_SIZE)
-        v_next = _load_kv_tile(v_base, blk, lo + offs_n, lo + offs_n < hi, offs_d, d_mask, stride_vb,
-                               stride_vt, stride_vd, BLOCK_SIZE)
-        blk = _load_block_ids(table_row, lo + BLOCK_N + offs_n, hi, BLOCK_SIZE)
+    if not TABLE_IN_LOOP:
+        blk = _load_block_ids(table_row, lo + offs_n, hi, BLOCK_SIZE)  # (BN,) table of the first tile
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
         valid = pos < hi
-        if PREFETCH:
-            k = k_next
-            v = v_next
-            npos = pos + BLOCK_N
-            k_next = _load_kv_tile(k_base, blk, npos, npos < hi, offs_d, d_mask, stride_kb, stride_kt,
-                                   stride_kd, BLOCK_SIZE)
-            v_next = _load_kv_tile(v_base, blk, npos, npos < hi, offs_d, d_mask, stride_vb, stride_vt,
-                                   stride_vd, BLOCK_SIZE)
-            blk = _load_block_ids(table_row, npos + BLOCK_N, hi, BLOCK_SIZE)
-        else:
-            # K and V of this tile are both in flight before any math; the next tile's block ids follow.
-            k = _load_kv_tile(k_base, blk, pos, valid, offs_d, d_mask, stride_kb, stride_kt, stride_kd,
-                              BLOCK_SIZE)                               # (BN, DP)
-            v = _load_kv_tile(v_base, blk, pos, valid, offs_d, d_mask, stride_vb, stride_vt, stride_vd,
-                              BLOCK_SIZE)                               # (BN, DP)
-            blk = _load_block_ids(table_row, pos + BLOCK_N, hi, BLOCK_SIZE)
+        if TABLE_IN_LOOP:
+            # block ids from the tile index: Triton's pipeliner can stage this load ahead of the K/V copies
+            blk = _load_block_ids(table_row, pos, hi, BLOCK_SIZE)
+        # K and V of this tile are both in flight before any math
+        k = _load_kv_tile(k_base, blk, pos, valid, offs_d, d_mask, stride_kb, stride_kt, stride_kd,
+                          BLOCK_SIZE)                                   # (BN, DP)
+        v = _load_kv_tile(v_base, blk, pos, valid, offs_d, d_mask, stride_vb, stride_vt, stride_vd,
+                          BLOCK_SIZE)                                   # (BN, DP)
+        if not TABLE_IN_LOOP:
+            blk = _load_block_ids(table_row, pos + BLOCK_N, hi, BLOCK_SIZE)   # next tile's, by hand
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # (GP, BN)
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))                          # finite: every tile has a valid pos
@@ -244,8 +234,9 @@ class _DecodePlan:
         self.kw1 = dict(GROUP=hq // hkv, GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)), HEAD_DIM=d,
                         HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n,
                         WRITE_FINAL=self.one, FUSED_MERGE=self.fused,
-                        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PREFETCH=cfg.prefetch,
-                        USE_PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                        TABLE_IN_LOOP=cfg.table_in_loop, USE_PDL=pdl, num_warps=cfg.num_warps,
+                        num_stages=cfg.num_stages)
         block_s = triton.next_power_of_2(num_splits)
         self.kw2 = dict(HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_S=block_s, CHUNK_S=min(block_s, 16),
                         USE_PDL=pdl,

@@ -29,7 +29,7 @@ class KernelConfig:
     block_n: int      # tokens per K/V tile (independent of the cache's block_size)
     num_warps: int
     num_stages: int
-    prefetch: bool = False   # register double buffer: next tile's K/V loads issued before this tile's math
+    table_in_loop: bool = False  # block ids loaded in the loop (the pipeliner stages them) vs a tile ahead
     pdl: bool = False        # launch stage 2 with programmatic dependent launch (CUDA only)
 
 

@@ -2,7 +2,8 @@
 
 For each benchmark shape, times every (tile config, split count) candidate by GPU-only time (CUDA graph of
 L2-clear + call, minus the clear alone), then the best few again with programmatic dependent launch of stage 2
-and with do_bench. The winners feed the measured table in kernels/split_heuristic.py; the notes on what each
+and with do_bench
+(median of three). The winners feed the measured table in kernels/split_heuristic.py; the notes on what each
 knob did are in docs/kernel_notes.md. Prints a short table last; writes tune.json under --out.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -22,10 +24,10 @@ from kernels.benchmark import Shape, bench_us, gpu_cold_us, host_us
 from kernels.split_heuristic import KernelConfig
 
 K = KernelConfig
-CONFIGS = [K(64, 4, 1), K(64, 4, 2), K(64, 4, 3), K(32, 4, 1), K(32, 4, 2), K(64, 4, 1, prefetch=True),
-           K(32, 4, 1, prefetch=True), K(64, 8, 1, prefetch=True), K(32, 2, 1, prefetch=True),
-           K(128, 8, 1, prefetch=True)]
-SPLITS = {(1, 4096): (8, 16, 32, 64), (1, 32768): (16, 32, 48, 64, 128), (16, 4096): (1, 2, 3, 4, 8),
+T = True  # table_in_loop
+CONFIGS = [K(64, 4, 2), K(64, 4, 3), K(64, 4, 2, T), K(64, 4, 3, T), K(64, 4, 4, T), K(32, 4, 3, T),
+           K(32, 4, 4, T), K(32, 4, 6, T), K(128, 8, 3, T), K(128, 4, 2, T), K(64, 8, 3, T)]
+SPLITS = {(1, 4096): (16, 32), (1, 32768): (32, 48, 64), (16, 4096): (2, 3, 4),
           (64, 2048): (1, 2), (64, 8192): (1,), (128, 4096): (1,), (256, 1024): (1,)}
 BLOCK_SIZE_ROWS = [(64, 8192, 1), (64, 8192, 128)]
 
@@ -59,8 +61,22 @@ def refine(shape: Shape, rows, top=3) -> list[dict]:
             s = r["splits"]
             out.append({"config": dataclasses.asdict(cfg), "splits": s,
                         "gpu_us": gpu_us_or_inf(lambda s=s, cfg=cfg: shape.ours(s, cfg)),
-                        "do_bench_us": bench_us(lambda s=s, cfg=cfg: shape.ours(s, cfg))})
+                        "do_bench_us": statistics.median(bench_us(lambda s=s, cfg=cfg: shape.ours(s, cfg))
+                                                         for _ in range(3))})
     return out
+
+
+def stage2_alone_us(batch: int, splits: int, hq: int = 32, d: int = 128) -> float:
+    """GPU-only time of the merge launch by itself (random partials): what a second launch costs."""
+    from kernels.paged_decode import _stage2
+    part = batch * hq * splits * d
+    work = torch.randn(part + part // d, device="cuda")
+    out = torch.empty(batch, hq, d, device="cuda", dtype=torch.bfloat16)
+    block_s = triton.next_power_of_2(splits)
+    args = (work[:part], work[part:], out, splits, hq * splits * d, splits * d, d, 1, hq * splits, splits, 1,
+            *out.stride())
+    return gpu_cold_us(lambda: _stage2((batch, hq), *args, HEAD_DIM=d, HEAD_DIM_PAD=d, BLOCK_S=block_s,
+                                       CHUNK_S=min(block_s, 16), USE_PDL=False, num_warps=4, num_stages=1))
 
 
 def host_row(shape: Shape) -> dict:
@@ -99,9 +115,11 @@ def main(argv=None) -> None:
                                  "refined": refine(shape, rows)})
         del shape
         torch.cuda.empty_cache()
+    result["stage2_alone_us"] = {f"{b}x{s}": stage2_alone_us(b, s) for b, s in ((1, 16), (1, 32), (16, 4))}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, "tune.json").write_text(json.dumps(result, indent=1))
     print(table(result))
+    print("stage 2 alone, GPU-only us (batch x splits):", result["stage2_alone_us"])
 
 
 def table(result) -> str:
@@ -113,9 +131,9 @@ def table(result) -> str:
         g = min(e["sweep"], key=lambda r: r["gpu_us"])
         d = min(e["refined"], key=lambda r: r["do_bench_us"]) if e["refined"] else None
         c = g["config"]
-        cfg = f"{c['block_n']}/{c['num_warps']}w/{c['num_stages']}s{'/pf' if c['prefetch'] else ''}"
+        cfg = f"{c['block_n']}/{c['num_warps']}w/{c['num_stages']}s{'/T' if c['table_in_loop'] else ''}"
         dcfg = (f"{d['do_bench_us']:.1f} s{d['splits']}{' pdl' if d['config']['pdl'] else ''}"
-                f"{' pf' if d['config']['prefetch'] else ''}") if d else "-"
+                f"{' T' if d['config']['table_in_loop'] else ''}") if d else "-"
         host = (f"{e['public_host_us']:.1f}/{e['public_do_bench_us']:.1f}" if "public_host_us" in e else "-")
         sd = (f"{e['sdpa_host_us']:.1f}/{e['sdpa_do_bench_us']:.1f}/{e['sdpa_gpu_us']:.1f}"
               if "sdpa_host_us" in e else "-")

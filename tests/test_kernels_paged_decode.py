@@ -128,16 +128,16 @@ def test_fused_and_two_launch_merge_agree(splits):
 
 
 @pytest.mark.parametrize("row", [0, 2, 5, 9])
-def test_prefetch_variant_matches_reference(row):
-    """The register double-buffered loop (next tile's K/V issued before this tile's math) over grid rows with
-    empty splits, windows, ragged lengths and several tiles per split."""
+def test_table_in_loop_variant_matches_reference(row):
+    """Block ids loaded inside the tile loop (instead of a tile ahead by hand) over grid rows with empty
+    splits, windows, ragged lengths and several tiles per split."""
     from kernels.paged_decode import paged_decode_attention_triton
     lens, hq, hkv, d, bs, splits, dtype, win, strided = GRID[row]
     case = make_paged_case(lens, hq, hkv, d, bs, dtype=dtype, seed=row, strided=strided)
     out = torch.full_like(case.q, float("nan"))
     paged_decode_attention_triton(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
                                   num_splits=splits, sliding_window=win, out=out,
-                                  config=KernelConfig(16, 4, 1, prefetch=True))
+                                  config=KernelConfig(16, 4, 1, table_in_loop=True))
     assert rel_error(out, reference_fp64(case, sliding_window=win)) <= TOLERANCE[dtype]
 
 
