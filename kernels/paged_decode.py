@@ -65,7 +65,7 @@ def _load_kv_tile(base, blk, pos, valid, offs_d, d_mask, stride_b, stride_t, str
 @triton.jit
 def _paged_decode_stage1(
     Q, K, V, BLOCK_TABLES, SEQ_LENS, O_PART, LSE_PART, OUT, TICKETS,
-    qk_scale, window, num_splits,
+    qk_scale, window, num_splits, split_tokens, table_tokens,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
@@ -76,33 +76,47 @@ def _paged_decode_stage1(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_FINAL: tl.constexpr,
     FUSED_MERGE: tl.constexpr, DOT_PRECISION: tl.constexpr, TABLE_IN_LOOP: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr, EARLY_TABLE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
         gdc_launch_dependents()              # stage 2 may start launching now; it waits for our writes itself
-    seq = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEADS_FASTEST:  # grid (Hkv, B, S): the KV heads of one token range run side by side (same DRAM rows)
+        kvh = tl.program_id(0)
+        seq = tl.program_id(1)
+        num_kv_heads = tl.num_programs(0)
+    else:              # grid (B, Hkv, S)
+        seq = tl.program_id(0)
+        kvh = tl.program_id(1)
+        num_kv_heads = tl.num_programs(1)
     split = tl.program_id(2)
-    seq_len = tl.load(SEQ_LENS + seq).to(tl.int32)
-    lo, hi = _split_range(seq_len, window, split, num_splits, BLOCK_N)
+    offs_n = tl.arange(0, BLOCK_N)                                      # (BN,)
+    table_row = BLOCK_TABLES + seq.to(tl.int64) * stride_tb
+    if EARLY_TABLE:
+        # the host fixed the split size (heuristic mode, no window), so this split's first block ids load
+        # alongside seq_len rather than after it; entries past seq_len are never dereferenced
+        lo = split * split_tokens
+        blk = _load_block_ids(table_row, lo + offs_n, table_tokens, BLOCK_SIZE)
+        seq_len = tl.load(SEQ_LENS + seq).to(tl.int32)
+        hi = tl.minimum(lo + split_tokens, seq_len)
+    else:
+        seq_len = tl.load(SEQ_LENS + seq).to(tl.int32)
+        lo, hi = _split_range(seq_len, window, split, num_splits, BLOCK_N)
+        if not TABLE_IN_LOOP:
+            blk = _load_block_ids(table_row, lo + offs_n, hi, BLOCK_SIZE)  # (BN,) table of the first tile
 
     offs_g = tl.arange(0, GROUP_PAD)                                    # (GP,) query rows of this KV head
     offs_d = tl.arange(0, HEAD_DIM_PAD)                                 # (DP,)
-    offs_n = tl.arange(0, BLOCK_N)                                      # (BN,)
     heads = kvh * GROUP + offs_g
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
     q = tl.load(Q + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)     # (GP, DP)
-    table_row = BLOCK_TABLES + seq.to(tl.int64) * stride_tb
     k_base = K + kvh.to(tl.int64) * stride_kh
     v_base = V + kvh.to(tl.int64) * stride_vh
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)              # running max (log2 units)
     l_i = tl.zeros([GROUP_PAD], tl.float32)                             # running sum
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)               # unnormalised output
-    if not TABLE_IN_LOOP:
-        blk = _load_block_ids(table_row, lo + offs_n, hi, BLOCK_SIZE)  # (BN,) table of the first tile
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
         valid = pos < hi
@@ -141,7 +155,7 @@ def _paged_decode_stage1(
             # every thread's partial stores are done (barrier) before the release of the ticket; the
             # acquire of the last ticket orders the merge's loads after all other splits' releases
             tl.debug_barrier()
-            ticket = tl.atomic_add(TICKETS + seq * tl.num_programs(1) + kvh, 1, sem="acq_rel", scope="gpu")
+            ticket = tl.atomic_add(TICKETS + seq * num_kv_heads + kvh, 1, sem="acq_rel", scope="gpu")
             if ticket == num_splits - 1:
                 _merge_group(O_PART, LSE_PART, OUT, seq, heads, g_mask, offs_d, d_mask, num_splits,
                              stride_pb, stride_ph, stride_ps, stride_pd, stride_lb, stride_lh, stride_ls,
@@ -221,7 +235,7 @@ class _DecodePlan:
     allocations and one or two direct launches. q (B, Hq, D); caches (N, bs, Hkv, D); out (B, Hq, D)."""
 
     def __init__(self, q, k_cache, v_cache, block_tables, out, scale, window, num_splits, cfg: KernelConfig,
-                 fused_merge: bool):
+                 fused_merge: bool, free_split_rule: bool):
         bsz, hq, d = q.shape
         hkv, block_size = k_cache.shape[2], k_cache.shape[1]
         self.bsz, self.hq, self.hkv, self.d, self.num_splits = bsz, hq, hkv, d, num_splits
@@ -229,14 +243,21 @@ class _DecodePlan:
         self.one = num_splits == 1
         self.fused = fused_merge and not self.one
         pdl = cfg.pdl and q.is_cuda and not (self.one or self.fused)
+        # early table: split size from the table width, not seq_len -- only where no caller relies on the
+        # seq_len rule (heuristic split count, one split, or an explicit config) and there is no window
+        early = (cfg.early_table and not cfg.table_in_loop and window == NO_WINDOW
+                 and (free_split_rule or self.one))
+        table_tokens = block_tables.shape[1] * block_size
+        split_tokens = triton.cdiv(triton.cdiv(table_tokens, num_splits), cfg.block_n) * cfg.block_n
         self.out_strides = out.stride() if out is not None else (hq * d, d, 1)    # ours are contiguous
         d_pad = triton.next_power_of_2(d)
         self.kw1 = dict(GROUP=hq // hkv, GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)), HEAD_DIM=d,
                         HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n,
                         WRITE_FINAL=self.one, FUSED_MERGE=self.fused,
                         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                        TABLE_IN_LOOP=cfg.table_in_loop, USE_PDL=pdl, num_warps=cfg.num_warps,
-                        num_stages=cfg.num_stages)
+                        TABLE_IN_LOOP=cfg.table_in_loop, HEADS_FASTEST=cfg.heads_fastest,
+                        EARLY_TABLE=early, USE_PDL=pdl,
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         block_s = triton.next_power_of_2(num_splits)
         self.kw2 = dict(HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_S=block_s, CHUNK_S=min(block_s, 16),
                         USE_PDL=pdl,
@@ -245,10 +266,12 @@ class _DecodePlan:
         self.part_numel = bsz * hq * num_splits * d
         self.p_strides = (hq * num_splits * d, num_splits * d, d, 1) if not self.one else (0, 0, 0, 0)
         self.l_strides = (hq * num_splits, num_splits, 1) if not self.one else (0, 0, 0)
-        self.ints1 = (scale * LOG2E, window, num_splits, *q.stride(), *k_cache.stride(), *v_cache.stride(),
-                      *block_tables.stride(), *self.p_strides, *self.l_strides, *self.out_strides)
+        self.ints1 = (scale * LOG2E, window, num_splits, split_tokens, table_tokens, *q.stride(),
+                      *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *self.p_strides,
+                      *self.l_strides, *self.out_strides)
         self.ints2 = (num_splits, *self.p_strides, *self.l_strides, *self.out_strides)
-        self.grid1, self.grid2 = (bsz, hkv, num_splits), (bsz, hq, 1)
+        self.grid1 = (hkv, bsz, num_splits) if cfg.heads_fastest else (bsz, hkv, num_splits)
+        self.grid2 = (bsz, hq, 1)
         self.bound = None                                   # (stage-1, stage-2) CompiledLaunch once compiled
 
     def __call__(self, q, k_cache, v_cache, block_tables, seq_lens, out):
@@ -334,6 +357,7 @@ def _make_plan(q, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, sliding_window, num_splits)
     d, block_size, hkv = q.shape[-1], k_cache.shape[1], k_cache.shape[2]
     window = NO_WINDOW if sliding_window is None else int(sliding_window)
+    free_split_rule = num_splits is None or config is not None  # batch invariance only for fixed splits
     if num_splits is None:
         max_len = min(block_tables.shape[1] * block_size, window)
         num_splits = choose_num_splits(q.shape[0], hkv, max_len, num_sms(q.device))
@@ -341,7 +365,7 @@ def _make_plan(q, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_
                                   int(num_splits))
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     return _DecodePlan(q, k_cache, v_cache, block_tables, out, scale, window, int(num_splits), cfg,
-                       fused_merge)
+                       fused_merge, free_split_rule)
 
 
 def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale=None,

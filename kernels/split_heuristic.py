@@ -30,6 +30,8 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     table_in_loop: bool = False  # block ids loaded in the loop (the pipeliner stages them) vs a tile ahead
+    heads_fastest: bool = False  # grid (Hkv, B, S) instead of (B, Hkv, S)
+    early_table: bool = False    # split size from the table width: first block ids load alongside seq_len
     pdl: bool = False        # launch stage 2 with programmatic dependent launch (CUDA only)
 
 

@@ -25,8 +25,10 @@ from kernels.split_heuristic import KernelConfig
 
 K = KernelConfig
 T = True  # table_in_loop
-CONFIGS = [K(64, 4, 2), K(64, 4, 3), K(64, 4, 2, T), K(64, 4, 3, T), K(64, 4, 4, T), K(32, 4, 3, T),
-           K(32, 4, 4, T), K(32, 4, 6, T), K(128, 8, 3, T), K(128, 4, 2, T), K(64, 8, 3, T)]
+CONFIGS = [K(64, 4, 2), K(64, 4, 2, heads_fastest=T), K(64, 4, 2, early_table=T),
+           K(64, 4, 2, heads_fastest=T, early_table=T), K(64, 4, 2, T, heads_fastest=T), K(64, 4, 3),
+           K(64, 4, 3, early_table=T), K(64, 4, 3, heads_fastest=T, early_table=T), K(32, 4, 6, T),
+           K(32, 4, 6, T, heads_fastest=T)]
 SPLITS = {(1, 4096): (16, 32), (1, 32768): (32, 48, 64), (16, 4096): (2, 3, 4),
           (64, 2048): (1, 2), (64, 8192): (1,), (128, 4096): (1,), (256, 1024): (1,)}
 BLOCK_SIZE_ROWS = [(64, 8192, 1), (64, 8192, 128)]
@@ -84,8 +86,9 @@ def host_row(shape: Shape) -> dict:
     args = (c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens)
     return {"public_host_us": host_us(lambda: paged_decode_attention(*args), n=2000),
             "sdpa_host_us": host_us(shape.sdpa_contig, n=2000),
-            "public_do_bench_us": bench_us(lambda: paged_decode_attention(*args)),
-            "sdpa_do_bench_us": bench_us(shape.sdpa_contig),
+            "public_do_bench_us": statistics.median(bench_us(lambda: paged_decode_attention(*args))
+                                                    for _ in range(3)),
+            "sdpa_do_bench_us": statistics.median(bench_us(shape.sdpa_contig) for _ in range(3)),
             "sdpa_gpu_us": gpu_cold_us(shape.sdpa_contig)}
 
 
@@ -131,9 +134,11 @@ def table(result) -> str:
         g = min(e["sweep"], key=lambda r: r["gpu_us"])
         d = min(e["refined"], key=lambda r: r["do_bench_us"]) if e["refined"] else None
         c = g["config"]
-        cfg = f"{c['block_n']}/{c['num_warps']}w/{c['num_stages']}s{'/T' if c['table_in_loop'] else ''}"
+        flags = "".join(f"/{k[0].upper()}" for k in ("table_in_loop", "heads_fastest", "early_table") if c[k])
+        cfg = f"{c['block_n']}/{c['num_warps']}w/{c['num_stages']}s{flags}"
         dcfg = (f"{d['do_bench_us']:.1f} s{d['splits']}{' pdl' if d['config']['pdl'] else ''}"
-                f"{' T' if d['config']['table_in_loop'] else ''}") if d else "-"
+                + "".join(f" {k[0].upper()}" for k in ("table_in_loop", "heads_fastest", "early_table")
+                          if d["config"][k])) if d else "-"
         host = (f"{e['public_host_us']:.1f}/{e['public_do_bench_us']:.1f}" if "public_host_us" in e else "-")
         sd = (f"{e['sdpa_host_us']:.1f}/{e['sdpa_do_bench_us']:.1f}/{e['sdpa_gpu_us']:.1f}"
               if "sdpa_host_us" in e else "-")

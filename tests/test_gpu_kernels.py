@@ -134,8 +134,9 @@ def test_fused_merge_has_no_race(splits):
 
 
 VARIANTS = [dict(block_n=64, num_warps=4, num_stages=3, table_in_loop=True, pdl=True),
-            dict(block_n=32, num_warps=4, num_stages=2, pdl=True),
-            dict(block_n=128, num_warps=8, num_stages=3, table_in_loop=True),
+            dict(block_n=32, num_warps=4, num_stages=2, pdl=True, early_table=True),
+            dict(block_n=128, num_warps=8, num_stages=3, table_in_loop=True, heads_fastest=True),
+            dict(block_n=64, num_warps=4, num_stages=2, heads_fastest=True, early_table=True, pdl=True),
             dict(block_n=32, num_warps=2, num_stages=6, table_in_loop=True, pdl=True)]
 
 
@@ -143,7 +144,8 @@ VARIANTS = [dict(block_n=64, num_warps=4, num_stages=3, table_in_loop=True, pdl=
 @pytest.mark.parametrize("splits", [1, 5, 64])
 @pytest.mark.parametrize("dtype", [BF16, F32])
 def test_tuning_variants(variant, splits, dtype):
-    """Every knob the tuner sweeps (table load in the loop, PDL stage 2, tile widths, warps, stages)."""
+    """Every knob the tuner sweeps (table load in the loop or early, grid order, PDL stage 2, tile widths,
+    warps, stages) against fp64, with ragged lengths so early-table splits past a sequence's end are empty."""
     from kernels.paged_decode import paged_decode_attention_triton
     from kernels.split_heuristic import KernelConfig
     cfg = KernelConfig(**variant)

@@ -159,3 +159,20 @@ def test_plans_are_per_signature_and_see_new_data():
     with pytest.raises(ValueError, match="one device|dtype"):
         paged_decode.paged_decode_attention_triton(case.q.double(), *args[1:])
     assert len(paged_decode._PLANS) == before + 2
+
+
+@pytest.mark.parametrize("splits,heads_fastest", [(None, False), (1, True), (4, False), (7, True)])
+def test_early_table_and_grid_order_variants(splits, heads_fastest):
+    """Split size from the table width (first block ids loaded alongside seq_len) and the (Hkv, B, S) grid:
+    ragged lengths leave some splits empty, entries past a sequence's end hold -1 and must not be read."""
+    from kernels import paged_decode
+    case = make_paged_case([0, 1, 130, 517, 64], 8, 2, 32, 4, seed=21)
+    out = torch.full_like(case.q, float("nan"))
+    cfg = KernelConfig(16, 4, 1, heads_fastest=heads_fastest, early_table=True)
+    paged_decode.paged_decode_attention_triton(case.q, case.k_cache, case.v_cache, case.block_tables,
+                                               case.seq_lens, num_splits=splits, out=out, config=cfg)
+    plan = list(paged_decode._PLANS.values())[-1]
+    assert plan.kw1["EARLY_TABLE"] and plan.kw1["HEADS_FASTEST"] == heads_fastest
+    assert plan.grid1[0] == (2 if heads_fastest else 5)
+    assert rel_error(out, reference_fp64(case)) <= 1e-5
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
