@@ -114,10 +114,10 @@ def kv_bytes(batch: int, ctx: int) -> int:
 class Shape:
     """Paged inputs, their contiguous twin for SDPA and the callables timed for one (B, L, block_size)."""
 
-    def __init__(self, batch, ctx, block_size):
-        self.batch, self.ctx, self.block_size = batch, ctx, block_size
+    def __init__(self, batch, ctx, block_size, layout="token"):
+        self.batch, self.ctx, self.block_size, self.layout = batch, ctx, block_size, layout
         self.case = make_paged_case([ctx] * batch, HQ, HKV, D, block_size, dtype=DTYPE, device="cuda",
-                                    seed=batch + ctx, spare_blocks=1)
+                                    seed=batch + ctx, spare_blocks=1, layout=layout)
         self.q4 = self.case.q.unsqueeze(2)                                   # (B, Hq, 1, D)
         self.k_contig, self.v_contig = self.gather()                        # (B, Hkv, L, D)
 

@@ -21,11 +21,13 @@ class PagedCase:
 
 
 def make_paged_case(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32,
-                    device="cpu", seed=0, spare_blocks=3, strided=False) -> PagedCase:
+                    device="cpu", seed=0, spare_blocks=3, strided=False, layout="token") -> PagedCase:
     """Random q/K/V with each sequence's blocks scattered over a shuffled physical pool (block 0 unused).
 
     Table entries past a sequence's length hold -1 so a kernel that dereferences them is caught.
     strided=True lays the caches out as every other head of a wider tensor (non-contiguous strides).
+    layout="head" stores each block head-major (N, Hkv, bs, D) and returns the (N, bs, Hkv, D) view of it, so
+    one head's tokens of a block are contiguous; "token" (default) is the plain (N, bs, Hkv, D) tensor.
     """
     gen = torch.Generator(device="cpu").manual_seed(seed)
     bsz = len(seq_lens)
@@ -37,8 +39,14 @@ def make_paged_case(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, d
     def rand(*shape):
         return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
 
-    k_full = rand(num_blocks, block_size, heads, head_dim)
-    v_full = rand(num_blocks, block_size, heads, head_dim)
+    if layout not in ("token", "head"):
+        raise ValueError(f"layout must be 'token' or 'head', got {layout!r}")
+    if layout == "head":
+        k_full = rand(num_blocks, heads, block_size, head_dim).transpose(1, 2)
+        v_full = rand(num_blocks, heads, block_size, head_dim).transpose(1, 2)
+    else:
+        k_full = rand(num_blocks, block_size, heads, head_dim)
+        v_full = rand(num_blocks, block_size, heads, head_dim)
     k_cache = k_full[:, :, ::2] if strided else k_full
     v_cache = v_full[:, :, 1::2] if strided else v_full
     perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()

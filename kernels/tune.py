@@ -92,41 +92,55 @@ def host_row(shape: Shape) -> dict:
             "sdpa_gpu_us": gpu_cold_us(shape.sdpa_contig)}
 
 
+FINAL_CONFIGS = [K(64, 4, 2, heads_fastest=T, early_table=T), K(64, 4, 2, early_table=T),
+                 K(64, 4, 3, heads_fastest=T, early_table=T, pdl=T), K(64, 4, 3, early_table=T, pdl=T),
+                 K(32, 4, 6, T, heads_fastest=T), K(32, 4, 6, T, pdl=T)]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="docs/benchmarks")
     ap.add_argument("--budget-s", type=float, default=360)
+    ap.add_argument("--layouts", default="token", help="comma list of KV layouts: token, head")
+    ap.add_argument("--final", action="store_true", help="only the short list of finalists, no refine pass")
     args = ap.parse_args(argv)
     t0 = time.time()
     deadline = t0 + args.budget_s
+    configs = FINAL_CONFIGS if args.final else CONFIGS
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "shapes": []}
-    for (b, ctx), splits in SPLITS.items():
-        shape = Shape(b, ctx, 16)
-        rows = sweep_shape(shape, splits, CONFIGS, deadline)
-        entry = {"B": b, "L": ctx, "block_size": 16, "sweep": rows, "refined": refine(shape, rows),
-                 **host_row(shape)}
-        result["shapes"].append(entry)
-        best = min(r["gpu_us"] for r in rows)
-        print(f"[{time.time() - t0:5.0f}s] {b}x{ctx}: best {best:.1f} us", flush=True)
-        del shape
-        torch.cuda.empty_cache()
-    for b, ctx, bs in BLOCK_SIZE_ROWS:
-        shape = Shape(b, ctx, bs)
-        rows = sweep_shape(shape, (1,), CONFIGS, deadline)
-        result["shapes"].append({"B": b, "L": ctx, "block_size": bs, "sweep": rows,
-                                 "refined": refine(shape, rows)})
-        del shape
-        torch.cuda.empty_cache()
-    result["stage2_alone_us"] = {f"{b}x{s}": stage2_alone_us(b, s) for b, s in ((1, 16), (1, 32), (16, 4))}
+    for layout in args.layouts.split(","):
+        for (b, ctx), splits in SPLITS.items():
+            shape = Shape(b, ctx, 16, layout)
+            rows = sweep_shape(shape, splits, configs, deadline)
+            entry = {"B": b, "L": ctx, "block_size": 16, "layout": layout, "sweep": rows,
+                     "refined": [] if args.final else refine(shape, rows)}
+            if not args.final:
+                entry.update(host_row(shape))
+            result["shapes"].append(entry)
+            best = min(r["gpu_us"] for r in rows)
+            print(f"[{time.time() - t0:5.0f}s] {layout} {b}x{ctx}: best {best:.1f} us", flush=True)
+            del shape
+            torch.cuda.empty_cache()
+        for b, ctx, bs in BLOCK_SIZE_ROWS:
+            shape = Shape(b, ctx, bs, layout)
+            rows = sweep_shape(shape, (1,), configs, deadline)
+            result["shapes"].append({"B": b, "L": ctx, "block_size": bs, "layout": layout, "sweep": rows,
+                                     "refined": [] if args.final else refine(shape, rows)})
+            del shape
+            torch.cuda.empty_cache()
+    if not args.final:
+        result["stage2_alone_us"] = {f"{b}x{s}": stage2_alone_us(b, s)
+                                     for b, s in ((1, 16), (1, 32), (16, 4))}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, "tune.json").write_text(json.dumps(result, indent=1))
     print(table(result))
-    print("stage 2 alone, GPU-only us (batch x splits):", result["stage2_alone_us"])
+    if not args.final:
+        print("stage 2 alone, GPU-only us (batch x splits):", result["stage2_alone_us"])
 
 
 def table(result) -> str:
-    lines = ["B     L      bs  best gpu-only (cfg, splits)              do_bench best      "
+    lines = ["lay   B     L      bs  best gpu-only (cfg, splits)              do_bench best      "
              "public host/dobench  sdpa host/dobench/gpu"]
     for e in result["shapes"]:
         if not e["sweep"]:
@@ -142,7 +156,8 @@ def table(result) -> str:
         host = (f"{e['public_host_us']:.1f}/{e['public_do_bench_us']:.1f}" if "public_host_us" in e else "-")
         sd = (f"{e['sdpa_host_us']:.1f}/{e['sdpa_do_bench_us']:.1f}/{e['sdpa_gpu_us']:.1f}"
               if "sdpa_host_us" in e else "-")
-        lines.append(f"{e['B']:<5} {e['L']:<6} {e['block_size']:<3} {g['gpu_us']:7.1f} "
+        lines.append(f"{e.get('layout', 'token')[:5]:5} {e['B']:<5} {e['L']:<6} {e['block_size']:<3} "
+                     f"{g['gpu_us']:7.1f} "
                      f"({cfg}, {g['splits']}){'':8} {dcfg:18} {host:20} {sd}")
     return "\n".join(lines)
 

@@ -176,3 +176,12 @@ def test_early_table_and_grid_order_variants(splits, heads_fastest):
     assert plan.grid1[0] == (2 if heads_fastest else 5)
     assert rel_error(out, reference_fp64(case)) <= 1e-5
     assert torch.equal(out[0], torch.zeros_like(out[0]))
+
+
+@pytest.mark.parametrize("bs,splits", [(16, None), (4, 3), (1, 1)])
+def test_head_major_cache_layout(bs, splits):
+    """Caches stored head-major (N, Hkv, bs, D) and passed as their (N, bs, Hkv, D) view: only strides differ."""
+    case = make_paged_case([0, 77, 300, 5], 8, 2, 64, bs, seed=bs, layout="head")
+    assert case.k_cache.stride()[1:3] == (64, bs * 64)
+    out = _run(case, num_splits=splits)
+    assert rel_error(out, reference_fp64(case)) <= 1e-5
