@@ -180,7 +180,7 @@ def test_early_table_and_grid_order_variants(splits, heads_fastest):
 
 @pytest.mark.parametrize("bs,splits", [(16, None), (4, 3), (1, 1)])
 def test_head_major_cache_layout(bs, splits):
-    """Caches stored head-major (N, Hkv, bs, D) and passed as their (N, bs, Hkv, D) view: only strides differ."""
+    """Caches stored head-major (N, Hkv, bs, D), passed as their (N, bs, Hkv, D) view: only strides differ."""
     case = make_paged_case([0, 77, 300, 5], 8, 2, 64, bs, seed=bs, layout="head")
     assert case.k_cache.stride()[1:3] == (64, bs * 64)
     out = _run(case, num_splits=splits)
