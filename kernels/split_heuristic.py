@@ -35,12 +35,15 @@ class KernelConfig:
     pdl: bool = False        # launch stage 2 with programmatic dependent launch (CUDA only)
 
 
-# Measured on the H200 (bf16, D=128, Hq/Hkv=4; docs/kernel_notes.md). One split (batch >= 64): 64-token
-# tiles, 4 warps, 2 stages were best or within noise of best; with several splits (few long sequences)
-# 3 stages won; with block_size 1 (every token its own block) 32-token tiles and 4 stages did best.
-_ONE_SPLIT = KernelConfig(block_n=64, num_warps=4, num_stages=2)
-_MANY_SPLITS = KernelConfig(block_n=64, num_warps=4, num_stages=3)
-_TINY_BLOCKS = KernelConfig(block_n=32, num_warps=4, num_stages=4)
+# Measured on the H200 (bf16, D=128, Hq/Hkv=4; `python -m kernels.tune`, runs 9-12 in docs/kernel_notes.md).
+# One split (batch >= 64): 64-token tiles, 4 warps, 2 stages, KV heads fastest in the grid and the first
+# block ids loaded alongside seq_len were best at every shape. Several splits (few long sequences): 3 stages,
+# early table, stage 2 under PDL. Block sizes <= 4 (a tile spans 16+ blocks): 32-token tiles, 6 stages, the
+# block ids loaded in the loop so the pipeliner stages them. Head dim 256 keeps its run-5 config (unswept).
+_ONE_SPLIT = KernelConfig(64, 4, 2, heads_fastest=True, early_table=True)
+_MANY_SPLITS = KernelConfig(64, 4, 3, heads_fastest=True, early_table=True, pdl=True)
+_TINY_BLOCKS = KernelConfig(32, 4, 6, table_in_loop=True, heads_fastest=True)
+_TINY_BLOCKS_SPLITS = KernelConfig(32, 4, 6, table_in_loop=True, heads_fastest=True, pdl=True)
 _HEAD_DIM_256 = KernelConfig(block_n=32, num_warps=4, num_stages=2)
 _INTERPRETER_CONFIG = KernelConfig(block_n=32, num_warps=4, num_stages=1)
 
@@ -56,7 +59,7 @@ def choose_config(device: torch.device, head_dim_pad: int, elem_size: int = 2, b
     if head_dim_pad > 128:
         cfg = _HEAD_DIM_256
     elif block_size <= 4:
-        cfg = _TINY_BLOCKS
+        cfg = _TINY_BLOCKS if num_splits == 1 else _TINY_BLOCKS_SPLITS
     else:
         cfg = _ONE_SPLIT if num_splits == 1 else _MANY_SPLITS
     if elem_size > 2:  # fp32 tiles take twice the shared memory per stage
@@ -72,8 +75,10 @@ def num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, sms: int, block_n: int = 64) -> int:
-    """Split count for the heuristic mode; max_len is an upper bound on a sequence's visible tokens."""
+    """Split count for the heuristic mode; max_len is an upper bound on a sequence's visible tokens.
+    As many splits as fit in one wave of TARGET_PROGRAMS_PER_SM programs per SM (rounded down: a partial
+    second wave cost more than it gave, e.g. (16, 4096) took 75.4 us with 2 splits, 77-80 us with 3)."""
     base = max(1, batch * num_kv_heads)
-    want = -(-TARGET_PROGRAMS_PER_SM * sms // base)
+    want = TARGET_PROGRAMS_PER_SM * sms // base
     cap = max(1, max_len // max(MIN_SPLIT_TOKENS, block_n))
     return max(1, min(want, cap, MAX_SPLITS))
