@@ -1,0 +1,32 @@
+"""The split-count heuristic and the config table (pure functions, no kernel launched)."""
+
+import pytest
+import torch
+
+from kernels.split_heuristic import KernelConfig, choose_config, choose_num_splits
+
+
+@pytest.mark.parametrize("batch,ctx,want", [(1, 4096, 16), (1, 32768, 32), (16, 4096, 2), (64, 2048, 1),
+                                            (256, 1024, 1), (1, 100, 1), (1, 1, 1)])
+def test_h200_picks(batch, ctx, want):
+    """The split counts measured best on the H200 (132 SMs, Hkv 8) for the benchmark shapes."""
+    assert choose_num_splits(batch, 8, ctx, 132) == want
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 5, 17, 40])
+@pytest.mark.parametrize("ctx", [1, 63, 64, 65, 1000, 5000, 32768, 131072])
+def test_no_split_is_empty_and_one_wave_at_most(batch, ctx):
+    splits = choose_num_splits(batch, 8, ctx, 132)
+    per = -(-ctx // splits)
+    per = -(-per // 64) * 64                                    # the kernel's tile-rounded split size
+    assert 1 <= splits <= 256 and (splits - 1) * per < ctx     # the last split holds at least one token
+    assert splits == 1 or batch * 8 * splits <= 2 * 132
+
+
+def test_config_table_by_block_size_splits_and_dtype():
+    cuda = torch.device("cuda")
+    assert choose_config(cuda, 128, 2, 16, 1) == KernelConfig(64, 4, 2, heads_fastest=True, early_table=True)
+    assert choose_config(cuda, 128, 2, 16, 8).pdl and choose_config(cuda, 128, 2, 16, 8).num_stages == 3
+    assert choose_config(cuda, 128, 2, 1, 1).table_in_loop
+    assert choose_config(cuda, 128, 4, 16, 1).block_n == 32                   # fp32: half the tile
+    assert choose_config(torch.device("cpu"), 128) == KernelConfig(32, 4, 1)  # interpreter
