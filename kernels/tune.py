@@ -92,6 +92,12 @@ def host_row(shape: Shape) -> dict:
             "sdpa_gpu_us": gpu_cold_us(shape.sdpa_contig)}
 
 
+# deep per-program pipelines, for one split at mid batches: cuDNN runs (16, 4096) as 128 programs, one per
+# (sequence, KV head), at 87% of DRAM bandwidth with no merge (ncu, docs/kernel_notes.md run 15)
+DEEP_CONFIGS = [K(64, 4, 3, T), K(64, 4, 4, T), K(64, 4, 6, T), K(64, 8, 4, T), K(128, 8, 3, T), K(32, 4, 8, T),
+                K(64, 4, 4, T, heads_fastest=T)]
+DEEP_SPLITS = {(16, 4096): (1, 2), (1, 32768): (16, 32)}
+
 FINAL_CONFIGS = [K(64, 4, 2, heads_fastest=T, early_table=T), K(64, 4, 2, early_table=T),
                  K(64, 4, 3, heads_fastest=T, early_table=T, pdl=T), K(64, 4, 3, early_table=T, pdl=T),
                  K(32, 4, 6, T, heads_fastest=T), K(32, 4, 6, T, pdl=T)]
@@ -103,14 +109,17 @@ def main(argv=None) -> None:
     ap.add_argument("--budget-s", type=float, default=360)
     ap.add_argument("--layouts", default="token", help="comma list of KV layouts: token, head")
     ap.add_argument("--final", action="store_true", help="only the short list of finalists, no refine pass")
+    ap.add_argument("--deep", action="store_true", help="deep-pipeline configs at few splits, no refine pass")
     args = ap.parse_args(argv)
     t0 = time.time()
     deadline = t0 + args.budget_s
-    configs = FINAL_CONFIGS if args.final else CONFIGS
+    configs = DEEP_CONFIGS if args.deep else FINAL_CONFIGS if args.final else CONFIGS
+    args.final = args.final or args.deep
+    splits_by_shape = DEEP_SPLITS if args.deep else SPLITS
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "shapes": []}
     for layout in args.layouts.split(","):
-        for (b, ctx), splits in SPLITS.items():
+        for (b, ctx), splits in splits_by_shape.items():
             shape = Shape(b, ctx, 16, layout)
             rows = sweep_shape(shape, splits, configs, deadline)
             entry = {"B": b, "L": ctx, "block_size": 16, "layout": layout, "sweep": rows,
@@ -122,7 +131,7 @@ def main(argv=None) -> None:
             print(f"[{time.time() - t0:5.0f}s] {layout} {b}x{ctx}: best {best:.1f} us", flush=True)
             del shape
             torch.cuda.empty_cache()
-        for b, ctx, bs in BLOCK_SIZE_ROWS:
+        for b, ctx, bs in ([] if args.deep else BLOCK_SIZE_ROWS):
             shape = Shape(b, ctx, bs, layout)
             rows = sweep_shape(shape, (1,), configs, deadline)
             result["shapes"].append({"B": b, "L": ctx, "block_size": bs, "layout": layout, "sweep": rows,
