@@ -94,8 +94,8 @@ def host_row(shape: Shape) -> dict:
 
 # deep per-program pipelines, for one split at mid batches: cuDNN runs (16, 4096) as 128 programs, one per
 # (sequence, KV head), at 87% of DRAM bandwidth with no merge (ncu, docs/kernel_notes.md run 15)
-DEEP_CONFIGS = [K(64, 4, 3, T), K(64, 4, 4, T), K(64, 4, 6, T), K(64, 8, 4, T), K(128, 8, 3, T), K(32, 4, 8, T),
-                K(64, 4, 4, T, heads_fastest=T)]
+DEEP_CONFIGS = [K(64, 4, 3, T), K(64, 4, 4, T), K(64, 4, 6, T), K(64, 8, 4, T), K(128, 8, 3, T),
+                K(32, 4, 8, T), K(64, 4, 4, T, heads_fastest=T)]
 DEEP_SPLITS = {(16, 4096): (1, 2), (1, 32768): (16, 32)}
 
 FINAL_CONFIGS = [K(64, 4, 2, heads_fastest=T, early_table=T), K(64, 4, 2, early_table=T),
