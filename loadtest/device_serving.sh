@@ -3,7 +3,7 @@
 #   host profile of the paged-decode call, GPU tests of the runner, `pagewalk serve --model bench` under
 #   loadtest (CUDA-graph decode, then --enforce-eager as the baseline), then HF `generate` on the same weights
 #   and workload shape. Results land in $OUT. Overridable: MODEL, DEVICE, PY, NO_WHEELS, OUT, SKIP_PROFILE,
-#   SKIP_TESTS, SWEEP_CONCURRENCY (default 16,64,256), HF_BATCHES (default "1 64"; empty skips HF).
+#   SKIP_TESTS, SKIP_EAGER, SWEEP_CONCURRENCY (default 16,64,256), HF_BATCHES (default "1 64"; empty skips HF).
 # Usage: bash loadtest/device_serving.sh [INPUT_LEN] [OUTPUT_LEN]
 set -u
 IN=${1:-512}; OUTLEN=${2:-128}; MODEL=${MODEL:-bench}; DEVICE=${DEVICE:-cuda}; PY=${PY:-python3}
@@ -44,11 +44,13 @@ timeout 240 $LT --num-requests 256 --sweep-concurrency "${SWEEP_CONCURRENCY:-16,
   --out "$OUT/serve_graphs_sweep.json" | tail -n 8
 stop_server graphs
 
-echo "== serve $MODEL eager (--enforce-eager), the baseline"
-start_server eager --enforce-eager
-timeout 120 $LT --num-requests 8 --concurrency 1 --warmup 2 --out "$OUT/serve_eager_c1.json" | tail -n 12
-timeout 120 $LT --num-requests 256 --concurrency 64 --warmup 8 --out "$OUT/serve_eager_c64.json" | tail -n 12
-stop_server eager
+if [ -z "${SKIP_EAGER:-}" ]; then
+  echo "== serve $MODEL eager (--enforce-eager), the baseline"
+  start_server eager --enforce-eager
+  timeout 120 $LT --num-requests 8 --concurrency 1 --warmup 2 --out "$OUT/serve_eager_c1.json" | tail -n 12
+  timeout 120 $LT --num-requests 256 --concurrency 64 --warmup 8 --out "$OUT/serve_eager_c64.json" | tail -n 12
+  stop_server eager
+fi
 
 echo "== HF generate baseline (static cache), same weights and shape"
 for B in ${HF_BATCHES-1 64}; do
