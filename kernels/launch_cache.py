@@ -70,9 +70,9 @@ class CachedLauncher:
         self.compiled: dict = {}
         self.direct_ok = os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
-    def compiled_for(self, grid, args, num_warps, num_stages, kw) -> CompiledLaunch:
-        """The bound kernel for this specialisation, compiling (and launching once) through the JIT if new.
-        Returns (launch, launched_already)."""
+    def compiled_for(self, grid, args, num_warps, num_stages, kw) -> tuple[CompiledLaunch, bool]:
+        """(bound kernel for this specialisation, whether this call launched it): a new specialisation is
+        compiled and launched once through the JIT."""
         tensors = args[:self.num_tensors]
         key = (tuple(t.dtype for t in tensors), tuple(t.data_ptr() % 16 == 0 for t in tensors),
                args[self.num_tensors:], tuple(kw.items()), num_warps, num_stages, args[0].get_device())

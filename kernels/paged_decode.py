@@ -1,13 +1,22 @@
 """Triton paged-decode attention: block-table walk, online softmax, split-KV LSE merge, GQA-native.
 
-Stage 1, grid (seq, kv_head, split): the query heads of one KV head are the rows of one tile; each program
-walks its split's tokens in tiles of BLOCK_N (looked up through the block table, so the tile width is
-independent of block_size), keeps m, l, o in fp32 and rescales by exp2(m_old - m_new). It writes either the
-final output (one split) or a normalised partial output and its log2-sum-exp. The splits are merged by
-their LSE either in the same launch (FUSED_MERGE: every split program takes a ticket from a per-(seq, kv_head)
-counter after its partial is written; the one that draws the last ticket merges all splits, in split order,
-so the result does not depend on which program finished last) or by a second launch, stage 2, grid
-(seq, q_head). One launch instead of two halves the host cost of a call, which dominates at small shapes.
+Stage 1, grid (seq, kv_head, split) or (kv_head, seq, split) (HEADS_FASTEST: the KV heads of one token range
+run side by side): the query heads of one KV head are the rows of one tile; each program walks its split's
+tokens in tiles of BLOCK_N (looked up through the block table, so the tile width is independent of
+block_size), keeps m, l, o in fp32 and rescales by exp2(m_old - m_new). It writes either the final output (one
+split) or a normalised partial output and its log2-sum-exp. The splits are merged by their LSE by a second
+launch, stage 2, grid (seq, q_head), launched with programmatic dependent launch where the config says so; or,
+with FUSED_MERGE, in the same launch (every split program takes a ticket from a per-(seq, kv_head) counter
+after its partial is written; the one that draws the last ticket merges all splits, in split order, so the
+result does not depend on which program finished last).
+
+The block ids of a split's first tile load either after seq_len (the split size follows from seq_len: the
+rule that makes a fixed num_splits batch-invariant) or, with EARLY_TABLE, alongside it (the split size
+follows from the table width). Later tiles' ids are loaded a tile ahead by hand or, with TABLE_IN_LOOP, in
+the loop where Triton's pipeliner stages them.
+
+Host side: the first call with a given signature validates the inputs and builds a `_DecodePlan`; later calls
+go straight to the launches (see kernels/launch_cache.py).
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30
 # Merge splits in a second launch by default: on the H200 the fused merge (one launch) was slower both in
 # do_bench and in GPU-only time (its last program merges the splits serially, and the ticket counters need a
-# memset), e.g. 75.8 vs 35.8 us at (1, 4096) and 61.9 vs 54.8 us at (1, 32768); see docs/kernel_notes.md.
+# memset), e.g. 21.0 vs 15.3 us at (1, 4096) and 59.2 vs 49.9 us at (1, 32768); see docs/kernel_notes.md.
 FUSED_MERGE_DEFAULT = False
 
 
