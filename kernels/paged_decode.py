@@ -247,7 +247,7 @@ class _DecodePlan:
                  fused_merge: bool, free_split_rule: bool):
         bsz, hq, d = q.shape
         hkv, block_size = k_cache.shape[2], k_cache.shape[1]
-        self.bsz, self.hq, self.hkv, self.d, self.num_splits = bsz, hq, hkv, d, num_splits
+        self.bsz, self.hkv, self.d = bsz, hkv, d
         self.device_index = q.get_device()
         self.one = num_splits == 1
         self.fused = fused_merge and not self.one
@@ -258,7 +258,7 @@ class _DecodePlan:
                  and (free_split_rule or self.one))
         table_tokens = block_tables.shape[1] * block_size
         split_tokens = triton.cdiv(triton.cdiv(table_tokens, num_splits), cfg.block_n) * cfg.block_n
-        self.out_strides = out.stride() if out is not None else (hq * d, d, 1)    # ours are contiguous
+        out_strides = out.stride() if out is not None else (hq * d, d, 1)         # ours are contiguous
         d_pad = triton.next_power_of_2(d)
         self.kw1 = dict(GROUP=hq // hkv, GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)), HEAD_DIM=d,
                         HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n,
@@ -273,12 +273,12 @@ class _DecodePlan:
                         num_warps=4, num_stages=1, **({"launch_pdl": True} if pdl else {}))
         # partial buffers, one fp32 allocation: o (B, Hq, S, D) then lse (B, Hq, S); contiguous strides
         self.part_numel = bsz * hq * num_splits * d
-        self.p_strides = (hq * num_splits * d, num_splits * d, d, 1) if not self.one else (0, 0, 0, 0)
-        self.l_strides = (hq * num_splits, num_splits, 1) if not self.one else (0, 0, 0)
+        p_strides = (hq * num_splits * d, num_splits * d, d, 1) if not self.one else (0, 0, 0, 0)
+        l_strides = (hq * num_splits, num_splits, 1) if not self.one else (0, 0, 0)
         self.ints1 = (scale * LOG2E, window, num_splits, split_tokens, table_tokens, *q.stride(),
-                      *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *self.p_strides,
-                      *self.l_strides, *self.out_strides)
-        self.ints2 = (num_splits, *self.p_strides, *self.l_strides, *self.out_strides)
+                      *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *p_strides, *l_strides,
+                      *out_strides)
+        self.ints2 = (num_splits, *p_strides, *l_strides, *out_strides)
         self.grid1 = (hkv, bsz, num_splits) if cfg.heads_fastest else (bsz, hkv, num_splits)
         self.grid2 = (bsz, hq, 1)
         self.bound = None                                   # (stage-1, stage-2) CompiledLaunch once compiled
