@@ -27,15 +27,8 @@ def last_backend() -> str:
     return _last_backend
 
 
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-# found without importing it (an import costs CPU-only users ~1 s); the CUDA hot path checks this constant
+# found without importing it (an import costs CPU-only users ~1 s); resolve_backend and the CUDA hot path
+# both read this one answer
 _TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
 
@@ -51,14 +44,14 @@ def resolve_backend(device, requested: str = "auto") -> str:
     if requested == "torch":
         return "torch"
     if dev.type == "cuda":
-        if not _triton_available():
+        if not _TRITON_AVAILABLE:
             if requested == "triton":
                 raise ValueError("backend='triton' needs the triton package, which is not installed")
             return "torch"
         return "triton"
     if requested == "auto":
         return "torch"
-    if not _triton_available():
+    if not _TRITON_AVAILABLE:
         raise ValueError("backend='triton' needs the triton package, which is not installed")
     if not _interpreter_on():
         raise ValueError(f"backend='triton' on {dev.type} tensors needs TRITON_INTERPRET=1 "
@@ -66,7 +59,7 @@ def resolve_backend(device, requested: str = "auto") -> str:
     return "triton"
 
 
-def check_supported(backend, dtype, head_dim, block_size):
+def _check_supported(backend, dtype, head_dim, block_size):
     dtypes = TRITON_DTYPES if backend == "triton" else TORCH_DTYPES
     if dtype not in dtypes:
         names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
@@ -76,6 +69,17 @@ def check_supported(backend, dtype, head_dim, block_size):
                          f"got {head_dim}")
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two (1..256), got {block_size}")
+
+
+def check_decode_inputs(backend, q, k_cache, v_cache, out) -> None:
+    """What every backend needs of a decode call: a supported dtype, head_dim and block size, one dtype for
+    q and both caches, and an `out` (if given) shaped, typed and placed like q."""
+    _check_supported(backend, q.dtype, q.shape[-1], k_cache.shape[1])
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q, k_cache, v_cache must share a dtype; got {q.dtype}, {k_cache.dtype}, "
+                         f"{v_cache.dtype}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}")
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None, sliding_window=None,
@@ -94,12 +98,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=No
         res = _triton_decode()(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
                                sliding_window=sliding_window, num_splits=num_splits, out=out)
     else:
-        check_supported(chosen, q.dtype, q.shape[-1], k_cache.shape[1])
-        if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-            raise ValueError(f"q, k_cache, v_cache must share a dtype; got {q.dtype}, {k_cache.dtype}, "
-                             f"{v_cache.dtype}")
-        if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
-            raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}")
+        check_decode_inputs(chosen, q, k_cache, v_cache, out)
         res = reference.paged_decode_attention_dense(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
                                                      sliding_window=sliding_window, out=out)
     _last_backend = chosen
@@ -119,7 +118,7 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, backend="auto"):
     """Write key/value (T, Hkv, D) into cache slots (slot = block_id * block_size + offset; < 0 skips)."""
     global _last_backend
     chosen = resolve_backend(key.device, backend)
-    check_supported(chosen, k_cache.dtype, k_cache.shape[-1], k_cache.shape[1])
+    _check_supported(chosen, k_cache.dtype, k_cache.shape[-1], k_cache.shape[1])
     if key.shape != value.shape or key.shape[1:] != k_cache.shape[2:] or v_cache.shape != k_cache.shape:
         raise ValueError(f"key/value must be (T, Hkv, D) matching caches {tuple(k_cache.shape)}; "
                          f"got {tuple(key.shape)}, {tuple(value.shape)}")

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels.dispatch import check_supported
+from kernels.dispatch import check_decode_inputs
 from kernels.launch_cache import CachedLauncher, CompiledLaunch, current_stream
 from kernels.split_heuristic import (
     MAX_FIXED_SPLITS,
@@ -334,12 +334,9 @@ def _signature(*tensors) -> tuple:
 
 
 def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, sliding_window, num_splits):
-    check_supported("triton", q.dtype, q.shape[-1], k_cache.shape[1])
+    check_decode_inputs("triton", q, k_cache, v_cache, out)
     bsz, hq, d = q.shape
     nb, block_size, hkv, dk = k_cache.shape
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"q, k_cache, v_cache must share a dtype; got {q.dtype}, {k_cache.dtype}, "
-                         f"{v_cache.dtype}")
     if hq % hkv or dk != d or v_cache.shape != k_cache.shape:
         raise ValueError(f"bad shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
                          f"v_cache {tuple(v_cache.shape)} (need Hq % Hkv == 0, same head_dim)")
@@ -353,8 +350,6 @@ def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, sliding_wind
     devices = {t.device for t in (q, k_cache, v_cache, block_tables, seq_lens)}
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
-    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     if num_splits is not None and not 1 <= int(num_splits) <= MAX_FIXED_SPLITS:
