@@ -15,12 +15,10 @@ from fastapi import APIRouter, Request, Response
 
 from server.api.engine_stream import (
     ChoiceState,
-    ClientDisconnected,
     admit,
     collect_choices,
     engine_error,
     merged_outputs,
-    unless_disconnected,
     usage,
 )
 from server.api.errors import APIError
@@ -38,8 +36,8 @@ from server.api.protocol import (
 from server.api.sampling import sampling_params
 from server.api.streaming import (
     CHUNK_TAIL,
-    EventStreamResponse,
     chunk_head,
+    job_response,
     json_member,
     json_text,
     sse_event,
@@ -103,13 +101,7 @@ async def create_chat_completion(request: Request) -> Response:
     check_model(engine, req.model)
     job = _job(engine, req)
     admit(engine, [job.prompt], job.params)
-    if req.stream:
-        return EventStreamResponse(_stream(job))
-    try:
-        body = await unless_disconnected(request, _complete(job))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    return Response(content=body, media_type="application/json")
+    return await job_response(request, req.stream, lambda: _stream(job), lambda: _complete(job))
 
 
 def _prompt_ids(engine, req: ChatCompletionRequest) -> list[int]:

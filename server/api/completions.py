@@ -14,12 +14,10 @@ from fastapi import APIRouter, Request, Response
 
 from server.api.engine_stream import (
     ChoiceState,
-    ClientDisconnected,
     admit,
     collect_choices,
     engine_error,
     merged_outputs,
-    unless_disconnected,
     usage,
 )
 from server.api.errors import APIError
@@ -27,7 +25,7 @@ from server.api.logprobs import completion_logprobs
 from server.api.parsing import check_model, parse_body
 from server.api.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from server.api.sampling import DEFAULT_COMPLETION_MAX_TOKENS, check_token_ids, sampling_params
-from server.api.streaming import CHUNK_TAIL, EventStreamResponse, chunk_head, json_member, sse_event
+from server.api.streaming import CHUNK_TAIL, chunk_head, job_response, json_member, sse_event
 from server.engine.outputs import ChoiceDelta
 from server.engine.sampling_params import SamplingParams
 
@@ -98,13 +96,7 @@ async def create_completion(request: Request) -> Response:
         raise APIError(400, "echo together with logprobs is not supported (no prompt logprobs).", "echo")
     job = _job(engine, req)
     admit(engine, job.prompts, job.params)
-    if req.stream:
-        return EventStreamResponse(_stream(job))
-    try:
-        body = await unless_disconnected(request, _complete(job))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    return Response(content=body, media_type="application/json")
+    return await job_response(request, req.stream, lambda: _stream(job), lambda: _complete(job))
 
 
 def _job(engine, req: CompletionRequest) -> CompletionJob:

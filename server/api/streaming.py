@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 
+from fastapi import Request, Response
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from server.api.engine_stream import rejected_to_api_error
+from server.api.engine_stream import ClientDisconnected, rejected_to_api_error, unless_disconnected
 from server.api.errors import APIError, error_body
 from server.api.protocol import dump
 from server.engine.engine import RequestRejected
@@ -82,3 +83,16 @@ class EventStreamResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+
+
+async def job_response(request: Request, stream: bool, events: Callable[[], AsyncIterator[str]],
+                       body: Callable[[], Awaitable[str]]) -> Response:
+    """The answer to an admitted request: an SSE stream of `events()`, or the JSON `body()`, awaited while
+    watching the client (gone before it is ready: 499, and the engine requests are aborted)."""
+    if stream:
+        return EventStreamResponse(events())
+    try:
+        content = await unless_disconnected(request, body())
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return Response(content=content, media_type="application/json")
