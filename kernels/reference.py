@@ -65,6 +65,21 @@ def _check(q, k_cache, block_tables, seq_lens, sliding_window):
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
 
 
+def _grouped_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window):
+    """Both references' set-up, in the compute dtype: (qg (B, Hkv, G, D), k and v (B, T, Hkv, D), the visible
+    mask (B, T), scale); None for an empty batch."""
+    _check(q, k_cache, block_tables, seq_lens, sliding_window)
+    bsz, hq, d = q.shape
+    if bsz == 0:
+        return None
+    hkv = k_cache.shape[2]
+    cdt = _compute_dtype(q)
+    k, v, valid = gather_kv(k_cache, v_cache, block_tables, seq_lens, cdt)
+    mask = _visible(valid, seq_lens, sliding_window)
+    qg = q.to(cdt).view(bsz, hkv, hq // hkv, d)
+    return qg, k, v, mask, 1.0 / math.sqrt(d) if scale is None else float(scale)
+
+
 def _finish(res, q, out):
     res = res.to(q.dtype)
     if out is None:
@@ -76,22 +91,16 @@ def _finish(res, q, out):
 def paged_decode_attention_dense(q, k_cache, v_cache, block_tables, seq_lens, scale=None,
                                  sliding_window=None, num_splits=None, backend="torch", out=None):
     """Dense reference: materialise all scores of the decode query, softmax in fp32. num_splits is moot."""
-    _check(q, k_cache, block_tables, seq_lens, sliding_window)
-    bsz, hq, d = q.shape
-    hkv = k_cache.shape[2]
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    cdt = _compute_dtype(q)
-    if bsz == 0:
-        return _finish(q.new_zeros(q.shape, dtype=cdt), q, out)
-    k, v, valid = gather_kv(k_cache, v_cache, block_tables, seq_lens, cdt)   # (B, T, Hkv, D)
-    mask = _visible(valid, seq_lens, sliding_window)                          # (B, T)
-    qg = q.to(cdt).view(bsz, hkv, hq // hkv, d)                               # (B, Hkv, G, D)
+    inputs = _grouped_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
+    if inputs is None:
+        return _finish(q.new_zeros(q.shape, dtype=_compute_dtype(q)), q, out)
+    qg, k, v, mask, scale = inputs
     s = torch.einsum("bkgd,btkd->bkgt", qg, k) * scale                        # (B, Hkv, G, T)
     s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
     p = torch.softmax(s, dim=-1)
     p = torch.nan_to_num(p, nan=0.0)                                          # empty rows -> zeros
     o = torch.einsum("bkgt,btkd->bkgd", p, v)                                 # (B, Hkv, G, D)
-    return _finish(o.reshape(bsz, hq, d), q, out)
+    return _finish(o.reshape(q.shape), q, out)
 
 
 def online_softmax_step(m, lsum, o, s, v, rescale=True):
@@ -112,17 +121,12 @@ def paged_decode_attention_tiled(q, k_cache, v_cache, block_tables, seq_lens, sc
                                  sliding_window=None, num_splits=None, backend="torch", out=None,
                                  tile=8, rescale=True):
     """Tiled online-softmax reference: keeps only m, l, o per query row; walks tiles of `tile` tokens."""
-    _check(q, k_cache, block_tables, seq_lens, sliding_window)
-    bsz, hq, d = q.shape
-    hkv = k_cache.shape[2]
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    cdt = _compute_dtype(q)
-    if bsz == 0:
-        return _finish(q.new_zeros(q.shape, dtype=cdt), q, out)
-    k, v, valid = gather_kv(k_cache, v_cache, block_tables, seq_lens, cdt)   # (B, T, Hkv, D)
-    mask = _visible(valid, seq_lens, sliding_window)                          # (B, T)
-    qg = q.to(cdt).view(bsz, hkv, hq // hkv, d) * scale                       # (B, Hkv, G, D)
-    m = torch.full(qg.shape[:-1], float("-inf"), dtype=cdt, device=q.device)  # (B, Hkv, G)
+    inputs = _grouped_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
+    if inputs is None:
+        return _finish(q.new_zeros(q.shape, dtype=_compute_dtype(q)), q, out)
+    qg, k, v, mask, scale = inputs
+    qg = qg * scale                                                           # (B, Hkv, G, D)
+    m = torch.full(qg.shape[:-1], float("-inf"), dtype=qg.dtype, device=q.device)  # (B, Hkv, G)
     lsum = torch.zeros_like(m)
     o = torch.zeros_like(qg)
     for start in range(0, k.shape[1], tile):
@@ -131,7 +135,7 @@ def paged_decode_attention_tiled(q, k_cache, v_cache, block_tables, seq_lens, sc
         s = (qg @ kt).masked_fill(~mask[:, None, None, start:start + tile], float("-inf"))
         m, lsum, o = online_softmax_step(m, lsum, o, s, vt, rescale=rescale)
     res = torch.where(lsum[..., None] > 0, o / lsum.clamp_min(1e-30)[..., None], torch.zeros_like(o))
-    return _finish(res.reshape(bsz, hq, d), q, out)
+    return _finish(res.reshape(q.shape), q, out)
 
 
 def store_kv_reference(key, value, k_cache, v_cache, slot_mapping, backend="torch"):
