@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from server.engine.engine import AsyncEngine, EngineConfig
@@ -18,6 +19,17 @@ def make_engine(**overrides) -> AsyncEngine:
     engine = AsyncEngine(EngineConfig(**cfg))
     engine.start()
     return engine
+
+
+@contextmanager
+def started_engine(**cfg):
+    """An AsyncEngine of exactly `cfg` (no defaults added), started, shut down on exit."""
+    engine = AsyncEngine(EngineConfig(**cfg))
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.shutdown(timeout=5)
 
 
 @dataclass

@@ -11,6 +11,7 @@ import pytest
 
 from server.api.app import create_app
 from server.engine.engine import AsyncEngine, EngineConfig
+from tests.engine_helpers import started_engine
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -19,10 +20,8 @@ CFG = dict(model="tiny", device="cpu", attention_backend="torch", num_blocks=64)
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = AsyncEngine(EngineConfig(**CFG))
-    eng.start()
-    yield eng
-    eng.shutdown(timeout=5)
+    with started_engine(**CFG) as eng:
+        yield eng
 
 
 def request(app, method: str, path: str, **kw) -> httpx.Response:
@@ -168,14 +167,10 @@ def test_bearer_auth(engine):
 
 
 def test_queue_full_is_429_with_retry_after():
-    eng = AsyncEngine(EngineConfig(**CFG, max_waiting=0))
-    eng.start()
-    try:
+    with started_engine(**CFG, max_waiting=0) as eng:
         r = request(create_app(eng), "POST", "/v1/completions", json=CMPL)
         err = assert_error(r, 429)
         assert err["type"] == "rate_limit_error" and int(r.headers["retry-after"]) >= 1
-    finally:
-        eng.shutdown(timeout=5)
 
 
 def test_shutting_down_is_503():

@@ -11,12 +11,11 @@ import httpx
 import pytest
 
 from server.api.app import create_app
-from server.engine.engine import AsyncEngine, EngineConfig
 from server.engine.sampling_params import SamplingParams
 from server.engine.stop_checker import StopChecker
 from server.model import IncrementalDetokenizer
 from server.model.tokenizer import ByteTokenizer
-from tests.engine_helpers import collect, wait_until
+from tests.engine_helpers import collect, started_engine, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,10 +28,8 @@ HUGE = 2**70
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = AsyncEngine(EngineConfig(**CFG))
-    eng.start()
-    yield eng
-    eng.shutdown(timeout=5)
+    with started_engine(**CFG) as eng:
+        yield eng
 
 
 def cmpl(**kw) -> bytes:

@@ -10,17 +10,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.api.app import create_app
-from server.engine.engine import AsyncEngine, EngineConfig
+from tests.engine_helpers import started_engine
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = AsyncEngine(EngineConfig(model="tiny", device="cpu", attention_backend="torch", num_blocks=256))
-    eng.start()
-    yield eng
-    eng.shutdown(timeout=5)
+    with started_engine(model="tiny", device="cpu", attention_backend="torch", num_blocks=256) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from server.engine.engine import AsyncEngine, EngineConfig
 from server.engine.request import Request
 from server.engine.sampling_params import SamplingParams
 from server.engine.sequence import SeqStatus
-from tests.engine_helpers import wait_until
+from tests.engine_helpers import started_engine, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,10 +31,8 @@ STOPS = ["e", "zz", "th", "x" * 300]
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = AsyncEngine(EngineConfig(**CFG))
-    eng.start()
-    yield eng
-    eng.shutdown(timeout=5)
+    with started_engine(**CFG) as eng:
+        yield eng
 
 
 def assert_drained(engine: AsyncEngine) -> None:
