@@ -114,7 +114,7 @@ def main(argv=None) -> None:
     t0 = time.time()
     deadline = t0 + args.budget_s
     configs = DEEP_CONFIGS if args.deep else FINAL_CONFIGS if args.final else CONFIGS
-    args.final = args.final or args.deep
+    full = not (args.final or args.deep)            # the short lists skip refine, host rows, stage 2
     splits_by_shape = DEEP_SPLITS if args.deep else SPLITS
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "shapes": []}
@@ -123,8 +123,8 @@ def main(argv=None) -> None:
             shape = Shape(b, ctx, 16, layout)
             rows = sweep_shape(shape, splits, configs, deadline)
             entry = {"B": b, "L": ctx, "block_size": 16, "layout": layout, "sweep": rows,
-                     "refined": [] if args.final else refine(shape, rows)}
-            if not args.final:
+                     "refined": refine(shape, rows) if full else []}
+            if full:
                 entry.update(host_row(shape))
             result["shapes"].append(entry)
             best = min(r["gpu_us"] for r in rows)
@@ -135,16 +135,16 @@ def main(argv=None) -> None:
             shape = Shape(b, ctx, bs, layout)
             rows = sweep_shape(shape, (1,), configs, deadline)
             result["shapes"].append({"B": b, "L": ctx, "block_size": bs, "layout": layout, "sweep": rows,
-                                     "refined": [] if args.final else refine(shape, rows)})
+                                     "refined": refine(shape, rows) if full else []})
             del shape
             torch.cuda.empty_cache()
-    if not args.final:
+    if full:
         result["stage2_alone_us"] = {f"{b}x{s}": stage2_alone_us(b, s)
                                      for b, s in ((1, 16), (1, 32), (16, 4))}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, "tune.json").write_text(json.dumps(result, indent=1))
     print(table(result))
-    if not args.final:
+    if full:
         print("stage 2 alone, GPU-only us (batch x splits):", result["stage2_alone_us"])
 
 
