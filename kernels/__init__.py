@@ -1,5 +1,6 @@
 """pagewalk kernels: paged-decode attention and KV store (Triton on CUDA, torch references on CPU)."""
 
 from kernels.dispatch import last_backend, paged_decode_attention, resolve_backend, store_kv
+from kernels.workspace import DecodeWorkspace
 
-__all__ = ["paged_decode_attention", "store_kv", "last_backend", "resolve_backend"]
+__all__ = ["paged_decode_attention", "store_kv", "last_backend", "resolve_backend", "DecodeWorkspace"]

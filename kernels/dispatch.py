@@ -83,8 +83,11 @@ def check_decode_inputs(backend, q, k_cache, v_cache, out) -> None:
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None, sliding_window=None,
-                           num_splits=None, backend="auto", out=None):
+                           num_splits=None, backend="auto", out=None, workspace=None):
     """Decode attention over a paged KV cache. q (B, Hq, D) -> (B, Hq, D); see DESIGN.md kernel contract.
+
+    workspace: an optional caller-owned kernels.DecodeWorkspace; the Triton kernel then merges KV splits
+    inside its one launch (kernels/workspace.py says when one may be shared). The torch backend needs none.
 
     The Triton wrapper checks its own inputs once per call signature, so the CUDA hot path goes straight
     there.
@@ -96,7 +99,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=No
         chosen = resolve_backend(q.device, backend)
     if chosen == "triton":
         res = _triton_decode()(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
-                               sliding_window=sliding_window, num_splits=num_splits, out=out)
+                               sliding_window=sliding_window, num_splits=num_splits, out=out,
+                               workspace=workspace)
     else:
         check_decode_inputs(chosen, q, k_cache, v_cache, out)
         res = reference.paged_decode_attention_dense(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,

@@ -4,11 +4,12 @@ Stage 1, grid (seq, kv_head, split) or (kv_head, seq, split) (HEADS_FASTEST: the
 run side by side): the query heads of one KV head are the rows of one tile; each program walks its split's
 tokens in tiles of BLOCK_N (looked up through the block table, so the tile width is independent of
 block_size), keeps m, l, o in fp32 and rescales by exp2(m_old - m_new). It writes either the final output (one
-split) or a normalised partial output and its log2-sum-exp. The splits are merged by their LSE by a second
-launch, stage 2, grid (seq, q_head), launched with programmatic dependent launch where the config says so; or,
-with FUSED_MERGE, in the same launch (every split program takes a ticket from a per-(seq, kv_head) counter
-after its partial is written; the one that draws the last ticket merges all splits, in split order, so the
-result does not depend on which program finished last).
+split) or a normalised partial output and its log2-sum-exp. The splits are merged by their LSE either by a
+second launch, stage 2, grid (seq, q_head), launched with programmatic dependent launch where the config says
+so; or, when the caller passes a `DecodeWorkspace` (FUSED_MERGE), in the same launch: every split program
+takes a ticket from its (seq, kv_head) counter after its partial is written; the one that draws the last
+ticket merges all splits, in split order (so the result does not depend on which program finished last), and
+sets the counter back to zero for the next launch.
 
 The block ids of a split's first tile load either after seq_len (the split size follows from seq_len: the
 rule that makes a fixed num_splits batch-invariant) or, with EARLY_TABLE, alongside it (the split size
@@ -37,13 +38,12 @@ from kernels.split_heuristic import (
     choose_num_splits,
     num_sms,
 )
+from kernels.workspace import DecodeWorkspace
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30
-# Merge splits in a second launch by default: on the H200 the fused merge (one launch) was slower both in
-# do_bench and in GPU-only time (its last program merges the splits serially, and the ticket counters need a
-# memset), e.g. 21.0 vs 15.3 us at (1, 4096) and 59.2 vs 49.9 us at (1, 32768); see docs/kernel_notes.md.
-FUSED_MERGE_DEFAULT = False
+# splits merged per load by the merge (stage 2, or the last split program with a workspace): (CS, D) fp32
+MERGE_CHUNK_S = 16
 
 
 @triton.jit
@@ -86,6 +86,7 @@ def _paged_decode_stage1(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_FINAL: tl.constexpr,
     FUSED_MERGE: tl.constexpr, DOT_PRECISION: tl.constexpr, TABLE_IN_LOOP: tl.constexpr,
     HEADS_FASTEST: tl.constexpr, EARLY_TABLE: tl.constexpr, USE_PDL: tl.constexpr,
+    MERGE_BLOCK_S: tl.constexpr, MERGE_CHUNK_S: tl.constexpr,
 ):
     if USE_PDL:
         gdc_launch_dependents()              # stage 2 may start launching now; it waits for our writes itself
@@ -164,38 +165,43 @@ def _paged_decode_stage1(
             # every thread's partial stores are done (barrier) before the release of the ticket; the
             # acquire of the last ticket orders the merge's loads after all other splits' releases
             tl.debug_barrier()
-            ticket = tl.atomic_add(TICKETS + seq * num_kv_heads + kvh, 1, sem="acq_rel", scope="gpu")
+            counter = TICKETS + seq * num_kv_heads + kvh
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if ticket == num_splits - 1:
-                _merge_group(O_PART, LSE_PART, OUT, seq, heads, g_mask, offs_d, d_mask, num_splits,
-                             stride_pb, stride_ph, stride_ps, stride_pd, stride_lb, stride_lh, stride_ls,
-                             stride_ob, stride_oh, stride_od, GROUP_PAD, HEAD_DIM_PAD)
+                for g in tl.static_range(GROUP):
+                    head = kvh * GROUP + g
+                    _merge_head(O_PART + seq * stride_pb + head * stride_ph,
+                                LSE_PART + seq * stride_lb + head * stride_lh,
+                                OUT + seq * stride_ob + head * stride_oh, num_splits,
+                                stride_ps, stride_pd, stride_ls, stride_od, offs_d, d_mask,
+                                HEAD_DIM_PAD, MERGE_BLOCK_S, MERGE_CHUNK_S)
+                tl.store(counter, 0)         # every ticket drawn: back to zero for the next launch
 
 
 @triton.jit
-def _merge_group(O_PART, LSE_PART, OUT, seq, heads, g_mask, offs_d, d_mask, num_splits,
-                 stride_pb, stride_ph, stride_ps, stride_pd, stride_lb, stride_lh, stride_ls,
-                 stride_ob, stride_oh, stride_od, GROUP_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
-    """Merge the num_splits partials of the GROUP query heads `heads` by their log2-sum-exp, in split order.
-    Loads bypass L1 (.cg): other SMs wrote these partials during this launch."""
-    lse_row = LSE_PART + seq * stride_lb + heads * stride_lh                        # (GP,) pointers
-    part_rows = O_PART + seq * stride_pb + heads[:, None] * stride_ph + offs_d[None, :] * stride_pd
-    row_mask = g_mask[:, None] & d_mask[None, :]
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    for s in range(num_splits):
-        m = tl.maximum(m, tl.load(lse_row + s * stride_ls, mask=g_mask, other=float("-inf"),
-                                  cache_modifier=".cg"))
-    m = tl.where(m == float("-inf"), 0.0, m)                                       # all splits empty
-    denom = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    for s in range(num_splits):
-        w = tl.exp2(tl.load(lse_row + s * stride_ls, mask=g_mask, other=float("-inf"),
-                            cache_modifier=".cg") - m)                              # (GP,)
-        o = tl.load(part_rows + s * stride_ps, mask=row_mask, other=0.0, cache_modifier=".cg")  # (GP, DP)
-        denom += w
-        acc += o * w[:, None]
-    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
-    tl.store(OUT + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
-             out.to(OUT.dtype.element_ty), mask=row_mask)
+def _merge_head(part_row, lse_row, out_row, num_splits, stride_ps, stride_pd, stride_ls, stride_od,
+                offs_d, d_mask, HEAD_DIM_PAD: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr):
+    """One query head: out = sum_s 2^lse_s o_s / sum_s 2^lse_s over the splits' normalised partials o_s (S, D)
+    and log2-sum-exps lse_s (S,), CHUNK_S splits per load. Loads bypass L1 (.cg): in the fused merge other
+    SMs wrote these partials during this launch."""
+    offs_s = tl.arange(0, BLOCK_S)
+    lse = tl.load(lse_row + offs_s * stride_ls, mask=offs_s < num_splits, other=float("-inf"),
+                  cache_modifier=".cg")                                             # (BS,)
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)                                        # all splits empty
+    denom = tl.sum(tl.exp2(lse - m), 0)
+    offs_c = tl.arange(0, CHUNK_S)
+    acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
+    for c in range(0, num_splits, CHUNK_S):
+        s = c + offs_c
+        s_mask = s < num_splits
+        w = tl.exp2(tl.load(lse_row + s * stride_ls, mask=s_mask, other=float("-inf"),
+                            cache_modifier=".cg") - m)                              # (CS,)
+        o = tl.load(part_row + s[:, None] * stride_ps + offs_d[None, :] * stride_pd,
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")  # (CS, DP)
+        acc += tl.sum(o * w[:, None], 0)
+    out = acc / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_row + offs_d * stride_od, out.to(out_row.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit
@@ -211,27 +217,10 @@ def _paged_decode_stage2(
         gdc_wait()                           # launched early (PDL): wait until stage 1's partials are visible
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_c = tl.arange(0, CHUNK_S)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    d_mask = offs_d < HEAD_DIM
-    lse_row = LSE_PART + seq * stride_lb + head * stride_lh
-    part_row = O_PART + seq * stride_pb + head * stride_ph
-    lse = tl.load(lse_row + offs_s * stride_ls, mask=offs_s < num_splits, other=float("-inf"))   # (BS,)
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    denom = tl.sum(tl.exp2(lse - m), 0)
-    acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
-    for c in range(0, num_splits, CHUNK_S):
-        s = c + offs_c
-        s_mask = s < num_splits
-        w = tl.exp2(tl.load(lse_row + s * stride_ls, mask=s_mask, other=float("-inf")) - m)   # (CS,)
-        o = tl.load(part_row + s[:, None] * stride_ps + offs_d[None, :] * stride_pd,
-                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)                          # (CS, DP)
-        acc += tl.sum(o * w[:, None], 0)
-    out = acc / tl.where(denom > 0, denom, 1.0)
-    tl.store(OUT + seq * stride_ob + head * stride_oh + offs_d * stride_od,
-             out.to(OUT.dtype.element_ty), mask=d_mask)
+    _merge_head(O_PART + seq * stride_pb + head * stride_ph, LSE_PART + seq * stride_lb + head * stride_lh,
+                OUT + seq * stride_ob + head * stride_oh, num_splits, stride_ps, stride_pd, stride_ls,
+                stride_od, offs_d, offs_d < HEAD_DIM, HEAD_DIM_PAD, BLOCK_S, CHUNK_S)
 
 
 _stage1 = CachedLauncher(_paged_decode_stage1, num_tensors=9)
@@ -248,6 +237,7 @@ class _DecodePlan:
         bsz, hq, d = q.shape
         hkv, block_size = k_cache.shape[2], k_cache.shape[1]
         self.bsz, self.hkv, self.d = bsz, hkv, d
+        self.pairs = bsz * hkv                              # (sequence, KV head) counters a fused merge uses
         self.device_index = q.get_device()
         self.one = num_splits == 1
         self.fused = fused_merge and not self.one
@@ -260,15 +250,16 @@ class _DecodePlan:
         split_tokens = triton.cdiv(triton.cdiv(table_tokens, num_splits), cfg.block_n) * cfg.block_n
         out_strides = out.stride() if out is not None else (hq * d, d, 1)         # ours are contiguous
         d_pad = triton.next_power_of_2(d)
+        block_s = triton.next_power_of_2(num_splits)
+        chunk_s = min(block_s, MERGE_CHUNK_S)
         self.kw1 = dict(GROUP=hq // hkv, GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)), HEAD_DIM=d,
                         HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n,
                         WRITE_FINAL=self.one, FUSED_MERGE=self.fused,
                         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                         TABLE_IN_LOOP=cfg.table_in_loop, HEADS_FASTEST=cfg.heads_fastest,
-                        EARLY_TABLE=early, USE_PDL=pdl,
+                        EARLY_TABLE=early, USE_PDL=pdl, MERGE_BLOCK_S=block_s, MERGE_CHUNK_S=chunk_s,
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        block_s = triton.next_power_of_2(num_splits)
-        self.kw2 = dict(HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_S=block_s, CHUNK_S=min(block_s, 16),
+        self.kw2 = dict(HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_S=block_s, CHUNK_S=chunk_s,
                         USE_PDL=pdl,
                         num_warps=4, num_stages=1, **({"launch_pdl": True} if pdl else {}))
         # partial buffers, one fp32 allocation: o (B, Hq, S, D) then lse (B, Hq, S); contiguous strides
@@ -283,14 +274,18 @@ class _DecodePlan:
         self.grid2 = (bsz, hq, 1)
         self.bound = None                                   # (stage-1, stage-2) CompiledLaunch once compiled
 
-    def __call__(self, q, k_cache, v_cache, block_tables, seq_lens, out):
+    def __call__(self, q, k_cache, v_cache, block_tables, seq_lens, out, workspace):
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self.bsz == 0:
             return out
         work = None if self.one else torch.empty(self.part_numel + self.part_numel // self.d,
                                                  device=q.device, dtype=torch.float32)
-        tickets = torch.zeros(self.bsz * self.hkv, device=q.device, dtype=torch.int32) if self.fused else out
+        tickets = out                                       # a placeholder pointer unless fused
+        if self.fused:
+            if workspace.capacity < self.pairs or workspace.device_index != self.device_index:
+                workspace.check(q, self.hkv)
+            tickets = workspace.tickets
         if self.bound is None or not q.is_cuda:
             return self._first_call(q, k_cache, v_cache, block_tables, seq_lens, out, work, tickets)
         stream = current_stream(self.device_index)
@@ -333,7 +328,7 @@ def _signature(*tensors) -> tuple:
                  (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15 == 0) for t in tensors)
 
 
-def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, sliding_window, num_splits):
+def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, sliding_window, num_splits, workspace):
     check_decode_inputs("triton", q, k_cache, v_cache, out)
     bsz, hq, d = q.shape
     nb, block_size, hkv, dk = k_cache.shape
@@ -354,11 +349,15 @@ def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, sliding_wind
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     if num_splits is not None and not 1 <= int(num_splits) <= MAX_FIXED_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_FIXED_SPLITS} or None, got {num_splits}")
+    if workspace is not None:
+        if not isinstance(workspace, DecodeWorkspace):
+            raise ValueError(f"workspace must be a kernels.DecodeWorkspace or None, got {type(workspace)}")
+        workspace.check(q, hkv)
 
 
 def _make_plan(q, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_window, num_splits, config,
-               fused_merge) -> _DecodePlan:
-    _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, sliding_window, num_splits)
+               workspace) -> _DecodePlan:
+    _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, sliding_window, num_splits, workspace)
     d, block_size, hkv = q.shape[-1], k_cache.shape[1], k_cache.shape[2]
     window = NO_WINDOW if sliding_window is None else int(sliding_window)
     free_split_rule = num_splits is None or config is not None  # batch invariance only for fixed splits
@@ -369,22 +368,23 @@ def _make_plan(q, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_
                                   int(num_splits))
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     return _DecodePlan(q, k_cache, v_cache, block_tables, out, scale, window, int(num_splits), cfg,
-                       fused_merge, free_split_rule)
+                       workspace is not None, free_split_rule)
 
 
 def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale=None,
                                   sliding_window=None, num_splits=None, out=None, config=None,
-                                  fused_merge=FUSED_MERGE_DEFAULT):
+                                  workspace=None):
     """Checked public wrapper: returns out (B, Hq, D). The first call with a given signature validates the
     inputs and builds a plan; later calls with the same signature go straight to the launches.
-    fused_merge: merge splits inside the stage-1 launch (one launch) instead of a stage-2 launch."""
+    workspace: a kernels.DecodeWorkspace; with one, the last split program of each (sequence, KV head)
+    merges the splits inside the stage-1 launch (one launch), without one a stage-2 launch merges them."""
     key = (_signature(q, k_cache, v_cache, block_tables, seq_lens, out), scale, sliding_window, num_splits,
-           config, fused_merge)
+           config, workspace is not None)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _make_plan(q, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_window, num_splits,
-                          config, fused_merge)
+                          config, workspace)
         if len(_PLANS) >= MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = plan
-    return plan(q, k_cache, v_cache, block_tables, seq_lens, out)
+    return plan(q, k_cache, v_cache, block_tables, seq_lens, out, workspace)

@@ -42,15 +42,30 @@ def gpu_us_or_inf(fn) -> float:
         return float("inf")
 
 
-def sweep_shape(shape: Shape, splits, configs, deadline) -> list[dict]:
+def sweep_shape(shape: Shape, splits, configs, deadline, workspaces=(False,)) -> list[dict]:
+    """GPU-only time of every (config, split count, merge) candidate; workspace True: the in-launch merge."""
     rows = []
     for cfg in configs:
         for s in splits:
-            if time.time() > deadline:
-                return rows
-            us = gpu_us_or_inf(lambda c=cfg, s=s: shape.ours(s, c))
-            rows.append({"config": dataclasses.asdict(cfg), "splits": s, "gpu_us": us})
+            for ws in workspaces if s > 1 else (False,):
+                if time.time() > deadline:
+                    return rows
+                us = gpu_us_or_inf(lambda c=cfg, s=s, ws=ws: shape.ours(s, c, workspace=ws))
+                rows.append({"config": dataclasses.asdict(cfg), "splits": s, "workspace": ws, "gpu_us": us})
     return rows
+
+
+def refine_merge(shape: Shape, rows, top=2) -> list[dict]:
+    """The best `top` candidates of each merge mode again, by do_bench (median of three)."""
+    out = []
+    for ws in (False, True):
+        mine = sorted((r for r in rows if r["workspace"] == ws and r["gpu_us"] < float("inf")),
+                      key=lambda r: r["gpu_us"])[:top]
+        for r in mine:
+            cfg, s = K(**r["config"]), r["splits"]
+            fn = (lambda s=s, cfg=cfg, ws=ws: shape.ours(s, cfg, workspace=ws))
+            out.append({**r, "do_bench_us": statistics.median(bench_us(fn) for _ in range(3))})
+    return out
 
 
 def refine(shape: Shape, rows, top=3) -> list[dict]:
@@ -61,10 +76,10 @@ def refine(shape: Shape, rows, top=3) -> list[dict]:
         for pdl in ((False, True) if r["splits"] > 1 else (False,)):
             cfg = K(**{**r["config"], "pdl": pdl})
             s = r["splits"]
-            out.append({"config": dataclasses.asdict(cfg), "splits": s,
-                        "gpu_us": gpu_us_or_inf(lambda s=s, cfg=cfg: shape.ours(s, cfg)),
-                        "do_bench_us": statistics.median(bench_us(lambda s=s, cfg=cfg: shape.ours(s, cfg))
-                                                         for _ in range(3))})
+            fn = (lambda s=s, cfg=cfg: shape.ours(s, cfg, workspace=False))
+            out.append({"config": dataclasses.asdict(cfg), "splits": s, "workspace": False,
+                        "gpu_us": gpu_us_or_inf(fn), "do_bench_us": statistics.median(bench_us(fn)
+                                                                                      for _ in range(3))})
     return out
 
 
@@ -84,10 +99,10 @@ def stage2_alone_us(batch: int, splits: int, hq: int = 32, d: int = 128) -> floa
 def host_row(shape: Shape) -> dict:
     c = shape.case
     args = (c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens)
-    return {"public_host_us": host_us(lambda: paged_decode_attention(*args), n=2000),
+    ws = shape.workspace
+    return {"public_host_us": host_us(lambda: paged_decode_attention(*args, workspace=ws), n=2000),
             "sdpa_host_us": host_us(shape.sdpa_contig, n=2000),
-            "public_do_bench_us": statistics.median(bench_us(lambda: paged_decode_attention(*args))
-                                                    for _ in range(3)),
+            "public_do_bench_us": statistics.median(bench_us(shape.ours) for _ in range(3)),
             "sdpa_do_bench_us": statistics.median(bench_us(shape.sdpa_contig) for _ in range(3)),
             "sdpa_gpu_us": gpu_cold_us(shape.sdpa_contig)}
 
@@ -97,6 +112,11 @@ def host_row(shape: Shape) -> dict:
 DEEP_CONFIGS = [K(64, 4, 3, T), K(64, 4, 4, T), K(64, 4, 6, T), K(64, 8, 4, T), K(128, 8, 3, T),
                 K(32, 4, 8, T), K(64, 4, 4, T, heads_fastest=T)]
 DEEP_SPLITS = {(16, 4096): (1, 2), (1, 32768): (16, 32)}
+
+# the merge in the stage-1 launch (DecodeWorkspace) vs the stage-2 launch, at every shape with splits
+MERGE_CONFIGS = [K(64, 4, 3, heads_fastest=T, early_table=T, pdl=T), K(64, 4, 3, early_table=T, pdl=T),
+                 K(64, 4, 2, heads_fastest=T, early_table=T, pdl=T), K(32, 4, 6, T, heads_fastest=T, pdl=T)]
+MERGE_SPLITS = {(1, 4096): (8, 16, 32), (1, 32768): (32, 48, 64), (16, 4096): (2, 3, 4), (64, 2048): (1, 2)}
 
 FINAL_CONFIGS = [K(64, 4, 2, heads_fastest=T, early_table=T), K(64, 4, 2, early_table=T),
                  K(64, 4, 3, heads_fastest=T, early_table=T, pdl=T), K(64, 4, 3, early_table=T, pdl=T),
@@ -110,20 +130,24 @@ def main(argv=None) -> None:
     ap.add_argument("--layouts", default="token", help="comma list of KV layouts: token, head")
     ap.add_argument("--final", action="store_true", help="only the short list of finalists, no refine pass")
     ap.add_argument("--deep", action="store_true", help="deep-pipeline configs at few splits, no refine pass")
+    ap.add_argument("--merge", action="store_true",
+                    help="in-launch merge (workspace) vs stage-2 launch at the split shapes, do_bench refine")
     args = ap.parse_args(argv)
     t0 = time.time()
     deadline = t0 + args.budget_s
-    configs = DEEP_CONFIGS if args.deep else FINAL_CONFIGS if args.final else CONFIGS
-    full = not (args.final or args.deep)            # the short lists skip refine, host rows, stage 2
-    splits_by_shape = DEEP_SPLITS if args.deep else SPLITS
+    configs = (DEEP_CONFIGS if args.deep else FINAL_CONFIGS if args.final else MERGE_CONFIGS if args.merge
+               else CONFIGS)
+    full = not (args.final or args.deep or args.merge)   # the short lists skip refine, host rows, stage 2
+    splits_by_shape = DEEP_SPLITS if args.deep else MERGE_SPLITS if args.merge else SPLITS
+    workspaces = (False, True) if args.merge else (False,)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "shapes": []}
     for layout in args.layouts.split(","):
         for (b, ctx), splits in splits_by_shape.items():
             shape = Shape(b, ctx, 16, layout)
-            rows = sweep_shape(shape, splits, configs, deadline)
-            entry = {"B": b, "L": ctx, "block_size": 16, "layout": layout, "sweep": rows,
-                     "refined": refine(shape, rows) if full else []}
+            rows = sweep_shape(shape, splits, configs, deadline, workspaces)
+            refined = refine(shape, rows) if full else refine_merge(shape, rows) if args.merge else []
+            entry = {"B": b, "L": ctx, "block_size": 16, "layout": layout, "sweep": rows, "refined": refined}
             if full:
                 entry.update(host_row(shape))
             result["shapes"].append(entry)
@@ -131,7 +155,7 @@ def main(argv=None) -> None:
             print(f"[{time.time() - t0:5.0f}s] {layout} {b}x{ctx}: best {best:.1f} us", flush=True)
             del shape
             torch.cuda.empty_cache()
-        for b, ctx, bs in ([] if args.deep else BLOCK_SIZE_ROWS):
+        for b, ctx, bs in ([] if args.deep or args.merge else BLOCK_SIZE_ROWS):
             shape = Shape(b, ctx, bs, layout)
             rows = sweep_shape(shape, (1,), configs, deadline)
             result["shapes"].append({"B": b, "L": ctx, "block_size": bs, "layout": layout, "sweep": rows,
@@ -143,7 +167,7 @@ def main(argv=None) -> None:
                                      for b, s in ((1, 16), (1, 32), (16, 4))}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, "tune.json").write_text(json.dumps(result, indent=1))
-    print(table(result))
+    print(merge_table(result) if args.merge else table(result))
     if full:
         print("stage 2 alone, GPU-only us (batch x splits):", result["stage2_alone_us"])
 
@@ -168,6 +192,30 @@ def table(result) -> str:
         lines.append(f"{e.get('layout', 'token')[:5]:5} {e['B']:<5} {e['L']:<6} {e['block_size']:<3} "
                      f"{g['gpu_us']:7.1f} "
                      f"({cfg}, {g['splits']}){'':8} {dcfg:18} {host:20} {sd}")
+    return "\n".join(lines)
+
+
+def _cfg_name(c: dict) -> str:
+    flags = "".join(f"/{k[0].upper()}" for k in ("table_in_loop", "heads_fastest", "early_table") if c[k])
+    return f"{c['block_n']}/{c['num_warps']}w/{c['num_stages']}s{flags}"
+
+
+def merge_table(result) -> str:
+    """Per shape, the best of each merge mode: GPU-only (cfg, splits) and its best do_bench."""
+    lines = ["B     L       two launches: gpu-only (cfg, s) / do_bench     "
+             "workspace: gpu-only (cfg, s) / do_bench"]
+    for e in result["shapes"]:
+        cells = []
+        for ws in (False, True):
+            rows = [r for r in e["sweep"] if r.get("workspace", False) == ws or (ws and r["splits"] == 1)]
+            refined = [r for r in e["refined"] if r["workspace"] == ws]
+            if not rows:
+                cells.append("-")
+                continue
+            g = min(rows, key=lambda r: r["gpu_us"])
+            d = min((r["do_bench_us"] for r in refined), default=float("nan"))
+            cells.append(f"{g['gpu_us']:6.1f} ({_cfg_name(g['config'])}, {g['splits']}) / {d:6.1f}")
+        lines.append(f"{e['B']:<5} {e['L']:<6}  {cells[0]:45} {cells[1]}")
     return "\n".join(lines)
 
 

@@ -60,17 +60,20 @@ def test_large_batch():
     _check(case, BF16)
 
 
+@pytest.mark.parametrize("workspace", [False, True])
 @pytest.mark.parametrize("splits", [1, 4, 16])
-def test_batch_invariance(splits):
-    """Fixed num_splits: a sequence's output is bitwise identical whatever else is in the batch."""
+def test_batch_invariance(splits, workspace):
+    """Fixed num_splits: a sequence's output is bitwise identical whatever else is in the batch (with the
+    stage-2 merge and with the in-launch merge of a DecodeWorkspace, which merges in split order)."""
     big = make_paged_case([5000, 123, 40000, 1, 777], 32, 8, 128, 16, dtype=BF16, device="cuda", seed=3)
-    together = _run(big, num_splits=splits)
+    ws = kernels.DecodeWorkspace(5, 8, "cuda") if workspace else None
+    together = _run(big, num_splits=splits, workspace=ws)
     for i in (0, 2, 4):
         for sl in (slice(i, i + 1), slice(0, i + 1)):
             big_part = make_paged_case([1], 32, 8, 128, 16, dtype=BF16, device="cuda")
             big_part.q, big_part.k_cache, big_part.v_cache = big.q[sl], big.k_cache, big.v_cache
             big_part.block_tables, big_part.seq_lens = big.block_tables[sl], big.seq_lens[sl]
-            assert torch.equal(_run(big_part, num_splits=splits)[-1], together[i])
+            assert torch.equal(_run(big_part, num_splits=splits, workspace=ws)[-1], together[i])
 
 
 def test_custom_scale_and_out_strides():
@@ -116,19 +119,22 @@ def test_repeat_calls_through_the_launch_cache(splits):
 
 
 @pytest.mark.parametrize("splits", [2, 7, 64])
-def test_fused_merge_has_no_race(splits):
-    """The in-launch merge reads partials other CTAs wrote in the same launch: a missing barrier/fence shows
-    as a result that moves between identical runs or differs from the two-launch merge. 50 repeats each."""
+def test_workspace_merge_has_no_race(splits):
+    """With a DecodeWorkspace the last split program merges partials other CTAs wrote in the same launch and
+    resets its counter: a missing barrier/fence or a stale counter shows as a result that moves between
+    identical runs or differs from the two-launch merge. 50 repeats each, one workspace throughout."""
     from kernels.paged_decode import paged_decode_attention_triton
     case = make_paged_case([8192, 300, 1, 4097] * 4, 32, 8, 128, 16, dtype=BF16, device="cuda", seed=splits)
     args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
-    two = paged_decode_attention_triton(*args, num_splits=splits, fused_merge=False)
+    ws = kernels.DecodeWorkspace(16, 8, "cuda")
+    two = paged_decode_attention_triton(*args, num_splits=splits)
     first = None
     for _ in range(50):
         out = torch.full_like(case.q, float("nan"))
-        paged_decode_attention_triton(*args, num_splits=splits, out=out, fused_merge=True)
+        paged_decode_attention_triton(*args, num_splits=splits, out=out, workspace=ws)
         first = out.clone() if first is None else first
         assert torch.equal(out, first)
+    assert ws.idle()
     assert rel_error(first, reference_fp64(case)) <= TOLERANCE[BF16]
     torch.testing.assert_close(first.float(), two.float(), rtol=1e-2, atol=1e-2)
 
@@ -153,12 +159,14 @@ def test_tuning_variants(variant, splits, dtype):
         cfg = KernelConfig(**{**variant, "block_n": min(variant["block_n"], 32)})
     case = make_paged_case([0, 1, 63, 300, 5000, 9001], 32, 8, 128, 16, dtype=dtype, device="cuda",
                            seed=splits)
-    for _ in range(2):                                   # first call compiles; the second launches directly
+    ws = kernels.DecodeWorkspace(6, 8, "cuda")
+    for workspace in (None, None, ws, ws):   # first call compiles; the second launches directly
         out = torch.full_like(case.q, float("nan"))
         paged_decode_attention_triton(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
-                                      num_splits=splits, out=out, config=cfg)
+                                      num_splits=splits, out=out, config=cfg, workspace=workspace)
         assert rel_error(out, reference_fp64(case)) <= TOLERANCE[dtype]
         case.q.normal_()
+    assert ws.idle()
 
 
 def test_pdl_decode_under_cuda_graph():
@@ -182,6 +190,32 @@ def test_pdl_decode_under_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+def test_workspace_decode_under_cuda_graph():
+    """The in-launch merge inside a captured graph: replays give the eager result bitwise, again and again
+    (each replay must leave the counters at zero for the next), also with the heuristic's split count."""
+    case = make_paged_case([4000, 17, 32768], 32, 8, 128, 16, dtype=BF16, device="cuda", seed=9)
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
+    ws = kernels.DecodeWorkspace(4, 8, "cuda")
+    for splits in (16, None):
+        out = torch.full_like(case.q, float("nan"))
+        eager = kernels.paged_decode_attention(*args, num_splits=splits, workspace=ws).clone()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            kernels.paged_decode_attention(*args, num_splits=splits, workspace=ws, out=out)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            kernels.paged_decode_attention(*args, num_splits=splits, workspace=ws, out=out)
+        for _ in range(5):
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, eager)
+        assert ws.idle()
+    assert rel_error(eager, reference_fp64(case)) <= TOLERANCE[BF16]
 
 
 def test_launch_hooks_still_fire():

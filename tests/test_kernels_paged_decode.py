@@ -109,22 +109,47 @@ def test_bad_arguments_raise():
                                        case.seq_lens, num_splits=0, backend="triton")
 
 
-@pytest.mark.parametrize("splits", [2, 5])
-def test_fused_and_two_launch_merge_agree(splits):
-    """The in-launch merge (last ticket merges) and the stage-2 launch give the same result; the fused one
-    leaves no ticket behind un-drawn (its counters are per call, so a stale count would break the next)."""
+@pytest.mark.parametrize("splits", [2, 5, 40])
+def test_workspace_merge_agrees_with_two_launch_merge(splits):
+    """With a DecodeWorkspace the last split program of each (seq, kv_head) merges in the same launch; it
+    agrees with the stage-2 launch, and it leaves every counter at zero (a stale count would break the next
+    launch, which the third call checks: same output bitwise). 40 splits take the merge's chunk loop twice."""
     from kernels.paged_decode import paged_decode_attention_triton
     case = make_paged_case([0, 300, 65, 1], 8, 2, 64, 16, seed=splits)
     ref = reference_fp64(case)
+    ws = kernels.DecodeWorkspace(max_seqs=4, num_kv_heads=2, device="cpu")
     outs = []
-    for fused in (True, False, True):
+    for workspace in (ws, None, ws):
         out = torch.full_like(case.q, float("nan"))
         paged_decode_attention_triton(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
-                                      num_splits=splits, out=out, fused_merge=fused)
+                                      num_splits=splits, out=out, workspace=workspace)
         assert rel_error(out, ref) <= 1e-5
+        assert ws.idle()
         outs.append(out)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
     assert torch.equal(outs[0], outs[2])
+
+
+def test_workspace_through_the_public_call_and_its_errors():
+    """The public call passes the workspace on (heuristic splits, GQA 6/1); a workspace too small for the
+    batch, or not a DecodeWorkspace, is a ValueError naming the problem, and no plan is kept for it."""
+    case = make_paged_case([700, 3, 129], 6, 1, 32, 8, seed=3)
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
+    ws = kernels.DecodeWorkspace(max_seqs=3, num_kv_heads=1, device="cpu")
+    out = torch.full_like(case.q, float("nan"))
+    kernels.paged_decode_attention(*args, backend="triton", out=out, workspace=ws)
+    assert rel_error(out, reference_fp64(case)) <= 1e-5 and ws.idle()
+    small = kernels.DecodeWorkspace(2, 1, "cpu")
+    for splits in (3, None):  # a new plan, and the plan of the call above
+        with pytest.raises(ValueError, match="workspace holds 2 .* needs 3"):
+            kernels.paged_decode_attention(*args, backend="triton", num_splits=splits, workspace=small)
+    with pytest.raises(ValueError, match="DecodeWorkspace"):
+        kernels.paged_decode_attention(*args, backend="triton", num_splits=4, workspace=torch.zeros(3))
+    with pytest.raises(ValueError, match=">= 1"):
+        kernels.DecodeWorkspace(0, 8, "cpu")
+    # the torch backend has no splits to merge and ignores the workspace
+    torch.testing.assert_close(kernels.paged_decode_attention(*args, backend="torch", workspace=ws),
+                               out, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("row", [0, 2, 5, 9])

@@ -194,16 +194,21 @@ def test_triton_interpreter_backend_matches_torch(tiny):
         pytest.skip(str(exc))
     model, tok = tiny
     results = []
-    for backend in ("torch", "triton"):
-        runner = ModelRunner(model, block_size=8, num_blocks=32, attention_backend=backend)
+    # splits=3: the runner's DecodeWorkspace merges the KV splits inside the decode launch
+    for backend, splits in (("torch", None), ("triton", None), ("triton", 3)):
+        runner = ModelRunner(model, block_size=8, num_blocks=32, attention_backend=backend,
+                             decode_num_splits=splits)
         assert runner.attention_backend == backend
+        assert (runner.decode_workspace is None) == (backend == "torch")
         blocks = ShuffledBlocks(32, 8, seed=4)
         seqs = {"a": tok.encode(PROMPTS[0]), "b": tok.encode(PROMPTS[1])}
         logits = runner.execute([blocks.chunk(n, s, 0) for n, s in seqs.items()])
         decode_together(runner, blocks, seqs, logits, steps=3)
         results.append((seqs, runner.execute([blocks.chunk(n, s[-1:], len(s) - 1) for n, s in seqs.items()])))
-    assert results[0][0] == results[1][0]
-    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-4, atol=1e-4)
+        assert runner.decode_workspace is None or runner.decode_workspace.idle()
+    for seqs, logits in results[1:]:
+        assert seqs == results[0][0]
+        torch.testing.assert_close(logits, results[0][1], rtol=1e-4, atol=1e-4)
 
 
 def test_execute_rejects_inconsistent_chunks(tiny):
@@ -221,6 +226,9 @@ def test_execute_rejects_inconsistent_chunks(tiny):
         runner.execute([SeqChunk([5], 3, [8], [4])])
     with pytest.raises(ValueError, match="copy_blocks"):
         runner.copy_blocks([(0, 3)])
+    small = ModelRunner(model, block_size=4, num_blocks=8, attention_backend="torch", max_num_seqs=1)
+    with pytest.raises(ValueError, match="2 chunks in one step, max_num_seqs is 1"):
+        small.execute([SeqChunk([5], 0, [1], [4]), SeqChunk([6], 0, [2], [8])])
 
 
 def test_cpu_cache_defaults(tiny):

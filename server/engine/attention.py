@@ -44,9 +44,10 @@ class PagedAttention:
         backend: str,
         sliding_window: int | None,
         decode_num_splits: int | None = None,  # None: the kernel's heuristic
+        workspace: kernels.DecodeWorkspace | None = None,  # the runner's: KV splits merged in one launch
     ) -> None:
         self.kv, self.meta, self.backend, self.sliding_window = kv, meta, backend, sliding_window
-        self.decode_num_splits = decode_num_splits
+        self.decode_num_splits, self.workspace = decode_num_splits, workspace
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q (T, Hq, D); k, v (T, Hkv, D)
@@ -73,6 +74,7 @@ class PagedAttention:
             num_splits=self.decode_num_splits,
             backend=self.backend,
             out=out,
+            workspace=self.workspace,
         )
 
     def _prefill(self, span: PrefillSpan, q, k, v, k_cache, v_cache) -> torch.Tensor:
