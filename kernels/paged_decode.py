@@ -42,8 +42,11 @@ from kernels.workspace import DecodeWorkspace
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30
-# splits merged per load by the merge (stage 2, or the last split program with a workspace): (CS, D) fp32
-MERGE_CHUNK_S = 16
+# fp32 elements of partial output one merge chunk loads, (heads, CS, D): 64 registers a thread at 4 warps.
+# The chunk loop is unrolled; the in-launch merge is used only up to MAX_FUSED_CHUNKS chunks (code size),
+# beyond that the splits are merged by stage 2 even with a workspace.
+MERGE_CHUNK_ELEMS = 8192
+MAX_FUSED_CHUNKS = 8
 
 
 @triton.jit
@@ -72,6 +75,51 @@ def _load_kv_tile(base, blk, pos, valid, offs_d, d_mask, stride_b, stride_t, str
 
 
 @triton.jit
+def _attend_warp_split(q, k_base, v_base, table_row, lo, hi, offs_d, d_mask, qk_scale,
+                       stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+                       GROUP_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                       BLOCK_N: tl.constexpr, WARP_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online softmax over [lo, hi) with each tile cut into WARP_SPLIT token slices that are the batch
+    dimension of batched dots: each warp owns one slice and keeps its own m, l, o, so the row max/sum and
+    the p -> dot-operand conversion stay inside the warp. (In the plain loop's (GP, BN) layout the warps
+    split the tokens of a row, so each tile pays shared-memory round trips and barriers for them.) The
+    slices' states merge once, at the end. Returns m (GP,), l (GP,), acc (GP, DP) like the plain loop."""
+    SUB: tl.constexpr = BLOCK_N // WARP_SPLIT
+    tok = tl.arange(0, WARP_SPLIT)[:, None] * SUB + tl.arange(0, SUB)[None, :]     # (W, SUB) tile offsets
+    q3 = tl.broadcast_to(q[None, :, :], (WARP_SPLIT, GROUP_PAD, HEAD_DIM_PAD))      # (W, GP, DP)
+    m_i = tl.full([WARP_SPLIT, GROUP_PAD], float("-inf"), tl.float32)              # (W, GP)
+    l_i = tl.zeros([WARP_SPLIT, GROUP_PAD], tl.float32)
+    acc = tl.zeros([WARP_SPLIT, GROUP_PAD, HEAD_DIM_PAD], tl.float32)               # (W, GP, DP)
+    blk = tl.load(table_row + (lo + tok) // BLOCK_SIZE, mask=lo + tok < hi, other=0).to(tl.int64)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tok                                                           # (W, SUB)
+        valid = pos < hi
+        row = blk * stride_kb + (pos % BLOCK_SIZE).to(tl.int64) * stride_kt        # (W, SUB)
+        kv_mask = valid[:, :, None] & d_mask[None, None, :]
+        k = tl.load(k_base + row[:, :, None] + offs_d[None, None, :] * stride_kd, mask=kv_mask,
+                    other=0.0)                                                      # (W, SUB, DP)
+        row_v = blk * stride_vb + (pos % BLOCK_SIZE).to(tl.int64) * stride_vt
+        v = tl.load(v_base + row_v[:, :, None] + offs_d[None, None, :] * stride_vd, mask=kv_mask,
+                    other=0.0)                                                      # (W, SUB, DP)
+        # the next tile's block ids, a tile ahead by hand: the K/V addresses then depend only on values the
+        # loop carries, so the pipeliner can keep num_stages - 1 tiles of K/V in flight
+        nxt = pos + BLOCK_N
+        blk = tl.load(table_row + nxt // BLOCK_SIZE, mask=nxt < hi, other=0).to(tl.int64)
+        qk = tl.dot(q3, tl.trans(k, (0, 2, 1)), input_precision=DOT_PRECISION) * qk_scale   # (W, GP, SUB)
+        qk = tl.where(valid[:, None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 2))                                     # (W, GP)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)   # a slice with no valid token yet: no NaN
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(qk - m_sub[:, :, None])
+        l_i = l_i * alpha + tl.sum(p, 2)
+        acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    m = tl.max(m_i, 0)                                                              # (GP,)
+    w = tl.exp2(m_i - tl.where(m == float("-inf"), 0.0, m)[None, :])               # (W, GP)
+    return m, tl.sum(l_i * w, 0), tl.sum(acc * w[:, :, None], 0)
+
+
+@triton.jit
 def _paged_decode_stage1(
     Q, K, V, BLOCK_TABLES, SEQ_LENS, O_PART, LSE_PART, OUT, TICKETS,
     qk_scale, window, num_splits, split_tokens, table_tokens,
@@ -86,7 +134,8 @@ def _paged_decode_stage1(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_FINAL: tl.constexpr,
     FUSED_MERGE: tl.constexpr, DOT_PRECISION: tl.constexpr, TABLE_IN_LOOP: tl.constexpr,
     HEADS_FASTEST: tl.constexpr, EARLY_TABLE: tl.constexpr, USE_PDL: tl.constexpr,
-    MERGE_BLOCK_S: tl.constexpr, MERGE_CHUNK_S: tl.constexpr,
+    MERGE_GROUP_PAD: tl.constexpr, MERGE_BLOCK_S: tl.constexpr, MERGE_CHUNK_S: tl.constexpr,
+    WARP_SPLIT: tl.constexpr,
 ):
     if USE_PDL:
         gdc_launch_dependents()              # stage 2 may start launching now; it waits for our writes itself
@@ -111,7 +160,7 @@ def _paged_decode_stage1(
     else:
         seq_len = tl.load(SEQ_LENS + seq).to(tl.int32)
         lo, hi = _split_range(seq_len, window, split, num_splits, BLOCK_N)
-        if not TABLE_IN_LOOP:
+        if not (TABLE_IN_LOOP or WARP_SPLIT > 1):
             blk = _load_block_ids(table_row, lo + offs_n, hi, BLOCK_SIZE)  # (BN,) table of the first tile
 
     offs_g = tl.arange(0, GROUP_PAD)                                    # (GP,) query rows of this KV head
@@ -124,30 +173,36 @@ def _paged_decode_stage1(
     k_base = K + kvh.to(tl.int64) * stride_kh
     v_base = V + kvh.to(tl.int64) * stride_vh
 
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)              # running max (log2 units)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)                             # running sum
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)               # unnormalised output
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + offs_n
-        valid = pos < hi
-        if TABLE_IN_LOOP:
-            # block ids from the tile index: Triton's pipeliner can stage this load ahead of the K/V copies
-            blk = _load_block_ids(table_row, pos, hi, BLOCK_SIZE)
-        # K and V of this tile are both in flight before any math
-        k = _load_kv_tile(k_base, blk, pos, valid, offs_d, d_mask, stride_kb, stride_kt, stride_kd,
-                          BLOCK_SIZE)                                   # (BN, DP)
-        v = _load_kv_tile(v_base, blk, pos, valid, offs_d, d_mask, stride_vb, stride_vt, stride_vd,
-                          BLOCK_SIZE)                                   # (BN, DP)
-        if not TABLE_IN_LOOP:
-            blk = _load_block_ids(table_row, pos + BLOCK_N, hi, BLOCK_SIZE)   # next tile's, by hand
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # (GP, BN)
-        qk = tl.where(valid[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))                          # finite: every tile has a valid pos
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    if WARP_SPLIT > 1:
+        m_i, l_i, acc = _attend_warp_split(q, k_base, v_base, table_row, lo, hi, offs_d, d_mask, qk_scale,
+                                           stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+                                           GROUP_PAD, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, WARP_SPLIT,
+                                           DOT_PRECISION)
+    else:
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)          # running max (log2 units)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)                         # running sum
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)           # unnormalised output
+        for start in range(lo, hi, BLOCK_N):
+            pos = start + offs_n
+            valid = pos < hi
+            if TABLE_IN_LOOP:
+                # block ids from the tile index: the pipeliner can stage this load ahead of the K/V copies
+                blk = _load_block_ids(table_row, pos, hi, BLOCK_SIZE)
+            # K and V of this tile are both in flight before any math
+            k = _load_kv_tile(k_base, blk, pos, valid, offs_d, d_mask, stride_kb, stride_kt, stride_kd,
+                              BLOCK_SIZE)                                   # (BN, DP)
+            v = _load_kv_tile(v_base, blk, pos, valid, offs_d, d_mask, stride_vb, stride_vt, stride_vd,
+                              BLOCK_SIZE)                                   # (BN, DP)
+            if not TABLE_IN_LOOP:
+                blk = _load_block_ids(table_row, pos + BLOCK_N, hi, BLOCK_SIZE)   # next tile's, by hand
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # (GP, BN)
+            qk = tl.where(valid[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))                  # finite: every tile has a valid pos
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]                          # empty split / seq_len 0 -> zeros
@@ -168,40 +223,45 @@ def _paged_decode_stage1(
             counter = TICKETS + seq * num_kv_heads + kvh
             ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if ticket == num_splits - 1:
-                for g in tl.static_range(GROUP):
-                    head = kvh * GROUP + g
-                    _merge_head(O_PART + seq * stride_pb + head * stride_ph,
-                                LSE_PART + seq * stride_lb + head * stride_lh,
-                                OUT + seq * stride_ob + head * stride_oh, num_splits,
-                                stride_ps, stride_pd, stride_ls, stride_od, offs_d, d_mask,
-                                HEAD_DIM_PAD, MERGE_BLOCK_S, MERGE_CHUNK_S)
+                _merge_group(O_PART + seq * stride_pb, LSE_PART + seq * stride_lb, OUT + seq * stride_ob,
+                             kvh * GROUP, GROUP, num_splits, stride_ph, stride_ps, stride_pd, stride_lh,
+                             stride_ls, stride_oh, stride_od, offs_d, d_mask, MERGE_GROUP_PAD, HEAD_DIM_PAD,
+                             MERGE_BLOCK_S, MERGE_CHUNK_S)
                 tl.store(counter, 0)         # every ticket drawn: back to zero for the next launch
 
 
 @triton.jit
-def _merge_head(part_row, lse_row, out_row, num_splits, stride_ps, stride_pd, stride_ls, stride_od,
-                offs_d, d_mask, HEAD_DIM_PAD: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr):
-    """One query head: out = sum_s 2^lse_s o_s / sum_s 2^lse_s over the splits' normalised partials o_s (S, D)
-    and log2-sum-exps lse_s (S,), CHUNK_S splits per load. Loads bypass L1 (.cg): in the fused merge other
-    SMs wrote these partials during this launch."""
+def _merge_group(o_part, lse_part, out, first_head, num_heads, num_splits, stride_ph, stride_ps, stride_pd,
+                 stride_lh, stride_ls, stride_oh, stride_od, offs_d, d_mask, GROUP_PAD: tl.constexpr,
+                 HEAD_DIM_PAD: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr):
+    """Merge the splits of query heads first_head + [0, num_heads): out = sum_s 2^lse_s o_s / sum_s 2^lse_s
+    over the normalised partials o_s and their log2-sum-exps lse_s. o_part, lse_part, out point at one
+    sequence. The chunk loop is unrolled, so every load (all heads, all splits) is in flight at once: one
+    round trip to L2, not one per head and chunk. Loads bypass L1 (.cg): in the fused merge other SMs wrote
+    these partials during this launch."""
+    offs_g = tl.arange(0, GROUP_PAD)
+    g_mask = offs_g < num_heads
+    heads = first_head + offs_g                                                     # (GP,)
     offs_s = tl.arange(0, BLOCK_S)
-    lse = tl.load(lse_row + offs_s * stride_ls, mask=offs_s < num_splits, other=float("-inf"),
-                  cache_modifier=".cg")                                             # (BS,)
-    m = tl.max(lse, 0)
+    lse = tl.load(lse_part + heads[:, None] * stride_lh + offs_s[None, :] * stride_ls,
+                  mask=g_mask[:, None] & (offs_s < num_splits)[None, :], other=float("-inf"),
+                  cache_modifier=".cg")                                             # (GP, BS)
+    m = tl.max(lse, 1)
     m = tl.where(m == float("-inf"), 0.0, m)                                        # all splits empty
-    denom = tl.sum(tl.exp2(lse - m), 0)
-    offs_c = tl.arange(0, CHUNK_S)
-    acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
-    for c in range(0, num_splits, CHUNK_S):
-        s = c + offs_c
-        s_mask = s < num_splits
-        w = tl.exp2(tl.load(lse_row + s * stride_ls, mask=s_mask, other=float("-inf"),
-                            cache_modifier=".cg") - m)                              # (CS,)
-        o = tl.load(part_row + s[:, None] * stride_ps + offs_d[None, :] * stride_pd,
-                    mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")  # (CS, DP)
-        acc += tl.sum(o * w[:, None], 0)
-    out = acc / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_row + offs_d * stride_od, out.to(out_row.dtype.element_ty), mask=d_mask)
+    denom = tl.sum(tl.exp2(lse - m[:, None]), 1)                                    # (GP,)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    for c in tl.static_range(0, BLOCK_S, CHUNK_S):
+        s = c + tl.arange(0, CHUNK_S)
+        gs_mask = g_mask[:, None] & (s < num_splits)[None, :]                      # (GP, CS)
+        w = tl.exp2(tl.load(lse_part + heads[:, None] * stride_lh + s[None, :] * stride_ls, mask=gs_mask,
+                            other=float("-inf"), cache_modifier=".cg") - m[:, None])   # (GP, CS)
+        o = tl.load(o_part + heads[:, None, None] * stride_ph + s[None, :, None] * stride_ps
+                    + offs_d[None, None, :] * stride_pd, mask=gs_mask[:, :, None] & d_mask[None, None, :],
+                    other=0.0, cache_modifier=".cg")                                # (GP, CS, DP)
+        acc += tl.sum(o * w[:, :, None], 1)
+    res = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+    tl.store(out + heads[:, None] * stride_oh + offs_d[None, :] * stride_od, res.to(out.dtype.element_ty),
+             mask=g_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
@@ -218,9 +278,9 @@ def _paged_decode_stage2(
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    _merge_head(O_PART + seq * stride_pb + head * stride_ph, LSE_PART + seq * stride_lb + head * stride_lh,
-                OUT + seq * stride_ob + head * stride_oh, num_splits, stride_ps, stride_pd, stride_ls,
-                stride_od, offs_d, offs_d < HEAD_DIM, HEAD_DIM_PAD, BLOCK_S, CHUNK_S)
+    _merge_group(O_PART + seq * stride_pb, LSE_PART + seq * stride_lb, OUT + seq * stride_ob, head, 1,
+                 num_splits, stride_ph, stride_ps, stride_pd, stride_lh, stride_ls, stride_oh, stride_od,
+                 offs_d, offs_d < HEAD_DIM, 1, HEAD_DIM_PAD, BLOCK_S, CHUNK_S)
 
 
 _stage1 = CachedLauncher(_paged_decode_stage1, num_tensors=9)
@@ -241,25 +301,33 @@ class _DecodePlan:
         self.device_index = q.get_device()
         self.one = num_splits == 1
         self.fused = fused_merge and not self.one
-        pdl = cfg.pdl and q.is_cuda and not (self.one or self.fused)
         # early table: split size from the table width, not seq_len -- only where no caller relies on the
         # seq_len rule (heuristic split count, one split, or an explicit config) and there is no window
-        early = (cfg.early_table and not cfg.table_in_loop and window == NO_WINDOW
+        early = (cfg.early_table and not (cfg.table_in_loop or cfg.warp_split) and window == NO_WINDOW
                  and (free_split_rule or self.one))
+        # token slices per tile for the warp-split loop: one per warp, each >= 16 tokens (a dot's minimum)
+        warp_split = cfg.num_warps if cfg.warp_split else 1
+        while warp_split > 1 and cfg.block_n // warp_split < 16:
+            warp_split //= 2
         table_tokens = block_tables.shape[1] * block_size
         split_tokens = triton.cdiv(triton.cdiv(table_tokens, num_splits), cfg.block_n) * cfg.block_n
         out_strides = out.stride() if out is not None else (hq * d, d, 1)         # ours are contiguous
         d_pad = triton.next_power_of_2(d)
         block_s = triton.next_power_of_2(num_splits)
-        chunk_s = min(block_s, MERGE_CHUNK_S)
+        group_pad = triton.next_power_of_2(hq // hkv)
+        chunk1 = min(block_s, max(1, MERGE_CHUNK_ELEMS // (group_pad * d_pad)))   # in-launch: GROUP heads
+        chunk2 = min(block_s, max(1, MERGE_CHUNK_ELEMS // d_pad))                 # stage 2: one head
+        self.fused = self.fused and block_s // chunk1 <= MAX_FUSED_CHUNKS
+        pdl = cfg.pdl and q.is_cuda and not (self.one or self.fused)
         self.kw1 = dict(GROUP=hq // hkv, GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)), HEAD_DIM=d,
                         HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n,
                         WRITE_FINAL=self.one, FUSED_MERGE=self.fused,
                         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                         TABLE_IN_LOOP=cfg.table_in_loop, HEADS_FASTEST=cfg.heads_fastest,
-                        EARLY_TABLE=early, USE_PDL=pdl, MERGE_BLOCK_S=block_s, MERGE_CHUNK_S=chunk_s,
-                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        self.kw2 = dict(HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_S=block_s, CHUNK_S=chunk_s,
+                        EARLY_TABLE=early, USE_PDL=pdl, MERGE_GROUP_PAD=group_pad, MERGE_BLOCK_S=block_s,
+                        MERGE_CHUNK_S=chunk1,
+                        WARP_SPLIT=warp_split, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        self.kw2 = dict(HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_S=block_s, CHUNK_S=chunk2,
                         USE_PDL=pdl,
                         num_warps=4, num_stages=1, **({"launch_pdl": True} if pdl else {}))
         # partial buffers, one fp32 allocation: o (B, Hq, S, D) then lse (B, Hq, S); contiguous strides

@@ -118,6 +118,14 @@ MERGE_CONFIGS = [K(64, 4, 3, heads_fastest=T, early_table=T, pdl=T), K(64, 4, 3,
                  K(64, 4, 2, heads_fastest=T, early_table=T, pdl=T), K(32, 4, 6, T, heads_fastest=T, pdl=T)]
 MERGE_SPLITS = {(1, 4096): (8, 16, 32), (1, 32768): (32, 48, 64), (16, 4096): (2, 3, 4), (64, 2048): (1, 2)}
 
+# per-warp token slices (warp_split) against the shipped configs at every shape, both merges
+W = dict(warp_split=True, heads_fastest=True)
+EXPLORE_CONFIGS = [K(64, 4, 3, heads_fastest=T, early_table=T, pdl=T),
+                   K(64, 4, 2, heads_fastest=T, early_table=T), K(64, 4, 2, **W), K(64, 4, 3, **W),
+                   K(64, 4, 4, **W), K(128, 8, 2, **W), K(128, 8, 3, **W), K(64, 4, 3, pdl=T, **W)]
+EXPLORE_SPLITS = {(1, 4096): (16, 32), (1, 32768): (32, 64), (16, 4096): (1, 2), (64, 2048): (1,),
+                  (64, 8192): (1,), (128, 4096): (1,), (256, 1024): (1,)}
+
 FINAL_CONFIGS = [K(64, 4, 2, heads_fastest=T, early_table=T), K(64, 4, 2, early_table=T),
                  K(64, 4, 3, heads_fastest=T, early_table=T, pdl=T), K(64, 4, 3, early_table=T, pdl=T),
                  K(32, 4, 6, T, heads_fastest=T), K(32, 4, 6, T, pdl=T)]
@@ -132,21 +140,25 @@ def main(argv=None) -> None:
     ap.add_argument("--deep", action="store_true", help="deep-pipeline configs at few splits, no refine pass")
     ap.add_argument("--merge", action="store_true",
                     help="in-launch merge (workspace) vs stage-2 launch at the split shapes, do_bench refine")
+    ap.add_argument("--explore", action="store_true",
+                    help="warp-split configs vs the shipped ones, every shape, both merges; do_bench refine")
     args = ap.parse_args(argv)
     t0 = time.time()
     deadline = t0 + args.budget_s
     configs = (DEEP_CONFIGS if args.deep else FINAL_CONFIGS if args.final else MERGE_CONFIGS if args.merge
-               else CONFIGS)
-    full = not (args.final or args.deep or args.merge)   # the short lists skip refine, host rows, stage 2
-    splits_by_shape = DEEP_SPLITS if args.deep else MERGE_SPLITS if args.merge else SPLITS
-    workspaces = (False, True) if args.merge else (False,)
+               else EXPLORE_CONFIGS if args.explore else CONFIGS)
+    two_way = args.merge or args.explore                   # both merges, refined by do_bench
+    full = not (args.final or args.deep or two_way)        # the short lists skip refine, host rows, stage 2
+    splits_by_shape = (DEEP_SPLITS if args.deep else MERGE_SPLITS if args.merge
+                       else EXPLORE_SPLITS if args.explore else SPLITS)
+    workspaces = (False, True) if two_way else (False,)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "shapes": []}
     for layout in args.layouts.split(","):
         for (b, ctx), splits in splits_by_shape.items():
             shape = Shape(b, ctx, 16, layout)
             rows = sweep_shape(shape, splits, configs, deadline, workspaces)
-            refined = refine(shape, rows) if full else refine_merge(shape, rows) if args.merge else []
+            refined = refine(shape, rows) if full else refine_merge(shape, rows) if two_way else []
             entry = {"B": b, "L": ctx, "block_size": 16, "layout": layout, "sweep": rows, "refined": refined}
             if full:
                 entry.update(host_row(shape))
@@ -158,8 +170,9 @@ def main(argv=None) -> None:
         for b, ctx, bs in ([] if args.deep or args.merge else BLOCK_SIZE_ROWS):
             shape = Shape(b, ctx, bs, layout)
             rows = sweep_shape(shape, (1,), configs, deadline)
+            refined = refine(shape, rows) if full else refine_merge(shape, rows) if two_way else []
             result["shapes"].append({"B": b, "L": ctx, "block_size": bs, "layout": layout, "sweep": rows,
-                                     "refined": refine(shape, rows) if full else []})
+                                     "refined": refined})
             del shape
             torch.cuda.empty_cache()
     if full:
@@ -167,7 +180,9 @@ def main(argv=None) -> None:
                                      for b, s in ((1, 16), (1, 32), (16, 4))}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, "tune.json").write_text(json.dumps(result, indent=1))
-    print(merge_table(result) if args.merge else table(result))
+    if args.explore:
+        print(config_matrix(result))
+    print(merge_table(result) if two_way else table(result))
     if full:
         print("stage 2 alone, GPU-only us (batch x splits):", result["stage2_alone_us"])
 
@@ -196,8 +211,28 @@ def table(result) -> str:
 
 
 def _cfg_name(c: dict) -> str:
-    flags = "".join(f"/{k[0].upper()}" for k in ("table_in_loop", "heads_fastest", "early_table") if c[k])
+    flags = "".join(f"/{k[0].upper()}" for k in ("table_in_loop", "heads_fastest", "early_table", "pdl",
+                                                   "warp_split") if c.get(k))
     return f"{c['block_n']}/{c['num_warps']}w/{c['num_stages']}s{flags}"
+
+
+def config_matrix(result) -> str:
+    """GPU-only µs of each config's best (split count, merge) per shape: one row per shape."""
+    names = []
+    for e in result["shapes"]:
+        for r in e["sweep"]:
+            if _cfg_name(r["config"]) not in names:
+                names.append(_cfg_name(r["config"]))
+    lines = ["configs: " + "  ".join(f"[{i}] {n}" for i, n in enumerate(names)),
+             "B     L      bs  " + "".join(f"{f'[{i}]':>9}" for i in range(len(names)))]
+    for e in result["shapes"]:
+        best = {}
+        for r in e["sweep"]:
+            n = _cfg_name(r["config"])
+            best[n] = min(best.get(n, float("inf")), r["gpu_us"])
+        lines.append(f"{e['B']:<5} {e['L']:<6} {e['block_size']:<3} "
+                     + "".join(f"{best.get(n, float('nan')):9.1f}" for n in names))
+    return "\n".join(lines)
 
 
 def merge_table(result) -> str:

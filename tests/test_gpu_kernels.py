@@ -143,7 +143,9 @@ VARIANTS = [dict(block_n=64, num_warps=4, num_stages=3, table_in_loop=True, pdl=
             dict(block_n=32, num_warps=4, num_stages=2, pdl=True, early_table=True),
             dict(block_n=128, num_warps=8, num_stages=3, table_in_loop=True, heads_fastest=True),
             dict(block_n=64, num_warps=4, num_stages=2, heads_fastest=True, early_table=True, pdl=True),
-            dict(block_n=32, num_warps=2, num_stages=6, table_in_loop=True, pdl=True)]
+            dict(block_n=32, num_warps=2, num_stages=6, table_in_loop=True, pdl=True),
+            dict(block_n=64, num_warps=4, num_stages=3, warp_split=True, heads_fastest=True, pdl=True),
+            dict(block_n=128, num_warps=8, num_stages=2, warp_split=True)]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -166,6 +166,24 @@ def test_table_in_loop_variant_matches_reference(row):
     assert rel_error(out, reference_fp64(case, sliding_window=win)) <= TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("row", [0, 2, 5, 7, 9])
+def test_warp_split_variant_matches_reference(row):
+    """Tiles cut into per-warp token slices (batched dots, the slices' m/l/o merged at the end) over grid rows
+    with empty splits, windows, ragged lengths (slices with no valid token), MQA and several tiles a split;
+    with a workspace too, so the in-launch merge sees the merged slices."""
+    from kernels.paged_decode import paged_decode_attention_triton
+    lens, hq, hkv, d, bs, splits, dtype, win, strided = GRID[row]
+    case = make_paged_case(lens, hq, hkv, d, bs, dtype=dtype, seed=row, strided=strided)
+    ws = kernels.DecodeWorkspace(len(lens), hkv, "cpu")
+    for workspace in (None, ws):
+        out = torch.full_like(case.q, float("nan"))
+        paged_decode_attention_triton(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                      num_splits=splits, sliding_window=win, out=out, workspace=workspace,
+                                      config=KernelConfig(32, 2, 1, warp_split=True))
+        assert rel_error(out, reference_fp64(case, sliding_window=win)) <= TOLERANCE[dtype]
+    assert ws.idle()
+
+
 def test_plans_are_per_signature_and_see_new_data():
     """A repeated call reuses its plan but reads the new inputs; another signature (here out's strides or
     the batch) gets its own plan, and bad inputs are refused before any plan is kept."""

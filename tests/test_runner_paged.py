@@ -226,9 +226,6 @@ def test_execute_rejects_inconsistent_chunks(tiny):
         runner.execute([SeqChunk([5], 3, [8], [4])])
     with pytest.raises(ValueError, match="copy_blocks"):
         runner.copy_blocks([(0, 3)])
-    small = ModelRunner(model, block_size=4, num_blocks=8, attention_backend="torch", max_num_seqs=1)
-    with pytest.raises(ValueError, match="2 chunks in one step, max_num_seqs is 1"):
-        small.execute([SeqChunk([5], 0, [1], [4]), SeqChunk([6], 0, [2], [8])])
 
 
 def test_cpu_cache_defaults(tiny):

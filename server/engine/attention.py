@@ -64,6 +64,9 @@ class PagedAttention:
         return out
 
     def _decode(self, q, k_cache, v_cache, out=None) -> torch.Tensor:
+        ws = self.workspace  # sized for max_num_seqs; an eager batch beyond it merges in a second launch
+        if ws is not None and q.shape[0] * k_cache.shape[2] > ws.capacity:
+            ws = None
         return kernels.paged_decode_attention(
             q,
             k_cache,
@@ -74,7 +77,7 @@ class PagedAttention:
             num_splits=self.decode_num_splits,
             backend=self.backend,
             out=out,
-            workspace=self.workspace,
+            workspace=ws,
         )
 
     def _prefill(self, span: PrefillSpan, q, k, v, k_cache, v_cache) -> torch.Tensor:

@@ -75,6 +75,10 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # captured after the KV cache is allocated
         if self.device.type == "cpu":
             _limit_cpu_threads_for_small_model(model)
+        # the decode kernel's split-merge counters: one workspace, as every layer's launch runs on one stream
+        # in order (eager steps and graph replays alike); allocated before the profiling step and any capture
+        self.decode_workspace = (kernels.DecodeWorkspace(max_num_seqs, self.config.num_kv_heads, self.device)
+                                 if self.attention_backend == "triton" else None)
         if num_blocks is None:
             num_blocks = self._auto_num_blocks(kv_cache_memory)
         if num_blocks < 2:
@@ -82,10 +86,6 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.capacity_tokens = (num_blocks - 1) * block_size
         self.kv = self._allocate_cache(num_blocks)
-        # the decode kernel's split-merge counters: one workspace, as every layer's launch runs on one stream
-        # in order (eager steps and graph replays alike); allocated before any graph capture
-        self.decode_workspace = (kernels.DecodeWorkspace(max_num_seqs, self.config.num_kv_heads, self.device)
-                                 if self.attention_backend == "triton" else None)
         log.info(
             "runner: attention backend %s, %d KV blocks of %d tokens (%.1f MiB) on %s %s",
             self.attention_backend, num_blocks, block_size,
@@ -104,8 +104,6 @@ class ModelRunner:
         """-> (len(chunks), vocab) fp32 logits of each chunk's last token."""
         if not chunks:
             return torch.empty(0, self.config.vocab_size, device=self.device)
-        if len(chunks) > self.max_num_seqs:
-            raise ValueError(f"{len(chunks)} chunks in one step, max_num_seqs is {self.max_num_seqs}")
         for i, chunk in enumerate(chunks):
             self._check_chunk(i, chunk)
         hidden = self._replay_decode(chunks)  # (N, H), or None: not a graph batch
