@@ -60,63 +60,29 @@ def _split_range(seq_len, window, split, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _load_block_ids(table_row, pos, hi, BLOCK_SIZE: tl.constexpr):
+def _index(x, OFFSETS_32: tl.constexpr):
+    """Cache offsets in int32 when the host found every offset of both caches below 2**31 (fewer address
+    instructions per tile), else int64."""
+    if OFFSETS_32:
+        idx = x.to(tl.int32)
+    else:
+        idx = x.to(tl.int64)
+    return idx
+
+
+@triton.jit
+def _load_block_ids(table_row, pos, hi, BLOCK_SIZE: tl.constexpr, OFFSETS_32: tl.constexpr):
     """(BLOCK_N,) physical block of each token position (0 past `hi`, never dereferenced there)."""
-    return tl.load(table_row + pos // BLOCK_SIZE, mask=pos < hi, other=0).to(tl.int64)
+    return _index(tl.load(table_row + pos // BLOCK_SIZE, mask=pos < hi, other=0), OFFSETS_32)
 
 
 @triton.jit
 def _load_kv_tile(base, blk, pos, valid, offs_d, d_mask, stride_b, stride_t, stride_d,
-                  BLOCK_SIZE: tl.constexpr):
+                  BLOCK_SIZE: tl.constexpr, OFFSETS_32: tl.constexpr):
     """(BLOCK_N, HEAD_DIM_PAD) tile of K or V for token positions `pos` living in blocks `blk`."""
-    tok = (pos % BLOCK_SIZE).to(tl.int64)
+    tok = _index(pos % BLOCK_SIZE, OFFSETS_32)
     offs = blk[:, None] * stride_b + tok[:, None] * stride_t + offs_d[None, :] * stride_d
     return tl.load(base + offs, mask=valid[:, None] & d_mask[None, :], other=0.0)
-
-
-@triton.jit
-def _attend_warp_split(q, k_base, v_base, table_row, lo, hi, offs_d, d_mask, qk_scale,
-                       stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-                       GROUP_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                       BLOCK_N: tl.constexpr, WARP_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Online softmax over [lo, hi) with each tile cut into WARP_SPLIT token slices that are the batch
-    dimension of batched dots: each warp owns one slice and keeps its own m, l, o, so the row max/sum and
-    the p -> dot-operand conversion stay inside the warp. (In the plain loop's (GP, BN) layout the warps
-    split the tokens of a row, so each tile pays shared-memory round trips and barriers for them.) The
-    slices' states merge once, at the end. Returns m (GP,), l (GP,), acc (GP, DP) like the plain loop."""
-    SUB: tl.constexpr = BLOCK_N // WARP_SPLIT
-    tok = tl.arange(0, WARP_SPLIT)[:, None] * SUB + tl.arange(0, SUB)[None, :]     # (W, SUB) tile offsets
-    q3 = tl.broadcast_to(q[None, :, :], (WARP_SPLIT, GROUP_PAD, HEAD_DIM_PAD))      # (W, GP, DP)
-    m_i = tl.full([WARP_SPLIT, GROUP_PAD], float("-inf"), tl.float32)              # (W, GP)
-    l_i = tl.zeros([WARP_SPLIT, GROUP_PAD], tl.float32)
-    acc = tl.zeros([WARP_SPLIT, GROUP_PAD, HEAD_DIM_PAD], tl.float32)               # (W, GP, DP)
-    blk = tl.load(table_row + (lo + tok) // BLOCK_SIZE, mask=lo + tok < hi, other=0).to(tl.int64)
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + tok                                                           # (W, SUB)
-        valid = pos < hi
-        row = blk * stride_kb + (pos % BLOCK_SIZE).to(tl.int64) * stride_kt        # (W, SUB)
-        kv_mask = valid[:, :, None] & d_mask[None, None, :]
-        k = tl.load(k_base + row[:, :, None] + offs_d[None, None, :] * stride_kd, mask=kv_mask,
-                    other=0.0)                                                      # (W, SUB, DP)
-        row_v = blk * stride_vb + (pos % BLOCK_SIZE).to(tl.int64) * stride_vt
-        v = tl.load(v_base + row_v[:, :, None] + offs_d[None, None, :] * stride_vd, mask=kv_mask,
-                    other=0.0)                                                      # (W, SUB, DP)
-        # the next tile's block ids, a tile ahead by hand: the K/V addresses then depend only on values the
-        # loop carries, so the pipeliner can keep num_stages - 1 tiles of K/V in flight
-        nxt = pos + BLOCK_N
-        blk = tl.load(table_row + nxt // BLOCK_SIZE, mask=nxt < hi, other=0).to(tl.int64)
-        qk = tl.dot(q3, tl.trans(k, (0, 2, 1)), input_precision=DOT_PRECISION) * qk_scale   # (W, GP, SUB)
-        qk = tl.where(valid[:, None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 2))                                     # (W, GP)
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)   # a slice with no valid token yet: no NaN
-        alpha = tl.exp2(m_i - m_sub)
-        p = tl.exp2(qk - m_sub[:, :, None])
-        l_i = l_i * alpha + tl.sum(p, 2)
-        acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-    m = tl.max(m_i, 0)                                                              # (GP,)
-    w = tl.exp2(m_i - tl.where(m == float("-inf"), 0.0, m)[None, :])               # (W, GP)
-    return m, tl.sum(l_i * w, 0), tl.sum(acc * w[:, :, None], 0)
 
 
 @triton.jit
@@ -135,7 +101,7 @@ def _paged_decode_stage1(
     FUSED_MERGE: tl.constexpr, DOT_PRECISION: tl.constexpr, TABLE_IN_LOOP: tl.constexpr,
     HEADS_FASTEST: tl.constexpr, EARLY_TABLE: tl.constexpr, USE_PDL: tl.constexpr,
     MERGE_GROUP_PAD: tl.constexpr, MERGE_BLOCK_S: tl.constexpr, MERGE_CHUNK_S: tl.constexpr,
-    WARP_SPLIT: tl.constexpr,
+    OFFSETS_32: tl.constexpr,
 ):
     if USE_PDL:
         gdc_launch_dependents()              # stage 2 may start launching now; it waits for our writes itself
@@ -154,14 +120,14 @@ def _paged_decode_stage1(
         # the host fixed the split size (heuristic mode, no window), so this split's first block ids load
         # alongside seq_len rather than after it; entries past seq_len are never dereferenced
         lo = split * split_tokens
-        blk = _load_block_ids(table_row, lo + offs_n, table_tokens, BLOCK_SIZE)
+        blk = _load_block_ids(table_row, lo + offs_n, table_tokens, BLOCK_SIZE, OFFSETS_32)
         seq_len = tl.load(SEQ_LENS + seq).to(tl.int32)
         hi = tl.minimum(lo + split_tokens, seq_len)
     else:
         seq_len = tl.load(SEQ_LENS + seq).to(tl.int32)
         lo, hi = _split_range(seq_len, window, split, num_splits, BLOCK_N)
-        if not (TABLE_IN_LOOP or WARP_SPLIT > 1):
-            blk = _load_block_ids(table_row, lo + offs_n, hi, BLOCK_SIZE)  # (BN,) table of the first tile
+        if not TABLE_IN_LOOP:
+            blk = _load_block_ids(table_row, lo + offs_n, hi, BLOCK_SIZE, OFFSETS_32)  # (BN,) 1st tile's
 
     offs_g = tl.arange(0, GROUP_PAD)                                    # (GP,) query rows of this KV head
     offs_d = tl.arange(0, HEAD_DIM_PAD)                                 # (DP,)
@@ -173,36 +139,30 @@ def _paged_decode_stage1(
     k_base = K + kvh.to(tl.int64) * stride_kh
     v_base = V + kvh.to(tl.int64) * stride_vh
 
-    if WARP_SPLIT > 1:
-        m_i, l_i, acc = _attend_warp_split(q, k_base, v_base, table_row, lo, hi, offs_d, d_mask, qk_scale,
-                                           stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-                                           GROUP_PAD, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, WARP_SPLIT,
-                                           DOT_PRECISION)
-    else:
-        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)          # running max (log2 units)
-        l_i = tl.zeros([GROUP_PAD], tl.float32)                         # running sum
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)           # unnormalised output
-        for start in range(lo, hi, BLOCK_N):
-            pos = start + offs_n
-            valid = pos < hi
-            if TABLE_IN_LOOP:
-                # block ids from the tile index: the pipeliner can stage this load ahead of the K/V copies
-                blk = _load_block_ids(table_row, pos, hi, BLOCK_SIZE)
-            # K and V of this tile are both in flight before any math
-            k = _load_kv_tile(k_base, blk, pos, valid, offs_d, d_mask, stride_kb, stride_kt, stride_kd,
-                              BLOCK_SIZE)                                   # (BN, DP)
-            v = _load_kv_tile(v_base, blk, pos, valid, offs_d, d_mask, stride_vb, stride_vt, stride_vd,
-                              BLOCK_SIZE)                                   # (BN, DP)
-            if not TABLE_IN_LOOP:
-                blk = _load_block_ids(table_row, pos + BLOCK_N, hi, BLOCK_SIZE)   # next tile's, by hand
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # (GP, BN)
-            qk = tl.where(valid[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))                  # finite: every tile has a valid pos
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)          # running max (log2 units)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)                         # running sum
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)           # unnormalised output
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        valid = pos < hi
+        if TABLE_IN_LOOP:
+            # block ids from the tile index: the pipeliner can stage this load ahead of the K/V copies
+            blk = _load_block_ids(table_row, pos, hi, BLOCK_SIZE, OFFSETS_32)
+        # K and V of this tile are both in flight before any math
+        k = _load_kv_tile(k_base, blk, pos, valid, offs_d, d_mask, stride_kb, stride_kt, stride_kd,
+                          BLOCK_SIZE, OFFSETS_32)                                   # (BN, DP)
+        v = _load_kv_tile(v_base, blk, pos, valid, offs_d, d_mask, stride_vb, stride_vt, stride_vd,
+                          BLOCK_SIZE, OFFSETS_32)                                   # (BN, DP)
+        if not TABLE_IN_LOOP:
+            blk = _load_block_ids(table_row, pos + BLOCK_N, hi, BLOCK_SIZE, OFFSETS_32)   # next tile's
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # (GP, BN)
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))                  # finite: every tile has a valid pos
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]                          # empty split / seq_len 0 -> zeros
@@ -303,12 +263,8 @@ class _DecodePlan:
         self.fused = fused_merge and not self.one
         # early table: split size from the table width, not seq_len -- only where no caller relies on the
         # seq_len rule (heuristic split count, one split, or an explicit config) and there is no window
-        early = (cfg.early_table and not (cfg.table_in_loop or cfg.warp_split) and window == NO_WINDOW
+        early = (cfg.early_table and not cfg.table_in_loop and window == NO_WINDOW
                  and (free_split_rule or self.one))
-        # token slices per tile for the warp-split loop: one per warp, each >= 16 tokens (a dot's minimum)
-        warp_split = cfg.num_warps if cfg.warp_split else 1
-        while warp_split > 1 and cfg.block_n // warp_split < 16:
-            warp_split //= 2
         table_tokens = block_tables.shape[1] * block_size
         split_tokens = triton.cdiv(triton.cdiv(table_tokens, num_splits), cfg.block_n) * cfg.block_n
         out_strides = out.stride() if out is not None else (hq * d, d, 1)         # ours are contiguous
@@ -326,7 +282,8 @@ class _DecodePlan:
                         TABLE_IN_LOOP=cfg.table_in_loop, HEADS_FASTEST=cfg.heads_fastest,
                         EARLY_TABLE=early, USE_PDL=pdl, MERGE_GROUP_PAD=group_pad, MERGE_BLOCK_S=block_s,
                         MERGE_CHUNK_S=chunk1,
-                        WARP_SPLIT=warp_split, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                        OFFSETS_32=cfg.offsets_32 and _offsets_fit_int32(k_cache, v_cache),
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         self.kw2 = dict(HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_S=block_s, CHUNK_S=chunk2,
                         USE_PDL=pdl,
                         num_warps=4, num_stages=1, **({"launch_pdl": True} if pdl else {}))
@@ -383,6 +340,13 @@ class _DecodePlan:
             self.tail2 = _stage2.tail(3 + len(self.ints2), self.kw2) if bound2 is not None else ()
             self.bound = (bound1, bound2)
         return out
+
+
+def _offsets_fit_int32(*caches) -> bool:
+    """Whether every element offset of each cache from its base (its largest: sum of (size - 1) * stride; the
+    kernel adds a head's offset to the 64-bit base pointer first) stays below 2**31."""
+    return all(sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True) if n > 0) < 2**31
+               for t in caches)
 
 
 # one plan per call signature; bounded so a server with ever-changing batch sizes cannot grow it forever

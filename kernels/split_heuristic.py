@@ -33,7 +33,7 @@ class KernelConfig:
     heads_fastest: bool = False  # grid (Hkv, B, S) instead of (B, Hkv, S)
     early_table: bool = False    # split size from the table width: first block ids load alongside seq_len
     pdl: bool = False        # launch stage 2 with programmatic dependent launch (CUDA only)
-    warp_split: bool = False  # each warp owns a token slice of a tile (batched dots; ids loaded in the loop)
+    offsets_32: bool = True  # int32 cache offsets where both caches allow it (fewer address instructions)
 
 
 # Measured on the H200 (bf16, D=128, Hq/Hkv=4; `python -m kernels.tune`, runs 9-12 in docs/kernel_notes.md).

@@ -55,14 +55,19 @@ def sweep_shape(shape: Shape, splits, configs, deadline, workspaces=(False,)) ->
     return rows
 
 
-def refine_merge(shape: Shape, rows, top=2) -> list[dict]:
-    """The best `top` candidates of each merge mode again, by do_bench (median of three)."""
+def _side(row: dict, knob: str) -> bool:
+    """Which side of an A/B a sweep row is on: the merge (row["workspace"]) or a config flag."""
+    return row[knob] if knob in row else row["config"][knob]
+
+
+def refine_ab(shape: Shape, rows, knob: str, top=2) -> list[dict]:
+    """The best `top` candidates of each side of the A/B again, by do_bench (median of three)."""
     out = []
-    for ws in (False, True):
-        mine = sorted((r for r in rows if r["workspace"] == ws and r["gpu_us"] < float("inf")),
+    for side in (False, True):
+        mine = sorted((r for r in rows if _side(r, knob) == side and r["gpu_us"] < float("inf")),
                       key=lambda r: r["gpu_us"])[:top]
         for r in mine:
-            cfg, s = K(**r["config"]), r["splits"]
+            cfg, s, ws = K(**r["config"]), r["splits"], r["workspace"]
             fn = (lambda s=s, cfg=cfg, ws=ws: shape.ours(s, cfg, workspace=ws))
             out.append({**r, "do_bench_us": statistics.median(bench_us(fn) for _ in range(3))})
     return out
@@ -118,13 +123,12 @@ MERGE_CONFIGS = [K(64, 4, 3, heads_fastest=T, early_table=T, pdl=T), K(64, 4, 3,
                  K(64, 4, 2, heads_fastest=T, early_table=T, pdl=T), K(32, 4, 6, T, heads_fastest=T, pdl=T)]
 MERGE_SPLITS = {(1, 4096): (8, 16, 32), (1, 32768): (32, 48, 64), (16, 4096): (2, 3, 4), (64, 2048): (1, 2)}
 
-# per-warp token slices (warp_split) against the shipped configs at every shape, both merges
-W = dict(warp_split=True, heads_fastest=True)
-EXPLORE_CONFIGS = [K(64, 4, 3, heads_fastest=T, early_table=T, pdl=T),
-                   K(64, 4, 2, heads_fastest=T, early_table=T), K(64, 4, 2, **W), K(64, 4, 3, **W),
-                   K(64, 4, 4, **W), K(128, 8, 2, **W), K(128, 8, 3, **W), K(64, 4, 3, pdl=T, **W)]
-EXPLORE_SPLITS = {(1, 4096): (16, 32), (1, 32768): (32, 64), (16, 4096): (1, 2), (64, 2048): (1,),
-                  (64, 8192): (1,), (128, 4096): (1,), (256, 1024): (1,)}
+# int32 cache offsets (offsets_32) off vs on for the shipped configs, with a workspace (the server's path)
+_SHIPPED = [K(64, 4, 3, heads_fastest=T, early_table=T, pdl=T), K(64, 4, 2, heads_fastest=T, early_table=T),
+            K(32, 4, 6, T, heads_fastest=T)]
+OFFSET_CONFIGS = [dataclasses.replace(c, offsets_32=o) for c in _SHIPPED for o in (False, True)]
+OFFSET_SPLITS = {(1, 4096): (16, 32), (1, 32768): (32, 48, 64), (16, 4096): (1, 2, 3, 4), (64, 2048): (1, 2),
+                 (64, 8192): (1,), (128, 4096): (1,), (256, 1024): (1,)}
 
 FINAL_CONFIGS = [K(64, 4, 2, heads_fastest=T, early_table=T), K(64, 4, 2, early_table=T),
                  K(64, 4, 3, heads_fastest=T, early_table=T, pdl=T), K(64, 4, 3, early_table=T, pdl=T),
@@ -140,25 +144,25 @@ def main(argv=None) -> None:
     ap.add_argument("--deep", action="store_true", help="deep-pipeline configs at few splits, no refine pass")
     ap.add_argument("--merge", action="store_true",
                     help="in-launch merge (workspace) vs stage-2 launch at the split shapes, do_bench refine")
-    ap.add_argument("--explore", action="store_true",
-                    help="warp-split configs vs the shipped ones, every shape, both merges; do_bench refine")
+    ap.add_argument("--offsets", action="store_true",
+                    help="int32 cache offsets off vs on, shipped configs with a workspace, do_bench refine")
     args = ap.parse_args(argv)
     t0 = time.time()
     deadline = t0 + args.budget_s
     configs = (DEEP_CONFIGS if args.deep else FINAL_CONFIGS if args.final else MERGE_CONFIGS if args.merge
-               else EXPLORE_CONFIGS if args.explore else CONFIGS)
-    two_way = args.merge or args.explore                   # both merges, refined by do_bench
-    full = not (args.final or args.deep or two_way)        # the short lists skip refine, host rows, stage 2
+               else OFFSET_CONFIGS if args.offsets else CONFIGS)
+    knob = "workspace" if args.merge else "offsets_32" if args.offsets else None   # the A/B, if any
+    full = not (args.final or args.deep or knob)           # the short lists skip refine, host rows, stage 2
     splits_by_shape = (DEEP_SPLITS if args.deep else MERGE_SPLITS if args.merge
-                       else EXPLORE_SPLITS if args.explore else SPLITS)
-    workspaces = (False, True) if two_way else (False,)
+                       else OFFSET_SPLITS if args.offsets else SPLITS)
+    workspaces = (False, True) if args.merge else (True,) if args.offsets else (False,)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "shapes": []}
     for layout in args.layouts.split(","):
         for (b, ctx), splits in splits_by_shape.items():
             shape = Shape(b, ctx, 16, layout)
             rows = sweep_shape(shape, splits, configs, deadline, workspaces)
-            refined = refine(shape, rows) if full else refine_merge(shape, rows) if two_way else []
+            refined = refine(shape, rows) if full else refine_ab(shape, rows, knob) if knob else []
             entry = {"B": b, "L": ctx, "block_size": 16, "layout": layout, "sweep": rows, "refined": refined}
             if full:
                 entry.update(host_row(shape))
@@ -170,7 +174,7 @@ def main(argv=None) -> None:
         for b, ctx, bs in ([] if args.deep or args.merge else BLOCK_SIZE_ROWS):
             shape = Shape(b, ctx, bs, layout)
             rows = sweep_shape(shape, (1,), configs, deadline)
-            refined = refine(shape, rows) if full else refine_merge(shape, rows) if two_way else []
+            refined = refine(shape, rows) if full else refine_ab(shape, rows, knob) if knob else []
             result["shapes"].append({"B": b, "L": ctx, "block_size": bs, "layout": layout, "sweep": rows,
                                      "refined": refined})
             del shape
@@ -180,9 +184,7 @@ def main(argv=None) -> None:
                                      for b, s in ((1, 16), (1, 32), (16, 4))}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, "tune.json").write_text(json.dumps(result, indent=1))
-    if args.explore:
-        print(config_matrix(result))
-    print(merge_table(result) if two_way else table(result))
+    print(ab_table(result, knob) if knob else table(result))
     if full:
         print("stage 2 alone, GPU-only us (batch x splits):", result["stage2_alone_us"])
 
@@ -211,46 +213,28 @@ def table(result) -> str:
 
 
 def _cfg_name(c: dict) -> str:
-    flags = "".join(f"/{k[0].upper()}" for k in ("table_in_loop", "heads_fastest", "early_table", "pdl",
-                                                   "warp_split") if c.get(k))
+    flags = "".join(f"/{k[0].upper()}" for k in ("table_in_loop", "heads_fastest", "early_table", "pdl")
+                    if c.get(k))
     return f"{c['block_n']}/{c['num_warps']}w/{c['num_stages']}s{flags}"
 
 
-def config_matrix(result) -> str:
-    """GPU-only µs of each config's best (split count, merge) per shape: one row per shape."""
-    names = []
-    for e in result["shapes"]:
-        for r in e["sweep"]:
-            if _cfg_name(r["config"]) not in names:
-                names.append(_cfg_name(r["config"]))
-    lines = ["configs: " + "  ".join(f"[{i}] {n}" for i, n in enumerate(names)),
-             "B     L      bs  " + "".join(f"{f'[{i}]':>9}" for i in range(len(names)))]
-    for e in result["shapes"]:
-        best = {}
-        for r in e["sweep"]:
-            n = _cfg_name(r["config"])
-            best[n] = min(best.get(n, float("inf")), r["gpu_us"])
-        lines.append(f"{e['B']:<5} {e['L']:<6} {e['block_size']:<3} "
-                     + "".join(f"{best.get(n, float('nan')):9.1f}" for n in names))
-    return "\n".join(lines)
-
-
-def merge_table(result) -> str:
-    """Per shape, the best of each merge mode: GPU-only (cfg, splits) and its best do_bench."""
-    lines = ["B     L       two launches: gpu-only (cfg, s) / do_bench     "
-             "workspace: gpu-only (cfg, s) / do_bench"]
+def ab_table(result, knob: str) -> str:
+    """Per shape, the best of each side of the A/B: GPU-only (cfg, splits) and its best do_bench."""
+    lines = [f"B     L      bs  {knob} off: gpu-only (cfg, s) / do_bench{'':17}"
+             "on: gpu-only (cfg, s) / do_bench"]
     for e in result["shapes"]:
         cells = []
-        for ws in (False, True):
-            rows = [r for r in e["sweep"] if r.get("workspace", False) == ws or (ws and r["splits"] == 1)]
-            refined = [r for r in e["refined"] if r["workspace"] == ws]
+        for side in (False, True):
+            rows = [r for r in e["sweep"]
+                    if _side(r, knob) == side or (knob == "workspace" and r["splits"] == 1)]
+            refined = [r for r in e["refined"] if _side(r, knob) == side]
             if not rows:
                 cells.append("-")
                 continue
             g = min(rows, key=lambda r: r["gpu_us"])
             d = min((r["do_bench_us"] for r in refined), default=float("nan"))
             cells.append(f"{g['gpu_us']:6.1f} ({_cfg_name(g['config'])}, {g['splits']}) / {d:6.1f}")
-        lines.append(f"{e['B']:<5} {e['L']:<6}  {cells[0]:45} {cells[1]}")
+        lines.append(f"{e['B']:<5} {e['L']:<6} {e['block_size']:<3} {cells[0]:45} {cells[1]}")
     return "\n".join(lines)
 
 

@@ -166,22 +166,29 @@ def test_table_in_loop_variant_matches_reference(row):
     assert rel_error(out, reference_fp64(case, sliding_window=win)) <= TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("row", [0, 2, 5, 7, 9])
-def test_warp_split_variant_matches_reference(row):
-    """Tiles cut into per-warp token slices (batched dots, the slices' m/l/o merged at the end) over grid rows
-    with empty splits, windows, ragged lengths (slices with no valid token), MQA and several tiles a split;
-    with a workspace too, so the in-launch merge sees the merged slices."""
-    from kernels.paged_decode import paged_decode_attention_triton
+@pytest.mark.parametrize("row", [2, 5, 8])
+def test_int64_offsets_variant_matches_reference(row):
+    """With offsets_32 off the cache offsets are int64 (the path for caches of 2**31+ elements; every other
+    CPU test takes int32 offsets, which small caches allow)."""
+    from kernels.paged_decode import _PLANS, paged_decode_attention_triton
     lens, hq, hkv, d, bs, splits, dtype, win, strided = GRID[row]
     case = make_paged_case(lens, hq, hkv, d, bs, dtype=dtype, seed=row, strided=strided)
-    ws = kernels.DecodeWorkspace(len(lens), hkv, "cpu")
-    for workspace in (None, ws):
-        out = torch.full_like(case.q, float("nan"))
-        paged_decode_attention_triton(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
-                                      num_splits=splits, sliding_window=win, out=out, workspace=workspace,
-                                      config=KernelConfig(32, 2, 1, warp_split=True))
-        assert rel_error(out, reference_fp64(case, sliding_window=win)) <= TOLERANCE[dtype]
-    assert ws.idle()
+    out = torch.full_like(case.q, float("nan"))
+    cfg = KernelConfig(32, 4, 1, offsets_32=False)
+    paged_decode_attention_triton(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                  num_splits=splits, sliding_window=win, out=out, config=cfg)
+    assert rel_error(out, reference_fp64(case, sliding_window=win)) <= TOLERANCE[dtype]
+    assert {p.kw1["OFFSETS_32"] for k, p in _PLANS.items() if k[4] == cfg} == {False}
+
+
+def test_int32_offsets_only_where_every_cache_offset_fits():
+    from kernels.paged_decode import _offsets_fit_int32
+    meta = torch.empty(0, device="meta")
+    fits = meta.new_empty((2**31 // 2048, 16, 1, 128))            # largest offset 2**31 - 1
+    over = meta.new_empty((2**31 // 2048 + 1, 16, 1, 128))        # one block more
+    assert _offsets_fit_int32(fits, fits) and not _offsets_fit_int32(fits, over)
+    gaps = meta.new_empty((4, 16, 8, 128)).as_strided((4, 16, 8, 128), (2**30, 1024, 128, 1))
+    assert not _offsets_fit_int32(gaps)                           # 3 * 2**30 + ...: strides count, not numel
 
 
 def test_plans_are_per_signature_and_see_new_data():
