@@ -62,8 +62,8 @@ def test_large_batch():
 
 @pytest.mark.parametrize("splits", [1, 8])
 def test_caches_beyond_int32_offsets(splits):
-    """Caches of more than 2**31 elements (4.3 GB each here) take int64 offsets: blocks at the top of the cache
-    are read right. Only the blocks the table names hold data; the fp64 reference gathers the same blocks."""
+    """Caches of more than 2**31 elements (4.3 GB each here) take int64 offsets: blocks at the top of the
+    cache are read right. Only the blocks the table names hold data; the fp64 reference gathers them too."""
     from kernels.paged_decode import _offsets_fit_int32
     n_blocks, bs, hkv, d = 2**31 // (16 * 128) + 64, 16, 1, 128
     k_cache = torch.empty(n_blocks, bs, hkv, d, device="cuda", dtype=BF16)
