@@ -36,14 +36,17 @@ class KernelConfig:
     offsets_32: bool = True  # int32 cache offsets where both caches allow it (fewer address instructions)
 
 
-# Measured on the H200 (bf16, D=128, Hq/Hkv=4; `python -m kernels.tune`, runs 9-12 in docs/kernel_notes.md).
-# One split (batch >= 64): 64-token tiles, 4 warps, 2 stages, KV heads fastest in the grid and the first
-# block ids loaded alongside seq_len were best at every shape. Several splits (few long sequences): 3 stages,
-# early table, stage 2 under PDL. Block sizes <= 4 (a tile spans 16+ blocks): 32-token tiles, 6 stages, the
-# block ids loaded in the loop so the pipeliner stages them. Head dim 256 keeps its run-5 config (unswept).
-_ONE_SPLIT = KernelConfig(64, 4, 2, heads_fastest=True, early_table=True)
+# Measured on the H200 (bf16, D=128, Hq/Hkv=4; `python -m kernels.tune`, runs 9-12 and 19 in
+# docs/kernel_notes.md). One split (batch >= 64): 64-token tiles, 4 warps, 2 stages, KV heads fastest in the
+# grid and the first block ids loaded alongside seq_len were best at every shape; int64 offsets, because
+# int32 ones made (128, 4096) 4% slower (495.5 -> 515.9 us) for +-1% elsewhere. Several splits (few long
+# sequences): 3 stages, early table, stage 2 under PDL, int32 offsets. Block sizes <= 4 (a tile spans 16+
+# blocks, so address math dominates): with int32 offsets the one-split config took 498.3 us at block size 1
+# against 608.6 without and 502.8 for 32-token tiles, 6 stages, ids loaded in the loop (still used with
+# splits). Head dim 256 keeps its run-5 config (unswept).
+_ONE_SPLIT = KernelConfig(64, 4, 2, heads_fastest=True, early_table=True, offsets_32=False)
 _MANY_SPLITS = KernelConfig(64, 4, 3, heads_fastest=True, early_table=True, pdl=True)
-_TINY_BLOCKS = KernelConfig(32, 4, 6, table_in_loop=True, heads_fastest=True)
+_TINY_BLOCKS = KernelConfig(64, 4, 2, heads_fastest=True, early_table=True)
 _TINY_BLOCKS_SPLITS = KernelConfig(32, 4, 6, table_in_loop=True, heads_fastest=True, pdl=True)
 _HEAD_DIM_256 = KernelConfig(block_n=32, num_warps=4, num_stages=2)
 _INTERPRETER_CONFIG = KernelConfig(block_n=32, num_warps=4, num_stages=1)

@@ -25,8 +25,11 @@ def test_no_split_is_empty_and_one_wave_at_most(batch, ctx):
 
 def test_config_table_by_block_size_splits_and_dtype():
     cuda = torch.device("cuda")
-    assert choose_config(cuda, 128, 2, 16, 1) == KernelConfig(64, 4, 2, heads_fastest=True, early_table=True)
+    assert choose_config(cuda, 128, 2, 16, 1) == KernelConfig(64, 4, 2, heads_fastest=True, early_table=True,
+                                                              offsets_32=False)
     assert choose_config(cuda, 128, 2, 16, 8).pdl and choose_config(cuda, 128, 2, 16, 8).num_stages == 3
-    assert choose_config(cuda, 128, 2, 1, 1).table_in_loop
+    assert choose_config(cuda, 128, 2, 16, 8).offsets_32                      # int32 offsets with splits
+    assert choose_config(cuda, 128, 2, 1, 1).offsets_32                       # and for tiny blocks
+    assert choose_config(cuda, 128, 2, 1, 8).table_in_loop
     assert choose_config(cuda, 128, 4, 16, 1).block_n == 32                   # fp32: half the tile
     assert choose_config(torch.device("cpu"), 128) == KernelConfig(32, 4, 1)  # interpreter
