@@ -85,12 +85,36 @@ def _replay_ms(g, reps=10) -> float:
     return statistics.median(times)
 
 
-def gpu_cold_us(fn, n=20) -> float:
-    """GPU-only time of fn with a cold L2 and no launch gaps: graph of (clear; fn) minus graph of clear."""
-    cache = torch.empty(CLEAR_BYTES // 4, dtype=torch.int32, device="cuda")
-    with_fn = _graph(lambda: (cache.zero_(), fn()), n)
-    alone = _graph(lambda: cache.zero_(), n)
+def gpu_cold_us(fn, n=20, clear="write") -> float:
+    """GPU-only time of fn with a cold L2 and no launch gaps: graph of (clear; fn) minus graph of clear.
+    clear="write" zeroes a 256 MB buffer as do_bench does, which leaves the L2 full of dirty lines that fn's
+    own loads must first write back to DRAM; clear="read" sums it instead, leaving clean lines."""
+    cache = torch.zeros(CLEAR_BYTES // 4, dtype=torch.int32, device="cuda")
+    flush = cache.zero_ if clear == "write" else (lambda: cache.sum(dtype=torch.int64))
+    with_fn = _graph(lambda: (flush(), fn()), n)
+    alone = _graph(flush, n)
     return (_replay_ms(with_fn) - _replay_ms(alone)) / n * 1e3
+
+
+def l2_probe(out_dir: Path) -> None:
+    """How much of a cold-L2 time is the write-back of the clear's dirty lines: ours and SDPA GPU-only after a
+    writing clear (do_bench's) and after a reading one. Prints a table, writes l2_probe.json."""
+    rows = []
+    for batch, ctx in SHAPES[:3] + [(64, 8192)]:
+        shape = Shape(batch, ctx, 16)
+        row = {"B": batch, "L": ctx}
+        for name, fn in (("ours", shape.ours), ("sdpa", shape.sdpa_contig)):
+            for clear in ("write", "read"):
+                row[f"{name}_{clear}_clear_gpu_us"] = gpu_cold_us(fn, clear=clear)
+        rows.append(row)
+        print(f"B={batch:<4} L={ctx:<6} ours {row['ours_write_clear_gpu_us']:7.1f} -> "
+              f"{row['ours_read_clear_gpu_us']:7.1f} us   SDPA {row['sdpa_write_clear_gpu_us']:7.1f} -> "
+              f"{row['sdpa_read_clear_gpu_us']:7.1f} us   (writing clear -> reading clear)", flush=True)
+        del shape
+        torch.cuda.empty_cache()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    (out_dir / "l2_probe.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
 
 
 def try_bench_us(fn) -> float:
@@ -346,9 +370,14 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="docs/benchmarks")
     ap.add_argument("--sweep", action="store_true", help="also time several tile configs and split counts")
     ap.add_argument("--budget-s", type=float, default=330, help="stop sweeping after this many seconds")
+    ap.add_argument("--l2-probe", action="store_true",
+                    help="only: GPU-only times after a writing vs a reading L2 clear (l2_probe.json)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("kernels.benchmark needs a CUDA GPU")
+    if args.l2_probe:
+        l2_probe(Path(args.out))
+        return
     t0 = time.time()
     deadline = t0 + args.budget_s
     copy = copy_tbps()
