@@ -139,9 +139,9 @@ def _paged_decode_stage1(
     k_base = K + kvh.to(tl.int64) * stride_kh
     v_base = V + kvh.to(tl.int64) * stride_vh
 
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)          # running max (log2 units)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)                         # running sum
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)           # unnormalised output
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)              # running max (log2 units)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)                             # running sum
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)               # unnormalised output
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
         valid = pos < hi
@@ -150,14 +150,14 @@ def _paged_decode_stage1(
             blk = _load_block_ids(table_row, pos, hi, BLOCK_SIZE, OFFSETS_32)
         # K and V of this tile are both in flight before any math
         k = _load_kv_tile(k_base, blk, pos, valid, offs_d, d_mask, stride_kb, stride_kt, stride_kd,
-                          BLOCK_SIZE, OFFSETS_32)                                   # (BN, DP)
+                          BLOCK_SIZE, OFFSETS_32)                       # (BN, DP)
         v = _load_kv_tile(v_base, blk, pos, valid, offs_d, d_mask, stride_vb, stride_vt, stride_vd,
-                          BLOCK_SIZE, OFFSETS_32)                                   # (BN, DP)
+                          BLOCK_SIZE, OFFSETS_32)                       # (BN, DP)
         if not TABLE_IN_LOOP:
             blk = _load_block_ids(table_row, pos + BLOCK_N, hi, BLOCK_SIZE, OFFSETS_32)   # next tile's
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # (GP, BN)
         qk = tl.where(valid[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))                  # finite: every tile has a valid pos
+        m_new = tl.maximum(m_i, tl.max(qk, 1))                          # finite: a tile has a valid pos
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
