@@ -78,11 +78,26 @@ def _load_block_ids(table_row, pos, hi, BLOCK_SIZE: tl.constexpr, OFFSETS_32: tl
 
 @triton.jit
 def _load_kv_tile(base, blk, pos, valid, offs_d, d_mask, stride_b, stride_t, stride_d,
-                  BLOCK_SIZE: tl.constexpr, OFFSETS_32: tl.constexpr):
-    """(BLOCK_N, HEAD_DIM_PAD) tile of K or V for token positions `pos` living in blocks `blk`."""
+                  BLOCK_SIZE: tl.constexpr, OFFSETS_32: tl.constexpr, EVICT: tl.constexpr):
+    """(BLOCK_N, HEAD_DIM_PAD) tile of K or V for token positions `pos` living in blocks `blk`. EVICT is the
+    L2 eviction hint ("" or "evict_first"); Triton keeps it on plain loads, not on its cp.async pipeline."""
     tok = _index(pos % BLOCK_SIZE, OFFSETS_32)
     offs = blk[:, None] * stride_b + tok[:, None] * stride_t + offs_d[None, :] * stride_d
-    return tl.load(base + offs, mask=valid[:, None] & d_mask[None, :], other=0.0)
+    return tl.load(base + offs, mask=valid[:, None] & d_mask[None, :], other=0.0, eviction_policy=EVICT)
+
+
+@triton.jit
+def _softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One tile of online softmax: q (GP, DP); k, v (BN, DP) of the tokens marked `valid` (BN,); running
+    max m (GP,) in log2 units, sum l (GP,) and unnormalised output acc (GP, DP). Returns the new m, l, acc."""
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale      # (GP, BN)
+    qk = tl.where(valid[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))                          # finite: a tile has a valid pos
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -101,7 +116,7 @@ def _paged_decode_stage1(
     FUSED_MERGE: tl.constexpr, DOT_PRECISION: tl.constexpr, TABLE_IN_LOOP: tl.constexpr,
     HEADS_FASTEST: tl.constexpr, EARLY_TABLE: tl.constexpr, USE_PDL: tl.constexpr,
     MERGE_GROUP_PAD: tl.constexpr, MERGE_BLOCK_S: tl.constexpr, MERGE_CHUNK_S: tl.constexpr,
-    OFFSETS_32: tl.constexpr,
+    OFFSETS_32: tl.constexpr, REG_PREFETCH: tl.constexpr, EVICT: tl.constexpr,
 ):
     if USE_PDL:
         gdc_launch_dependents()              # stage 2 may start launching now; it waits for our writes itself
@@ -142,27 +157,40 @@ def _paged_decode_stage1(
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)              # running max (log2 units)
     l_i = tl.zeros([GROUP_PAD], tl.float32)                             # running sum
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)               # unnormalised output
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + offs_n
-        valid = pos < hi
-        if TABLE_IN_LOOP:
-            # block ids from the tile index: the pipeliner can stage this load ahead of the K/V copies
-            blk = _load_block_ids(table_row, pos, hi, BLOCK_SIZE, OFFSETS_32)
-        # K and V of this tile are both in flight before any math
-        k = _load_kv_tile(k_base, blk, pos, valid, offs_d, d_mask, stride_kb, stride_kt, stride_kd,
-                          BLOCK_SIZE, OFFSETS_32)                       # (BN, DP)
-        v = _load_kv_tile(v_base, blk, pos, valid, offs_d, d_mask, stride_vb, stride_vt, stride_vd,
-                          BLOCK_SIZE, OFFSETS_32)                       # (BN, DP)
-        if not TABLE_IN_LOOP:
-            blk = _load_block_ids(table_row, pos + BLOCK_N, hi, BLOCK_SIZE, OFFSETS_32)   # next tile's
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # (GP, BN)
-        qk = tl.where(valid[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))                          # finite: a tile has a valid pos
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    if REG_PREFETCH:
+        # plain loads, one tile ahead into registers: the next tile's K/V are in flight during this tile's
+        # math, and unlike the cp.async pipeline they keep EVICT (evict_first streams the KV through L2
+        # without pushing out lines that are there already, e.g. dirty ones that would need a write-back)
+        k = _load_kv_tile(k_base, blk, lo + offs_n, lo + offs_n < hi, offs_d, d_mask, stride_kb, stride_kt,
+                          stride_kd, BLOCK_SIZE, OFFSETS_32, EVICT)     # (BN, DP)
+        v = _load_kv_tile(v_base, blk, lo + offs_n, lo + offs_n < hi, offs_d, d_mask, stride_vb, stride_vt,
+                          stride_vd, BLOCK_SIZE, OFFSETS_32, EVICT)     # (BN, DP)
+        blk = _load_block_ids(table_row, lo + BLOCK_N + offs_n, hi, BLOCK_SIZE, OFFSETS_32)
+        for start in range(lo, hi, BLOCK_N):
+            nxt = start + BLOCK_N + offs_n
+            k_next = _load_kv_tile(k_base, blk, nxt, nxt < hi, offs_d, d_mask, stride_kb, stride_kt,
+                                   stride_kd, BLOCK_SIZE, OFFSETS_32, EVICT)
+            v_next = _load_kv_tile(v_base, blk, nxt, nxt < hi, offs_d, d_mask, stride_vb, stride_vt,
+                                   stride_vd, BLOCK_SIZE, OFFSETS_32, EVICT)
+            blk = _load_block_ids(table_row, nxt + BLOCK_N, hi, BLOCK_SIZE, OFFSETS_32)
+            m_i, l_i, acc = _softmax_step(q, k, v, start + offs_n < hi, m_i, l_i, acc, qk_scale,
+                                          DOT_PRECISION)
+            k, v = k_next, v_next
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            pos = start + offs_n
+            valid = pos < hi
+            if TABLE_IN_LOOP:
+                # block ids from the tile index: the pipeliner can stage this load ahead of the K/V copies
+                blk = _load_block_ids(table_row, pos, hi, BLOCK_SIZE, OFFSETS_32)
+            # K and V of this tile are both in flight before any math
+            k = _load_kv_tile(k_base, blk, pos, valid, offs_d, d_mask, stride_kb, stride_kt, stride_kd,
+                              BLOCK_SIZE, OFFSETS_32, EVICT)            # (BN, DP)
+            v = _load_kv_tile(v_base, blk, pos, valid, offs_d, d_mask, stride_vb, stride_vt, stride_vd,
+                              BLOCK_SIZE, OFFSETS_32, EVICT)            # (BN, DP)
+            if not TABLE_IN_LOOP:
+                blk = _load_block_ids(table_row, pos + BLOCK_N, hi, BLOCK_SIZE, OFFSETS_32)   # next tile's
+            m_i, l_i, acc = _softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]                          # empty split / seq_len 0 -> zeros
@@ -283,6 +311,8 @@ class _DecodePlan:
                         EARLY_TABLE=early, USE_PDL=pdl, MERGE_GROUP_PAD=group_pad, MERGE_BLOCK_S=block_s,
                         MERGE_CHUNK_S=chunk1,
                         OFFSETS_32=cfg.offsets_32 and _offsets_fit_int32(k_cache, v_cache),
+                        REG_PREFETCH=cfg.reg_prefetch and not cfg.table_in_loop,
+                        EVICT="evict_first" if cfg.evict_first else "",
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         self.kw2 = dict(HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_S=block_s, CHUNK_S=chunk2,
                         USE_PDL=pdl,

@@ -34,6 +34,8 @@ class KernelConfig:
     early_table: bool = False    # split size from the table width: first block ids load alongside seq_len
     pdl: bool = False        # launch stage 2 with programmatic dependent launch (CUDA only)
     offsets_32: bool = True  # int32 cache offsets where both caches allow it (fewer address instructions)
+    reg_prefetch: bool = False  # plain loads one tile ahead into registers, not Triton's cp.async pipeline
+    evict_first: bool = False   # L2 evict-first hint on K/V loads (kept by plain loads only)
 
 
 # Measured on the H200 (bf16, D=128, Hq/Hkv=4; `python -m kernels.tune`, runs 9-12 and 19 in
@@ -45,7 +47,8 @@ class KernelConfig:
 # against 608.6 without and 502.8 for 32-token tiles, 6 stages, ids loaded in the loop (still used with
 # splits). Head dim 256 keeps its run-5 config (unswept).
 _ONE_SPLIT = KernelConfig(64, 4, 2, heads_fastest=True, early_table=True, offsets_32=False)
-_MANY_SPLITS = KernelConfig(64, 4, 3, heads_fastest=True, early_table=True, pdl=True)
+_MANY_SPLITS = KernelConfig(64, 4, 1, heads_fastest=True, early_table=True, pdl=True, reg_prefetch=True,
+                            evict_first=True)
 _TINY_BLOCKS = KernelConfig(64, 4, 2, heads_fastest=True, early_table=True)
 _TINY_BLOCKS_SPLITS = KernelConfig(32, 4, 6, table_in_loop=True, heads_fastest=True, pdl=True)
 _HEAD_DIM_256 = KernelConfig(block_n=32, num_warps=4, num_stages=2)

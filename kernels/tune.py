@@ -130,6 +130,15 @@ OFFSET_CONFIGS = [dataclasses.replace(c, offsets_32=o) for c in _SHIPPED for o i
 OFFSET_SPLITS = {(1, 4096): (16, 32), (1, 32768): (32, 48, 64), (16, 4096): (1, 2, 3, 4), (64, 2048): (1, 2),
                  (64, 8192): (1,), (128, 4096): (1,), (256, 1024): (1,)}
 
+# plain loads one tile ahead with the L2 evict-first hint (reg_prefetch) vs the shipped cp.async configs: the
+# hint keeps the KV stream from evicting lines already in L2 (do_bench's clear leaves them dirty, run 22)
+_RP = dict(heads_fastest=T, early_table=T, reg_prefetch=T)
+EVICT_CONFIGS = [*_SHIPPED[:2], K(64, 4, 1, pdl=T, evict_first=T, **_RP),
+                 K(32, 4, 1, pdl=T, evict_first=T, **_RP), K(64, 4, 1, pdl=T, **_RP),
+                 K(64, 4, 1, evict_first=T, offsets_32=False, **_RP)]
+EVICT_SPLITS = {(1, 32768): (32, 64), (16, 4096): (2, 4), (1, 4096): (16,), (64, 2048): (1,),
+                (64, 8192): (1,), (128, 4096): (1,), (256, 1024): (1,)}
+
 FINAL_CONFIGS = [K(64, 4, 2, heads_fastest=T, early_table=T), K(64, 4, 2, early_table=T),
                  K(64, 4, 3, heads_fastest=T, early_table=T, pdl=T), K(64, 4, 3, early_table=T, pdl=T),
                  K(32, 4, 6, T, heads_fastest=T), K(32, 4, 6, T, pdl=T)]
@@ -146,16 +155,19 @@ def main(argv=None) -> None:
                     help="in-launch merge (workspace) vs stage-2 launch at the split shapes, do_bench refine")
     ap.add_argument("--offsets", action="store_true",
                     help="int32 cache offsets off vs on, shipped configs with a workspace, do_bench refine")
+    ap.add_argument("--evict", action="store_true",
+                    help="register prefetch + evict-first loads vs the shipped configs, with a workspace")
     args = ap.parse_args(argv)
     t0 = time.time()
     deadline = t0 + args.budget_s
     configs = (DEEP_CONFIGS if args.deep else FINAL_CONFIGS if args.final else MERGE_CONFIGS if args.merge
-               else OFFSET_CONFIGS if args.offsets else CONFIGS)
-    knob = "workspace" if args.merge else "offsets_32" if args.offsets else None   # the A/B, if any
+               else OFFSET_CONFIGS if args.offsets else EVICT_CONFIGS if args.evict else CONFIGS)
+    knob = ("workspace" if args.merge else "offsets_32" if args.offsets     # the A/B, if any
+            else "reg_prefetch" if args.evict else None)
     full = not (args.final or args.deep or knob)           # the short lists skip refine, host rows, stage 2
     splits_by_shape = (DEEP_SPLITS if args.deep else MERGE_SPLITS if args.merge
-                       else OFFSET_SPLITS if args.offsets else SPLITS)
-    workspaces = (False, True) if args.merge else (True,) if args.offsets else (False,)
+                       else OFFSET_SPLITS if args.offsets else EVICT_SPLITS if args.evict else SPLITS)
+    workspaces = (False, True) if args.merge else (True,) if args.offsets or args.evict else (False,)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "shapes": []}
     for layout in args.layouts.split(","):
@@ -171,7 +183,7 @@ def main(argv=None) -> None:
             print(f"[{time.time() - t0:5.0f}s] {layout} {b}x{ctx}: best {best:.1f} us", flush=True)
             del shape
             torch.cuda.empty_cache()
-        for b, ctx, bs in ([] if args.deep or args.merge else BLOCK_SIZE_ROWS):
+        for b, ctx, bs in ([] if args.deep or args.merge or args.evict else BLOCK_SIZE_ROWS):
             shape = Shape(b, ctx, bs, layout)
             rows = sweep_shape(shape, (1,), configs, deadline)
             refined = refine(shape, rows) if full else refine_ab(shape, rows, knob) if knob else []
@@ -213,8 +225,9 @@ def table(result) -> str:
 
 
 def _cfg_name(c: dict) -> str:
-    flags = "".join(f"/{k[0].upper()}" for k in ("table_in_loop", "heads_fastest", "early_table", "pdl")
-                    if c.get(k))
+    flags = "".join(f"/{k[0].upper()}" for k in ("table_in_loop", "heads_fastest", "early_table", "pdl",
+                                                   "reg_prefetch", "evict_first") if c.get(k))
+    flags += "" if c.get("offsets_32", True) else "/i64"
     return f"{c['block_n']}/{c['num_warps']}w/{c['num_stages']}s{flags}"
 
 

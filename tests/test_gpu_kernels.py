@@ -167,7 +167,11 @@ VARIANTS = [dict(block_n=64, num_warps=4, num_stages=3, table_in_loop=True, pdl=
             dict(block_n=32, num_warps=4, num_stages=2, pdl=True, early_table=True),
             dict(block_n=128, num_warps=8, num_stages=3, table_in_loop=True, heads_fastest=True),
             dict(block_n=64, num_warps=4, num_stages=2, heads_fastest=True, early_table=True, pdl=True),
-            dict(block_n=32, num_warps=2, num_stages=6, table_in_loop=True, pdl=True)]
+            dict(block_n=32, num_warps=2, num_stages=6, table_in_loop=True, pdl=True),
+            dict(block_n=64, num_warps=4, num_stages=1, heads_fastest=True, early_table=True, pdl=True,
+                 reg_prefetch=True, evict_first=True),
+            dict(block_n=32, num_warps=4, num_stages=1, reg_prefetch=True, evict_first=True,
+                 offsets_32=False)]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

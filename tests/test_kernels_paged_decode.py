@@ -181,6 +181,23 @@ def test_int64_offsets_variant_matches_reference(row):
     assert {p.kw1["OFFSETS_32"] for k, p in _PLANS.items() if k[4] == cfg} == {False}
 
 
+@pytest.mark.parametrize("row", [0, 2, 5, 7])
+def test_register_prefetch_variant_matches_reference(row):
+    """Plain loads one tile ahead into registers with the evict-first hint, over rows with empty splits,
+    windows, ragged lengths and several tiles a split; with and without a workspace."""
+    from kernels.paged_decode import paged_decode_attention_triton
+    lens, hq, hkv, d, bs, splits, dtype, win, strided = GRID[row]
+    case = make_paged_case(lens, hq, hkv, d, bs, dtype=dtype, seed=row, strided=strided)
+    ws = kernels.DecodeWorkspace(len(lens), hkv, "cpu")
+    for workspace in (None, ws):
+        out = torch.full_like(case.q, float("nan"))
+        paged_decode_attention_triton(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                      num_splits=splits, sliding_window=win, out=out, workspace=workspace,
+                                      config=KernelConfig(16, 4, 1, reg_prefetch=True, evict_first=True))
+        assert rel_error(out, reference_fp64(case, sliding_window=win)) <= TOLERANCE[dtype]
+    assert ws.idle()
+
+
 def test_int32_offsets_only_where_every_cache_offset_fits():
     from kernels.paged_decode import _offsets_fit_int32
     meta = torch.empty(0, device="meta")
