@@ -47,8 +47,7 @@ class KernelConfig:
 # against 608.6 without and 502.8 for 32-token tiles, 6 stages, ids loaded in the loop (still used with
 # splits). Head dim 256 keeps its run-5 config (unswept).
 _ONE_SPLIT = KernelConfig(64, 4, 2, heads_fastest=True, early_table=True, offsets_32=False)
-_MANY_SPLITS = KernelConfig(64, 4, 1, heads_fastest=True, early_table=True, pdl=True, reg_prefetch=True,
-                            evict_first=True)
+_MANY_SPLITS = KernelConfig(64, 4, 3, heads_fastest=True, early_table=True, pdl=True)
 _TINY_BLOCKS = KernelConfig(64, 4, 2, heads_fastest=True, early_table=True)
 _TINY_BLOCKS_SPLITS = KernelConfig(32, 4, 6, table_in_loop=True, heads_fastest=True, pdl=True)
 _HEAD_DIM_256 = KernelConfig(block_n=32, num_warps=4, num_stages=2)
