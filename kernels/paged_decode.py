@@ -4,12 +4,12 @@ Stage 1, grid (seq, kv_head, split) or (kv_head, seq, split) (HEADS_FASTEST: the
 run side by side): the query heads of one KV head are the rows of one tile; each program walks its split's
 tokens in tiles of BLOCK_N (looked up through the block table, so the tile width is independent of
 block_size), keeps m, l, o in fp32 and rescales by exp2(m_old - m_new). It writes either the final output (one
-split) or a normalised partial output and its log2-sum-exp. The splits are merged by their LSE either by a
-second launch, stage 2, grid (seq, q_head), launched with programmatic dependent launch where the config says
-so; or, when the caller passes a `DecodeWorkspace` (FUSED_MERGE), in the same launch: every split program
-takes a ticket from its (seq, kv_head) counter after its partial is written; the one that draws the last
-ticket merges all splits, in split order (so the result does not depend on which program finished last), and
-sets the counter back to zero for the next launch.
+split) or a normalised partial output and its log2-sum-exp. The splits are merged by their LSE
+(kernels/split_merge.py) either by a second launch, stage 2, grid (seq, q_head), launched with programmatic
+dependent launch where the config says so; or, when the caller passes a `DecodeWorkspace` (FUSED_MERGE), in
+the same launch: every split program takes a ticket from its (seq, kv_head) counter after its partial is
+written; the one that draws the last ticket merges all splits, in split order (so the result does not depend
+on which program finished last), and sets the counter back to zero for the next launch.
 
 The block ids of a split's first tile load either after seq_len (the split size follows from seq_len: the
 rule that makes a fixed num_splits batch-invariant) or, with EARLY_TABLE, alongside it (the split size
@@ -27,7 +27,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from kernels.dispatch import check_decode_inputs
 from kernels.launch_cache import CachedLauncher, CompiledLaunch, current_stream
@@ -38,16 +38,11 @@ from kernels.split_heuristic import (
     choose_num_splits,
     num_sms,
 )
+from kernels.split_merge import MAX_FUSED_CHUNKS, merge_chunk, merge_group, merge_stage2
 from kernels.workspace import DecodeWorkspace
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30
-# fp32 elements of partial output one merge chunk loads, (heads, CS, D): 64 registers a thread at 4 warps.
-# The chunk loop is unrolled; the in-launch merge is used only up to MAX_FUSED_CHUNKS chunks (code size),
-# beyond that the splits are merged by stage 2 even with a workspace.
-MERGE_CHUNK_ELEMS = 8192
-MAX_FUSED_CHUNKS = 8
-
 
 @triton.jit
 def _split_range(seq_len, window, split, num_splits, BLOCK_N: tl.constexpr):
@@ -211,68 +206,14 @@ def _paged_decode_stage1(
             counter = TICKETS + seq * num_kv_heads + kvh
             ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if ticket == num_splits - 1:
-                _merge_group(O_PART + seq * stride_pb, LSE_PART + seq * stride_lb, OUT + seq * stride_ob,
+                merge_group(O_PART + seq * stride_pb, LSE_PART + seq * stride_lb, OUT + seq * stride_ob,
                              kvh * GROUP, GROUP, num_splits, stride_ph, stride_ps, stride_pd, stride_lh,
                              stride_ls, stride_oh, stride_od, offs_d, d_mask, MERGE_GROUP_PAD, HEAD_DIM_PAD,
                              MERGE_BLOCK_S, MERGE_CHUNK_S)
                 tl.store(counter, 0)         # every ticket drawn: back to zero for the next launch
 
 
-@triton.jit
-def _merge_group(o_part, lse_part, out, first_head, num_heads, num_splits, stride_ph, stride_ps, stride_pd,
-                 stride_lh, stride_ls, stride_oh, stride_od, offs_d, d_mask, GROUP_PAD: tl.constexpr,
-                 HEAD_DIM_PAD: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr):
-    """Merge the splits of query heads first_head + [0, num_heads): out = sum_s 2^lse_s o_s / sum_s 2^lse_s
-    over the normalised partials o_s and their log2-sum-exps lse_s. o_part, lse_part, out point at one
-    sequence. The chunk loop is unrolled, so every load (all heads, all splits) is in flight at once: one
-    round trip to L2, not one per head and chunk. Loads bypass L1 (.cg): in the fused merge other SMs wrote
-    these partials during this launch."""
-    offs_g = tl.arange(0, GROUP_PAD)
-    g_mask = offs_g < num_heads
-    heads = first_head + offs_g                                                     # (GP,)
-    offs_s = tl.arange(0, BLOCK_S)
-    lse = tl.load(lse_part + heads[:, None] * stride_lh + offs_s[None, :] * stride_ls,
-                  mask=g_mask[:, None] & (offs_s < num_splits)[None, :], other=float("-inf"),
-                  cache_modifier=".cg")                                             # (GP, BS)
-    m = tl.max(lse, 1)
-    m = tl.where(m == float("-inf"), 0.0, m)                                        # all splits empty
-    denom = tl.sum(tl.exp2(lse - m[:, None]), 1)                                    # (GP,)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    for c in tl.static_range(0, BLOCK_S, CHUNK_S):
-        s = c + tl.arange(0, CHUNK_S)
-        gs_mask = g_mask[:, None] & (s < num_splits)[None, :]                      # (GP, CS)
-        w = tl.exp2(tl.load(lse_part + heads[:, None] * stride_lh + s[None, :] * stride_ls, mask=gs_mask,
-                            other=float("-inf"), cache_modifier=".cg") - m[:, None])   # (GP, CS)
-        o = tl.load(o_part + heads[:, None, None] * stride_ph + s[None, :, None] * stride_ps
-                    + offs_d[None, None, :] * stride_pd, mask=gs_mask[:, :, None] & d_mask[None, None, :],
-                    other=0.0, cache_modifier=".cg")                                # (GP, CS, DP)
-        acc += tl.sum(o * w[:, :, None], 1)
-    res = acc / tl.where(denom > 0, denom, 1.0)[:, None]
-    tl.store(out + heads[:, None] * stride_oh + offs_d[None, :] * stride_od, res.to(out.dtype.element_ty),
-             mask=g_mask[:, None] & d_mask[None, :])
-
-
-@triton.jit
-def _paged_decode_stage2(
-    O_PART, LSE_PART, OUT, num_splits,
-    stride_pb, stride_ph, stride_ps, stride_pd,
-    stride_lb, stride_lh, stride_ls,
-    stride_ob, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    if USE_PDL:
-        gdc_wait()                           # launched early (PDL): wait until stage 1's partials are visible
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    _merge_group(O_PART + seq * stride_pb, LSE_PART + seq * stride_lb, OUT + seq * stride_ob, head, 1,
-                 num_splits, stride_ph, stride_ps, stride_pd, stride_lh, stride_ls, stride_oh, stride_od,
-                 offs_d, offs_d < HEAD_DIM, 1, HEAD_DIM_PAD, BLOCK_S, CHUNK_S)
-
-
 _stage1 = CachedLauncher(_paged_decode_stage1, num_tensors=9)
-_stage2 = CachedLauncher(_paged_decode_stage2, num_tensors=3)
 
 
 class _DecodePlan:
@@ -299,8 +240,8 @@ class _DecodePlan:
         d_pad = triton.next_power_of_2(d)
         block_s = triton.next_power_of_2(num_splits)
         group_pad = triton.next_power_of_2(hq // hkv)
-        chunk1 = min(block_s, max(1, MERGE_CHUNK_ELEMS // (group_pad * d_pad)))   # in-launch: GROUP heads
-        chunk2 = min(block_s, max(1, MERGE_CHUNK_ELEMS // d_pad))                 # stage 2: one head
+        chunk1 = merge_chunk(block_s, group_pad * d_pad)                         # in-launch: GROUP heads
+        chunk2 = merge_chunk(block_s, d_pad)                                     # stage 2: one head
         self.fused = self.fused and block_s // chunk1 <= MAX_FUSED_CHUNKS
         pdl = cfg.pdl and q.is_cuda and not (self.one or self.fused)
         self.kw1 = dict(GROUP=hq // hkv, GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)), HEAD_DIM=d,
@@ -364,10 +305,10 @@ class _DecodePlan:
         bound1 = _stage1(self.grid1, *args1, **self.kw1)
         bound2 = None
         if not (self.one or self.fused):
-            bound2 = _stage2(self.grid2[:2], o_part, lse_part, out, *self.ints2, **self.kw2)
+            bound2 = merge_stage2(self.grid2[:2], o_part, lse_part, out, *self.ints2, **self.kw2)
         if isinstance(bound1, CompiledLaunch):
             self.tail1 = _stage1.tail(len(args1), self.kw1)
-            self.tail2 = _stage2.tail(3 + len(self.ints2), self.kw2) if bound2 is not None else ()
+            self.tail2 = merge_stage2.tail(3 + len(self.ints2), self.kw2) if bound2 is not None else ()
             self.bound = (bound1, bound2)
         return out
 

@@ -90,14 +90,14 @@ def refine(shape: Shape, rows, top=3) -> list[dict]:
 
 def stage2_alone_us(batch: int, splits: int, hq: int = 32, d: int = 128) -> float:
     """GPU-only time of the merge launch by itself (random partials): what a second launch costs."""
-    from kernels.paged_decode import _stage2
+    from kernels.split_merge import merge_stage2
     part = batch * hq * splits * d
     work = torch.randn(part + part // d, device="cuda")
     out = torch.empty(batch, hq, d, device="cuda", dtype=torch.bfloat16)
     block_s = triton.next_power_of_2(splits)
     args = (work[:part], work[part:], out, splits, hq * splits * d, splits * d, d, 1, hq * splits, splits, 1,
             *out.stride())
-    return gpu_cold_us(lambda: _stage2((batch, hq), *args, HEAD_DIM=d, HEAD_DIM_PAD=d, BLOCK_S=block_s,
+    return gpu_cold_us(lambda: merge_stage2((batch, hq), *args, HEAD_DIM=d, HEAD_DIM_PAD=d, BLOCK_S=block_s,
                                        CHUNK_S=min(block_s, 16), USE_PDL=False, num_warps=4, num_stages=1))
 
 
