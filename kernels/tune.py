@@ -144,6 +144,29 @@ FINAL_CONFIGS = [K(64, 4, 2, heads_fastest=T, early_table=T), K(64, 4, 2, early_
                  K(32, 4, 6, T, heads_fastest=T), K(32, 4, 6, T, pdl=T)]
 
 
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """One kind of sweep: what it times, and whether it is an A/B (`knob`: the row field or config flag
+    compared, refined by do_bench on each side) or the full sweep (refine with PDL, host rows, stage 2)."""
+    configs: list
+    splits: dict                # (B, L) -> split counts
+    knob: str | None = None
+    workspaces: tuple = (False,)
+    block_size_rows: bool = True
+    full: bool = False
+
+
+MODES = {"full": Mode(CONFIGS, SPLITS, full=True), "final": Mode(FINAL_CONFIGS, SPLITS),
+         "deep": Mode(DEEP_CONFIGS, DEEP_SPLITS, block_size_rows=False),
+         "merge": Mode(MERGE_CONFIGS, MERGE_SPLITS, "workspace", (False, True), block_size_rows=False),
+         "offsets": Mode(OFFSET_CONFIGS, OFFSET_SPLITS, "offsets_32", (True,)),
+         "evict": Mode(EVICT_CONFIGS, EVICT_SPLITS, "reg_prefetch", (True,), block_size_rows=False)}
+
+
+def _refined(mode: Mode, shape: Shape, rows) -> list[dict]:
+    return refine(shape, rows) if mode.full else refine_ab(shape, rows, mode.knob) if mode.knob else []
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="docs/benchmarks")
@@ -160,44 +183,37 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     t0 = time.time()
     deadline = t0 + args.budget_s
-    configs = (DEEP_CONFIGS if args.deep else FINAL_CONFIGS if args.final else MERGE_CONFIGS if args.merge
-               else OFFSET_CONFIGS if args.offsets else EVICT_CONFIGS if args.evict else CONFIGS)
-    knob = ("workspace" if args.merge else "offsets_32" if args.offsets     # the A/B, if any
-            else "reg_prefetch" if args.evict else None)
-    full = not (args.final or args.deep or knob)           # the short lists skip refine, host rows, stage 2
-    splits_by_shape = (DEEP_SPLITS if args.deep else MERGE_SPLITS if args.merge
-                       else OFFSET_SPLITS if args.offsets else EVICT_SPLITS if args.evict else SPLITS)
-    workspaces = (False, True) if args.merge else (True,) if args.offsets or args.evict else (False,)
+    chosen = [m for m in ("deep", "final", "merge", "offsets", "evict") if getattr(args, m)]
+    mode = MODES[chosen[0] if chosen else "full"]
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "shapes": []}
     for layout in args.layouts.split(","):
-        for (b, ctx), splits in splits_by_shape.items():
+        for (b, ctx), splits in mode.splits.items():
             shape = Shape(b, ctx, 16, layout)
-            rows = sweep_shape(shape, splits, configs, deadline, workspaces)
-            refined = refine(shape, rows) if full else refine_ab(shape, rows, knob) if knob else []
-            entry = {"B": b, "L": ctx, "block_size": 16, "layout": layout, "sweep": rows, "refined": refined}
-            if full:
+            rows = sweep_shape(shape, splits, mode.configs, deadline, mode.workspaces)
+            entry = {"B": b, "L": ctx, "block_size": 16, "layout": layout, "sweep": rows,
+                     "refined": _refined(mode, shape, rows)}
+            if mode.full:
                 entry.update(host_row(shape))
             result["shapes"].append(entry)
             best = min(r["gpu_us"] for r in rows)
             print(f"[{time.time() - t0:5.0f}s] {layout} {b}x{ctx}: best {best:.1f} us", flush=True)
             del shape
             torch.cuda.empty_cache()
-        for b, ctx, bs in ([] if args.deep or args.merge or args.evict else BLOCK_SIZE_ROWS):
+        for b, ctx, bs in (BLOCK_SIZE_ROWS if mode.block_size_rows else []):
             shape = Shape(b, ctx, bs, layout)
-            rows = sweep_shape(shape, (1,), configs, deadline)
-            refined = refine(shape, rows) if full else refine_ab(shape, rows, knob) if knob else []
+            rows = sweep_shape(shape, (1,), mode.configs, deadline)
             result["shapes"].append({"B": b, "L": ctx, "block_size": bs, "layout": layout, "sweep": rows,
-                                     "refined": refined})
+                                     "refined": _refined(mode, shape, rows)})
             del shape
             torch.cuda.empty_cache()
-    if full:
+    if mode.full:
         result["stage2_alone_us"] = {f"{b}x{s}": stage2_alone_us(b, s)
                                      for b, s in ((1, 16), (1, 32), (16, 4))}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, "tune.json").write_text(json.dumps(result, indent=1))
-    print(ab_table(result, knob) if knob else table(result))
-    if full:
+    print(ab_table(result, mode.knob) if mode.knob else table(result))
+    if mode.full:
         print("stage 2 alone, GPU-only us (batch x splits):", result["stage2_alone_us"])
 
 
