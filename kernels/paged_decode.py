@@ -229,7 +229,6 @@ class _DecodePlan:
         self.pairs = bsz * hkv                              # (sequence, KV head) counters a fused merge uses
         self.device_index = q.get_device()
         self.one = num_splits == 1
-        self.fused = fused_merge and not self.one
         # early table: split size from the table width, not seq_len -- only where no caller relies on the
         # seq_len rule (heuristic split count, one split, or an explicit config) and there is no window
         early = (cfg.early_table and not cfg.table_in_loop and window == NO_WINDOW
@@ -242,9 +241,9 @@ class _DecodePlan:
         group_pad = triton.next_power_of_2(hq // hkv)
         chunk1 = merge_chunk(block_s, group_pad * d_pad)                         # in-launch: GROUP heads
         chunk2 = merge_chunk(block_s, d_pad)                                     # stage 2: one head
-        self.fused = self.fused and block_s // chunk1 <= MAX_FUSED_CHUNKS
+        self.fused = fused_merge and not self.one and block_s // chunk1 <= MAX_FUSED_CHUNKS
         pdl = cfg.pdl and q.is_cuda and not (self.one or self.fused)
-        self.kw1 = dict(GROUP=hq // hkv, GROUP_PAD=max(16, triton.next_power_of_2(hq // hkv)), HEAD_DIM=d,
+        self.kw1 = dict(GROUP=hq // hkv, GROUP_PAD=max(16, group_pad), HEAD_DIM=d,
                         HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n,
                         WRITE_FINAL=self.one, FUSED_MERGE=self.fused,
                         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
