@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
+from kernels import l2_hint
 from kernels.dispatch import check_decode_inputs
 from kernels.launch_cache import CachedLauncher, CompiledLaunch, current_stream
 from kernels.split_heuristic import (
@@ -40,6 +41,8 @@ from kernels.split_heuristic import (
 )
 from kernels.split_merge import MAX_FUSED_CHUNKS, merge_chunk, merge_group, merge_stage2
 from kernels.workspace import DecodeWorkspace
+
+l2_hint.install()   # Triton 3.6 drops evict_first on cp.async; see kernels/l2_hint.py
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30

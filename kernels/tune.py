@@ -139,6 +139,12 @@ EVICT_CONFIGS = [*_SHIPPED[:2], K(64, 4, 1, pdl=T, evict_first=T, **_RP),
 EVICT_SPLITS = {(1, 32768): (32, 64), (16, 4096): (2, 4), (1, 4096): (16,), (64, 2048): (1,),
                 (64, 8192): (1,), (128, 4096): (1,), (256, 1024): (1,)}
 
+# the evict-first hint on the cp.async pipeline (kernels/l2_hint.py writes it into the PTX on Triton 3.6) off
+# vs on, for the shipped configs with a workspace (the server's path)
+HINT_CONFIGS = [dataclasses.replace(c, evict_first=e) for c in _SHIPPED for e in (False, True)]
+HINT_SPLITS = {(1, 32768): (32, 48, 64), (16, 4096): (1, 2, 4), (1, 4096): (16, 32), (64, 2048): (1, 2),
+               (64, 8192): (1,), (128, 4096): (1,), (256, 1024): (1,)}
+
 FINAL_CONFIGS = [K(64, 4, 2, heads_fastest=T, early_table=T), K(64, 4, 2, early_table=T),
                  K(64, 4, 3, heads_fastest=T, early_table=T, pdl=T), K(64, 4, 3, early_table=T, pdl=T),
                  K(32, 4, 6, T, heads_fastest=T), K(32, 4, 6, T, pdl=T)]
@@ -160,7 +166,8 @@ MODES = {"full": Mode(CONFIGS, SPLITS, full=True), "final": Mode(FINAL_CONFIGS, 
          "deep": Mode(DEEP_CONFIGS, DEEP_SPLITS, block_size_rows=False),
          "merge": Mode(MERGE_CONFIGS, MERGE_SPLITS, "workspace", (False, True), block_size_rows=False),
          "offsets": Mode(OFFSET_CONFIGS, OFFSET_SPLITS, "offsets_32", (True,)),
-         "evict": Mode(EVICT_CONFIGS, EVICT_SPLITS, "reg_prefetch", (True,), block_size_rows=False)}
+         "evict": Mode(EVICT_CONFIGS, EVICT_SPLITS, "reg_prefetch", (True,), block_size_rows=False),
+         "hint": Mode(HINT_CONFIGS, HINT_SPLITS, "evict_first", (True,))}
 
 
 def _refined(mode: Mode, shape: Shape, rows) -> list[dict]:
@@ -180,10 +187,12 @@ def main(argv=None) -> None:
                     help="int32 cache offsets off vs on, shipped configs with a workspace, do_bench refine")
     ap.add_argument("--evict", action="store_true",
                     help="register prefetch + evict-first loads vs the shipped configs, with a workspace")
+    ap.add_argument("--hint", action="store_true",
+                    help="the evict-first hint on the cp.async pipeline off vs on, shipped configs, workspace")
     args = ap.parse_args(argv)
     t0 = time.time()
     deadline = t0 + args.budget_s
-    chosen = [m for m in ("deep", "final", "merge", "offsets", "evict") if getattr(args, m)]
+    chosen = [m for m in ("deep", "final", "merge", "offsets", "evict", "hint") if getattr(args, m)]
     mode = MODES[chosen[0] if chosen else "full"]
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "shapes": []}

@@ -168,6 +168,8 @@ VARIANTS = [dict(block_n=64, num_warps=4, num_stages=3, table_in_loop=True, pdl=
             dict(block_n=128, num_warps=8, num_stages=3, table_in_loop=True, heads_fastest=True),
             dict(block_n=64, num_warps=4, num_stages=2, heads_fastest=True, early_table=True, pdl=True),
             dict(block_n=32, num_warps=2, num_stages=6, table_in_loop=True, pdl=True),
+            dict(block_n=64, num_warps=4, num_stages=3, heads_fastest=True, early_table=True, pdl=True,
+                 evict_first=True),
             dict(block_n=64, num_warps=4, num_stages=1, heads_fastest=True, early_table=True, pdl=True,
                  reg_prefetch=True, evict_first=True),
             dict(block_n=32, num_warps=4, num_stages=1, reg_prefetch=True, evict_first=True,
@@ -266,3 +268,18 @@ def test_launch_hooks_still_fire():
         triton.knobs.runtime.launch_enter_hook.remove(hook)
     assert len(seen) == 2                                # stage 1 and stage 2
     assert rel_error(out, reference_fp64(case)) <= TOLERANCE[BF16]
+
+
+@pytest.mark.parametrize("evict_first", [False, True])
+def test_cp_async_pipeline_carries_the_l2_hint_only_when_asked(evict_first):
+    """On this machine's Triton the split config's cp.async K/V loads carry the evict-first L2 policy when
+    the config asks for it (Triton 3.6 through kernels/l2_hint.py, later versions by themselves), else none."""
+    from kernels.sass_probe import compile_stage1
+    from kernels.split_heuristic import KernelConfig
+    cfg = KernelConfig(64, 4, 3, heads_fastest=True, early_table=True, pdl=True, evict_first=evict_first)
+    kernel, _ = compile_stage1(1, 32768, config=cfg, workspace=True)
+    ptx = kernel.asm["ptx"]
+    copies = ptx.count("cp.async.cg.shared.global")
+    hinted = ptx.count("cp.async.cg.shared.global.L2::cache_hint")
+    assert copies > 0 and hinted == (copies if evict_first else 0)
+    assert ("createpolicy.fractional.L2::evict_first" in ptx) == evict_first

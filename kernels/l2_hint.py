@@ -1,0 +1,95 @@
+"""The L2 evict-first hint on the decode kernel's cp.async loads, on Triton versions that drop it.
+
+Why: a decode call streams every K/V byte through L2 once. Loaded with an evict-first policy, those lines
+are the first to leave L2, so the stream does not push out what other work left there; lines left dirty (by
+do_bench's cache clear, or by the previous layer's writes) would otherwise be written back to HBM during the
+call (docs/kernel_notes.md runs 22, 23 and 25).
+
+What Triton does: `tl.load(..., eviction_policy="evict_first")` keeps `evictionPolicy = evict_first` on the
+pipelined `ttg.async_copy_global_to_local` up to the TTGIR. Triton 3.9 lowers it to
+`cp.async.cg.shared.global.L2::cache_hint [dst], [src], 16, n, policy` with one
+`createpolicy.fractional.L2::evict_first.b64 policy, 1.0`; Triton 3.6 drops the hint (a plain
+`cp.async.cg.shared.global`).
+
+What this module does on Triton 3.6 (the GPU machine's): through `knobs.runtime.add_stages_inspection_hook`
+it wraps two compile stages of our decode kernel and writes into its PTX what 3.9 writes. It acts only when
+every async copy in the kernel's TTGIR asked for evict_first, so no load gets a hint it did not ask for, and
+only on kernels named in PATCHED_KERNELS. Other Triton versions are left alone: 3.9 emits the hint itself and
+calls the hook with another signature.
+"""
+
+from __future__ import annotations
+
+import re
+
+import triton
+
+PATCHED_KERNELS = ("_paged_decode_stage1",)
+PATCHED_TRITON = ("3.6.",)
+POLICY_REG = "%l2_evict_first"
+
+_ASYNC_COPY = re.compile(r"ttg\.async_copy_global_to_local\b[^\n]*")
+# a 16-byte cp.async without a cache hint: [dst], [src], 16{, src-size}
+_CP_ASYNC = re.compile(r"cp\.async\.cg\.shared\.global(\s+\[[^\]]*\],\s*\[[^\]]*\],\s*0x10(?:,\s*%r\d+)?)\s*;")
+_LAST_REG_DECL = re.compile(r"(\n[ \t]*\.reg [^\n]*;)(?![\s\S]*\n[ \t]*\.reg )")
+
+
+def wants_evict_first(ttgir: str) -> bool:
+    """True when the module has async copies and every one of them carries evictionPolicy = evict_first."""
+    copies = _ASYNC_COPY.findall(ttgir)
+    return bool(copies) and all("evictionPolicy = evict_first" in c for c in copies)
+
+
+def add_evict_first_hint(ptx: str) -> str:
+    """The PTX with one evict-first L2 policy register and that policy on every hint-less 16-byte cp.async.
+
+    Expects one kernel entry (Triton's PTX): the policy is declared after its last `.reg` declaration and
+    created before the first instruction. PTX that has no such cp.async comes back unchanged.
+    """
+    if not _CP_ASYNC.search(ptx):
+        return ptx
+    if not _LAST_REG_DECL.search(ptx):
+        raise ValueError("no .reg declaration to add the L2 policy register after")
+    ptx = _LAST_REG_DECL.sub(
+        rf"\1\n\t.reg .b64 \t{POLICY_REG};\n\tcreatepolicy.fractional.L2::evict_first.b64 \t{POLICY_REG}, 1.0;",
+        ptx, count=1)
+    return _CP_ASYNC.sub(rf"cp.async.cg.shared.global.L2::cache_hint\1, {POLICY_REG};", ptx)
+
+
+def _stages_hook(previous):
+    """An add_stages_inspection_hook (Triton 3.6 signature) that chains `previous` and wraps ttgir/ptx."""
+
+    def hook(backend, stages, options, language, capability):
+        if previous is not None:
+            previous(backend, stages, options, language, capability)
+        if "ttgir" not in stages or "ptx" not in stages:
+            return
+        make_ttgir, make_ptx = stages["ttgir"], stages["ptx"]
+        seen = {"evict_first": False}    # one compile: stages run in order, ttgir before ptx
+
+        def ttgir(src, metadata):
+            module = make_ttgir(src, metadata)
+            seen["evict_first"] = wants_evict_first(str(module))
+            return module
+
+        def ptx(src, metadata):
+            text = make_ptx(src, metadata)
+            if seen["evict_first"] and metadata.get("name") in PATCHED_KERNELS:
+                text = add_evict_first_hint(text)
+            return text
+
+        stages["ttgir"], stages["ptx"] = ttgir, ptx
+
+    hook.pagewalk_l2_hint = True
+    return hook
+
+
+def install() -> bool:
+    """Install the hook once, on the Triton versions that need it; True when it is installed."""
+    if not triton.__version__.startswith(PATCHED_TRITON):
+        return False
+    runtime = triton.knobs.runtime
+    current = runtime.add_stages_inspection_hook
+    if not getattr(current, "pagewalk_l2_hint", False):
+        runtime.add_stages_inspection_hook = _stages_hook(current)
+    return True
