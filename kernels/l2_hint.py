@@ -11,11 +11,18 @@ pipelined `ttg.async_copy_global_to_local` up to the TTGIR. Triton 3.9 lowers it
 `createpolicy.fractional.L2::evict_first.b64 policy, 1.0`; Triton 3.6 drops the hint (a plain
 `cp.async.cg.shared.global`).
 
+Why Triton dropped it: ptxas before 13.4.59 miscompiles a fractional cache policy on cp.async. It drops the
+`createpolicy` and leaves the LDGSTS reading an uninitialised uniform register as its cache descriptor, an
+illegal instruction at run time (triton-lang/triton#11660 and #11848, IST-DASLab/marlin#44). We hit it on the
+H200 with Triton 3.6's ptxas 12.8 (run 25); the offline SASS shows `desc[UR1]` with UR1 never written.
+
 What this module does on Triton 3.6 (the GPU machine's): through `knobs.runtime.add_stages_inspection_hook`
-it wraps two compile stages of our decode kernel and writes into its PTX what 3.9 writes. It acts only when
-every async copy in the kernel's TTGIR asked for evict_first, so no load gets a hint it did not ask for, and
-only on kernels named in PATCHED_KERNELS. Other Triton versions are left alone: 3.9 emits the hint itself and
-calls the hook with another signature.
+it wraps two compile stages of our decode kernel and writes into its PTX what 3.9 writes, but only when the
+ptxas Triton will run is 13.4.59 or newer (e.g. `TRITON_PTXAS_PATH` pointing at a CUDA 13.4 ptxas; Triton
+3.6's own is 12.8, so by default nothing changes). It acts only when every async copy in the kernel's TTGIR
+asked for evict_first, so no load gets a hint it did not ask for, and only on kernels named in
+PATCHED_KERNELS. Other Triton versions are left alone: 3.9 emits the hint itself (for PTX 9.4+, which needs a
+fixed ptxas) and calls the hook with another signature.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import triton
 
 PATCHED_KERNELS = ("_paged_decode_stage1",)
 PATCHED_TRITON = ("3.6.",)
+FIXED_PTXAS = (13, 4, 59)   # first ptxas that keeps a fractional cache policy on cp.async
 POLICY_REG = "%l2_evict_first"
 
 _ASYNC_COPY = re.compile(r"ttg\.async_copy_global_to_local\b[^\n]*")
@@ -56,6 +64,20 @@ def add_evict_first_hint(ptx: str) -> str:
     return _CP_ASYNC.sub(rf"cp.async.cg.shared.global.L2::cache_hint\1, {POLICY_REG};", ptx)
 
 
+def ptxas_version(version_text: str) -> tuple[int, int, int]:
+    """(major, minor, patch) from `ptxas --version` output ("... release 13.4, V13.4.59")."""
+    m = re.search(r"V(\d+)\.(\d+)\.(\d+)", version_text)
+    if not m:
+        raise ValueError(f"no ptxas version in {version_text!r}")
+    return tuple(int(x) for x in m.groups())
+
+
+def ptxas_keeps_cp_async_policy(arch: int) -> bool:
+    """True when the ptxas Triton runs for sm_<arch> compiles a cache policy on cp.async correctly."""
+    from triton.backends.nvidia.compiler import get_ptxas_version
+    return ptxas_version(get_ptxas_version(arch)) >= FIXED_PTXAS
+
+
 def _stages_hook(previous):
     """An add_stages_inspection_hook (Triton 3.6 signature) that chains `previous` and wraps ttgir/ptx."""
 
@@ -74,7 +96,8 @@ def _stages_hook(previous):
 
         def ptx(src, metadata):
             text = make_ptx(src, metadata)
-            if seen["evict_first"] and metadata.get("name") in PATCHED_KERNELS:
+            if (seen["evict_first"] and metadata.get("name") in PATCHED_KERNELS
+                    and ptxas_keeps_cp_async_policy(capability)):
                 text = add_evict_first_hint(text)
             return text
 
