@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from kernels import DecodeWorkspace, paged_decode_attention, reference
+from kernels import DecodeWorkspace, l2_hint, paged_decode_attention, reference
 from kernels.paged_decode import paged_decode_attention_triton
 from kernels.split_heuristic import KernelConfig, choose_config, choose_num_splits, num_sms
 from kernels.testing import make_paged_case, rel_error
@@ -113,7 +113,8 @@ def l2_probe(out_dir: Path) -> None:
         del shape
         torch.cuda.empty_cache()
     out_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            **ptxas_info()}
     (out_dir / "l2_probe.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
 
 
@@ -286,9 +287,22 @@ def write_outputs(result: dict, out_dir: Path) -> None:
     plot(result, out_dir / f"kernel_{tag}.png")
 
 
+def ptxas_info() -> dict:
+    """The ptxas Triton compiles with here, and whether the split config's evict-first hint reaches the
+    cp.async loads with it (kernels/l2_hint.py)."""
+    from triton.backends.nvidia.compiler import get_ptxas_version
+    major, minor = torch.cuda.get_device_capability()
+    arch = major * 10 + minor
+    version = ".".join(map(str, l2_hint.ptxas_version(get_ptxas_version(arch))))
+    return {"ptxas": version, "cp_async_l2_hint": l2_hint.ptxas_keeps_cp_async_policy(arch)}
+
+
 def markdown(result: dict) -> str:
     lines = [f"# Paged-decode kernel on {result['gpu']}", "",
-             f"torch {result['torch']}, triton {result['triton']}; Hq={HQ}, Hkv={HKV}, D={D}, bf16; "
+             f"torch {result['torch']}, triton {result['triton']}, ptxas {result.get('ptxas', '?')} "
+             f"(evict-first hint on the split config's cp.async loads: "
+             f"{'on' if result.get('cp_async_l2_hint') else 'off'}); "
+             f"Hq={HQ}, Hkv={HKV}, D={D}, bf16; "
              f"do_bench median (L2 cleared per call; ours and SDPA: median of three do_bench medians). "
              f"ours: the public call with a DecodeWorkspace, as the server's runner makes it (splits merged "
              f"in one launch); 'no workspace': the same call without one (a second launch merges). "
@@ -393,7 +407,7 @@ def main(argv=None) -> None:
         rows.append(measure_row(batch, ctx, bs, copy, args, deadline, top, with_ref=False))
     shape = Shape(1, 4096, 16)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "sms": num_sms(torch.device("cuda")), "copy_TBps": copy,
+              **ptxas_info(), "sms": num_sms(torch.device("cuda")), "copy_TBps": copy,
               "sdpa_backend": sdpa_backend_seen(shape),
               "rows": rows, "memory": peak_memory()}
     del shape

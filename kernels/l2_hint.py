@@ -38,7 +38,8 @@ POLICY_REG = "%l2_evict_first"
 
 _ASYNC_COPY = re.compile(r"ttg\.async_copy_global_to_local\b[^\n]*")
 # a 16-byte cp.async without a cache hint: [dst], [src], 16{, src-size}
-_CP_ASYNC = re.compile(r"cp\.async\.cg\.shared\.global(\s+\[[^\]]*\],\s*\[[^\]]*\],\s*0x10(?:,\s*%r\d+)?)\s*;")
+_CP_ASYNC = re.compile(
+    r"cp\.async\.cg\.shared\.global(\s+\[[^\]]*\],\s*\[[^\]]*\],\s*0x10(?:,\s*%r\d+)?)\s*;")
 _LAST_REG_DECL = re.compile(r"(\n[ \t]*\.reg [^\n]*;)(?![\s\S]*\n[ \t]*\.reg )")
 
 
@@ -58,9 +59,9 @@ def add_evict_first_hint(ptx: str) -> str:
         return ptx
     if not _LAST_REG_DECL.search(ptx):
         raise ValueError("no .reg declaration to add the L2 policy register after")
-    ptx = _LAST_REG_DECL.sub(
-        rf"\1\n\t.reg .b64 \t{POLICY_REG};\n\tcreatepolicy.fractional.L2::evict_first.b64 \t{POLICY_REG}, 1.0;",
-        ptx, count=1)
+    declare = rf"\n\t.reg .b64 \t{POLICY_REG};"
+    create = rf"\n\tcreatepolicy.fractional.L2::evict_first.b64 \t{POLICY_REG}, 1.0;"
+    ptx = _LAST_REG_DECL.sub(rf"\1{declare}{create}", ptx, count=1)
     return _CP_ASYNC.sub(rf"cp.async.cg.shared.global.L2::cache_hint\1, {POLICY_REG};", ptx)
 
 

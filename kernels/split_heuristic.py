@@ -15,9 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-# Programs per SM the heuristic aims for; a split is never shorter than MIN_SPLIT_TOKENS (stage-2 cost and
-# per-program start-up dominate below that). Tuned on the H200, see docs/kernel_notes.md.
-TARGET_PROGRAMS_PER_SM = 2
+# Programs per SM the heuristic aims for (rounded to the nearest split count), never past one wave of
+# MAX_PROGRAMS_PER_SM; a split is never shorter than MIN_SPLIT_TOKENS (stage-2 cost and per-program start-up
+# dominate below that). Tuned on the H200, see docs/kernel_notes.md (runs 12 and 25).
+TARGET_PROGRAMS_PER_SM = 1.7
+MAX_PROGRAMS_PER_SM = 2
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 256
 MAX_FIXED_SPLITS = 256
@@ -47,7 +49,11 @@ class KernelConfig:
 # against 608.6 without and 502.8 for 32-token tiles, 6 stages, ids loaded in the loop (still used with
 # splits). Head dim 256 keeps its run-5 config (unswept).
 _ONE_SPLIT = KernelConfig(64, 4, 2, heads_fastest=True, early_table=True, offsets_32=False)
-_MANY_SPLITS = KernelConfig(64, 4, 3, heads_fastest=True, early_table=True, pdl=True)
+# evict_first (run 25): the L2 evict-first hint on the cp.async K/V loads; (1, 32768) 45.2 -> 41.5 us
+# GPU-only.
+# Triton 3.6 drops it unless its ptxas is >= 13.4.59 (kernels/l2_hint.py), so there the code is unchanged.
+# Not at one split: it made (128, 4096) 507 -> 529 us and (256, 1024) 255 -> 263.
+_MANY_SPLITS = KernelConfig(64, 4, 3, heads_fastest=True, early_table=True, pdl=True, evict_first=True)
 _TINY_BLOCKS = KernelConfig(64, 4, 2, heads_fastest=True, early_table=True)
 _TINY_BLOCKS_SPLITS = KernelConfig(32, 4, 6, table_in_loop=True, heads_fastest=True, pdl=True)
 _HEAD_DIM_256 = KernelConfig(block_n=32, num_warps=4, num_stages=2)
@@ -82,10 +88,12 @@ def num_sms(device: torch.device) -> int:
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, sms: int, block_n: int = 64) -> int:
     """Split count for the heuristic mode; max_len is an upper bound on a sequence's visible tokens.
-    As many splits as fit in one wave of TARGET_PROGRAMS_PER_SM programs per SM (rounded down: a partial
-    second wave cost more than it gave, e.g. (16, 4096) took 75.4 us with 2 splits, 77-80 us with 3)."""
+    About TARGET_PROGRAMS_PER_SM programs per SM, never more than one wave of MAX_PROGRAMS_PER_SM (a partial
+    second wave cost more than it gave, e.g. (16, 4096) took 75.4 us with 2 splits, 77-80 us with 3). With
+    the evict-first hint (1, 32768) took 41.5 us with 28 splits, 42.1-42.5 with 32 (run 25); without it
+    the two were equal."""
     base = max(1, batch * num_kv_heads)
-    want = TARGET_PROGRAMS_PER_SM * sms // base
+    want = min(round(TARGET_PROGRAMS_PER_SM * sms / base), MAX_PROGRAMS_PER_SM * sms // base)
     cap = max(1, max_len // max(MIN_SPLIT_TOKENS, block_n))
     splits = max(1, min(want, cap, MAX_SPLITS))
     # no split left empty by tile rounding: 33 splits of 32768 tokens round to 1024-token pieces, so the

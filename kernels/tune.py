@@ -145,6 +145,13 @@ HINT_CONFIGS = [dataclasses.replace(c, evict_first=e) for c in _SHIPPED for e in
 HINT_SPLITS = {(1, 32768): (32, 48, 64), (16, 4096): (1, 2, 4), (1, 4096): (16, 32), (64, 2048): (1, 2),
                (64, 8192): (1,), (128, 4096): (1,), (256, 1024): (1,)}
 
+# with the hint: tile width, warps, stages and split counts around the split config, at the split shapes
+_HS = dict(heads_fastest=T, early_table=T, pdl=T, evict_first=T)
+HINT_DEEP_CONFIGS = [_SHIPPED[0], K(64, 4, 3, **_HS), K(64, 4, 4, **_HS), K(64, 4, 5, **_HS),
+                     K(64, 8, 3, **_HS), K(128, 8, 2, **_HS), K(128, 8, 3, **_HS), K(32, 4, 4, **_HS),
+                     K(32, 4, 8, **_HS), K(64, 4, 3, offsets_32=False, **_HS)]
+HINT_DEEP_SPLITS = {(1, 32768): (24, 28, 32, 40), (1, 4096): (8, 16, 24)}
+
 FINAL_CONFIGS = [K(64, 4, 2, heads_fastest=T, early_table=T), K(64, 4, 2, early_table=T),
                  K(64, 4, 3, heads_fastest=T, early_table=T, pdl=T), K(64, 4, 3, early_table=T, pdl=T),
                  K(32, 4, 6, T, heads_fastest=T), K(32, 4, 6, T, pdl=T)]
@@ -167,7 +174,9 @@ MODES = {"full": Mode(CONFIGS, SPLITS, full=True), "final": Mode(FINAL_CONFIGS, 
          "merge": Mode(MERGE_CONFIGS, MERGE_SPLITS, "workspace", (False, True), block_size_rows=False),
          "offsets": Mode(OFFSET_CONFIGS, OFFSET_SPLITS, "offsets_32", (True,)),
          "evict": Mode(EVICT_CONFIGS, EVICT_SPLITS, "reg_prefetch", (True,), block_size_rows=False),
-         "hint": Mode(HINT_CONFIGS, HINT_SPLITS, "evict_first", (True,))}
+         "hint": Mode(HINT_CONFIGS, HINT_SPLITS, "evict_first", (True,)),
+         "hint_deep": Mode(HINT_DEEP_CONFIGS, HINT_DEEP_SPLITS, "evict_first", (True,),
+                           block_size_rows=False)}
 
 
 def _refined(mode: Mode, shape: Shape, rows) -> list[dict]:
@@ -188,11 +197,13 @@ def main(argv=None) -> None:
     ap.add_argument("--evict", action="store_true",
                     help="register prefetch + evict-first loads vs the shipped configs, with a workspace")
     ap.add_argument("--hint", action="store_true",
-                    help="the evict-first hint on the cp.async pipeline off vs on, shipped configs, workspace")
+                    help="evict-first hint on the cp.async pipeline off vs on, shipped configs, workspace")
+    ap.add_argument("--hint-deep", action="store_true",
+                    help="configs and split counts with the evict-first hint at the single-sequence shapes")
     args = ap.parse_args(argv)
     t0 = time.time()
     deadline = t0 + args.budget_s
-    chosen = [m for m in ("deep", "final", "merge", "offsets", "evict", "hint") if getattr(args, m)]
+    chosen = [m for m in MODES if m != "full" and getattr(args, m)]
     mode = MODES[chosen[0] if chosen else "full"]
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "shapes": []}
