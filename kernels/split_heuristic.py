@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-# Programs per SM the heuristic aims for (rounded to the nearest split count), never past one wave of
-# MAX_PROGRAMS_PER_SM; a split is never shorter than MIN_SPLIT_TOKENS (stage-2 cost and per-program start-up
-# dominate below that). Tuned on the H200, see docs/kernel_notes.md (runs 12 and 25).
-TARGET_PROGRAMS_PER_SM = 1.7
-MAX_PROGRAMS_PER_SM = 2
+# Programs per SM the heuristic aims for: one full wave of PROGRAMS_PER_SM for several sequences, about
+# SINGLE_SEQUENCE_PROGRAMS_PER_SM (rounded) for one; a split is never shorter than MIN_SPLIT_TOKENS (stage-2
+# cost and per-program start-up dominate below that). Measured on the H200, docs/kernel_notes.md runs 12, 25.
+PROGRAMS_PER_SM = 2
+SINGLE_SEQUENCE_PROGRAMS_PER_SM = 1.7
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 256
 MAX_FIXED_SPLITS = 256
@@ -88,12 +88,14 @@ def num_sms(device: torch.device) -> int:
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, sms: int, block_n: int = 64) -> int:
     """Split count for the heuristic mode; max_len is an upper bound on a sequence's visible tokens.
-    About TARGET_PROGRAMS_PER_SM programs per SM, never more than one wave of MAX_PROGRAMS_PER_SM (a partial
-    second wave cost more than it gave, e.g. (16, 4096) took 75.4 us with 2 splits, 77-80 us with 3). With
-    the evict-first hint (1, 32768) took 41.5 us with 28 splits, 42.1-42.5 with 32 (run 25); without it
-    the two were equal."""
+    As many splits as fit in one wave of PROGRAMS_PER_SM programs per SM (rounded down: a partial second
+    wave cost more than it gave, e.g. (16, 4096) took 75.4 us with 2 splits, 77-80 us with 3). One sequence
+    takes fewer, about SINGLE_SEQUENCE_PROGRAMS_PER_SM per SM: GPU-only, three rounds, run 25, (1, 32768)
+    41.3-41.8 us with 27 splits vs 42.6-42.7 with 32, (1, 16384) 24.8-24.9 vs 25.1-25.4; while two and four
+    sequences were faster with the full wave ((2, 32768) 75.4-75.5 us with 16 vs 76.0-76.6 with 14)."""
     base = max(1, batch * num_kv_heads)
-    want = min(round(TARGET_PROGRAMS_PER_SM * sms / base), MAX_PROGRAMS_PER_SM * sms // base)
+    per_sm = SINGLE_SEQUENCE_PROGRAMS_PER_SM if batch == 1 else PROGRAMS_PER_SM
+    want = min(round(per_sm * sms / base), PROGRAMS_PER_SM * sms // base)
     cap = max(1, max_len // max(MIN_SPLIT_TOKENS, block_n))
     splits = max(1, min(want, cap, MAX_SPLITS))
     # no split left empty by tile rounding: 33 splits of 32768 tokens round to 1024-token pieces, so the

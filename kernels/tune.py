@@ -152,6 +152,11 @@ HINT_DEEP_CONFIGS = [_SHIPPED[0], K(64, 4, 3, **_HS), K(64, 4, 4, **_HS), K(64, 
                      K(32, 4, 8, **_HS), K(64, 4, 3, offsets_32=False, **_HS)]
 HINT_DEEP_SPLITS = {(1, 32768): (24, 28, 32, 40), (1, 4096): (8, 16, 24)}
 
+# the split rule: about 1.7 programs per SM (rounded) vs as many as fit in one wave of 2, shipped split config
+SPLIT_RULE_CONFIGS = [K(64, 4, 3, heads_fastest=T, early_table=T, pdl=T, evict_first=T)]
+SPLIT_RULE_SPLITS = {(1, 32768): (27, 32), (1, 16384): (28, 32), (2, 32768): (14, 16), (2, 8192): (14, 16),
+                     (4, 16384): (7, 8)}
+
 FINAL_CONFIGS = [K(64, 4, 2, heads_fastest=T, early_table=T), K(64, 4, 2, early_table=T),
                  K(64, 4, 3, heads_fastest=T, early_table=T, pdl=T), K(64, 4, 3, early_table=T, pdl=T),
                  K(32, 4, 6, T, heads_fastest=T), K(32, 4, 6, T, pdl=T)]
@@ -176,7 +181,8 @@ MODES = {"full": Mode(CONFIGS, SPLITS, full=True), "final": Mode(FINAL_CONFIGS, 
          "evict": Mode(EVICT_CONFIGS, EVICT_SPLITS, "reg_prefetch", (True,), block_size_rows=False),
          "hint": Mode(HINT_CONFIGS, HINT_SPLITS, "evict_first", (True,)),
          "hint_deep": Mode(HINT_DEEP_CONFIGS, HINT_DEEP_SPLITS, "evict_first", (True,),
-                           block_size_rows=False)}
+                           block_size_rows=False),
+         "split_rule": Mode(SPLIT_RULE_CONFIGS, SPLIT_RULE_SPLITS, workspaces=(True,), block_size_rows=False)}
 
 
 def _refined(mode: Mode, shape: Shape, rows) -> list[dict]:
@@ -200,6 +206,8 @@ def main(argv=None) -> None:
                     help="evict-first hint on the cp.async pipeline off vs on, shipped configs, workspace")
     ap.add_argument("--hint-deep", action="store_true",
                     help="configs and split counts with the evict-first hint at the single-sequence shapes")
+    ap.add_argument("--split-rule", action="store_true",
+                    help="split counts of the 1.7-programs-per-SM rule vs one full wave, GPU-only")
     args = ap.parse_args(argv)
     t0 = time.time()
     deadline = t0 + args.budget_s
