@@ -78,7 +78,8 @@ def _load_block_ids(table_row, pos, hi, BLOCK_SIZE: tl.constexpr, OFFSETS_32: tl
 def _load_kv_tile(base, blk, pos, valid, offs_d, d_mask, stride_b, stride_t, stride_d,
                   BLOCK_SIZE: tl.constexpr, OFFSETS_32: tl.constexpr, EVICT: tl.constexpr):
     """(BLOCK_N, HEAD_DIM_PAD) tile of K or V for token positions `pos` living in blocks `blk`. EVICT is the
-    L2 eviction hint ("" or "evict_first"); Triton keeps it on plain loads, not on its cp.async pipeline."""
+    L2 eviction hint ("" or "evict_first"); plain loads keep it, the cp.async pipeline only where ptxas
+    compiles it correctly (kernels/l2_hint.py)."""
     tok = _index(pos % BLOCK_SIZE, OFFSETS_32)
     offs = blk[:, None] * stride_b + tok[:, None] * stride_t + offs_d[None, :] * stride_d
     return tl.load(base + offs, mask=valid[:, None] & d_mask[None, :], other=0.0, eviction_policy=EVICT)

@@ -17,7 +17,7 @@ import torch
 
 # Programs per SM the heuristic aims for: one full wave of PROGRAMS_PER_SM for several sequences, about
 # SINGLE_SEQUENCE_PROGRAMS_PER_SM (rounded) for one; a split is never shorter than MIN_SPLIT_TOKENS (stage-2
-# cost and per-program start-up dominate below that). Measured on the H200, docs/kernel_notes.md runs 12, 25.
+# cost and per-program start-up dominate below that). Measured on the H200, docs/kernel_notes.md runs 12, 31.
 PROGRAMS_PER_SM = 2
 SINGLE_SEQUENCE_PROGRAMS_PER_SM = 1.7
 MIN_SPLIT_TOKENS = 256
@@ -37,7 +37,7 @@ class KernelConfig:
     pdl: bool = False        # launch stage 2 with programmatic dependent launch (CUDA only)
     offsets_32: bool = True  # int32 cache offsets where both caches allow it (fewer address instructions)
     reg_prefetch: bool = False  # plain loads one tile ahead into registers, not Triton's cp.async pipeline
-    evict_first: bool = False   # L2 evict-first hint on K/V loads (kept by plain loads only)
+    evict_first: bool = False   # L2 evict-first hint on K/V loads (cp.async: only with ptxas >= 13.4.59)
 
 
 # Measured on the H200 (bf16, D=128, Hq/Hkv=4; `python -m kernels.tune`, runs 9-12 and 19 in
@@ -49,7 +49,7 @@ class KernelConfig:
 # against 608.6 without and 502.8 for 32-token tiles, 6 stages, ids loaded in the loop (still used with
 # splits). Head dim 256 keeps its run-5 config (unswept).
 _ONE_SPLIT = KernelConfig(64, 4, 2, heads_fastest=True, early_table=True, offsets_32=False)
-# evict_first (run 25): the L2 evict-first hint on the cp.async K/V loads; (1, 32768) 45.2 -> 41.5 us
+# evict_first (runs 26-27): the L2 evict-first hint on the cp.async K/V loads; (1, 32768) 45.2 -> 41.5 us
 # GPU-only.
 # Triton 3.6 drops it unless its ptxas is >= 13.4.59 (kernels/l2_hint.py), so there the code is unchanged.
 # Not at one split: it made (128, 4096) 507 -> 529 us and (256, 1024) 255 -> 263.
@@ -90,7 +90,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, sms: int, blo
     """Split count for the heuristic mode; max_len is an upper bound on a sequence's visible tokens.
     As many splits as fit in one wave of PROGRAMS_PER_SM programs per SM (rounded down: a partial second
     wave cost more than it gave, e.g. (16, 4096) took 75.4 us with 2 splits, 77-80 us with 3). One sequence
-    takes fewer, about SINGLE_SEQUENCE_PROGRAMS_PER_SM per SM: GPU-only, three rounds, run 25, (1, 32768)
+    takes fewer, about SINGLE_SEQUENCE_PROGRAMS_PER_SM per SM: GPU-only, three rounds, run 31, (1, 32768)
     41.3-41.8 us with 27 splits vs 42.6-42.7 with 32, (1, 16384) 24.8-24.9 vs 25.1-25.4; while two and four
     sequences were faster with the full wave ((2, 32768) 75.4-75.5 us with 16 vs 76.0-76.6 with 14)."""
     base = max(1, batch * num_kv_heads)

@@ -1,5 +1,5 @@
-"""kernels.l2_hint: when it writes the evict-first L2 policy into the decode kernel's cp.async PTX, and that the
-result assembles. The GPU side (the hinted kernel runs and is correct) is in tests/test_gpu_kernels.py."""
+"""kernels.l2_hint: when it writes the evict-first L2 policy into the decode kernel's cp.async PTX, and that
+the result assembles. The GPU side (the hinted kernel runs and is correct) is in tests/test_gpu_kernels.py."""
 
 import os
 import re

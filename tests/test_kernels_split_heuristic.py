@@ -6,8 +6,9 @@ import torch
 from kernels.split_heuristic import KernelConfig, choose_config, choose_num_splits
 
 
-@pytest.mark.parametrize("batch,ctx,want", [(1, 4096, 16), (1, 32768, 27), (1, 16384, 26), (2, 32768, 16), (4, 16384, 8), (16, 4096, 2), (64, 2048, 1),
-                                            (256, 1024, 1), (1, 100, 1), (1, 1, 1)])
+@pytest.mark.parametrize("batch,ctx,want", [(1, 4096, 16), (1, 32768, 27), (1, 16384, 26), (2, 32768, 16),
+                                            (4, 16384, 8), (16, 4096, 2), (64, 2048, 1), (256, 1024, 1),
+                                            (1, 100, 1), (1, 1, 1)])
 def test_h200_picks(batch, ctx, want):
     """The split counts measured best on the H200 (132 SMs, Hkv 8) for the benchmark shapes."""
     assert choose_num_splits(batch, 8, ctx, 132) == want
