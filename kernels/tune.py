@@ -153,7 +153,7 @@ HINT_DEEP_CONFIGS = [_SHIPPED[0], K(64, 4, 3, **_HS), K(64, 4, 4, **_HS), K(64, 
 HINT_DEEP_SPLITS = {(1, 32768): (24, 28, 32, 40), (1, 4096): (8, 16, 24)}
 
 # the split rule: about 1.7 programs per SM (rounded) vs as many as fit in one wave of 2, shipped split config
-SPLIT_RULE_CONFIGS = [K(64, 4, 3, heads_fastest=T, early_table=T, pdl=T, evict_first=T)]
+SPLIT_RULE_CONFIGS = [K(64, 4, 3, **_HS)]
 SPLIT_RULE_SPLITS = {(1, 32768): (27, 32), (1, 16384): (28, 32), (2, 32768): (14, 16), (2, 8192): (14, 16),
                      (4, 16384): (7, 8)}
 
@@ -166,6 +166,7 @@ FINAL_CONFIGS = [K(64, 4, 2, heads_fastest=T, early_table=T), K(64, 4, 2, early_
 class Mode:
     """One kind of sweep: what it times, and whether it is an A/B (`knob`: the row field or config flag
     compared, refined by do_bench on each side) or the full sweep (refine with PDL, host rows, stage 2)."""
+    help: str                   # the --flag's help (the full sweep runs when no flag is given)
     configs: list
     splits: dict                # (B, L) -> split counts
     knob: str | None = None
@@ -174,15 +175,24 @@ class Mode:
     full: bool = False
 
 
-MODES = {"full": Mode(CONFIGS, SPLITS, full=True), "final": Mode(FINAL_CONFIGS, SPLITS),
-         "deep": Mode(DEEP_CONFIGS, DEEP_SPLITS, block_size_rows=False),
-         "merge": Mode(MERGE_CONFIGS, MERGE_SPLITS, "workspace", (False, True), block_size_rows=False),
-         "offsets": Mode(OFFSET_CONFIGS, OFFSET_SPLITS, "offsets_32", (True,)),
-         "evict": Mode(EVICT_CONFIGS, EVICT_SPLITS, "reg_prefetch", (True,), block_size_rows=False),
-         "hint": Mode(HINT_CONFIGS, HINT_SPLITS, "evict_first", (True,)),
-         "hint_deep": Mode(HINT_DEEP_CONFIGS, HINT_DEEP_SPLITS, "evict_first", (True,),
-                           block_size_rows=False),
-         "split_rule": Mode(SPLIT_RULE_CONFIGS, SPLIT_RULE_SPLITS, workspaces=(True,), block_size_rows=False)}
+MODES = {
+    "full": Mode("every config and split count, refined with PDL and do_bench", CONFIGS, SPLITS, full=True),
+    "final": Mode("only the short list of finalists, no refine pass", FINAL_CONFIGS, SPLITS),
+    "deep": Mode("deep-pipeline configs at few splits, no refine pass", DEEP_CONFIGS, DEEP_SPLITS,
+                 block_size_rows=False),
+    "merge": Mode("in-launch merge (workspace) vs stage-2 launch at the split shapes, do_bench refine",
+                  MERGE_CONFIGS, MERGE_SPLITS, "workspace", (False, True), block_size_rows=False),
+    "offsets": Mode("int32 cache offsets off vs on, shipped configs with a workspace, do_bench refine",
+                    OFFSET_CONFIGS, OFFSET_SPLITS, "offsets_32", (True,)),
+    "evict": Mode("register prefetch + evict-first loads vs the shipped configs, with a workspace",
+                  EVICT_CONFIGS, EVICT_SPLITS, "reg_prefetch", (True,), block_size_rows=False),
+    "hint": Mode("evict-first hint on the cp.async pipeline off vs on, shipped configs, workspace",
+                 HINT_CONFIGS, HINT_SPLITS, "evict_first", (True,)),
+    "hint_deep": Mode("configs and split counts with the evict-first hint at the single-sequence shapes",
+                      HINT_DEEP_CONFIGS, HINT_DEEP_SPLITS, "evict_first", (True,), block_size_rows=False),
+    "split_rule": Mode("split counts of the 1.7-programs-per-SM rule vs one full wave, GPU-only",
+                       SPLIT_RULE_CONFIGS, SPLIT_RULE_SPLITS, workspaces=(True,), block_size_rows=False),
+}
 
 
 def _refined(mode: Mode, shape: Shape, rows) -> list[dict]:
@@ -194,20 +204,9 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="docs/benchmarks")
     ap.add_argument("--budget-s", type=float, default=360)
     ap.add_argument("--layouts", default="token", help="comma list of KV layouts: token, head")
-    ap.add_argument("--final", action="store_true", help="only the short list of finalists, no refine pass")
-    ap.add_argument("--deep", action="store_true", help="deep-pipeline configs at few splits, no refine pass")
-    ap.add_argument("--merge", action="store_true",
-                    help="in-launch merge (workspace) vs stage-2 launch at the split shapes, do_bench refine")
-    ap.add_argument("--offsets", action="store_true",
-                    help="int32 cache offsets off vs on, shipped configs with a workspace, do_bench refine")
-    ap.add_argument("--evict", action="store_true",
-                    help="register prefetch + evict-first loads vs the shipped configs, with a workspace")
-    ap.add_argument("--hint", action="store_true",
-                    help="evict-first hint on the cp.async pipeline off vs on, shipped configs, workspace")
-    ap.add_argument("--hint-deep", action="store_true",
-                    help="configs and split counts with the evict-first hint at the single-sequence shapes")
-    ap.add_argument("--split-rule", action="store_true",
-                    help="split counts of the 1.7-programs-per-SM rule vs one full wave, GPU-only")
+    for name, mode in MODES.items():
+        if name != "full":
+            ap.add_argument(f"--{name.replace('_', '-')}", action="store_true", help=mode.help)
     args = ap.parse_args(argv)
     t0 = time.time()
     deadline = t0 + args.budget_s
