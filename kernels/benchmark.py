@@ -290,11 +290,9 @@ def write_outputs(result: dict, out_dir: Path) -> None:
 def ptxas_info() -> dict:
     """The ptxas Triton compiles with here, and whether the split config's evict-first hint reaches the
     cp.async loads with it (kernels/l2_hint.py)."""
-    from triton.backends.nvidia.compiler import get_ptxas_version
     major, minor = torch.cuda.get_device_capability()
-    arch = major * 10 + minor
-    version = ".".join(map(str, l2_hint.ptxas_version(get_ptxas_version(arch))))
-    return {"ptxas": version, "cp_async_l2_hint": l2_hint.ptxas_keeps_cp_async_policy(arch)}
+    version = l2_hint.ptxas_version_for(major * 10 + minor)
+    return {"ptxas": ".".join(map(str, version)), "cp_async_l2_hint": version >= l2_hint.FIXED_PTXAS}
 
 
 def markdown(result: dict) -> str:

@@ -37,6 +37,8 @@ FIXED_PTXAS = (13, 4, 59)   # first ptxas that keeps a fractional cache policy o
 POLICY_REG = "%l2_evict_first"
 
 _ASYNC_COPY = re.compile(r"ttg\.async_copy_global_to_local\b[^\n]*")
+_CP_ASYNC_16 = re.compile(r"cp\.async\.cg\.shared\.global[^;]*0x10")
+_CP_ASYNC_HINTED = re.compile(r"cp\.async\.cg\.shared\.global\.L2::cache_hint")
 # a 16-byte cp.async without a cache hint: [dst], [src], 16{, src-size}
 _CP_ASYNC = re.compile(
     r"cp\.async\.cg\.shared\.global(\s+\[[^\]]*\],\s*\[[^\]]*\],\s*0x10(?:,\s*%r\d+)?)\s*;")
@@ -65,6 +67,11 @@ def add_evict_first_hint(ptx: str) -> str:
     return _CP_ASYNC.sub(rf"cp.async.cg.shared.global.L2::cache_hint\1, {POLICY_REG};", ptx)
 
 
+def cp_async_counts(ptx: str) -> tuple[int, int]:
+    """(16-byte cp.async copies, those carrying an L2 cache hint) in a PTX text."""
+    return len(_CP_ASYNC_16.findall(ptx)), len(_CP_ASYNC_HINTED.findall(ptx))
+
+
 def ptxas_version(version_text: str) -> tuple[int, int, int]:
     """(major, minor, patch) from `ptxas --version` output ("... release 13.4, V13.4.59")."""
     m = re.search(r"V(\d+)\.(\d+)\.(\d+)", version_text)
@@ -73,10 +80,15 @@ def ptxas_version(version_text: str) -> tuple[int, int, int]:
     return tuple(int(x) for x in m.groups())
 
 
+def ptxas_version_for(arch: int) -> tuple[int, int, int]:
+    """Version of the ptxas Triton runs for sm_<arch> (its own, or TRITON_PTXAS_PATH's)."""
+    from triton.backends.nvidia.compiler import get_ptxas_version
+    return ptxas_version(get_ptxas_version(arch))
+
+
 def ptxas_keeps_cp_async_policy(arch: int) -> bool:
     """True when the ptxas Triton runs for sm_<arch> compiles a cache policy on cp.async correctly."""
-    from triton.backends.nvidia.compiler import get_ptxas_version
-    return ptxas_version(get_ptxas_version(arch)) >= FIXED_PTXAS
+    return ptxas_version_for(arch) >= FIXED_PTXAS
 
 
 def _stages_hook(previous):

@@ -29,6 +29,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 
+from kernels.l2_hint import cp_async_counts
 from kernels.paged_decode import NO_WINDOW, _DecodePlan, _paged_decode_stage1
 from kernels.split_heuristic import KernelConfig, choose_config, choose_num_splits
 from kernels.workspace import DecodeWorkspace
@@ -131,10 +132,9 @@ def report(kernel, plan, dump: Path | None) -> dict:
             (dump / f"stage1.{ext}").write_text(kernel.asm[ext])
         (dump / "stage1.sass").write_text("\n".join(t for _, t in instrs))
     loop = tile_loop_mix(instrs)
-    ptx = kernel.asm["ptx"]
+    copies, hinted = cp_async_counts(kernel.asm["ptx"])
     return {"registers": int(res.group(1)), "stack_bytes": int(res.group(2)),
-            "cp_async_16": len(re.findall(r"cp\.async\.cg\.shared\.global[^;]*0x10", ptx)),
-            "cp_async_l2_hint": len(re.findall(r"cp\.async\.cg\.shared\.global\.L2::cache_hint", ptx)),
+            "cp_async_16": copies, "cp_async_l2_hint": hinted,
             "shared_bytes": kernel.metadata.shared, "instructions": len(instrs),
             "tile_loop_instructions": sum(loop.values()), "tile_loop_mix": dict(loop.most_common()),
             "splits": plan.ints1[2], "fused_merge": plan.fused,

@@ -40,6 +40,7 @@ def test_every_16_byte_cp_async_gets_the_one_policy():
     assert f"cp.async.cg.shared.global.L2::cache_hint [ %r3 + 2048 ], [ %rd2 + 0 ], 0x10, {policy};" in out
     assert "cp.async.ca.shared.global [ %r4 + 0 ], [ %rd3 + 0 ], 0x4, %r5;" in out   # 4-byte: left alone
     assert l2_hint.add_evict_first_hint(out) == out                                   # nothing left to hint
+    assert l2_hint.cp_async_counts(PTX) == (2, 0) and l2_hint.cp_async_counts(out) == (2, 2)
 
 
 def test_ptx_without_cp_async_comes_back_unchanged():
