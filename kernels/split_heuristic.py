@@ -94,8 +94,8 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, sms: int, blo
     41.3-41.8 us with 27 splits vs 42.6-42.7 with 32, (1, 16384) 24.8-24.9 vs 25.1-25.4; while two and four
     sequences were faster with the full wave ((2, 32768) 75.4-75.5 us with 16 vs 76.0-76.6 with 14)."""
     base = max(1, batch * num_kv_heads)
-    per_sm = SINGLE_SEQUENCE_PROGRAMS_PER_SM if batch == 1 else PROGRAMS_PER_SM
-    want = min(round(per_sm * sms / base), PROGRAMS_PER_SM * sms // base)
+    wave = PROGRAMS_PER_SM * sms // base
+    want = min(round(SINGLE_SEQUENCE_PROGRAMS_PER_SM * sms / base), wave) if batch == 1 else wave
     cap = max(1, max_len // max(MIN_SPLIT_TOKENS, block_n))
     splits = max(1, min(want, cap, MAX_SPLITS))
     # no split left empty by tile rounding: 33 splits of 32768 tokens round to 1024-token pieces, so the

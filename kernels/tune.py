@@ -123,7 +123,8 @@ MERGE_CONFIGS = [K(64, 4, 3, heads_fastest=T, early_table=T, pdl=T), K(64, 4, 3,
                  K(64, 4, 2, heads_fastest=T, early_table=T, pdl=T), K(32, 4, 6, T, heads_fastest=T, pdl=T)]
 MERGE_SPLITS = {(1, 4096): (8, 16, 32), (1, 32768): (32, 48, 64), (16, 4096): (2, 3, 4), (64, 2048): (1, 2)}
 
-# int32 cache offsets (offsets_32) off vs on for the shipped configs, with a workspace (the server's path)
+# int32 cache offsets (offsets_32) off vs on for the shipped configs, with a workspace (the server's path).
+# _SHIPPED is the table as of runs 19-23, before the split config took the evict-first hint (run 26)
 _SHIPPED = [K(64, 4, 3, heads_fastest=T, early_table=T, pdl=T), K(64, 4, 2, heads_fastest=T, early_table=T),
             K(32, 4, 6, T, heads_fastest=T)]
 OFFSET_CONFIGS = [dataclasses.replace(c, offsets_32=o) for c in _SHIPPED for o in (False, True)]
