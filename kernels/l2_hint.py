@@ -104,13 +104,14 @@ def _stages_hook(previous):
 
         def ttgir(src, metadata):
             module = make_ttgir(src, metadata)
-            seen["evict_first"] = wants_evict_first(str(module))
+            # printing the module costs a little per compile: only where the hint could be written at all
+            seen["evict_first"] = (ptxas_keeps_cp_async_policy(capability)
+                                   and wants_evict_first(str(module)))
             return module
 
         def ptx(src, metadata):
             text = make_ptx(src, metadata)
-            if (seen["evict_first"] and metadata.get("name") in PATCHED_KERNELS
-                    and ptxas_keeps_cp_async_policy(capability)):
+            if seen["evict_first"] and metadata.get("name") in PATCHED_KERNELS:
                 text = add_evict_first_hint(text)
             return text
 
