@@ -27,7 +27,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels import l2_hint
 from kernels.dispatch import check_decode_inputs
@@ -113,10 +113,12 @@ def _paged_decode_stage1(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_FINAL: tl.constexpr,
     FUSED_MERGE: tl.constexpr, DOT_PRECISION: tl.constexpr, TABLE_IN_LOOP: tl.constexpr,
-    HEADS_FASTEST: tl.constexpr, EARLY_TABLE: tl.constexpr, USE_PDL: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr, EARLY_TABLE: tl.constexpr, USE_PDL: tl.constexpr, PDL_WAIT: tl.constexpr,
     MERGE_GROUP_PAD: tl.constexpr, MERGE_BLOCK_S: tl.constexpr, MERGE_CHUNK_S: tl.constexpr,
     OFFSETS_32: tl.constexpr, REG_PREFETCH: tl.constexpr, EVICT: tl.constexpr,
 ):
+    if PDL_WAIT:
+        gdc_wait()   # launched early (PDL): wait for the kernel before us (q, new K/V) and its writes
     if USE_PDL:
         gdc_launch_dependents()              # stage 2 may start launching now; it waits for our writes itself
     if HEADS_FASTEST:  # grid (Hkv, B, S): the KV heads of one token range run side by side (same DRAM rows)
@@ -247,17 +249,19 @@ class _DecodePlan:
         chunk2 = merge_chunk(block_s, d_pad)                                     # stage 2: one head
         self.fused = fused_merge and not self.one and block_s // chunk1 <= MAX_FUSED_CHUNKS
         pdl = cfg.pdl and q.is_cuda and not (self.one or self.fused)
+        pdl_wait = cfg.pdl_wait and q.is_cuda
         self.kw1 = dict(GROUP=hq // hkv, GROUP_PAD=max(16, group_pad), HEAD_DIM=d,
                         HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n,
                         WRITE_FINAL=self.one, FUSED_MERGE=self.fused,
                         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                         TABLE_IN_LOOP=cfg.table_in_loop, HEADS_FASTEST=cfg.heads_fastest,
-                        EARLY_TABLE=early, USE_PDL=pdl, MERGE_GROUP_PAD=group_pad, MERGE_BLOCK_S=block_s,
-                        MERGE_CHUNK_S=chunk1,
+                        EARLY_TABLE=early, USE_PDL=pdl, PDL_WAIT=pdl_wait, MERGE_GROUP_PAD=group_pad,
+                        MERGE_BLOCK_S=block_s, MERGE_CHUNK_S=chunk1,
                         OFFSETS_32=cfg.offsets_32 and _offsets_fit_int32(k_cache, v_cache),
                         REG_PREFETCH=cfg.reg_prefetch and not cfg.table_in_loop,
                         EVICT="evict_first" if cfg.evict_first else "",
-                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                        **({"launch_pdl": True} if pdl_wait else {}))
         self.kw2 = dict(HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_S=block_s, CHUNK_S=chunk2,
                         USE_PDL=pdl,
                         num_warps=4, num_stages=1, **({"launch_pdl": True} if pdl else {}))

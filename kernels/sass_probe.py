@@ -78,6 +78,7 @@ def compile_stage1(batch, ctx, hq=32, hkv=8, d=128, block_size=16, dtype=torch.b
                                   block_size, splits)
     plan = _DecodePlan(q, k, v, table, None, d ** -0.5, NO_WINDOW, splits, cfg, workspace, True)
     plan.kw1["USE_PDL"] = cfg.pdl and not (plan.one or plan.fused)   # the plan turns PDL off off-CUDA
+    plan.kw1["PDL_WAIT"] = cfg.pdl_wait
     part = torch.empty(max(plan.part_numel, 1))
     tickets = DecodeWorkspace(batch, hkv, "cpu").tickets if plan.fused else q
     args = (q, k, v, table, seq_lens, part, part, q, tickets, *plan.ints1)

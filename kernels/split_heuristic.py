@@ -35,6 +35,8 @@ class KernelConfig:
     heads_fastest: bool = False  # grid (Hkv, B, S) instead of (B, Hkv, S)
     early_table: bool = False    # split size from the table width: first block ids load alongside seq_len
     pdl: bool = False        # launch stage 2 with programmatic dependent launch (CUDA only)
+    pdl_wait: bool = False   # launch stage 1 itself with PDL: its CTAs start while the kernel before it
+                             # drains, and wait (griddepcontrol.wait) for that kernel before any memory access
     offsets_32: bool = True  # int32 cache offsets where both caches allow it (fewer address instructions)
     reg_prefetch: bool = False  # plain loads one tile ahead into registers, not Triton's cp.async pipeline
     evict_first: bool = False   # L2 evict-first hint on K/V loads (cp.async: only with ptxas >= 13.4.59)

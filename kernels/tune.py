@@ -158,6 +158,18 @@ SPLIT_RULE_CONFIGS = [K(64, 4, 3, **_HS)]
 SPLIT_RULE_SPLITS = {(1, 32768): (27, 32), (1, 16384): (28, 32), (2, 32768): (14, 16), (2, 8192): (14, 16),
                      (4, 16384): (7, 8)}
 
+# stage 1 launched with PDL (pdl_wait: its CTAs start while the kernel before it drains) off vs on, for the
+# shipped split and one-split configs at the split counts the heuristic picks
+_SPLIT_CFG, _ONE_CFG = K(64, 4, 3, **_HS), K(64, 4, 2, heads_fastest=T, early_table=T, offsets_32=False)
+PDL_WAIT_CONFIGS = [dataclasses.replace(c, pdl_wait=w) for c in (_SPLIT_CFG, _ONE_CFG) for w in (False, True)]
+PDL_WAIT_SPLITS = {(1, 4096): (16,), (1, 32768): (27,), (16, 4096): (2,), (64, 2048): (1,), (64, 8192): (1,),
+                   (128, 4096): (1,), (256, 1024): (1,)}
+
+# one sequence at about one program per SM (16-20 splits) with deeper pipelines vs the shipped 27 splits
+SINGLE_WAVE_CONFIGS = [_SPLIT_CFG, K(64, 4, 5, **_HS), K(64, 4, 6, **_HS), K(128, 8, 3, **_HS),
+                       K(64, 8, 4, **_HS)]
+SINGLE_WAVE_SPLITS = {(1, 32768): (16, 20, 24, 27)}
+
 FINAL_CONFIGS = [K(64, 4, 2, heads_fastest=T, early_table=T), K(64, 4, 2, early_table=T),
                  K(64, 4, 3, heads_fastest=T, early_table=T, pdl=T), K(64, 4, 3, early_table=T, pdl=T),
                  K(32, 4, 6, T, heads_fastest=T), K(32, 4, 6, T, pdl=T)]
@@ -191,6 +203,10 @@ MODES = {
                  HINT_CONFIGS, HINT_SPLITS, "evict_first", (True,)),
     "hint_deep": Mode("configs and split counts with the evict-first hint at the single-sequence shapes",
                       HINT_DEEP_CONFIGS, HINT_DEEP_SPLITS, "evict_first", (True,), block_size_rows=False),
+    "pdl_wait": Mode("stage 1 launched with PDL off vs on, shipped configs, heuristic splits, workspace",
+                     PDL_WAIT_CONFIGS, PDL_WAIT_SPLITS, "pdl_wait", (True,), block_size_rows=False),
+    "single_wave": Mode("one sequence at ~1 program per SM with deeper pipelines vs 27 splits, GPU-only",
+                        SINGLE_WAVE_CONFIGS, SINGLE_WAVE_SPLITS, workspaces=(True,), block_size_rows=False),
     "split_rule": Mode("split counts of the 1.7-programs-per-SM rule vs one full wave, GPU-only",
                        SPLIT_RULE_CONFIGS, SPLIT_RULE_SPLITS, workspaces=(True,), block_size_rows=False),
 }
@@ -268,9 +284,13 @@ def table(result) -> str:
     return "\n".join(lines)
 
 
+# one letter per config flag in printed tables
+_FLAG_LETTERS = {"table_in_loop": "T", "heads_fastest": "H", "early_table": "E", "pdl": "P",
+                 "reg_prefetch": "R", "evict_first": "F", "pdl_wait": "W"}
+
+
 def _cfg_name(c: dict) -> str:
-    flags = "".join(f"/{k[0].upper()}" for k in ("table_in_loop", "heads_fastest", "early_table", "pdl",
-                                                   "reg_prefetch", "evict_first") if c.get(k))
+    flags = "".join(f"/{letter}" for k, letter in _FLAG_LETTERS.items() if c.get(k))
     flags += "" if c.get("offsets_32", True) else "/i64"
     return f"{c['block_n']}/{c['num_warps']}w/{c['num_stages']}s{flags}"
 

@@ -173,7 +173,11 @@ VARIANTS = [dict(block_n=64, num_warps=4, num_stages=3, table_in_loop=True, pdl=
             dict(block_n=64, num_warps=4, num_stages=1, heads_fastest=True, early_table=True, pdl=True,
                  reg_prefetch=True, evict_first=True),
             dict(block_n=32, num_warps=4, num_stages=1, reg_prefetch=True, evict_first=True,
-                 offsets_32=False)]
+                 offsets_32=False),
+            dict(block_n=64, num_warps=4, num_stages=3, heads_fastest=True, early_table=True, pdl=True,
+                 evict_first=True, pdl_wait=True),
+            dict(block_n=64, num_warps=4, num_stages=2, heads_fastest=True, early_table=True,
+                 offsets_32=False, pdl_wait=True)]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -220,6 +224,50 @@ def test_pdl_decode_under_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("splits", [1, 16])
+def test_pdl_launched_stage1_reads_what_the_kernel_before_it_wrote(splits):
+    """Stage 1 launched with PDL may start while the kernel before it drains: it must still see that kernel's
+    writes (here a copy into q right before each call), eagerly and in a captured graph, 20 times each."""
+    from kernels.paged_decode import paged_decode_attention_triton
+    from kernels.split_heuristic import KernelConfig
+    cfg = KernelConfig(64, 4, 3 if splits > 1 else 2, heads_fastest=True, early_table=True, pdl=splits > 1,
+                       pdl_wait=True)
+    case = make_paged_case([4000, 17, 32768], 32, 8, 128, 16, dtype=BF16, device="cuda", seed=11)
+    sources = [torch.randn_like(case.q) for _ in range(20)]
+    wants = []
+    for src in sources:
+        case.q.copy_(src)
+        wants.append(reference_fp64(case))
+    ws = kernels.DecodeWorkspace(4, 8, "cuda")
+    src_slot = torch.empty_like(case.q)
+    out = torch.empty_like(case.q)
+
+    def step():
+        case.q.copy_(src_slot)           # the kernel right before the PDL launch writes its input
+        paged_decode_attention_triton(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                      num_splits=splits, out=out, config=cfg, workspace=ws)
+
+    for src, want in zip(sources, wants, strict=True):
+        src_slot.copy_(src)
+        out.fill_(float("nan"))
+        step()
+        assert rel_error(out, want) <= TOLERANCE[BF16]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for src, want in zip(sources, wants, strict=True):
+        src_slot.copy_(src)
+        out.fill_(float("nan"))
+        graph.replay()
+        assert rel_error(out, want) <= TOLERANCE[BF16]
+    assert ws.idle()
 
 
 def test_workspace_decode_under_cuda_graph():
