@@ -170,6 +170,13 @@ SINGLE_WAVE_CONFIGS = [_SPLIT_CFG, K(64, 4, 5, **_HS), K(64, 4, 6, **_HS), K(128
                        K(64, 8, 4, **_HS)]
 SINGLE_WAVE_SPLITS = {(1, 32768): (16, 20, 24, 27)}
 
+# without a ptxas that compiles the cp.async hint (Triton 3.6's own, 12.8): the split config, hint dropped,
+# vs plain loads one tile ahead that keep the hint (run 23), at the split counts few long sequences take
+_RPF = dict(heads_fastest=T, early_table=T, reg_prefetch=T, evict_first=T)
+STOCK_PTXAS_CONFIGS = [_SPLIT_CFG, K(64, 4, 1, **_RPF), K(32, 4, 1, **_RPF), K(64, 8, 1, **_RPF)]
+STOCK_PTXAS_SPLITS = {(1, 32768): (24, 27, 32), (1, 16384): (26, 32), (1, 4096): (16,), (2, 32768): (16,),
+                      (4, 16384): (8,), (16, 4096): (2,)}
+
 FINAL_CONFIGS = [K(64, 4, 2, heads_fastest=T, early_table=T), K(64, 4, 2, early_table=T),
                  K(64, 4, 3, heads_fastest=T, early_table=T, pdl=T), K(64, 4, 3, early_table=T, pdl=T),
                  K(32, 4, 6, T, heads_fastest=T), K(32, 4, 6, T, pdl=T)]
@@ -207,6 +214,9 @@ MODES = {
                      PDL_WAIT_CONFIGS, PDL_WAIT_SPLITS, "pdl_wait", (True,), block_size_rows=False),
     "single_wave": Mode("one sequence at ~1 program per SM with deeper pipelines vs 27 splits, GPU-only",
                         SINGLE_WAVE_CONFIGS, SINGLE_WAVE_SPLITS, workspaces=(True,), block_size_rows=False),
+    "stock_ptxas": Mode("register prefetch + evict-first vs the split config, for a ptxas dropping the hint",
+                        STOCK_PTXAS_CONFIGS, STOCK_PTXAS_SPLITS, "reg_prefetch", (True,),
+                        block_size_rows=False),
     "split_rule": Mode("split counts of the 1.7-programs-per-SM rule vs one full wave, GPU-only",
                        SPLIT_RULE_CONFIGS, SPLIT_RULE_SPLITS, workspaces=(True,), block_size_rows=False),
 }
