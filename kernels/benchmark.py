@@ -27,7 +27,7 @@ from triton.testing import do_bench
 
 from kernels import DecodeWorkspace, l2_hint, paged_decode_attention, reference
 from kernels.paged_decode import paged_decode_attention_triton
-from kernels.split_heuristic import KernelConfig, choose_config, choose_num_splits, num_sms
+from kernels.split_heuristic import KernelConfig, choose_config, choose_num_splits, cp_async_hint, num_sms
 from kernels.testing import make_paged_case, rel_error
 
 HQ, HKV, D = 32, 8, 128
@@ -183,10 +183,11 @@ class Shape:
 
     def heuristic(self):
         dev = self.case.q.device
+        hint = cp_async_hint(dev)
         splits = choose_num_splits(self.batch, HKV, self.case.block_tables.shape[1] * self.block_size,
-                                   num_sms(dev))
+                                   num_sms(dev), cp_async_hint=hint)
         cfg = choose_config(dev, triton.next_power_of_2(D), self.case.q.element_size(), self.block_size,
-                            splits)
+                            splits, cp_async_hint=hint)
         return cfg, splits
 
 
@@ -292,7 +293,8 @@ def ptxas_info() -> dict:
     cp.async loads with it (kernels/l2_hint.py)."""
     major, minor = torch.cuda.get_device_capability()
     version = l2_hint.ptxas_version_for(major * 10 + minor)
-    return {"ptxas": ".".join(map(str, version)), "cp_async_l2_hint": version >= l2_hint.FIXED_PTXAS}
+    return {"ptxas": ".".join(map(str, version)),
+            "cp_async_l2_hint": l2_hint.cp_async_hint_compiles(major * 10 + minor)}
 
 
 def markdown(result: dict) -> str:

@@ -33,6 +33,7 @@ import triton
 
 PATCHED_KERNELS = ("_paged_decode_stage1",)
 PATCHED_TRITON = ("3.6.",)
+EMITTING_TRITON = (3, 9)    # first Triton writing the policy on cp.async itself (PTX 9.4+, fixed ptxas)
 FIXED_PTXAS = (13, 4, 59)   # first ptxas that keeps a fractional cache policy on cp.async
 POLICY_REG = "%l2_evict_first"
 
@@ -89,6 +90,14 @@ def ptxas_version_for(arch: int) -> tuple[int, int, int]:
 def ptxas_keeps_cp_async_policy(arch: int) -> bool:
     """True when the ptxas Triton runs for sm_<arch> compiles a cache policy on cp.async correctly."""
     return ptxas_version_for(arch) >= FIXED_PTXAS
+
+
+def cp_async_hint_compiles(arch: int) -> bool:
+    """Whether a cp.async load that asks for evict_first keeps it in the kernel compiled for sm_<arch>: on
+    Triton 3.6 through this module's hook, on Triton >= 3.9 by itself, both only with a fixed ptxas."""
+    major_minor = tuple(int(x) for x in re.findall(r"\d+", triton.__version__)[:2])
+    emits = triton.__version__.startswith(PATCHED_TRITON) or major_minor >= EMITTING_TRITON
+    return emits and ptxas_keeps_cp_async_policy(arch)
 
 
 def _stages_hook(previous):

@@ -15,11 +15,17 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import l2_hint
+
 # Programs per SM the heuristic aims for: one full wave of PROGRAMS_PER_SM for several sequences, about
-# SINGLE_SEQUENCE_PROGRAMS_PER_SM (rounded) for one; a split is never shorter than MIN_SPLIT_TOKENS (stage-2
-# cost and per-program start-up dominate below that). Measured on the H200, docs/kernel_notes.md runs 12, 31.
+# SINGLE_SEQUENCE_PROGRAMS_PER_SM (rounded) for one where the split config's cp.async loads carry the L2 hint
+# (a full wave where they cannot: register prefetch wants it); a split is never shorter than MIN_SPLIT_TOKENS
+# (stage-2 cost and per-program start-up dominate below that). Measured on the H200, docs/kernel_notes.md
+# runs 12, 31, 34.
 PROGRAMS_PER_SM = 2
 SINGLE_SEQUENCE_PROGRAMS_PER_SM = 1.7
+# from this many splits on, a toolchain that drops the hint on cp.async streams through register prefetch
+REGISTER_PREFETCH_MIN_SPLITS = 24
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 256
 MAX_FIXED_SPLITS = 256
@@ -56,6 +62,12 @@ _ONE_SPLIT = KernelConfig(64, 4, 2, heads_fastest=True, early_table=True, offset
 # Triton 3.6 drops it unless its ptxas is >= 13.4.59 (kernels/l2_hint.py), so there the code is unchanged.
 # Not at one split: it made (128, 4096) 507 -> 529 us and (256, 1024) 255 -> 263.
 _MANY_SPLITS = KernelConfig(64, 4, 3, heads_fastest=True, early_table=True, pdl=True, evict_first=True)
+# Where the toolchain drops that hint (Triton 3.6 with its own ptxas 12.8; 3.7-3.8), plain loads one tile
+# ahead keep it (runs 23, 34): one sequence at 32 splits, GPU-only / do_bench, (1, 32768) 43.9 / 47.3 us vs
+# 45.2 / 47.8 for the split config at 27, (1, 16384) 26.0 / 28.9 vs 27.9 / 30.6; but slower with fewer
+# splits: (2, 32768) 75.4 vs 74.6 at 16, (16, 4096) 78.7 vs 73.8 at 2, (1, 4096) 11.9 vs 11.8 at 16.
+_MANY_SPLITS_REGISTERS = KernelConfig(64, 4, 1, heads_fastest=True, early_table=True, pdl=True,
+                                      reg_prefetch=True, evict_first=True)
 _TINY_BLOCKS = KernelConfig(64, 4, 2, heads_fastest=True, early_table=True)
 _TINY_BLOCKS_SPLITS = KernelConfig(32, 4, 6, table_in_loop=True, heads_fastest=True, pdl=True)
 _HEAD_DIM_256 = KernelConfig(block_n=32, num_warps=4, num_stages=2)
@@ -63,8 +75,9 @@ _INTERPRETER_CONFIG = KernelConfig(block_n=32, num_warps=4, num_stages=1)
 
 
 def choose_config(device: torch.device, head_dim_pad: int, elem_size: int = 2, block_size: int = 16,
-                  num_splits: int = 1) -> KernelConfig:
-    """Tile config from the device, head dim, element size, block size and split count only.
+                  num_splits: int = 1, cp_async_hint: bool = True) -> KernelConfig:
+    """Tile config from the device, head dim, element size, block size, split count and whether the
+    toolchain keeps the L2 hint on cp.async (`cp_async_hint_compiles`) only.
 
     Never from the batch, so a fixed num_splits keeps the batch-invariance promise.
     """
@@ -76,6 +89,8 @@ def choose_config(device: torch.device, head_dim_pad: int, elem_size: int = 2, b
         cfg = _TINY_BLOCKS if num_splits == 1 else _TINY_BLOCKS_SPLITS
     else:
         cfg = _ONE_SPLIT if num_splits == 1 else _MANY_SPLITS
+        if num_splits >= REGISTER_PREFETCH_MIN_SPLITS and not cp_async_hint:
+            cfg = _MANY_SPLITS_REGISTERS
     if elem_size > 2:  # fp32 tiles take twice the shared memory per stage
         cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
     return cfg
@@ -88,22 +103,36 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, sms: int, block_n: int = 64) -> int:
+def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, sms: int, block_n: int = 64,
+                      cp_async_hint: bool = True) -> int:
     """Split count for the heuristic mode; max_len is an upper bound on a sequence's visible tokens.
     As many splits as fit in one wave of PROGRAMS_PER_SM programs per SM (rounded down: a partial second
     wave cost more than it gave, e.g. (16, 4096) took 75.4 us with 2 splits, 77-80 us with 3). One sequence
-    takes fewer, about SINGLE_SEQUENCE_PROGRAMS_PER_SM per SM: GPU-only, three rounds, run 31, (1, 32768)
-    41.3-41.8 us with 27 splits vs 42.6-42.7 with 32, (1, 16384) 24.8-24.9 vs 25.1-25.4; while two and four
-    sequences were faster with the full wave ((2, 32768) 75.4-75.5 us with 16 vs 76.0-76.6 with 14)."""
+    takes fewer, about SINGLE_SEQUENCE_PROGRAMS_PER_SM per SM, where the cp.async loads carry the L2 hint:
+    GPU-only, three rounds, run 31, (1, 32768) 41.3-41.8 us with 27 splits vs 42.6-42.7 with 32, (1, 16384)
+    24.8-24.9 vs 25.1-25.4; while two and four sequences were faster with the full wave ((2, 32768) 75.4-75.5
+    us with 16 vs 76.0-76.6 with 14). Without the hint (register prefetch) one sequence wants the full wave
+    too: (1, 32768) 43.9 us with 32 splits vs 47.7 with 27 (run 34)."""
     base = max(1, batch * num_kv_heads)
     wave = PROGRAMS_PER_SM * sms // base
-    want = min(round(SINGLE_SEQUENCE_PROGRAMS_PER_SM * sms / base), wave) if batch == 1 else wave
+    single = SINGLE_SEQUENCE_PROGRAMS_PER_SM if cp_async_hint else PROGRAMS_PER_SM
+    want = min(round(single * sms / base), wave) if batch == 1 else wave
     cap = max(1, max_len // max(MIN_SPLIT_TOKENS, block_n))
     splits = max(1, min(want, cap, MAX_SPLITS))
     # no split left empty by tile rounding: 33 splits of 32768 tokens round to 1024-token pieces, so the
     # 33rd would be empty (and its merge wider); measured 49.8 us there vs 46.6 with 32 splits
     per = _cdiv(_cdiv(max_len, splits), block_n) * block_n
     return max(1, _cdiv(max_len, per))
+
+
+@functools.lru_cache(maxsize=8)
+def cp_async_hint(device: torch.device) -> bool:
+    """Whether the split config's cp.async loads get their L2 hint on this device's toolchain; True off CUDA
+    (the interpreter has no L2 hint to lose, so its picks stay those measured with the hint)."""
+    if device.type != "cuda":
+        return True
+    major, minor = torch.cuda.get_device_capability(device)
+    return l2_hint.cp_async_hint_compiles(major * 10 + minor)
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -94,6 +94,20 @@ def test_hook_patches_only_when_asked_fixed_and_ours(monkeypatch, name, asked, f
     assert ("L2::cache_hint" in stages.run(name)) == hinted
 
 
+@pytest.mark.parametrize("version,fixed,kept", [
+    ("3.6.0", True, True),       # through our hook
+    ("3.6.0", False, False),     # the hook stays out: ptxas 12.8 would miscompile it
+    ("3.8.0", True, False),      # drops it and is not patched
+    ("3.9.0", True, True),       # writes it itself
+    ("3.10.1", True, True),
+    ("3.9.0", False, False),
+])
+def test_cp_async_hint_compiles_by_triton_and_ptxas(monkeypatch, version, fixed, kept):
+    monkeypatch.setattr(l2_hint, "ptxas_keeps_cp_async_policy", lambda arch: fixed)
+    monkeypatch.setattr(triton, "__version__", version)
+    assert l2_hint.cp_async_hint_compiles(90) == kept
+
+
 def test_install_only_on_the_triton_that_drops_the_hint(monkeypatch):
     monkeypatch.setattr(triton.knobs.runtime, "add_stages_inspection_hook", None)
     monkeypatch.setattr(triton, "__version__", "3.9.0")

@@ -34,3 +34,27 @@ def test_config_table_by_block_size_splits_and_dtype():
     assert choose_config(cuda, 128, 2, 1, 8).table_in_loop
     assert choose_config(cuda, 128, 4, 16, 1).block_n == 32                   # fp32: half the tile
     assert choose_config(torch.device("cpu"), 128) == KernelConfig(32, 4, 1)  # interpreter
+
+
+@pytest.mark.parametrize("batch,ctx,want", [(1, 32768, 32), (1, 16384, 32), (1, 4096, 16), (2, 32768, 16),
+                                            (16, 4096, 2), (64, 2048, 1)])
+def test_h200_picks_where_cp_async_loses_the_hint(batch, ctx, want):
+    """Register prefetch (what such a toolchain streams few long sequences with) wants one full wave even
+    for a single sequence (run 34); several sequences are unchanged."""
+    assert choose_num_splits(batch, 8, ctx, 132, cp_async_hint=False) == want
+
+
+def test_register_prefetch_only_at_many_splits_and_only_without_the_cp_async_hint():
+    cuda = torch.device("cuda")
+    assert choose_config(cuda, 128, 2, 16, 32, cp_async_hint=False).reg_prefetch
+    assert choose_config(cuda, 128, 2, 16, 32, cp_async_hint=False).evict_first
+    assert not choose_config(cuda, 128, 2, 16, 32, cp_async_hint=True).reg_prefetch
+    assert not choose_config(cuda, 128, 2, 16, 16, cp_async_hint=False).reg_prefetch   # (2, 32768)
+    assert not choose_config(cuda, 128, 2, 16, 1, cp_async_hint=False).reg_prefetch
+    assert not choose_config(cuda, 128, 2, 1, 32, cp_async_hint=False).reg_prefetch    # tiny blocks
+    assert choose_config(cuda, 128, 4, 16, 32, cp_async_hint=False).block_n == 32      # fp32: half the tile
+
+
+def test_interpreter_keeps_the_hinted_picks():
+    from kernels.split_heuristic import cp_async_hint
+    assert cp_async_hint(torch.device("cpu"))
