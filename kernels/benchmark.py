@@ -306,19 +306,21 @@ def markdown(result: dict) -> str:
              f"do_bench median (L2 cleared per call; ours and SDPA: median of three do_bench medians). "
              f"ours: the public call with a DecodeWorkspace, as the server's runner makes it (splits merged "
              f"in one launch); 'no workspace': the same call without one (a second launch merges). "
+             f"cfg: the heuristic's tile/warps/stages and flags (kernels.split_heuristic.FLAG_LETTERS). "
              f"GPU-only: CUDA-graph replays, L2 cleared. Copy bandwidth {result['copy_TBps']:.2f} TB/s "
              f"(read+write). SDPA backend seen: `{result['sdpa_backend']}`.", "",
-             "| B | L | block | ours µs | ours, no workspace µs | best µs (cfg, splits) | SDPA-contig µs "
-             "| gather-SDPA µs | ref µs | ours / SDPA GPU-only µs "
+             "| B | L | block | ours: cfg, splits | ours µs | ours, no workspace µs | best µs (cfg, splits) "
+             "| SDPA-contig µs | gather-SDPA µs | ref µs | ours / SDPA GPU-only µs "
              "| ours TB/s | SDPA TB/s | ours / copy |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         best = r.get("best")
-        best_s = (f"{best['us']:.1f} ({best['config']['block_n']}/{best['config']['num_warps']}w/"
-                  f"{best['config']['num_stages']}s, "
-                   f"{best['splits']})" if best else "-")
+        best_s = (f"{best['us']:.1f} ({KernelConfig(**best['config']).label()}, {best['splits']})"
+                  if best else "-")
+        heur = r["heuristic"]
         ref_s = f"{r['torch_ref_us']:.0f}" if r["torch_ref_us"] else "-"
-        lines.append(f"| {r['B']} | {r['L']} | {r['block_size']} | {r['ours_us']:.1f} | "
+        lines.append(f"| {r['B']} | {r['L']} | {r['block_size']} | "
+                     f"{KernelConfig(**heur['config']).label()}, {heur['splits']} | {r['ours_us']:.1f} | "
                      f"{r['ours_two_launch_us']:.1f} | {best_s} | "
                      f"{r['sdpa_contig_us']:.1f} | {r['gather_sdpa_us']:.1f} | {ref_s} | "
                      f"{r['ours_gpu_us']:.1f} / {r['sdpa_gpu_us']:.1f} | {r['ours_TBps']:.2f} | "
@@ -370,8 +372,8 @@ def table(result: dict) -> str:
                    f"{r['sdpa_contig_us']:8.1f} {r['gather_sdpa_us']:9.1f} {r['ours_TBps']:9.2f}  "
                    f"{r['ours_gpu_us']:8.1f}/{r['sdpa_gpu_us']:<8.1f} "
                    f"{r['ours_host_us']:6.1f}/{r['sdpa_host_us']:<6.1f} "
-                   f"{tuple(h['config'].values())},{h['splits']} -> "
-                   f"{tuple(b['config'].values())},{b['splits']}")
+                   f"{KernelConfig(**h['config']).label()},{h['splits']} -> "
+                   f"{KernelConfig(**b['config']).label() if b['config'] else '-'},{b['splits']}")
     out.append(f"copy {result['copy_TBps']:.2f} TB/s; "
                f"geomean SDPA/ours {result['geomean_sdpa_over_ours']:.3f} "
                f"(GPU-only {result['geomean_sdpa_over_ours_gpu_only']:.3f}); "

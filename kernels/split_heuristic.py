@@ -47,6 +47,16 @@ class KernelConfig:
     reg_prefetch: bool = False  # plain loads one tile ahead into registers, not Triton's cp.async pipeline
     evict_first: bool = False   # L2 evict-first hint on K/V loads (cp.async: only with ptxas >= 13.4.59)
 
+    def label(self) -> str:
+        """Short name for tables: tile/warps/stages, a letter per flag that is on, /i64 for int64 offsets."""
+        flags = "".join(f"/{letter}" for name, letter in FLAG_LETTERS.items() if getattr(self, name))
+        return (f"{self.block_n}/{self.num_warps}w/{self.num_stages}s{flags}"
+                + ("" if self.offsets_32 else "/i64"))
+
+
+FLAG_LETTERS = {"table_in_loop": "T", "heads_fastest": "H", "early_table": "E", "pdl": "P",
+                "reg_prefetch": "R", "evict_first": "F", "pdl_wait": "W"}
+
 
 # Measured on the H200 (bf16, D=128, Hq/Hkv=4; `python -m kernels.tune`, runs 9-12 and 19 in
 # docs/kernel_notes.md). One split (batch >= 64): 64-token tiles, 4 warps, 2 stages, KV heads fastest in the

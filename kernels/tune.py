@@ -279,30 +279,20 @@ def table(result) -> str:
             continue
         g = min(e["sweep"], key=lambda r: r["gpu_us"])
         d = min(e["refined"], key=lambda r: r["do_bench_us"]) if e["refined"] else None
-        c = g["config"]
-        flags = "".join(f"/{k[0].upper()}" for k in ("table_in_loop", "heads_fastest", "early_table") if c[k])
-        cfg = f"{c['block_n']}/{c['num_warps']}w/{c['num_stages']}s{flags}"
-        dcfg = (f"{d['do_bench_us']:.1f} s{d['splits']}{' pdl' if d['config']['pdl'] else ''}"
-                + "".join(f" {k[0].upper()}" for k in ("table_in_loop", "heads_fastest", "early_table")
-                          if d["config"][k])) if d else "-"
+        cfg = _cfg_name(g["config"])
+        dcfg = f"{d['do_bench_us']:.1f} ({_cfg_name(d['config'])}, {d['splits']})" if d else "-"
         host = (f"{e['public_host_us']:.1f}/{e['public_do_bench_us']:.1f}" if "public_host_us" in e else "-")
         sd = (f"{e['sdpa_host_us']:.1f}/{e['sdpa_do_bench_us']:.1f}/{e['sdpa_gpu_us']:.1f}"
               if "sdpa_host_us" in e else "-")
         lines.append(f"{e.get('layout', 'token')[:5]:5} {e['B']:<5} {e['L']:<6} {e['block_size']:<3} "
                      f"{g['gpu_us']:7.1f} "
-                     f"({cfg}, {g['splits']}){'':8} {dcfg:18} {host:20} {sd}")
+                     f"({cfg}, {g['splits']}){'':8} {dcfg:30} {host:20} {sd}")
     return "\n".join(lines)
 
 
-# one letter per config flag in printed tables
-_FLAG_LETTERS = {"table_in_loop": "T", "heads_fastest": "H", "early_table": "E", "pdl": "P",
-                 "reg_prefetch": "R", "evict_first": "F", "pdl_wait": "W"}
-
-
 def _cfg_name(c: dict) -> str:
-    flags = "".join(f"/{letter}" for k, letter in _FLAG_LETTERS.items() if c.get(k))
-    flags += "" if c.get("offsets_32", True) else "/i64"
-    return f"{c['block_n']}/{c['num_warps']}w/{c['num_stages']}s{flags}"
+    """KernelConfig.label of a config stored as a dict (older tune files lack the newer flags)."""
+    return K(**c).label()
 
 
 def ab_table(result, knob: str) -> str:

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from kernels import tune
-from kernels.split_heuristic import KernelConfig
+from kernels.split_heuristic import FLAG_LETTERS, KernelConfig
 
 FIELDS = {f.name for f in dataclasses.fields(KernelConfig)}
 
@@ -32,8 +32,8 @@ def test_every_mode_but_the_full_sweep_has_a_flag(capsys):
 def test_every_config_flag_prints_as_its_own_letter():
     flags = [f.name for f in dataclasses.fields(KernelConfig)
              if f.type in (bool, "bool") and f.name != "offsets_32"]   # offsets_32 prints as /i64 when off
-    assert set(tune._FLAG_LETTERS) == set(flags)
-    assert len(set(tune._FLAG_LETTERS.values())) == len(flags)
+    assert set(FLAG_LETTERS) == set(flags)
+    assert len(set(FLAG_LETTERS.values())) == len(flags)
     name = tune._cfg_name(dataclasses.asdict(KernelConfig(64, 4, 3, pdl=True, pdl_wait=True, evict_first=True,
                                                           early_table=True)))
     assert name == "64/4w/3s/E/P/F/W"
