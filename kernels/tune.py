@@ -177,6 +177,12 @@ STOCK_PTXAS_CONFIGS = [_SPLIT_CFG, K(64, 4, 1, **_RPF), K(32, 4, 1, **_RPF), K(6
 STOCK_PTXAS_SPLITS = {(1, 32768): (24, 27, 32), (1, 16384): (26, 32), (1, 4096): (16,), (2, 32768): (16,),
                       (4, 16384): (8,), (16, 4096): (2,)}
 
+# fewer bytes in flight per program, more programs: deeper pipelines were slower at (1, 32768) (run 27: 5
+# stages 52-58 us), so shallower ones with more splits, at the single-sequence shapes
+LEAN_CONFIGS = [_SPLIT_CFG, K(64, 4, 2, **_HS), K(32, 4, 3, **_HS), K(32, 4, 2, **_HS), K(128, 8, 2, **_HS),
+                K(64, 8, 2, **_HS)]
+LEAN_SPLITS = {(1, 32768): (27, 32, 40, 48, 64), (1, 16384): (26, 32, 48)}
+
 FINAL_CONFIGS = [K(64, 4, 2, heads_fastest=T, early_table=T), K(64, 4, 2, early_table=T),
                  K(64, 4, 3, heads_fastest=T, early_table=T, pdl=T), K(64, 4, 3, early_table=T, pdl=T),
                  K(32, 4, 6, T, heads_fastest=T), K(32, 4, 6, T, pdl=T)]
@@ -217,6 +223,8 @@ MODES = {
     "stock_ptxas": Mode("register prefetch + evict-first vs the split config, for a ptxas dropping the hint",
                         STOCK_PTXAS_CONFIGS, STOCK_PTXAS_SPLITS, "reg_prefetch", (True,),
                         block_size_rows=False),
+    "lean": Mode("shallow pipelines (fewer bytes in flight) at more splits vs the split config, GPU-only",
+                 LEAN_CONFIGS, LEAN_SPLITS, workspaces=(True,), block_size_rows=False),
     "split_rule": Mode("split counts of the 1.7-programs-per-SM rule vs one full wave, GPU-only",
                        SPLIT_RULE_CONFIGS, SPLIT_RULE_SPLITS, workspaces=(True,), block_size_rows=False),
 }
