@@ -94,7 +94,8 @@ def ptxas_keeps_cp_async_policy(arch: int) -> bool:
 
 def cp_async_hint_compiles(arch: int) -> bool:
     """Whether a cp.async load that asks for evict_first keeps it in the kernel compiled for sm_<arch>: on
-    Triton 3.6 through this module's hook, on Triton >= 3.9 by itself, both only with a fixed ptxas."""
+    Triton 3.6 through this module's hook, on Triton >= 3.9 by itself, both only with a fixed ptxas. 3.7.1
+    and 3.8.0 write plain cp.async (offline PTX of our split config)."""
     major_minor = tuple(int(x) for x in re.findall(r"\d+", triton.__version__)[:2])
     emits = triton.__version__.startswith(PATCHED_TRITON) or major_minor >= EMITTING_TRITON
     return emits and ptxas_keeps_cp_async_policy(arch)
