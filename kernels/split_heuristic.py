@@ -68,15 +68,14 @@ FLAG_LETTERS = {"table_in_loop": "T", "heads_fastest": "H", "early_table": "E", 
 # splits). Head dim 256 keeps its run-5 config (unswept).
 _ONE_SPLIT = KernelConfig(64, 4, 2, heads_fastest=True, early_table=True, offsets_32=False)
 # evict_first (runs 26-27): the L2 evict-first hint on the cp.async K/V loads; (1, 32768) 45.2 -> 41.5 us
-# GPU-only.
-# Triton 3.6 drops it unless its ptxas is >= 13.4.59 (kernels/l2_hint.py), so there the code is unchanged.
-# Not at one split: it made (128, 4096) 507 -> 529 us and (256, 1024) 255 -> 263.
+# GPU-only. Not at one split: it made (128, 4096) 507 -> 529 us and (256, 1024) 255 -> 263. Triton 3.6 drops
+# it unless its ptxas is >= 13.4.59 (kernels/l2_hint.py); so do 3.7.1 and 3.8.0 (offline PTX 8.7 / 8.8:
+# plain cp.async, with ptxas 12.8 / 12.9 for sm_90).
 _MANY_SPLITS = KernelConfig(64, 4, 3, heads_fastest=True, early_table=True, pdl=True, evict_first=True)
-# Where the toolchain drops that hint (Triton 3.6 with its own ptxas 12.8; 3.7.1 and 3.8.0, offline PTX 8.7 /
-# 8.8 with plain cp.async, ptxas 12.8 / 12.9 for sm_90), plain loads one tile
-# ahead keep it (runs 23, 34): one sequence at 32 splits, GPU-only / do_bench, (1, 32768) 43.9 / 47.3 us vs
-# 45.2 / 47.8 for the split config at 27, (1, 16384) 26.0 / 28.9 vs 27.9 / 30.6; but slower with fewer
-# splits: (2, 32768) 75.4 vs 74.6 at 16, (16, 4096) 78.7 vs 73.8 at 2, (1, 4096) 11.9 vs 11.8 at 16.
+# Where the toolchain drops that hint, plain loads one tile ahead keep it (runs 23, 34): one sequence at 32
+# splits, GPU-only / do_bench, (1, 32768) 43.9 / 47.3 us vs 45.2 / 47.8 for the split config at 27,
+# (1, 16384) 26.0 / 28.9 vs 27.9 / 30.6; but slower with fewer splits: (2, 32768) 75.4 vs 74.6 at 16,
+# (16, 4096) 78.7 vs 73.8 at 2, (1, 4096) 11.9 vs 11.8 at 16.
 _MANY_SPLITS_REGISTERS = KernelConfig(64, 4, 1, heads_fastest=True, early_table=True, pdl=True,
                                       reg_prefetch=True, evict_first=True)
 _TINY_BLOCKS = KernelConfig(64, 4, 2, heads_fastest=True, early_table=True)
