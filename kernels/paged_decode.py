@@ -47,7 +47,6 @@ l2_hint.install()   # Triton 3.6 drops evict_first on cp.async; see kernels/l2_h
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30
-DONE = tl.constexpr(1 << 16)   # arrive-first merge: a counter holds arrivals + DONE x stored partials
 
 @triton.jit
 def _split_range(seq_len, window, split, num_splits, BLOCK_N: tl.constexpr):
@@ -102,25 +101,6 @@ def _softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.con
 
 
 @triton.jit
-def _store_partial(o_part, lse_part, heads, split, o, lse, row_mask, g_mask, offs_d, stride_ph, stride_ps,
-                   stride_pd, stride_lh, stride_ls):
-    """One split's normalised partial o (GP, DP) and its log2-sum-exp lse (GP,), for the merge."""
-    tl.store(o_part + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :] * stride_pd, o,
-             mask=row_mask)
-    tl.store(lse_part + heads * stride_lh + split * stride_ls, lse, mask=g_mask)
-
-
-@triton.jit
-def _first_rows(o, lse, ROWS: tl.constexpr, KEEP: tl.constexpr):
-    """The first KEEP rows of o (ROWS, DP) and lse (ROWS,), exactly: a one-hot sum whose other terms are -0.0
-    (x + -0.0 == x for every x) and a one-hot max whose other terms are -inf."""
-    pick = tl.arange(0, KEEP)[:, None] == tl.arange(0, ROWS)[None, :]              # (KEEP, ROWS)
-    rows_o = tl.sum(tl.where(pick[:, :, None], o[None, :, :], -0.0), 1)            # (KEEP, DP)
-    rows_lse = tl.max(tl.where(pick, lse[None, :], float("-inf")), 1)              # (KEEP,)
-    return rows_o, rows_lse
-
-
-@triton.jit
 def _paged_decode_stage1(
     Q, K, V, BLOCK_TABLES, SEQ_LENS, O_PART, LSE_PART, OUT, TICKETS,
     qk_scale, window, num_splits, split_tokens, table_tokens,
@@ -136,7 +116,7 @@ def _paged_decode_stage1(
     FUSED_MERGE: tl.constexpr, DOT_PRECISION: tl.constexpr, TABLE_IN_LOOP: tl.constexpr,
     HEADS_FASTEST: tl.constexpr, EARLY_TABLE: tl.constexpr, USE_PDL: tl.constexpr, PDL_WAIT: tl.constexpr,
     MERGE_GROUP_PAD: tl.constexpr, MERGE_BLOCK_S: tl.constexpr, MERGE_CHUNK_S: tl.constexpr,
-    OFFSETS_32: tl.constexpr, REG_PREFETCH: tl.constexpr, EVICT: tl.constexpr, ARRIVE_FIRST: tl.constexpr,
+    OFFSETS_32: tl.constexpr, REG_PREFETCH: tl.constexpr, EVICT: tl.constexpr,
 ):
     if PDL_WAIT:
         gdc_wait()   # launched early (PDL): wait for the kernel before us (q, new K/V) and its writes
@@ -220,31 +200,12 @@ def _paged_decode_stage1(
     if WRITE_FINAL:
         out_ptrs = OUT + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
         tl.store(out_ptrs, o.to(OUT.dtype.element_ty), mask=row_mask)
-    elif FUSED_MERGE and ARRIVE_FIRST:
-        # arrive before storing: the last split to arrive merges with its own partial from registers, so
-        # after the last tile only the arrival and the merge's loads are round trips (no store + release)
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))   # (GP,) log2 units
-        counter = TICKETS + seq * num_kv_heads + kvh
-        arrived = tl.atomic_add(counter, 1, sem="acquire", scope="gpu")  # arrivals + DONE x stored partials
-        if arrived % DONE == num_splits - 1:
-            stored = arrived // DONE
-            while stored < num_splits - 1:   # the others arrived first and are storing their partials now
-                stored = tl.atomic_add(counter, 0, sem="acquire", scope="gpu") // DONE
-            own_o, own_lse = _first_rows(o, lse, GROUP_PAD, MERGE_GROUP_PAD)
-            merge_group(O_PART + seq * stride_pb, LSE_PART + seq * stride_lb, OUT + seq * stride_ob,
-                         kvh * GROUP, GROUP, num_splits, stride_ph, stride_ps, stride_pd, stride_lh,
-                         stride_ls, stride_oh, stride_od, offs_d, d_mask, MERGE_GROUP_PAD, HEAD_DIM_PAD,
-                         MERGE_BLOCK_S, MERGE_CHUNK_S, split, own_o, own_lse, True)
-            tl.store(counter, 0)             # every split arrived and stored: zero for the next launch
-        else:
-            _store_partial(O_PART + seq * stride_pb, LSE_PART + seq * stride_lb, heads, split, o, lse,
-                           row_mask, g_mask, offs_d, stride_ph, stride_ps, stride_pd, stride_lh, stride_ls)
-            tl.debug_barrier()               # every thread's stores are done before the release
-            tl.atomic_add(counter, DONE, sem="release", scope="gpu")
     else:
+        p_ptrs = (O_PART + seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps
+                  + offs_d[None, :] * stride_pd)
+        tl.store(p_ptrs, o, mask=row_mask)
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        _store_partial(O_PART + seq * stride_pb, LSE_PART + seq * stride_lb, heads, split, o, lse, row_mask,
-                       g_mask, offs_d, stride_ph, stride_ps, stride_pd, stride_lh, stride_ls)
+        tl.store(LSE_PART + seq * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=g_mask)
         if FUSED_MERGE:
             # every thread's partial stores are done (barrier) before the release of the ticket; the
             # acquire of the last ticket orders the merge's loads after all other splits' releases
@@ -300,7 +261,6 @@ class _DecodePlan:
                         OFFSETS_32=cfg.offsets_32 and _offsets_fit_int32(k_cache, v_cache),
                         REG_PREFETCH=cfg.reg_prefetch and not cfg.table_in_loop,
                         EVICT="evict_first" if cfg.evict_first else "",
-                        ARRIVE_FIRST=cfg.arrive_first,
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                         **({"launch_pdl": True} if pdl_wait else {}))
         self.kw2 = dict(HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_S=block_s, CHUNK_S=chunk2,

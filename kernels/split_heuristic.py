@@ -46,8 +46,6 @@ class KernelConfig:
     offsets_32: bool = True  # int32 cache offsets where both caches allow it (fewer address instructions)
     reg_prefetch: bool = False  # plain loads one tile ahead into registers, not Triton's cp.async pipeline
     evict_first: bool = False   # L2 evict-first hint on K/V loads (cp.async: only with ptxas >= 13.4.59)
-    arrive_first: bool = False  # in-launch merge: arrive before storing; the last to arrive merges with its
-                                # own partial from registers (one L2 round trip fewer after the last tile)
 
     def label(self) -> str:
         """Short name for tables: tile/warps/stages, a letter per flag that is on, /i64 for int64 offsets."""
@@ -57,7 +55,7 @@ class KernelConfig:
 
 
 FLAG_LETTERS = {"table_in_loop": "T", "heads_fastest": "H", "early_table": "E", "pdl": "P",
-                "reg_prefetch": "R", "evict_first": "F", "pdl_wait": "W", "arrive_first": "A"}
+                "reg_prefetch": "R", "evict_first": "F", "pdl_wait": "W"}
 
 
 # Measured on the H200 (bf16, D=128, Hq/Hkv=4; `python -m kernels.tune`, runs 9-12 and 19 in

@@ -31,40 +31,31 @@ def merge_chunk(block_s: int, row_elems: int) -> int:
 @triton.jit
 def merge_group(o_part, lse_part, out, first_head, num_heads, num_splits, stride_ph, stride_ps, stride_pd,
                  stride_lh, stride_ls, stride_oh, stride_od, offs_d, d_mask, GROUP_PAD: tl.constexpr,
-                 HEAD_DIM_PAD: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
-                 own_split=-1, own_o=None, own_lse=None, OWN: tl.constexpr = False):
+                 HEAD_DIM_PAD: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr):
     """Merge the splits of query heads first_head + [0, num_heads): out = sum_s 2^lse_s o_s / sum_s 2^lse_s
     over the normalised partials o_s and their log2-sum-exps lse_s. o_part, lse_part, out point at one
     sequence. The chunk loop is unrolled, so every load (all heads, all splits) is in flight at once: one
     round trip to L2, not one per head and chunk. Loads bypass L1 (.cg): in the fused merge other SMs wrote
-    these partials during this launch. With OWN, split `own_split` is not read from memory but taken from
-    own_o (GP, DP) and own_lse (GP,), in its place in split order: the same sums, bit for bit."""
+    these partials during this launch."""
     offs_g = tl.arange(0, GROUP_PAD)
     g_mask = offs_g < num_heads
     heads = first_head + offs_g                                                     # (GP,)
     offs_s = tl.arange(0, BLOCK_S)
     lse = tl.load(lse_part + heads[:, None] * stride_lh + offs_s[None, :] * stride_ls,
-                  mask=g_mask[:, None] & ((offs_s < num_splits) & (offs_s != own_split))[None, :],
-                  other=float("-inf"), cache_modifier=".cg")                        # (GP, BS)
-    if OWN:
-        lse = tl.where(g_mask[:, None] & (offs_s == own_split)[None, :], own_lse[:, None], lse)
+                  mask=g_mask[:, None] & (offs_s < num_splits)[None, :], other=float("-inf"),
+                  cache_modifier=".cg")                                             # (GP, BS)
     m = tl.max(lse, 1)
     m = tl.where(m == float("-inf"), 0.0, m)                                        # all splits empty
     denom = tl.sum(tl.exp2(lse - m[:, None]), 1)                                    # (GP,)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
     for c in tl.static_range(0, BLOCK_S, CHUNK_S):
         s = c + tl.arange(0, CHUNK_S)
-        gs_mask = g_mask[:, None] & ((s < num_splits) & (s != own_split))[None, :]  # (GP, CS)
-        lse_c = tl.load(lse_part + heads[:, None] * stride_lh + s[None, :] * stride_ls, mask=gs_mask,
-                        other=float("-inf"), cache_modifier=".cg")                  # (GP, CS)
+        gs_mask = g_mask[:, None] & (s < num_splits)[None, :]                      # (GP, CS)
+        w = tl.exp2(tl.load(lse_part + heads[:, None] * stride_lh + s[None, :] * stride_ls, mask=gs_mask,
+                            other=float("-inf"), cache_modifier=".cg") - m[:, None])   # (GP, CS)
         o = tl.load(o_part + heads[:, None, None] * stride_ph + s[None, :, None] * stride_ps
                     + offs_d[None, None, :] * stride_pd, mask=gs_mask[:, :, None] & d_mask[None, None, :],
                     other=0.0, cache_modifier=".cg")                                # (GP, CS, DP)
-        if OWN:
-            own = g_mask[:, None] & (s == own_split)[None, :]                       # (GP, CS)
-            lse_c = tl.where(own, own_lse[:, None], lse_c)
-            o = tl.where(own[:, :, None], own_o[:, None, :], o)
-        w = tl.exp2(lse_c - m[:, None])                                             # (GP, CS)
         acc += tl.sum(o * w[:, :, None], 1)
     res = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(out + heads[:, None] * stride_oh + offs_d[None, :] * stride_od, res.to(out.dtype.element_ty),

@@ -183,13 +183,6 @@ LEAN_CONFIGS = [_SPLIT_CFG, K(64, 4, 2, **_HS), K(32, 4, 3, **_HS), K(32, 4, 2, 
                 K(64, 8, 2, **_HS)]
 LEAN_SPLITS = {(1, 32768): (27, 32, 40, 48, 64), (1, 16384): (26, 32, 48)}
 
-# the in-launch merge arriving before the partial store (the last to arrive merges with its own partial from
-# registers) vs storing first, for the shipped split configs at the split counts the heuristic picks
-ARRIVE_CONFIGS = [dataclasses.replace(c, arrive_first=a) for c in (_SPLIT_CFG, K(64, 4, 1, pdl=T, **_RPF))
-                  for a in (False, True)]
-ARRIVE_SPLITS = {(1, 4096): (16,), (1, 32768): (27, 32), (1, 16384): (26, 32), (16, 4096): (2,),
-                 (4, 16384): (8,), (2, 32768): (16,)}
-
 FINAL_CONFIGS = [K(64, 4, 2, heads_fastest=T, early_table=T), K(64, 4, 2, early_table=T),
                  K(64, 4, 3, heads_fastest=T, early_table=T, pdl=T), K(64, 4, 3, early_table=T, pdl=T),
                  K(32, 4, 6, T, heads_fastest=T), K(32, 4, 6, T, pdl=T)]
@@ -232,8 +225,6 @@ MODES = {
                         block_size_rows=False),
     "lean": Mode("shallow pipelines (fewer bytes in flight) at more splits vs the split config, GPU-only",
                  LEAN_CONFIGS, LEAN_SPLITS, workspaces=(True,), block_size_rows=False),
-    "arrive": Mode("in-launch merge arriving before vs after the partial store, shipped split configs",
-                   ARRIVE_CONFIGS, ARRIVE_SPLITS, "arrive_first", (True,), block_size_rows=False),
     "split_rule": Mode("split counts of the 1.7-programs-per-SM rule vs one full wave, GPU-only",
                        SPLIT_RULE_CONFIGS, SPLIT_RULE_SPLITS, workspaces=(True,), block_size_rows=False),
 }

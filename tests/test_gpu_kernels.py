@@ -142,33 +142,23 @@ def test_repeat_calls_through_the_launch_cache(splits):
         assert torch.equal(k_cache.view(-1, 8, 128)[slots[slots >= 0]], key[slots >= 0])
 
 
-@pytest.mark.parametrize("arrive_first", [False, True])
 @pytest.mark.parametrize("splits", [2, 7, 64])
-def test_workspace_merge_has_no_race(splits, arrive_first):
+def test_workspace_merge_has_no_race(splits):
     """With a DecodeWorkspace the last split program merges partials other CTAs wrote in the same launch and
     resets its counter: a missing barrier/fence or a stale counter shows as a result that moves between
-    identical runs or differs from the two-launch merge. 50 repeats each, one workspace throughout. Arriving
-    first, the merging split varies from run to run and keeps its own partial in registers: the output must
-    still not move, and must equal the store-first merge bit for bit."""
+    identical runs or differs from the two-launch merge. 50 repeats each, one workspace throughout."""
     from kernels.paged_decode import paged_decode_attention_triton
-    from kernels.split_heuristic import KernelConfig
-    cfg = KernelConfig(64, 4, 3, heads_fastest=True, early_table=True, evict_first=True,
-                       arrive_first=arrive_first)
     case = make_paged_case([8192, 300, 1, 4097] * 4, 32, 8, 128, 16, dtype=BF16, device="cuda", seed=splits)
     args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
     ws = kernels.DecodeWorkspace(16, 8, "cuda")
     two = paged_decode_attention_triton(*args, num_splits=splits)
-    store_first = paged_decode_attention_triton(*args, num_splits=splits, workspace=ws,
-                                                config=KernelConfig(64, 4, 3, heads_fastest=True,
-                                                                    early_table=True, evict_first=True))
     first = None
     for _ in range(50):
         out = torch.full_like(case.q, float("nan"))
-        paged_decode_attention_triton(*args, num_splits=splits, out=out, workspace=ws, config=cfg)
+        paged_decode_attention_triton(*args, num_splits=splits, out=out, workspace=ws)
         first = out.clone() if first is None else first
         assert torch.equal(out, first)
     assert ws.idle()
-    assert torch.equal(first, store_first)
     assert rel_error(first, reference_fp64(case)) <= TOLERANCE[BF16]
     torch.testing.assert_close(first.float(), two.float(), rtol=1e-2, atol=1e-2)
 
@@ -187,13 +177,7 @@ VARIANTS = [dict(block_n=64, num_warps=4, num_stages=3, table_in_loop=True, pdl=
             dict(block_n=64, num_warps=4, num_stages=3, heads_fastest=True, early_table=True, pdl=True,
                  evict_first=True, pdl_wait=True),
             dict(block_n=64, num_warps=4, num_stages=2, heads_fastest=True, early_table=True,
-                 offsets_32=False, pdl_wait=True),
-            dict(block_n=64, num_warps=4, num_stages=3, heads_fastest=True, early_table=True, pdl=True,
-                 evict_first=True, arrive_first=True),
-            dict(block_n=64, num_warps=4, num_stages=1, heads_fastest=True, early_table=True, pdl=True,
-                 reg_prefetch=True, evict_first=True, arrive_first=True),
-            dict(block_n=32, num_warps=4, num_stages=6, table_in_loop=True, heads_fastest=True, pdl=True,
-                 arrive_first=True)]
+                 offsets_32=False, pdl_wait=True)]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

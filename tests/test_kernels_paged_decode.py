@@ -130,24 +130,6 @@ def test_workspace_merge_agrees_with_two_launch_merge(splits):
     assert torch.equal(outs[0], outs[2])
 
 
-@pytest.mark.parametrize("splits", [2, 5, 40])
-def test_arrive_first_merge_is_bitwise_the_store_first_merge(splits):
-    """The last split to arrive merges with its own partial from registers, in its place in split order: the
-    same sums as when it stores and reloads it, so the same output bit for bit; counters back at zero."""
-    from kernels.paged_decode import paged_decode_attention_triton
-    case = make_paged_case([0, 300, 65, 1], 8, 2, 64, 16, seed=splits)
-    ws = kernels.DecodeWorkspace(max_seqs=4, num_kv_heads=2, device="cpu")
-    outs = []
-    for cfg in (KernelConfig(32, 4, 1), KernelConfig(32, 4, 1, arrive_first=True)):
-        out = torch.full_like(case.q, float("nan"))
-        paged_decode_attention_triton(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
-                                      num_splits=splits, out=out, workspace=ws, config=cfg)
-        assert ws.idle()
-        outs.append(out)
-    assert rel_error(outs[1], reference_fp64(case)) <= 1e-5
-    assert torch.equal(outs[0], outs[1])
-
-
 def test_workspace_through_the_public_call_and_its_errors():
     """The public call passes the workspace on (heuristic splits, GQA 6/1); a workspace too small for the
     batch, or not a DecodeWorkspace, is a ValueError naming the problem, and no plan is kept for it."""
