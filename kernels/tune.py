@@ -21,7 +21,7 @@ import triton
 
 from kernels import paged_decode_attention
 from kernels.benchmark import Shape, bench_us, gpu_cold_us, host_us
-from kernels.split_heuristic import KernelConfig
+from kernels.split_heuristic import _MANY_SPLITS, _ONE_SPLIT, KernelConfig
 
 K = KernelConfig
 T = True  # table_in_loop
@@ -160,7 +160,7 @@ SPLIT_RULE_SPLITS = {(1, 32768): (27, 32), (1, 16384): (28, 32), (2, 32768): (14
 
 # stage 1 launched with PDL (pdl_wait: its CTAs start while the kernel before it drains) off vs on, for the
 # shipped split and one-split configs at the split counts the heuristic picks
-_SPLIT_CFG, _ONE_CFG = K(64, 4, 3, **_HS), K(64, 4, 2, heads_fastest=T, early_table=T, offsets_32=False)
+_SPLIT_CFG, _ONE_CFG = _MANY_SPLITS, _ONE_SPLIT     # the shipped table's, not copies of it
 PDL_WAIT_CONFIGS = [dataclasses.replace(c, pdl_wait=w) for c in (_SPLIT_CFG, _ONE_CFG) for w in (False, True)]
 PDL_WAIT_SPLITS = {(1, 4096): (16,), (1, 32768): (27,), (16, 4096): (2,), (64, 2048): (1,), (64, 8192): (1,),
                    (128, 4096): (1,), (256, 1024): (1,)}
