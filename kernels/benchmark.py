@@ -291,10 +291,10 @@ def write_outputs(result: dict, out_dir: Path) -> None:
 def ptxas_info() -> dict:
     """The ptxas Triton compiles with here, and whether the split config's evict-first hint reaches the
     cp.async loads with it (kernels/l2_hint.py)."""
-    major, minor = torch.cuda.get_device_capability()
+    device = torch.device("cuda", torch.cuda.current_device())
+    major, minor = torch.cuda.get_device_capability(device)
     version = l2_hint.ptxas_version_for(major * 10 + minor)
-    return {"ptxas": ".".join(map(str, version)),
-            "cp_async_l2_hint": l2_hint.cp_async_hint_compiles(major * 10 + minor)}
+    return {"ptxas": ".".join(map(str, version)), "cp_async_l2_hint": cp_async_hint(device)}
 
 
 def markdown(result: dict) -> str:
