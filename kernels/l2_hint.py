@@ -44,6 +44,9 @@ _CP_ASYNC_HINTED = re.compile(r"cp\.async\.cg\.shared\.global\.L2::cache_hint")
 _CP_ASYNC = re.compile(
     r"cp\.async\.cg\.shared\.global(\s+\[[^\]]*\],\s*\[[^\]]*\],\s*0x10(?:,\s*%r\d+)?)\s*;")
 _LAST_REG_DECL = re.compile(r"(\n[ \t]*\.reg [^\n]*;)(?![\s\S]*\n[ \t]*\.reg )")
+# the kernel's body: from `.entry` to the first closing brace at the start of a line (Triton's PTX may also
+# hold .func bodies, e.g. of a noinline function, before or after it)
+_ENTRY_BODY = re.compile(r"\.entry [\s\S]*?\n\}")
 
 
 def wants_evict_first(ttgir: str) -> bool:
@@ -53,19 +56,24 @@ def wants_evict_first(ttgir: str) -> bool:
 
 
 def add_evict_first_hint(ptx: str) -> str:
-    """The PTX with one evict-first L2 policy register and that policy on every hint-less 16-byte cp.async.
+    """The PTX with one evict-first L2 policy register and that policy on every hint-less 16-byte cp.async of
+    the kernel entry.
 
-    Expects one kernel entry (Triton's PTX): the policy is declared after its last `.reg` declaration and
-    created before the first instruction. PTX that has no such cp.async comes back unchanged.
+    Expects one kernel entry (Triton's PTX; other functions in the module are left alone): the policy is
+    declared after the entry's last `.reg` declaration and created before its first instruction. PTX whose
+    entry has no such cp.async comes back unchanged.
     """
-    if not _CP_ASYNC.search(ptx):
+    entry = _ENTRY_BODY.search(ptx)
+    body = entry.group(0) if entry else ""
+    if not _CP_ASYNC.search(body):
         return ptx
-    if not _LAST_REG_DECL.search(ptx):
+    if not _LAST_REG_DECL.search(body):
         raise ValueError("no .reg declaration to add the L2 policy register after")
     declare = rf"\n\t.reg .b64 \t{POLICY_REG};"
     create = rf"\n\tcreatepolicy.fractional.L2::evict_first.b64 \t{POLICY_REG}, 1.0;"
-    ptx = _LAST_REG_DECL.sub(rf"\1{declare}{create}", ptx, count=1)
-    return _CP_ASYNC.sub(rf"cp.async.cg.shared.global.L2::cache_hint\1, {POLICY_REG};", ptx)
+    body = _LAST_REG_DECL.sub(rf"\1{declare}{create}", body, count=1)
+    body = _CP_ASYNC.sub(rf"cp.async.cg.shared.global.L2::cache_hint\1, {POLICY_REG};", body)
+    return ptx[:entry.start()] + body + ptx[entry.end():]
 
 
 def cp_async_counts(ptx: str) -> tuple[int, int]:
