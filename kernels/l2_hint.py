@@ -43,10 +43,9 @@ _CP_ASYNC_HINTED = re.compile(r"cp\.async\.cg\.shared\.global\.L2::cache_hint")
 # a 16-byte cp.async without a cache hint: [dst], [src], 16{, src-size}
 _CP_ASYNC = re.compile(
     r"cp\.async\.cg\.shared\.global(\s+\[[^\]]*\],\s*\[[^\]]*\],\s*0x10(?:,\s*%r\d+)?)\s*;")
-_LAST_REG_DECL = re.compile(r"(\n[ \t]*\.reg [^\n]*;)(?![\s\S]*\n[ \t]*\.reg )")
-# the kernel's body: from `.entry` to the first closing brace at the start of a line (Triton's PTX may also
-# hold .func bodies, e.g. of a noinline function, before or after it)
-_ENTRY_BODY = re.compile(r"\.entry [\s\S]*?\n\}")
+# the kernel entry's register declarations: the run of `.reg` lines that opens its body (Triton's PTX may also
+# hold .func bodies, e.g. of a noinline function, before or after it, with their own)
+_ENTRY_REG_DECLS = re.compile(r"\.entry [^{]*\{(?:\s*\.reg [^\n]*;)+")
 
 
 def wants_evict_first(ttgir: str) -> bool:
@@ -56,24 +55,22 @@ def wants_evict_first(ttgir: str) -> bool:
 
 
 def add_evict_first_hint(ptx: str) -> str:
-    """The PTX with one evict-first L2 policy register and that policy on every hint-less 16-byte cp.async of
-    the kernel entry.
+    """The PTX with one evict-first L2 policy register and that policy on every hint-less 16-byte cp.async.
 
-    Expects one kernel entry (Triton's PTX; other functions in the module are left alone): the policy is
-    declared after the entry's last `.reg` declaration and created before its first instruction. PTX whose
-    entry has no such cp.async comes back unchanged.
+    Expects one kernel entry (Triton's PTX): the policy is declared after the `.reg` declarations that open
+    its body and created before its first instruction. A cp.async outside the entry (in a .func) would name a
+    register it does not have, which ptxas rejects: loud, never a copy silently left without its hint. PTX
+    that has no such cp.async comes back unchanged.
     """
-    entry = _ENTRY_BODY.search(ptx)
-    body = entry.group(0) if entry else ""
-    if not _CP_ASYNC.search(body):
+    if not _CP_ASYNC.search(ptx):
         return ptx
-    if not _LAST_REG_DECL.search(body):
-        raise ValueError("no .reg declaration to add the L2 policy register after")
-    declare = rf"\n\t.reg .b64 \t{POLICY_REG};"
-    create = rf"\n\tcreatepolicy.fractional.L2::evict_first.b64 \t{POLICY_REG}, 1.0;"
-    body = _LAST_REG_DECL.sub(rf"\1{declare}{create}", body, count=1)
-    body = _CP_ASYNC.sub(rf"cp.async.cg.shared.global.L2::cache_hint\1, {POLICY_REG};", body)
-    return ptx[:entry.start()] + body + ptx[entry.end():]
+    decls = _ENTRY_REG_DECLS.search(ptx)
+    if not decls:
+        raise ValueError("no kernel entry with .reg declarations to add the L2 policy register after")
+    declare = f"\n\t.reg .b64 \t{POLICY_REG};"
+    create = f"\n\tcreatepolicy.fractional.L2::evict_first.b64 \t{POLICY_REG}, 1.0;"
+    ptx = ptx[:decls.end()] + declare + create + ptx[decls.end():]
+    return _CP_ASYNC.sub(rf"cp.async.cg.shared.global.L2::cache_hint\1, {POLICY_REG};", ptx)
 
 
 def cp_async_counts(ptx: str) -> tuple[int, int]:

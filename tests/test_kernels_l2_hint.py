@@ -43,12 +43,14 @@ def test_every_16_byte_cp_async_gets_the_one_policy():
     assert l2_hint.cp_async_counts(PTX) == (2, 0) and l2_hint.cp_async_counts(out) == (2, 2)
 
 
-def test_a_function_after_the_kernel_is_left_alone():
-    """The policy is declared and used in the kernel entry, not in a .func (noinline) defined after it."""
+@pytest.mark.parametrize("before", [False, True])
+def test_the_policy_is_declared_in_the_kernel_entry_not_in_a_function(before):
+    """A .func (a noinline function) with its own .reg lines, defined before or after the kernel, is left as
+    it is: the policy register goes to the kernel entry, which uses it."""
     func = ".func helper(\n\t.param .b64 a\n)\n{\n\t.reg .b32 \t%r<3>;\n\tret;\n}\n"
-    out = l2_hint.add_evict_first_hint(PTX + func)
-    assert out.endswith(func)
-    assert out[:-len(func)] == l2_hint.add_evict_first_hint(PTX)
+    hinted = l2_hint.add_evict_first_hint(PTX)
+    out = l2_hint.add_evict_first_hint(func + PTX if before else PTX + func)
+    assert out == (func + hinted if before else hinted + func)
 
 
 def test_ptx_without_cp_async_comes_back_unchanged():
