@@ -27,7 +27,7 @@ from triton.testing import do_bench
 
 from kernels import DecodeWorkspace, l2_hint, paged_decode_attention, reference
 from kernels.paged_decode import paged_decode_attention_triton
-from kernels.split_heuristic import KernelConfig, choose_config, choose_num_splits, cp_async_hint, num_sms
+from kernels.split_heuristic import KernelConfig, choose_launch, cp_async_hint, num_sms
 from kernels.testing import make_paged_case, rel_error
 
 HQ, HKV, D = 32, 8, 128
@@ -183,12 +183,8 @@ class Shape:
 
     def heuristic(self):
         dev = self.case.q.device
-        hint = cp_async_hint(dev)
-        splits = choose_num_splits(self.batch, HKV, self.case.block_tables.shape[1] * self.block_size,
-                                   num_sms(dev), cp_async_hint=hint)
-        cfg = choose_config(dev, triton.next_power_of_2(D), self.case.q.element_size(), self.block_size,
-                            splits, cp_async_hint=hint)
-        return cfg, splits
+        return choose_launch(dev, self.batch, HKV, self.case.block_tables.shape[1] * self.block_size, D,
+                             self.case.q.element_size(), self.block_size, num_sms(dev), cp_async_hint(dev))
 
 
 def sdpa_backend_seen(shape: Shape) -> str:

@@ -35,8 +35,7 @@ from kernels.launch_cache import CachedLauncher, CompiledLaunch, current_stream
 from kernels.split_heuristic import (
     MAX_FIXED_SPLITS,
     KernelConfig,
-    choose_config,
-    choose_num_splits,
+    choose_launch,
     cp_async_hint,
     num_sms,
 )
@@ -372,14 +371,11 @@ def _make_plan(q, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_
     d, block_size, hkv = q.shape[-1], k_cache.shape[1], k_cache.shape[2]
     window = NO_WINDOW if sliding_window is None else int(sliding_window)
     free_split_rule = num_splits is None or config is not None  # batch invariance only for fixed splits
-    hint = cp_async_hint(q.device)
-    if num_splits is None:
-        max_len = min(block_tables.shape[1] * block_size, window)
-        num_splits = choose_num_splits(q.shape[0], hkv, max_len, num_sms(q.device), cp_async_hint=hint)
-    cfg = config or choose_config(q.device, triton.next_power_of_2(d), q.element_size(), block_size,
-                                  int(num_splits), cp_async_hint=hint)
+    max_len = min(block_tables.shape[1] * block_size, window)
+    cfg, num_splits = choose_launch(q.device, q.shape[0], hkv, max_len, d, q.element_size(), block_size,
+                                    num_sms(q.device), cp_async_hint(q.device), num_splits, config)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    return _DecodePlan(q, k_cache, v_cache, block_tables, out, scale, window, int(num_splits), cfg,
+    return _DecodePlan(q, k_cache, v_cache, block_tables, out, scale, window, num_splits, cfg,
                        workspace is not None, free_split_rule)
 
 

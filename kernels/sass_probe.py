@@ -32,7 +32,7 @@ from triton.runtime import driver
 from kernels import l2_hint
 from kernels.l2_hint import cp_async_counts
 from kernels.paged_decode import NO_WINDOW, _DecodePlan, _paged_decode_stage1
-from kernels.split_heuristic import KernelConfig, choose_config, choose_num_splits
+from kernels.split_heuristic import KernelConfig, choose_launch
 from kernels.workspace import DecodeWorkspace
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -74,10 +74,9 @@ def compile_stage1(batch, ctx, hq=32, hkv=8, d=128, block_size=16, dtype=torch.b
                    config: KernelConfig | None = None, workspace=False, arch=90, sms=132):
     """(compiled kernel, plan) for the stage-1 launch a CUDA call of this shape would make."""
     q, k, v, table, seq_lens = _inputs(batch, ctx, hq, hkv, d, block_size, dtype)
-    hint = l2_hint.cp_async_hint_compiles(arch)
-    splits = splits or choose_num_splits(batch, hkv, table.shape[1] * block_size, sms, cp_async_hint=hint)
-    cfg = config or choose_config(torch.device("cuda"), triton.next_power_of_2(d), q.element_size(),
-                                  block_size, splits, cp_async_hint=hint)
+    cfg, splits = choose_launch(torch.device("cuda"), batch, hkv, table.shape[1] * block_size, d,
+                                q.element_size(), block_size, sms, l2_hint.cp_async_hint_compiles(arch),
+                                splits or None, config)
     plan = _DecodePlan(q, k, v, table, None, d ** -0.5, NO_WINDOW, splits, cfg, workspace, True)
     plan.kw1["USE_PDL"] = cfg.pdl and not (plan.one or plan.fused)   # the plan turns PDL off off-CUDA
     plan.kw1["PDL_WAIT"] = cfg.pdl_wait

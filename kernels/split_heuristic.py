@@ -135,6 +135,20 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, sms: int, blo
     return max(1, _cdiv(max_len, per))
 
 
+def choose_launch(device: torch.device, batch: int, num_kv_heads: int, max_len: int, head_dim: int,
+                  elem_size: int, block_size: int, sms: int, cp_async_hint: bool,
+                  num_splits: int | None = None,
+                  config: KernelConfig | None = None) -> tuple[KernelConfig, int]:
+    """(tile config, split count) of a call: the heuristic's for whichever of the two the caller left None,
+    the split count first (the config depends on it). max_len bounds a sequence's visible tokens."""
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, max_len, sms, cp_async_hint=cp_async_hint)
+    head_dim_pad = 1 << (head_dim - 1).bit_length()                    # the kernel's padded head_dim
+    cfg = config or choose_config(device, head_dim_pad, elem_size, block_size, int(num_splits),
+                                  cp_async_hint=cp_async_hint)
+    return cfg, int(num_splits)
+
+
 @functools.lru_cache(maxsize=8)
 def cp_async_hint(device: torch.device) -> bool:
     """Whether the split config's cp.async loads get their L2 hint on this device's toolchain; True off CUDA

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.split_heuristic import KernelConfig, choose_config, choose_num_splits
+from kernels.split_heuristic import KernelConfig, choose_config, choose_launch, choose_num_splits
 
 
 @pytest.mark.parametrize("batch,ctx,want", [(1, 4096, 16), (1, 32768, 27), (1, 16384, 26), (2, 32768, 16),
@@ -58,3 +58,15 @@ def test_register_prefetch_only_at_many_splits_and_only_without_the_cp_async_hin
 def test_interpreter_keeps_the_hinted_picks():
     from kernels.split_heuristic import cp_async_hint
     assert cp_async_hint(torch.device("cpu"))
+
+
+def test_choose_launch_takes_the_heuristic_for_what_the_caller_left_open():
+    cuda = torch.device("cuda")
+    for hint in (True, False):
+        cfg, splits = choose_launch(cuda, 1, 8, 32768, 128, 2, 16, 132, hint)
+        assert splits == choose_num_splits(1, 8, 32768, 132, cp_async_hint=hint)
+        assert cfg == choose_config(cuda, 128, 2, 16, splits, cp_async_hint=hint)
+    one_split = choose_launch(cuda, 1, 8, 32768, 80, 2, 16, 132, True, num_splits=1)   # head_dim 80 -> 128
+    assert one_split == (choose_config(cuda, 128), 1)
+    fixed = KernelConfig(32, 4, 2)
+    assert choose_launch(cuda, 64, 8, 8192, 128, 2, 16, 132, True, config=fixed) == (fixed, 1)
