@@ -7,6 +7,5 @@ benchmark.py concurrency-limited driver, Ctrl-C stop
 metrics.py   the arithmetic          report.py  JSON, tables, compare
 session.py   one measured run        sweep.py   --sweep-concurrency
 plot.py      PNGs                    cli.py     flags
-hf_baseline.py  the same shape through HF transformers generate (static cache)
 mock_server.py  scripted SSE server with known timing (tests, dry runs)
 """

@@ -6,7 +6,7 @@ import torch
 
 import kernels
 from kernels import reference
-from kernels.testing import TOLERANCE, make_paged_case, reference_fp64, rel_error
+from kernel_cases import TOLERANCE, make_paged_case, reference_fp64, rel_error
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import kernels
-from kernels.testing import make_paged_case, reference_fp64, rel_error
+from kernel_cases import make_paged_case, reference_fp64, rel_error
 
 
 def test_resolve_auto_by_device():

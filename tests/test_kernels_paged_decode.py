@@ -11,7 +11,7 @@ import torch
 
 import kernels
 from kernels.split_heuristic import KernelConfig
-from kernels.testing import TOLERANCE, make_paged_case, reference_fp64, rel_error
+from kernel_cases import TOLERANCE, make_paged_case, reference_fp64, rel_error
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="the Triton kernel runs on CPU only under TRITON_INTERPRET=1")

@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("transformers")
 model_pkg = pytest.importorskip("server.model", reason="pagewalk model package not built yet")
 
-from loadtest.hf_baseline import hf_state_dict, load_hf_model, main, run_baseline  # noqa: E402
+from tools.hf_baseline import hf_state_dict, load_hf_model, main, run_baseline  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 CPU = torch.device("cpu")

@@ -7,7 +7,7 @@ import torch
 
 from server.engine.runner import ModelRunner, SeqChunk
 from server.model import load_model
-from server.model.testing import hf_config, write_hf_checkpoint
+from model_fixtures import hf_config, write_hf_checkpoint
 
 pytest.importorskip("transformers")
 

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from server.engine.runner import ModelRunner, SeqChunk
 from server.model import PRESETS, ModelConfig, load_model
 from server.model.llama import LlamaForCausalLM
-from server.model.testing import hf_config, write_hf_checkpoint
+from model_fixtures import hf_config, write_hf_checkpoint
 from server.model.tokenizer import ByteTokenizer
 
 pytest.importorskip("transformers")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.testing import make_paged_case
+from kernel_cases import make_paged_case
 
 CASES = [  # (seq_lens, Hq, Hkv, D, block_size, sliding_window)
     ([1, 7, 33, 64], 8, 2, 32, 4, None),

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from server.model import IncrementalDetokenizer
-from server.model.testing import CHAT_TEMPLATE, byte_bpe_tokenizer
+from model_fixtures import CHAT_TEMPLATE, byte_bpe_tokenizer
 from server.model.tokenizer import ByteTokenizer, HFTokenizer
 
 TEXTS = ["", "hello", "héllo wörld", "東京 🙂 \n\t tabs", "\x00\x7f control"]

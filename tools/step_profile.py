@@ -1,4 +1,4 @@
-"""Host cost of one decode step at 64 streams, model forward excluded: `python -m server.engine.step_profile`.
+"""Host cost of one decode step at 64 streams, model forward excluded: `python -m tools.step_profile`.
 
 Builds the real AsyncEngine + ASGI app (`tiny` preset, CPU), drives N concurrent streaming completions
 through httpx.ASGITransport, and wraps `runner.execute` (on the instance, runner.py untouched) to time each

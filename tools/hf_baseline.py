@@ -1,4 +1,4 @@
-"""`python -m loadtest.hf_baseline`: the loadtest workload shape through HF transformers `generate`.
+"""`python -m tools.hf_baseline`: the loadtest workload shape through HF transformers `generate`.
 
 What a user would write by hand: one batch of `--batch-size` prompts of `--input-len` random token ids,
 `generate(max_new_tokens=min_new_tokens=--output-len)` (EOS cannot end it early, like `ignore_eos`), greedy,
@@ -145,7 +145,7 @@ def environment(device: torch.device, dtype: torch.dtype) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.hf_baseline", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tools.hf_baseline", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", help="pagewalk preset (tiny | bench) or checkpoint directory")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--input-len", type=int, default=128)
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile:
         mode = "reduce-overhead" if device.type == "cuda" else None  # CUDA graphs on GPU
         model.forward = torch.compile(model.forward, mode=mode, fullgraph=True)
-    command = shlex.join(["python", "-m", "loadtest.hf_baseline", *(sys.argv[1:] if argv is None else argv)])
+    command = shlex.join(["python", "-m", "tools.hf_baseline", *(sys.argv[1:] if argv is None else argv)])
     result = {"tool": "hf_baseline", "model": args.model, "source": source, "cache_implementation": "static",
               "compile": args.compile, "command": command}  # fmt: skip
     result |= run_baseline(model, args.batch_size, args.input_len, args.output_len, args.iters, args.warmup,

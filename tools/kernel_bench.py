@@ -28,7 +28,7 @@ from triton.testing import do_bench
 from kernels import DecodeWorkspace, l2_hint, paged_decode_attention, reference
 from kernels.paged_decode import paged_decode_attention_triton
 from kernels.split_heuristic import KernelConfig, choose_launch, cp_async_hint, num_sms
-from kernels.testing import make_paged_case, rel_error
+from tests.kernel_cases import make_paged_case, rel_error
 
 HQ, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16
