@@ -1,8 +1,64 @@
-"""What the engine hands to a request's stream: one RequestOutput per step that touched the request."""
+"""The records the engine core exchanges with the API process: ints, floats and short strings only.
+
+They cross a process boundary as msgpack (msgspec), so they are msgspec Structs; the same objects are
+passed as they are when the core runs in-process. Text never appears here: the API process detokenizes
+and applies stop strings; the core checks EOS, stop token ids and max_tokens.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
+
+from server.engine.sampling_params import SamplingParams
+
+# one new token's logprob and the top-k (token id, logprob) pairs, best first
+TokenLogprobs = tuple[float, list[tuple[int, float]]]
+
+
+class EngineRequest(msgspec.Struct, tag="add"):
+    """A request the API process admitted: prompt ids and sampling parameters (validated there)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float  # time.monotonic() of the API process; read back there only
+
+
+class SeqUpdate(msgspec.Struct, array_like=True):
+    """What one choice did in one step: its new token ids, and how it ended if it did."""
+
+    request_id: str
+    index: int  # choice index in [0, n)
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None  # one per new token when the request asked for logprobs
+    finish_reason: str | None = None  # None | "stop" | "length" | "abort" | "error"
+    stop_token_id: int | None = None  # finish "stop" on a stop token id; None with EOS. The last new id.
+    error: str | None = None  # finish "error": what failed
+
+
+class CoreStats(msgspec.Struct, array_like=True):
+    """The core's state after a step, and what that step did."""
+
+    running: int  # requests with a choice holding KV blocks
+    waiting: int  # requests in the core, none of their choices running
+    free_blocks: int  # cached ones included
+    used_blocks: int
+    cached_blocks: int
+    prefix_hit_rate: float
+    num_prefill_tokens: int = 0  # prompt (and recomputed) tokens run this step
+    num_decode_tokens: int = 0
+    num_preemptions: int = 0
+
+
+class StepUpdate(msgspec.Struct, tag="step"):
+    """One message per step (or per batch of adds/aborts when idle): every choice that changed."""
+
+    updates: list[SeqUpdate]
+    stats: CoreStats
+
+
+# ---- API-side records, moving to server/api/outputs.py with the process split -----------------------
+from dataclasses import dataclass, field  # noqa: E402
 
 
 @dataclass
