@@ -62,14 +62,15 @@ def test_triton_paged_logits_equal_dense(block_size):
             assert (row - ref).abs().max() / ref.abs().max() < 5e-3  # Triton may use TF32 dots in fp32
 
 
-def test_kv_cache_is_sized_from_free_memory():
+def test_kv_cache_is_sized_from_gpu_memory_utilization():
     model, _ = load_model("tiny", "cuda", torch.bfloat16)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()  # earlier tests' cached blocks would make free_before smaller than the runner's
-    free_before, _ = torch.cuda.mem_get_info()
-    runner = ModelRunner(model, block_size=16, kv_cache_memory=0.1)
+    free_before, total = torch.cuda.mem_get_info()
+    runner = ModelRunner(model, block_size=16, gpu_memory_utilization=0.1)
     cache_bytes = runner.kv.data.numel() * runner.kv.data.element_size()
-    assert 0.05 * free_before < cache_bytes <= 0.1 * free_before  # tiny's activations are far below 5%
+    allowed = 0.1 * total - (total - free_before)  # vLLM: the process's share, less what is in use already
+    assert 0.5 * allowed < cache_bytes <= allowed  # tiny's activations and graph pool are far below half
     assert runner.capacity_tokens == (runner.num_blocks - 1) * 16
     logits = runner.execute([SeqChunk([1, 40, 41, 42], 0, [1], [16, 17, 18, 19])])
     assert logits.shape == (1, model.config.vocab_size) and torch.isfinite(logits).all()

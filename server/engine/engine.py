@@ -37,7 +37,7 @@ class EngineConfig:
     dtype: str | None = None
     block_size: int = 16
     num_blocks: int | None = None
-    kv_cache_memory: float | None = None
+    gpu_memory_utilization: float | None = None  # vLLM's meaning: share of the GPU's total memory
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_waiting: int = 1024
@@ -65,7 +65,7 @@ class AsyncEngine:
         self.max_model_len = config.max_model_len or model.config.max_position_embeddings
         self.vocab_size = model.config.vocab_size  # width of the logits
         self.runner = ModelRunner(model, block_size=config.block_size, num_blocks=config.num_blocks,
-                                  kv_cache_memory=config.kv_cache_memory,
+                                  gpu_memory_utilization=config.gpu_memory_utilization,
                                   attention_backend=config.attention_backend,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,

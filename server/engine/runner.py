@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 CPU_CACHE_TOKENS = 8192  # default KV capacity on CPU (block 0 included)
 CPU_CACHE_MAX_BYTES = 1 << 30
-DEFAULT_KV_CACHE_MEMORY = 0.9
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 
 
 @dataclass
@@ -51,7 +51,7 @@ class ModelRunner:
         model: LlamaForCausalLM,
         block_size: int = 16,
         num_blocks: int | None = None,
-        kv_cache_memory: float | None = None,
+        gpu_memory_utilization: float | None = None,
         attention_backend: str = "auto",
         max_num_batched_tokens: int = 2048,
         max_num_seqs: int = 256,
@@ -80,7 +80,7 @@ class ModelRunner:
         self.decode_workspace = (kernels.DecodeWorkspace(max_num_seqs, self.config.num_kv_heads, self.device)
                                  if self.attention_backend == "triton" else None)
         if num_blocks is None:
-            num_blocks = self._auto_num_blocks(kv_cache_memory)
+            num_blocks = self._auto_num_blocks(gpu_memory_utilization)
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -255,21 +255,22 @@ class ModelRunner:
         return KVCacheTensors.bytes_per_block(cfg.num_layers, self.block_size, cfg.num_kv_heads, cfg.head_dim,
                                               self.dtype)
 
-    def _auto_num_blocks(self, kv_cache_memory: float | None) -> int:
+    def _auto_num_blocks(self, gpu_memory_utilization: float | None) -> int:
         if self.device.type != "cuda":
             by_memory = CPU_CACHE_MAX_BYTES // self._bytes_per_block()
             return max(2, min(CPU_CACHE_TOKENS // self.block_size, by_memory))
-        fraction = DEFAULT_KV_CACHE_MEMORY if kv_cache_memory is None else kv_cache_memory
+        fraction = DEFAULT_GPU_MEMORY_UTILIZATION if gpu_memory_utilization is None else gpu_memory_utilization
         if not 0.0 < fraction <= 1.0:
-            raise ValueError(f"kv_cache_memory must be in (0, 1], got {fraction}")
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {fraction}")
         return self._profile_num_blocks(fraction)
 
     def _profile_num_blocks(self, fraction: float) -> int:
-        """vLLM-style: run a dummy maximal batch, then give the KV cache `fraction` of the memory that was
-        free after the weights, minus the activation peak."""
+        """vLLM's gpu_memory_utilization: the process may use `fraction` of the device's total memory. Run a
+        dummy maximal batch; the KV cache gets that share minus what is in use already (weights, other
+        processes on the device), the activation peak, memory outside torch's allocator and the graph pool."""
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
-        free, _total = torch.cuda.mem_get_info(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         reserved_before = torch.cuda.memory_reserved(self.device)
@@ -288,15 +289,16 @@ class ModelRunner:
         # The graph pool is captured after the cache is allocated and is not shared with eager steps; its
         # peak is one decode step of <= max_num_batched_tokens rows, bounded by the dummy prefill's peak.
         graph_pool = activations + GRAPH_MEMORY_MARGIN if self.cuda_graphs else 0
-        budget = free * fraction - activations - non_torch - graph_pool
+        budget = total * fraction - (total - free) - activations - non_torch - graph_pool
         num_blocks = int(budget // self._bytes_per_block())
-        log.info("runner: %.2f GiB free after weights, activations %.2f GiB, other %.2f GiB, CUDA graphs "
-                 "%.2f GiB -> %d KV blocks", free / 2**30, activations / 2**30, non_torch / 2**30,
-                 graph_pool / 2**30, num_blocks)
+        log.info("runner: %.0f%% of %.2f GiB; %.2f GiB in use after weights, activations %.2f GiB, other "
+                 "%.2f GiB, CUDA graphs %.2f GiB -> %d KV blocks", fraction * 100, total / 2**30,
+                 (total - free) / 2**30, activations / 2**30, non_torch / 2**30, graph_pool / 2**30, num_blocks)
         if num_blocks < 2:
             raise RuntimeError(
-                f"not enough GPU memory for the KV cache: {free / 2**30:.2f} GiB free after weights, "
-                f"{activations / 2**30:.2f} GiB activation peak; raise kv_cache_memory or use a smaller model"
+                f"not enough GPU memory for the KV cache: {fraction:.0%} of {total / 2**30:.2f} GiB allowed, "
+                f"{(total - free) / 2**30:.2f} GiB in use after weights, {activations / 2**30:.2f} GiB activation "
+                f"peak; raise gpu_memory_utilization or use a smaller model"
             )
         return num_blocks
 
