@@ -6,23 +6,17 @@ import json
 import random
 
 from kvcache import KVCacheManager
-from kvcache.snapshot import block_map, block_owners, from_runs, to_runs
+from kvcache.snapshot import block_map
 
 
-def test_runs_round_trip_and_order():
-    assert to_runs([]) == []
-    assert to_runs([3, 4, 5, 9, 10, 2]) == [[3, 3], [9, 2], [2, 1]]
-    assert to_runs([5, 4]) == [[5, 1], [4, 1]]  # descending ids are not a run: table order is kept
-    rng = random.Random(0)
-    for _ in range(50):
-        ids = rng.sample(range(1, 200), rng.randint(0, 60))
-        assert from_runs(to_runs(ids)) == ids
+def summary(snap: dict) -> list[tuple]:
+    return [(b["id"], b["state"], b["ref_count"], b["tokens"], [o["seq_id"] for o in b["owners"]])
+            for b in snap["blocks"]]
 
 
 def test_fresh_pool_is_all_free():
-    snap = block_map(KVCacheManager(8, 4))
-    assert snap == {"num_blocks": 8, "block_size": 4, "free_blocks": 7, "used_blocks": 0, "cached_blocks": 0,
-                    "seqs": [], "cached": []}
+    assert block_map(KVCacheManager(8, 4)) == {"block_size": 4, "num_blocks": 8, "free_blocks": 7,
+                                               "used_blocks": 0, "cached_blocks": 0, "blocks": []}
 
 
 def test_allocation_prefix_hit_and_owner_labels():
@@ -31,13 +25,11 @@ def test_allocation_prefix_hit_and_owner_labels():
     kv.mark_computed(1, 10)  # blocks 1, 2 full and registered
     assert kv.allocate(2, list(range(8)) + [99]) == [1, 2, 4]  # prefix hit on 1, 2
     snap = block_map(kv, {1: {"request_id": "cmpl-a", "index": 0}})
-    assert snap["seqs"] == [
-        {"seq_id": 1, "num_tokens": 10, "num_computed_tokens": 10, "blocks": [[1, 3]],
-         "request_id": "cmpl-a", "index": 0},
-        {"seq_id": 2, "num_tokens": 9, "num_computed_tokens": 8, "blocks": [[1, 2], [4, 1]]},
-    ]
+    assert summary(snap) == [(1, "used", 2, 4, [1, 2]), (2, "used", 2, 4, [1, 2]), (3, "used", 1, 2, [1]),
+                             (4, "used", 1, 1, [2])]
+    assert snap["blocks"][2]["owners"] == [{"seq_id": 1, "request_id": "cmpl-a", "index": 0}]
+    assert snap["blocks"][3]["owners"] == [{"seq_id": 2}]
     assert (snap["used_blocks"], snap["free_blocks"], snap["cached_blocks"]) == (4, 11, 0)
-    assert block_owners(snap) == {1: [1, 2], 2: [1, 2], 3: [1], 4: [2]}
 
 
 def test_fork_shares_full_blocks_and_copies_the_partial_one():
@@ -45,8 +37,8 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one():
     kv.allocate("p", list(range(6)))  # blocks 1 (full), 2 (2 tokens)
     kv.mark_computed("p", 6)
     assert kv.fork("p", "c") == [(2, 3)]
-    owners = block_owners(block_map(kv))
-    assert owners == {1: ["p", "c"], 2: ["p"], 3: ["c"]}
+    assert summary(block_map(kv)) == [(1, "used", 2, 4, ["p", "c"]), (2, "used", 1, 2, ["p"]),
+                                      (3, "used", 1, 2, ["c"])]
 
 
 def test_free_leaves_cached_blocks_then_eviction_reuses_them():
@@ -55,15 +47,15 @@ def test_free_leaves_cached_blocks_then_eviction_reuses_them():
     kv.mark_computed("a", 9)
     kv.free("a")
     snap = block_map(kv)
-    assert snap["seqs"] == [] and snap["used_blocks"] == 0
-    assert snap["cached"] == [[1, 2]] and snap["cached_blocks"] == 2  # the partial block 3 is not cached
-    kv.allocate("b", [50 + i for i in range(17)])  # 5 blocks: the free queue's fresh ones, then evicts 1, 2
+    assert summary(snap) == [(1, "cached", 0, 4, []), (2, "cached", 0, 4, [])]  # partial block 3: free
+    assert (snap["used_blocks"], snap["free_blocks"], snap["cached_blocks"]) == (0, 5, 2)
+    kv.allocate("b", [50 + i for i in range(17)])  # 5 blocks: the fresh ones first, then evicts 1, 2
     snap = block_map(kv)
-    assert snap["cached"] == [] and snap["free_blocks"] == 0
-    assert sorted(from_runs(snap["seqs"][0]["blocks"])) == [1, 2, 3, 4, 5]
+    assert [b["state"] for b in snap["blocks"]] == ["used"] * 5 and snap["free_blocks"] == 0
+    assert [b["tokens"] for b in snap["blocks"]] == [1, 4, 4, 4, 4]  # table 4 5 3 2 1: block 1 is last
 
 
-def test_ref_counts_match_the_pool_after_random_traffic():
+def test_ref_counts_and_states_match_the_pool_after_random_traffic():
     rng = random.Random(1)
     kv = KVCacheManager(40, 4)
     live: list[int] = []
@@ -84,10 +76,17 @@ def test_ref_counts_match_the_pool_after_random_traffic():
         else:
             kv.free(live.pop(rng.randrange(len(live))))
         snap = json.loads(json.dumps(block_map(kv)))  # ints, strings and lists only
-        owners = block_owners(snap)
+        by_id = {b["id"]: b for b in snap["blocks"]}
+        assert list(by_id) == sorted(by_id)
         for b in range(1, kv.num_blocks):
-            assert len(owners.get(b, [])) == kv.pool.ref_count(b)
-        cached = from_runs(snap["cached"])
-        assert sorted(cached) == sorted(kv.pool.cached_block_ids())
-        assert not set(cached) & set(owners)
-        assert len(owners) == snap["used_blocks"] == kv.usage().used_blocks
+            ref, hashed = kv.pool.ref_count(b), kv.pool.block_hash(b) is not None
+            blk = by_id.get(b)
+            if ref:
+                assert blk["state"] == "used" and blk["ref_count"] == len(blk["owners"]) == ref
+                assert 1 <= blk["tokens"] <= 4 and (ref == 1 or blk["tokens"] == 4)
+            elif hashed:
+                assert blk == {"id": b, "state": "cached", "ref_count": 0, "tokens": 4, "owners": []}
+            else:
+                assert blk is None
+        assert sum(b["state"] == "used" for b in snap["blocks"]) == snap["used_blocks"]
+        assert sum(b["state"] == "cached" for b in snap["blocks"]) == snap["cached_blocks"]
