@@ -147,3 +147,47 @@ def store_kv_reference(key, value, k_cache, v_cache, slot_mapping, backend="torc
     blk, off = slots // block_size, slots % block_size
     k_cache[blk, off] = key[keep].to(k_cache.dtype)
     v_cache[blk, off] = value[keep].to(v_cache.dtype)
+
+
+def paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale=None,
+                                      sliding_window=None, backend="torch", out=None):
+    """Varlen causal attention of prefill chunks over the paged cache, one chunk at a time, scores materialised,
+    softmax in fp32 (fp64 when the inputs are fp64).
+
+    q (T, Hq, D): chunk i is rows [qsl[i], qsl[i+1]); its n_i queries sit at positions seq_lens[i] - n_i + j
+    and see keys 0..position (and, with a window W, only keys > position - W). Their K/V are in the cache.
+    """
+    if q.dim() != 3 or k_cache.dim() != 4 or q.shape[1] % k_cache.shape[2] or q.shape[2] != k_cache.shape[3]:
+        raise ValueError(f"q must be (T, Hq, D) and caches (N, block_size, Hkv, D) with Hq % Hkv == 0; got "
+                         f"{tuple(q.shape)}, {tuple(k_cache.shape)}")
+    num_chunks = seq_lens.shape[0]
+    if query_start_loc.shape != (num_chunks + 1,) or block_tables.shape[0] != num_chunks:
+        raise ValueError("query_start_loc must be (num_chunks + 1,) and block_tables (num_chunks, max_blocks)")
+    if sliding_window is not None and int(sliding_window) < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    t, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    cdt = _compute_dtype(q)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    res = q.new_zeros((t, hq, d), dtype=cdt)
+    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for i in range(num_chunks):
+        lo, hi, seq_len = qsl[i], qsl[i + 1], lens[i]
+        n = hi - lo
+        if not 0 <= n <= seq_len:
+            raise ValueError(f"chunk {i}: {n} new tokens but seq_len {seq_len}")
+        if n == 0:
+            continue
+        k, v, _ = gather_kv(k_cache, v_cache, block_tables[i : i + 1], seq_lens[i : i + 1], cdt)
+        k, v = k[0, :seq_len], v[0, :seq_len]                                   # (L, Hkv, D)
+        q_pos = torch.arange(seq_len - n, seq_len, device=q.device)[:, None]    # (n, 1)
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]                 # (1, L)
+        vis = k_pos <= q_pos
+        if sliding_window is not None:
+            vis &= k_pos > q_pos - int(sliding_window)
+        qg = q[lo:hi].to(cdt).view(n, hkv, hq // hkv, d)                        # (n, Hkv, G, D)
+        s = torch.einsum("nkgd,lkd->kgnl", qg, k) * scale                       # (Hkv, G, n, L)
+        p = torch.softmax(s.masked_fill(~vis, float("-inf")), dim=-1)
+        o = torch.einsum("kgnl,lkd->nkgd", p, v)                                # (n, Hkv, G, D)
+        res[lo:hi] = o.reshape(n, hq, d)
+    return _finish(res, q, out)

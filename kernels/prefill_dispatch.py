@@ -1,0 +1,78 @@
+"""paged_prefill_attention: the public entry for prefill chunks over the paged cache; backend chosen as for
+decode (kernels.dispatch.resolve_backend): CUDA takes the Triton kernel, CPU the torch reference unless
+backend="triton" with TRITON_INTERPRET=1."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import reference
+from kernels.checks import check_supported
+from kernels.dispatch import resolve_backend
+
+_paged_prefill_triton = None
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale=None,
+                            sliding_window=None, backend="auto", out=None):
+    """Causal attention of prefill chunks through their block tables: q (T, Hq, D) -> (T, Hq, D).
+
+    Chunk i is rows [query_start_loc[i], query_start_loc[i + 1]) of q; its queries are the last n_i of the
+    seq_lens[i] tokens of its sequence in the cache (their K/V already stored). block_tables (C, max_blocks)
+    int32, query_start_loc (C + 1,) int32, seq_lens (C,) int32, all on q's device.
+    """
+    chosen = resolve_backend(q.device, backend)
+    if chosen == "triton":
+        return _triton_prefill()(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale=scale,
+                                 sliding_window=sliding_window, out=out)
+    check_prefill_inputs(chosen, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+                         sliding_window)
+    return reference.paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, query_start_loc,
+                                                       seq_lens, scale=scale, sliding_window=sliding_window,
+                                                       out=out)
+
+
+def check_prefill_inputs(backend, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+                         sliding_window) -> None:
+    """ValueError unless `backend` takes this call: supported dtype/head_dim/block size, one dtype for q and
+    the caches, q (T, Hq, D) and caches (N, bs, Hkv, D) with Hq % Hkv == 0, C chunks described by int32
+    block_tables (C, nb), query_start_loc (C + 1,) and seq_lens (C,), one device, `out` like q.
+    The chunks' contents (n_i <= seq_lens[i], query_start_loc[C] == T) are the caller's contract: checking
+    them would cost a device sync."""
+    check_supported(backend, q.dtype, q.shape[-1], k_cache.shape[1])
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q, k_cache, v_cache must share a dtype; got {q.dtype}, {k_cache.dtype}, "
+                         f"{v_cache.dtype}")
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q must be (T, Hq, D) and caches (N, block_size, Hkv, D); got {tuple(q.shape)}, "
+                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    if q.shape[1] % k_cache.shape[2] or k_cache.shape[3] != q.shape[2]:
+        raise ValueError(f"need Hq % Hkv == 0 and one head_dim: q {tuple(q.shape)}, k_cache "
+                         f"{tuple(k_cache.shape)}")
+    num_chunks = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    if (num_chunks < 0 or query_start_loc.shape != (num_chunks + 1,) or block_tables.dim() != 2
+            or block_tables.shape[0] != num_chunks):
+        raise ValueError(f"need seq_lens (C,), query_start_loc (C + 1,), block_tables (C, max_blocks); got "
+                         f"{tuple(seq_lens.shape)}, {tuple(query_start_loc.shape)}, {tuple(block_tables.shape)}")
+    for name, t in (("block_tables", block_tables), ("query_start_loc", query_start_loc),
+                    ("seq_lens", seq_lens)):
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {t.dtype}")
+    if not (query_start_loc.is_contiguous() and seq_lens.is_contiguous()):
+        raise ValueError("query_start_loc and seq_lens must be contiguous")
+    devices = {t.device for t in (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)}
+    if len(devices) != 1:
+        raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}")
+    if sliding_window is not None and int(sliding_window) < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+
+
+def _triton_prefill():
+    """kernels.paged_prefill imported on first use (it imports triton, which CPU-only callers may lack)."""
+    global _paged_prefill_triton
+    if _paged_prefill_triton is None:
+        from kernels.paged_prefill import paged_prefill_attention_triton
+        _paged_prefill_triton = paged_prefill_attention_triton
+    return _paged_prefill_triton
