@@ -1,0 +1,51 @@
+"""Torch references for the fused decoder ops (kernels/rmsnorm.py, rope_store.py, activation.py).
+
+Each computes in fp32 and rounds once into the output dtype, as its kernel does; the one extra rounding is
+the residual sum, which is stored in the residual's own dtype before it is normed (the unfused `x + h`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm_reference(x, weight, eps: float, residual=None) -> torch.Tensor:
+    """x (T, H) -> x * rsqrt(mean(x^2) + eps) * weight (T, H), dtype of x.
+
+    With `residual` (T, H): residual <- residual + x (in place, rounded to residual's dtype), and the sum is
+    what gets normed.
+    """
+    if residual is not None:
+        residual.copy_(residual.float() + x.float())
+        x = residual
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)  # (T, 1)
+    return (xf * rstd * weight.float()).to(x.dtype)
+
+
+def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up (T, 2I) = [gate | up] -> silu(gate) * up (T, I)."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (gate / (1.0 + torch.exp(-gate)) * up).to(gate_up.dtype)
+
+
+def rope_store_reference(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads: int,
+                         num_kv_heads: int) -> None:
+    """Rotate q and k of qkv (T, (Hq + 2 Hkv) D) in place (rotate-half RoPE; cos/sin (T, D/2) fp32), then
+    write the rotated k and v into the caches (N, block_size, Hkv, D) at slot_mapping (T,); slot < 0 skips."""
+    t = qkv.shape[0]
+    d = k_cache.shape[-1]
+    half = d // 2
+    heads = qkv.view(t, num_q_heads + 2 * num_kv_heads, d)  # (T, Hq + 2 Hkv, D)
+    qk = heads[:, : num_q_heads + num_kv_heads].float()  # (T, Hq + Hkv, D)
+    x1, x2 = qk[..., :half], qk[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]  # (T, 1, D/2)
+    heads[:, : num_q_heads + num_kv_heads] = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(qkv.dtype)
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    block_size = k_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    k = heads[keep, num_q_heads : num_q_heads + num_kv_heads]  # (T', Hkv, D)
+    v = heads[keep, num_q_heads + num_kv_heads :]
+    k_cache[blocks, offsets] = k.to(k_cache.dtype)
+    v_cache[blocks, offsets] = v.to(v_cache.dtype)
