@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
 CORPUS = [
@@ -25,8 +25,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def byte_bpe_tokenizer(vocab_size: int = 300) -> Tokenizer:
-    """A byte-level BPE trained on a tiny corpus; ids 0-2 are <pad>, <s>, </s>."""
+def byte_bpe_tokenizer(vocab_size: int = 300, bos_post_processor: bool = False) -> Tokenizer:
+    """A byte-level BPE trained on a tiny corpus; ids 0-2 are <pad>, <s>, </s>. `bos_post_processor`: its
+    post-processor prepends <s> (as Llama's tokenizer.json does); without it none is added (as GPT-2's)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -37,6 +38,9 @@ def byte_bpe_tokenizer(vocab_size: int = 300) -> Tokenizer:
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    if bos_post_processor:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                           special_tokens=[("<s>", 1)])
     return tok
 
 
@@ -72,7 +76,7 @@ def write_hf_checkpoint(path: Path, config, seed: int = 0, max_shard_size: str |
     path.mkdir(parents=True, exist_ok=True)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(path, safe_serialization=True, **kwargs)
-    byte_bpe_tokenizer().save(str(path / "tokenizer.json"))
+    byte_bpe_tokenizer(bos_post_processor=True).save(str(path / "tokenizer.json"))  # Llama-style BOS
     tok_cfg = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "chat_template": CHAT_TEMPLATE}
     (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
     return model

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from server.model import IncrementalDetokenizer
 from model_fixtures import CHAT_TEMPLATE, byte_bpe_tokenizer
+from server.model.chat_template import ChatTemplate
 from server.model.tokenizer import ByteTokenizer, HFTokenizer
 
 TEXTS = ["", "hello", "héllo wörld", "東京 🙂 \n\t tabs", "\x00\x7f control"]
@@ -24,7 +25,7 @@ def stream(tokenizer, ids: list[int]) -> list[str]:
 @pytest.fixture(scope="module")
 def hf_tok(tmp_path_factory):
     path = tmp_path_factory.mktemp("tok")
-    byte_bpe_tokenizer().save(str(path / "tokenizer.json"))
+    byte_bpe_tokenizer(bos_post_processor=True).save(str(path / "tokenizer.json"))
     cfg = {"bos_token": {"content": "<s>"}, "eos_token": "</s>", "pad_token": "<pad>",
            "chat_template": CHAT_TEMPLATE}  # fmt: skip
     (path / "tokenizer_config.json").write_text(json.dumps(cfg))
@@ -98,8 +99,9 @@ def test_hf_tokenizer_bos_eos_and_round_trip(hf_tok):
 def test_hf_chat_template_from_config_and_single_bos(hf_tok):
     text = hf_tok.apply_chat_template(MESSAGES)
     assert text == "<s><|system|>\nbe brief</s>\n<|user|>\nhi</s>\n<|assistant|>\n"
-    ids = hf_tok.encode(text)
+    ids = hf_tok.chat_token_ids(MESSAGES)
     assert ids.count(1) == 1 and ids[0] == 1  # the template's BOS is parsed, not doubled
+    assert hf_tok.encode(text).count(1) == 2  # as in transformers, add_special_tokens would add another
     assert 2 in ids  # </s> is parsed as the special token
 
 
@@ -113,6 +115,8 @@ def test_hf_chat_template_file_and_named_list(tmp_path):
     assert tok.apply_chat_template(MESSAGES) == "system"
     (tmp_path / "chat_template.jinja").write_text("{{ messages | length }}")
     assert HFTokenizer.from_dir(tmp_path).apply_chat_template(MESSAGES) == "2"
+    override = ChatTemplate("{{ messages[1].content }}", "test")
+    assert HFTokenizer.from_dir(tmp_path, chat_template=override).apply_chat_template(MESSAGES) == "hi"
 
 
 def test_hf_tokenizer_missing_file(tmp_path):

@@ -10,7 +10,6 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from functools import cached_property
 
-import jinja2
 from fastapi import APIRouter, Request, Response
 
 from server.api.engine_stream import (
@@ -24,6 +23,7 @@ from server.api.engine_stream import (
 from server.api.errors import APIError
 from server.api.logprobs import chat_logprobs
 from server.api.parsing import check_model, parse_body
+from server.api.prompts import chat_prompt_ids
 from server.api.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -104,24 +104,10 @@ async def create_chat_completion(request: Request) -> Response:
     return await job_response(request, req.stream, lambda: _stream(job), lambda: _complete(job))
 
 
-def _prompt_ids(engine, req: ChatCompletionRequest) -> list[int]:
-    messages = []
-    for i, m in enumerate(req.messages):
-        try:
-            messages.append({"role": m.role, "content": m.text()})
-        except ValueError as e:
-            raise APIError(400, str(e), f"messages[{i}].content") from None
-    try:
-        text = engine.tokenizer.apply_chat_template(messages)
-    except (jinja2.TemplateError, ValueError) as e:  # templates may reject role orders etc.
-        raise APIError(400, f"The chat template rejected these messages: {e}", "messages") from None
-    return engine.tokenizer.encode(text, add_bos=True)  # adds BOS only where the template did not
-
-
 def _job(engine, req: ChatCompletionRequest) -> ChatJob:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true.", "top_logprobs")
-    prompt = _prompt_ids(engine, req)
+    prompt = chat_prompt_ids(engine.tokenizer, req.messages)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
         max_tokens = _room_left(engine, len(prompt), req.n or 1)

@@ -1,4 +1,4 @@
-"""load_model: a preset name or a Hugging Face checkpoint directory -> (model, tokenizer).
+"""load_model / load_tokenizer: a preset name or a Hugging Face checkpoint directory -> (model, tokenizer).
 
 Checkpoints: config.json (LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM), safetensors weights
 (model.safetensors, or shards listed in model.safetensors.index.json), tokenizer.json
@@ -20,6 +20,7 @@ from safetensors import safe_open
 from server.model.config import PRESETS, ModelConfig
 from server.model.llama import LlamaForCausalLM
 from server.model.random_init import init_random_weights, restrict_to_printable
+from server.model.chat_template import load_chat_template
 from server.model.tokenizer import ByteTokenizer, HFTokenizer
 
 log = logging.getLogger(__name__)
@@ -63,28 +64,62 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return _DTYPES[dtype]
 
 
-def load_model(name_or_path: str, device=None, dtype=None):
-    """-> (LlamaForCausalLM in eval mode without grads, ByteTokenizer | HFTokenizer)."""
+def load_model(name_or_path: str, device=None, dtype=None, tokenizer: str | None = None,
+               chat_template: str | None = None):
+    """-> (LlamaForCausalLM in eval mode without grads, ByteTokenizer | HFTokenizer); see load_tokenizer."""
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    cfg = model_config(name_or_path)
+    tok = load_tokenizer(name_or_path, tokenizer, chat_template)
+    model = build_model(cfg, dev, dt)
     if name_or_path in PRESETS:
-        cfg = PRESETS[name_or_path]
-        model = build_model(cfg, dev, dt)
         init_random_weights(model, cfg)
         if cfg.printable_output:
             restrict_to_printable(model)
-        return model, ByteTokenizer(cfg.vocab_size)
+    else:
+        load_weights(model, Path(name_or_path))
+    return model, tok
+
+
+def load_tokenizer(name_or_path: str, tokenizer: str | None = None, chat_template: str | None = None):
+    """The tokenizer that serves a preset or checkpoint; reads no weights (an API process can call it).
+
+    `tokenizer`: a directory holding tokenizer.json to use instead of the model's own; `chat_template`: a
+    template file or text overriding the tokenizer's (vLLM's --tokenizer and --chat-template).
+    """
+    cfg = model_config(name_or_path)
+    template = load_chat_template(chat_template) if chat_template is not None else None
+    if name_or_path in PRESETS and tokenizer is None:
+        return ByteTokenizer(cfg.vocab_size, template)
+    eos_ids = cfg.eos_token_ids
+    if name_or_path not in PRESETS:
+        eos_ids = _generation_eos_ids(Path(name_or_path)) or eos_ids
+    tok_dir = Path(tokenizer or name_or_path)
+    if not tok_dir.is_dir():
+        raise FileNotFoundError(f"tokenizer {tokenizer!r} is not a directory holding tokenizer.json")
+    tok = HFTokenizer.from_dir(tok_dir, extra_eos_ids=tuple(eos_ids), chat_template=template)
+    if tok.vocab_size > cfg.vocab_size:
+        raise ValueError(f"the tokenizer in {tok_dir} has {tok.vocab_size} ids but the model only "
+                         f"{cfg.vocab_size} embedding rows")
+    return tok
+
+
+def model_config(name_or_path: str) -> ModelConfig:
+    """A preset's config, or a checkpoint directory's config.json."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
     path = Path(name_or_path)
     if not path.is_dir():
+        if _HUB_ID.match(name_or_path) and not path.exists():
+            raise FileNotFoundError(
+                f"model {name_or_path!r} is not a local directory and pagewalk does not download from the "
+                f"Hugging Face Hub: download it first (`hf download {name_or_path} --local-dir DIR`) and pass DIR")
         raise FileNotFoundError(
-            f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory"
-        )
-    cfg = ModelConfig.from_hf(_read_json(path / "config.json", required=True), name=path.name)
-    eos_ids = _generation_eos_ids(path) or cfg.eos_token_ids
-    tokenizer = HFTokenizer.from_dir(path, extra_eos_ids=tuple(eos_ids))
-    model = build_model(cfg, dev, dt)
-    load_weights(model, path)
-    return model, tokenizer
+            f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
+    return ModelConfig.from_hf(_read_json(path / "config.json", required=True), name=path.name)
+
+
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # "org/name", as the Hub spells model ids
 
 
 def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:

@@ -1,25 +1,29 @@
 """Tokenizers: byte-level for the presets; a wrapper around a checkpoint's `tokenizers` tokenizer.json.
 
-Both expose the same surface: encode(text, add_bos=True), decode(ids), vocab_size, bos_token_id,
-eos_token_ids, pad_token_id, apply_chat_template(messages, add_generation_prompt=True).
+Both expose the same surface: encode(text, add_bos=True), decode(ids, skip_special_tokens=True), vocab_size,
+bos_token_id, eos_token_ids, pad_token_id, chat_template (a ChatTemplate or None),
+apply_chat_template(messages, add_generation_prompt=True) -> str and chat_token_ids(messages, ...) -> ids.
 """
 
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from pathlib import Path
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-# The template presets use (and checkpoints without a chat_template): one "role: content" line per message,
-# then "assistant:" to prompt the reply. The byte tokenizer has no special tokens that text could spell.
-SIMPLE_CHAT_TEMPLATE = (
+from server.model.chat_template import ChatTemplate
+
+# The presets' declared template: one "role: content" line per message, then "assistant:" to prompt the
+# reply. The byte tokenizer has no special tokens that text could spell.
+PRESET_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
+
+
+class NoChatTemplateError(ValueError):
+    """The model defines no chat template and none was given with --chat-template."""
 
 
 class ByteTokenizer:
@@ -32,31 +36,40 @@ class ByteTokenizer:
     PAD, BOS, EOS, OFFSET = 0, 1, 2, 3
     NUM_IDS = 259
 
-    def __init__(self, vocab_size: int = NUM_IDS) -> None:
+    def __init__(self, vocab_size: int = NUM_IDS, chat_template: ChatTemplate | None = None) -> None:
         if vocab_size < self.NUM_IDS:
             raise ValueError(f"ByteTokenizer needs vocab_size >= {self.NUM_IDS}, got {vocab_size}")
         self.vocab_size = vocab_size
         self.bos_token_id = self.BOS
         self.pad_token_id = self.PAD
         self.eos_token_ids = {self.EOS}
-        self.chat_template = SIMPLE_CHAT_TEMPLATE
+        self.chat_template = chat_template or ChatTemplate(PRESET_CHAT_TEMPLATE, "the preset")
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         ids = [b + self.OFFSET for b in text.encode("utf-8")]
         return [self.BOS, *ids] if add_bos else ids
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
     def decode_bytes(self, ids: list[int]) -> bytes:
         return bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < self.NUM_IDS)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return render_chat_template(self.chat_template, messages, add_generation_prompt)
+        return self.chat_template.render(messages, add_generation_prompt)
+
+    def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        # no text can spell BOS here, so the rendered prompt gets it as a plain prompt does
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_bos=True)
 
 
 class HFTokenizer:
-    """A checkpoint's tokenizer.json (Hugging Face `tokenizers`) plus tokenizer_config.json conventions."""
+    """A checkpoint's tokenizer.json (Hugging Face `tokenizers`) plus tokenizer_config.json conventions.
+
+    Special tokens are added exactly where the tokenizer.json post-processor adds them (as transformers does
+    with add_special_tokens=True); chat prompts are tokenized without it, as `apply_chat_template` does:
+    a template spells its BOS itself.
+    """
 
     def __init__(
         self,
@@ -65,18 +78,19 @@ class HFTokenizer:
         eos_tokens: tuple[str, ...] = (),
         eos_token_ids: tuple[int, ...] = (),
         pad_token: str | None = None,
-        chat_template: str | None = None,
-        add_bos: bool = True,
+        unk_token: str | None = None,
+        chat_template: ChatTemplate | None = None,
     ) -> None:
         self._tok = tokenizer
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-        self.bos_token = bos_token
-        self.bos_token_id = self._token_id(bos_token) if add_bos else None
+        self.bos_token_id = self._token_id(bos_token)
         eos = {self._token_id(t) for t in eos_tokens} | set(eos_token_ids)
         self.eos_token_ids: set[int] = {i for i in eos if i is not None}
-        self.eos_token = eos_tokens[0] if eos_tokens else None
         self.pad_token_id = self._token_id(pad_token)
-        self.chat_template = chat_template or SIMPLE_CHAT_TEMPLATE
+        tokens = {"bos_token": bos_token, "eos_token": eos_tokens[0] if eos_tokens else None,
+                  "pad_token": pad_token, "unk_token": unk_token}
+        self.special_tokens = {k: v for k, v in tokens.items() if v is not None}  # what templates may use
+        self.chat_template = chat_template
 
     def _token_id(self, token: str | None) -> int | None:
         if token is None:
@@ -87,7 +101,9 @@ class HFTokenizer:
         return tid
 
     @classmethod
-    def from_dir(cls, path: str | Path, extra_eos_ids: tuple[int, ...] = ()) -> HFTokenizer:
+    def from_dir(cls, path: str | Path, extra_eos_ids: tuple[int, ...] = (),
+                 chat_template: ChatTemplate | None = None) -> HFTokenizer:
+        """`chat_template` overrides the one the directory defines (chat_template.jinja, tokenizer_config)."""
         path = Path(path)
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
@@ -100,61 +116,28 @@ class HFTokenizer:
             eos_tokens=(eos,) if eos else (),
             eos_token_ids=extra_eos_ids,
             pad_token=_token_str(cfg.get("pad_token")),
-            chat_template=_chat_template(path, cfg),
-            add_bos=cfg.get("add_bos_token", True) is not False,
+            unk_token=_token_str(cfg.get("unk_token")),
+            chat_template=chat_template or _chat_template(path, cfg),
         )
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        # special tokens spelled in the text (from a chat template) are still parsed; the post-processor's
-        # automatic BOS is not applied: we add BOS ourselves, once.
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        if add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
-            ids = [self.bos_token_id, *ids]
-        return ids
+        """`add_bos`: apply the post-processor (transformers' add_special_tokens). Special tokens spelled in
+        the text (by a chat template) are parsed either way."""
+        return self._tok.encode(text, add_special_tokens=add_bos).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return render_chat_template(
-            self.chat_template,
-            messages,
-            add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+        if self.chat_template is None:
+            raise NoChatTemplateError(
+                "this model defines no chat template (none in its tokenizer_config.json or chat_template.jinja) "
+                "and the server was started without --chat-template; use /v1/completions, or restart with "
+                "--chat-template FILE")
+        return self.chat_template.render(messages, add_generation_prompt, **self.special_tokens)
 
-
-def render_chat_template(template: str, messages: list[dict], add_generation_prompt: bool, **extra) -> str:
-    """Render a jinja2 chat template the way transformers does (sandboxed, trim_blocks, lstrip_blocks)."""
-    return _compile(template).render(
-        messages=[_plain_message(m) for m in messages], add_generation_prompt=add_generation_prompt, **extra
-    )
-
-
-def _plain_message(message: dict) -> dict:
-    """OpenAI content parts ([{"type": "text", "text": ...}]) are joined into one string."""
-    content = message.get("content")
-    if isinstance(content, list):
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return {**message, "content": "" if content is None else content}
-
-
-_COMPILED: dict[str, jinja2.Template] = {}
-
-
-def _compile(template: str) -> jinja2.Template:
-    if template not in _COMPILED:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
-        env.globals["raise_exception"] = _raise_template_error
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        _COMPILED[template] = env.from_string(template)
-    return _COMPILED[template]
-
-
-def _raise_template_error(message: str):
-    raise ValueError(f"chat template error: {message}")
+    def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_bos=False)
 
 
 def _read_json(path: Path) -> dict:
@@ -168,12 +151,13 @@ def _token_str(token) -> str | None:
     return token
 
 
-def _chat_template(path: Path, cfg: dict) -> str | None:
+def _chat_template(path: Path, cfg: dict) -> ChatTemplate | None:
     jinja_file = path / "chat_template.jinja"  # transformers >= 4.43 may save it beside the config
     if jinja_file.is_file():
-        return jinja_file.read_text()
+        return ChatTemplate(jinja_file.read_text(), str(jinja_file))
     template = cfg.get("chat_template")
+    origin = str(path / "tokenizer_config.json")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         named = {t["name"]: t["template"] for t in template}
-        return named.get("default", next(iter(named.values()), None))
-    return template
+        template = named.get("default", next(iter(named.values()), None))
+    return ChatTemplate(template, origin) if template else None

@@ -1,0 +1,102 @@
+"""Chat templates: jinja2 compiled once at start-up, rendered the way transformers renders them.
+
+transformers' environment is sandboxed (ImmutableSandboxedEnvironment), trims blocks, and adds what Hub
+templates rely on: `{% break %}`/`{% continue %}` (jinja2's loopcontrols), `{% generation %}` (marks the
+assistant's part for training masks; rendering emits its body), a `tojson` that keeps non-ASCII text and takes
+json.dumps' indent/separators/sort_keys, `raise_exception(message)` and `strftime_now(format)`.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+from jinja2 import nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class ChatTemplateError(ValueError):
+    """The template itself refused to render (raise_exception, a jinja error): the messages' fault."""
+
+
+class GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body).set_lineno(lineno)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _raise_exception(message: str):
+    raise ChatTemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols, GenerationBlock])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+_ENV = _environment()
+
+
+class ChatTemplate:
+    """A compiled template; a syntax error is a ValueError here, at start-up, not on every request."""
+
+    def __init__(self, source: str, origin: str) -> None:
+        self.source = source
+        self.origin = origin  # where it came from, for error messages
+        try:
+            self._template = _ENV.from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"chat template from {origin} does not compile: {e.message} (line {e.lineno})") \
+                from None
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, **special_tokens: str) -> str:
+        """Raises ChatTemplateError when the template rejects the messages."""
+        try:
+            return self._template.render(messages=[_plain_message(m) for m in messages],
+                                         add_generation_prompt=add_generation_prompt, **special_tokens)
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(str(e)) from None
+
+
+def load_chat_template(value: str) -> ChatTemplate:
+    """`--chat-template`: a path to a template file, or the template text itself."""
+    try:
+        is_file = Path(value).is_file()
+    except OSError:  # template text too long to be a path
+        is_file = False
+    if is_file:
+        return ChatTemplate(Path(value).read_text(), value)
+    if "{{" not in value and "{%" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a jinja template")
+    return ChatTemplate(value, "--chat-template")
+
+
+def _plain_message(message: dict) -> dict:
+    """OpenAI content parts ([{"type": "text", "text": ...}]) are joined into one string."""
+    content = message.get("content")
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return {**message, "content": "" if content is None else content}
