@@ -1,8 +1,8 @@
-"""Paged attention for one runner step: store K/V into cache slots, then attend.
+"""Paged attention for one runner step: store K/V into cache slots, then attend, one launch per kind of row.
 
 Rows [0, num_decode) of the flat batch are single-token chunks: one batched `paged_decode_attention` call.
-Every longer chunk is a prefill: causal SDPA of its new queries over [its cached prefix, gathered through the
-block table, + its new keys], with the causal offset start_pos (and the sliding window, if any).
+The rows after them are the prefill chunks, back to back: one `paged_prefill_attention` call over all of them,
+reading each chunk's cached prefix and its new keys through its block table (no gathered copies, no masks).
 """
 
 from __future__ import annotations
@@ -12,17 +12,15 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+from kernels.prefill_dispatch import paged_prefill_attention
 from server.engine.kv_cache_tensors import KVCacheTensors
-from server.model.layers import prefix_causal_attention
 
 
 @dataclass
-class PrefillSpan:
-    start: int  # first row of the chunk in the flat batch
-    end: int  # one past its last row
-    start_pos: int  # tokens of the sequence already cached before this chunk
-    block_ids: torch.Tensor | None  # (nb,) blocks of [0, start_pos + n); None: keys are the new rows only
-    mask: torch.Tensor | None  # (n, start_pos + n) bool; None: plain causal (is_causal)
+class PrefillMetadata:
+    block_tables: torch.Tensor  # (C, max_blocks) int32, padded with the null block 0
+    query_start_loc: torch.Tensor  # (C + 1,) int32: chunk i is prefill rows [qsl[i], qsl[i + 1])
+    seq_lens: torch.Tensor  # (C,) int32: tokens of the chunk's sequence in the cache, its new ones included
 
 
 @dataclass
@@ -31,7 +29,7 @@ class AttentionMetadata:
     num_decode: int  # decode rows come first in the flat batch
     block_tables: torch.Tensor  # (num_decode, max_blocks) int32, padded with the null block 0
     seq_lens: torch.Tensor  # (num_decode,) int32, the current token included
-    prefills: list[PrefillSpan]
+    prefill: PrefillMetadata | None = None  # the chunks of rows [num_decode, T); None: a decode-only step
 
 
 class PagedAttention:
@@ -54,13 +52,15 @@ class PagedAttention:
         meta = self.meta
         k_cache, v_cache = self.kv.layer(layer_idx)  # (N, bs, Hkv, D)
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=self.backend)
-        if not meta.prefills:
+        if meta.prefill is None:
             return self._decode(q, k_cache, v_cache)
         out = torch.empty_like(q)
-        if meta.num_decode:
-            self._decode(q[: meta.num_decode], k_cache, v_cache, out=out[: meta.num_decode])
-        for span in meta.prefills:
-            out[span.start : span.end] = self._prefill(span, q, k, v, k_cache, v_cache)
+        nd = meta.num_decode
+        if nd:
+            self._decode(q[:nd], k_cache, v_cache, out=out[:nd])
+        p = meta.prefill
+        paged_prefill_attention(q[nd:], k_cache, v_cache, p.block_tables, p.query_start_loc, p.seq_lens,
+                                sliding_window=self.sliding_window, backend=self.backend, out=out[nd:])
         return out
 
     def _decode(self, q, k_cache, v_cache, out=None) -> torch.Tensor:
@@ -78,15 +78,4 @@ class PagedAttention:
             backend=self.backend,
             out=out,
             workspace=ws,
-        )
-
-    def _prefill(self, span: PrefillSpan, q, k, v, k_cache, v_cache) -> torch.Tensor:
-        if span.block_ids is None:
-            keys, values = k[span.start : span.end], v[span.start : span.end]  # (n, Hkv, D)
-        else:
-            length = span.start_pos + span.end - span.start
-            keys = k_cache[span.block_ids].flatten(0, 1)[:length]  # (L, Hkv, D)
-            values = v_cache[span.block_ids].flatten(0, 1)[:length]
-        return prefix_causal_attention(
-            q[span.start : span.end], keys, values, span.start_pos, self.sliding_window, span.mask
         )

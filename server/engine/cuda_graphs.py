@@ -130,7 +130,6 @@ class DecodeGraphs:
             num_decode=size,
             block_tables=self.block_tables[:size],  # (size, W)
             seq_lens=self.seq_lens[:size],
-            prefills=[],
         )
         hidden = self.forward(self.input_ids[:size], self.positions[:size], meta)  # (size, H)
         self.hidden[:size].copy_(hidden)

@@ -1,9 +1,10 @@
 """ModelRunner: turns the scheduler's integer chunks into tensors, runs the decoder over the paged KV cache,
 and returns the logits of each chunk's last token.
 
-Per step it builds every index tensor (input ids, positions, slot mapping, decode block tables and seq lens,
-prefill block ids, logits rows) from one packed int32 host buffer: one (pinned, non-blocking) copy on CUDA.
-Single-token chunks (decode, or a one-token prefill) are placed first and share one paged-decode call.
+Per step it builds every index tensor (input ids, positions, slot mapping, decode and prefill block tables and
+seq lens, prefill query offsets, logits rows) from one packed int32 host buffer: one (pinned, non-blocking)
+copy on CUDA. Single-token chunks (decode, or a one-token prefill) are placed first and share one paged-decode
+call; the longer chunks follow and share one paged-prefill call.
 On CUDA (Triton backend) a batch of only single-token chunks replays a captured CUDA graph instead
 (server/engine/cuda_graphs.py); mixed and prefill batches, and batches above the largest graph, run eagerly.
 """
@@ -16,10 +17,9 @@ from dataclasses import dataclass
 import torch
 
 import kernels
-from server.engine.attention import AttentionMetadata, PagedAttention, PrefillSpan
+from server.engine.attention import AttentionMetadata, PagedAttention, PrefillMetadata
 from server.engine.cuda_graphs import GRAPH_MEMORY_MARGIN, DecodeGraphs, capture_sizes, pack_decode_inputs
 from server.engine.kv_cache_tensors import KVCacheTensors
-from server.model.layers import causal_mask
 from server.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -178,41 +178,34 @@ class ModelRunner:
             positions += range(c.start_pos, c.start_pos + len(c.token_ids))
             slots += c.slot_mapping
             rows[i] = len(ids) - 1
-        decode = [chunks[i] for i in order[:num_decode]]
-        decode_tables = [list(c.block_table[: self._blocks_for(c)]) for c in decode]
-        max_blocks = max(map(len, decode_tables), default=1)
-        tables = [b for t in decode_tables for b in t + [0] * (max_blocks - len(t))]
-        seq_lens = [c.start_pos + 1 for c in decode]
-        prefill = [chunks[i] for i in order[num_decode:]]
-        prefix_blocks = [b for c in prefill if c.start_pos > 0 for b in c.block_table[: self._blocks_for(c)]]
-        self._check_ranges(ids, slots, tables + prefix_blocks)
-        parts = [ids, positions, slots, seq_lens, tables, prefix_blocks, rows]
+        # decode rows, then prefill chunks: each group's (padded) block tables and seq lens; the chunks' query
+        # start offsets, relative to the first prefill row
+        groups = ([chunks[i] for i in order[:num_decode]], [chunks[i] for i in order[num_decode:]])
+        tables, lens, widths = [], [], []
+        for group in groups:
+            group_tables = [list(c.block_table[: self._blocks_for(c)]) for c in group]
+            widths.append(max(map(len, group_tables), default=1))
+            tables.append([b for t in group_tables for b in t + [0] * (widths[-1] - len(t))])
+            lens.append([c.start_pos + len(c.token_ids) for c in group])
+        qsl = [0]
+        for c in groups[1]:
+            qsl.append(qsl[-1] + len(c.token_ids))
+        self._check_ranges(ids, slots, tables[0] + tables[1])
+        parts = [ids, positions, slots, lens[0], tables[0], lens[1], tables[1], qsl, rows]
         dev = self._to_device([v for part in parts for v in part])
-        input_ids, pos_t, slot_t, lens_t, tables_t, blocks_t, rows_t = dev.split([len(p) for p in parts])
-        B = num_decode
+        input_ids, pos_t, slot_t, lens_t, tables_t, p_lens_t, p_tables_t, qsl_t, rows_t = dev.split(
+            [len(p) for p in parts])
+        prefill = None
+        if groups[1]:
+            prefill = PrefillMetadata(p_tables_t.view(len(groups[1]), widths[1]), qsl_t, p_lens_t)
         meta = AttentionMetadata(
             slot_mapping=slot_t,
             num_decode=num_decode,
-            block_tables=tables_t.view(B, max_blocks),
+            block_tables=tables_t.view(num_decode, widths[0]),
             seq_lens=lens_t,
-            prefills=self._prefill_spans(prefill, num_decode, blocks_t),
+            prefill=prefill,
         )
         return StepBatch(input_ids, pos_t, rows_t, meta)
-
-    def _prefill_spans(self, prefill: list[SeqChunk], row: int, blocks_t: torch.Tensor) -> list[PrefillSpan]:
-        spans, offset = [], 0
-        for c in prefill:
-            n = len(c.token_ids)
-            block_ids = None
-            if c.start_pos > 0:
-                nb = self._blocks_for(c)
-                block_ids, offset = blocks_t[offset : offset + nb], offset + nb
-            mask = None
-            if c.start_pos > 0 or self.sliding_window is not None:
-                mask = causal_mask(n, c.start_pos, self.sliding_window, self.device)
-            spans.append(PrefillSpan(row, row + n, c.start_pos, block_ids, mask))
-            row += n
-        return spans
 
     def _blocks_for(self, c: SeqChunk) -> int:
         return -(-(c.start_pos + len(c.token_ids)) // self.block_size)
