@@ -49,9 +49,20 @@ class PagedAttention:
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q (T, Hq, D); k, v (T, Hkv, D)
+        k_cache, v_cache, slots = self.kv_destination(layer_idx)
+        kernels.store_kv(k, v, k_cache, v_cache, slots, backend=self.backend)
+        return self.attend(layer_idx, q, k, v)
+
+    def kv_destination(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where the new tokens' K/V go: the layer's caches (N, bs, Hkv, D) and the slot mapping (T,). The fused
+        decoder's RoPE kernel stores them itself and then calls `attend`."""
+        k_cache, v_cache = self.kv.layer(layer_idx)
+        return k_cache, v_cache, self.meta.slot_mapping
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of the new tokens over the cache, which already holds their K/V."""
         meta = self.meta
         k_cache, v_cache = self.kv.layer(layer_idx)  # (N, bs, Hkv, D)
-        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, backend=self.backend)
         if meta.prefill is None:
             return self._decode(q, k_cache, v_cache)
         out = torch.empty_like(q)

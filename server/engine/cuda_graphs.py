@@ -10,9 +10,9 @@ The block table is (max_size, max_blocks_per_seq) wide, blocks for max_model_len
 that width, so each graph's launch config is fixed at capture and valid for any sequence length. Entries
 past a sequence's length are never dereferenced, so a step only writes the (size, width) corner it uses.
 
-Only the hidden states are captured; the runner computes logits of the real rows eagerly (one matmul), which
-keeps a (max_size, vocab) fp32 buffer out of the graph pool. All graphs share one memory pool, captured
-largest first so the smaller ones reuse its blocks (the vLLM / nano-vllm recipe).
+The runner's forward ends with the final norm and the lm_head, so the static output holds (max_size, vocab)
+logits in the model dtype; the runner turns the real rows into fp32 after the replay. All graphs share one
+memory pool, captured largest first so the smaller ones reuse its blocks (the vLLM / nano-vllm recipe).
 """
 
 from __future__ import annotations

@@ -106,11 +106,12 @@ class ModelRunner:
             return torch.empty(0, self.config.vocab_size, device=self.device)
         for i, chunk in enumerate(chunks):
             self._check_chunk(i, chunk)
-        hidden = self._replay_decode(chunks)  # (N, H), or None: not a graph batch
-        if hidden is None:
+        logits = self._replay_decode(chunks)  # (N, V) in the model dtype, or None: not a graph batch
+        if logits is None:
             batch = self._prepare(chunks)
             hidden = self._forward(batch.input_ids, batch.positions, batch.meta)[batch.logits_rows]
-        return self.model.compute_logits(hidden)  # (N, V)
+            return self.model.compute_logits(hidden)  # (N, V)
+        return logits.float()  # a fresh tensor: the graph's static output is overwritten by its next replay
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -126,6 +127,10 @@ class ModelRunner:
                               self.decode_num_splits, self.decode_workspace)
         return self.model(input_ids, positions, attn)
 
+    def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        # the captured decode step: the forward (final norm included) and the lm_head -> (T, V), model dtype
+        return self.model.lm_head(self._forward(input_ids, positions, meta))
+
     # ---- CUDA-graph decode --------------------------------------------------------------------------------
 
     def _decode_graphs(self, use_cuda_graphs: bool) -> DecodeGraphs:
@@ -133,7 +138,7 @@ class ModelRunner:
         max_model_len tokens (capture() still to be called)."""
         sizes = capture_sizes(min(self.max_num_seqs, self.max_num_batched_tokens))
         max_blocks = -(-self.max_model_len // self.block_size)
-        return DecodeGraphs(self._forward, sizes, max_blocks, self.config.hidden_size, self.dtype,
+        return DecodeGraphs(self._forward_logits, sizes, max_blocks, self.config.vocab_size, self.dtype,
                             self.device, use_cuda_graphs)
 
     def _capture_graphs(self) -> None:
@@ -148,8 +153,8 @@ class ModelRunner:
         self.graphs = graphs
 
     def _replay_decode(self, chunks: list[SeqChunk]) -> torch.Tensor | None:
-        """(N, H) hidden states from a captured graph; None if the batch is not all single-token chunks or
-        is larger / longer than the graphs were captured for."""
+        """(N, V) logits (model dtype) from a captured graph; None if the batch is not all single-token
+        chunks or is larger / longer than the graphs were captured for."""
         graphs = self.graphs
         if graphs is None or any(len(c.token_ids) != 1 for c in chunks):
             return None

@@ -1,12 +1,17 @@
 """The Llama-family decoder (Llama, Mistral, Qwen2): RMSNorm, RoPE, GQA, SwiGLU, optional qkv bias.
 
-Attention is pluggable: the runner passes a callable `attn(layer_idx, q, k, v) -> o` that writes K/V into the
-paged cache and attends over it; without one, each forward is a single contiguous sequence (dense causal).
+Attention is pluggable: the runner passes an `attn` (AttentionFn) that writes K/V into the paged cache and
+attends over it; without one, each forward is a single contiguous sequence (dense causal).
 Parameter names follow transformers, except that q/k/v and gate/up are fused (the loader stacks them).
+
+The decoder ops are chosen per forward and logged when the choice changes: over paged attention on CUDA
+with the Triton backend, server/model/fused_forward.py (the same math in fused Triton kernels); otherwise
+the torch modules below, which are also the reference the fused path is tested against.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 import torch
@@ -17,9 +22,27 @@ from server.model.layers import RMSNorm, SwiGLU, causal_attention
 from server.model.rope import RotaryEmbedding, apply_rope
 
 
+log = logging.getLogger(__name__)
+
+DECODER_OPS = ("auto", "torch", "fused")
+
+
 class AttentionFn(Protocol):
+    """Paged attention of one step. `attn(i, q, k, v)` stores the new tokens' K/V, then attends; a fused
+    kernel that stores K/V itself (RoPE + store) asks `kv_destination(i)` where to, then calls `attend`."""
+
+    backend: str  # the kernels' backend: "triton" or "torch"
+
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (T, Hq, D), k/v (T, Hkv, D) of the flat batch -> (T, Hq, D)."""
+        ...
+
+    def kv_destination(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> k_cache, v_cache (N, block_size, Hkv, D) and the slot mapping (T,) of the new tokens."""
+        ...
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """As __call__, with the new tokens' K/V already stored."""
         ...
 
 
@@ -76,6 +99,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
+        self.decoder_ops = "auto"  # see set_decoder_ops
+        self._logged_ops: str | None = None
 
     def tie_weights(self) -> None:
         """Re-point lm_head at the embedding (needed again after materialising from the meta device)."""
@@ -90,10 +115,35 @@ class LlamaForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
+    def set_decoder_ops(self, ops: str) -> None:
+        """"auto": fused Triton kernels over paged attention on CUDA with the Triton backend, torch modules
+        otherwise; "fused" / "torch" force one (tests run "fused" on CPU under the Triton interpreter)."""
+        if ops not in DECODER_OPS:
+            raise ValueError(f"decoder ops must be one of {DECODER_OPS}, got {ops!r}")
+        self.decoder_ops = ops
+
+    def resolve_decoder_ops(self, attn: AttentionFn | None) -> str:
+        """"fused" or "torch" for a forward over `attn`; the contiguous (attn None) path is always torch."""
+        if attn is None:
+            return "torch"
+        if self.decoder_ops != "auto":
+            return self.decoder_ops
+        return "fused" if self.device.type == "cuda" and attn.backend == "triton" else "torch"
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn | None = None
     ) -> torch.Tensor:
         """input_ids, positions (T,) -> final-normed hidden states (T, H)."""
+        if attn is not None:
+            ops = self.resolve_decoder_ops(attn)
+            if ops != self._logged_ops:
+                log.info("model: decoder ops %s (%s device, %s attention backend)", ops, self.device.type,
+                         attn.backend)
+                self._logged_ops = ops
+            if ops == "fused":
+                from server.model.fused_forward import fused_forward  # imports triton: CUDA / interpreter only
+
+                return fused_forward(self, input_ids, positions, attn)
         x = self.model.embed_tokens(input_ids)  # (T, H)
         cos, sin = self.model.rotary(positions, x.dtype)  # (T, 1, D)
         for layer in self.model.layers:

@@ -41,11 +41,16 @@ class RotaryEmbedding(torch.nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions (T,) -> cos, sin (T, 1, D) in `dtype`, broadcastable over heads
+        cos, sin = self.half_angles(positions)  # (T, D/2): both halves of a head share the angles
+        return (torch.cat((cos, cos), dim=-1).to(dtype)[:, None, :],
+                torch.cat((sin, sin), dim=-1).to(dtype)[:, None, :])
+
+    def half_angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions (T,) -> cos, sin (T, D/2) fp32 of pair i's angle position * inv_freq[i]
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (T, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (T, D)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        return freqs.cos(), freqs.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,58 @@
+"""The decoder forward on fused Triton kernels: the math of llama.py's torch modules in fewer launches.
+
+Per layer: add + RMSNorm -> qkv GEMM -> RoPE(q, k) + K/V store -> paged attention -> o_proj -> add + RMSNorm
+-> gate_up GEMM -> SiLU-and-mul -> down GEMM. Each sublayer's output joins the residual stream inside the
+next norm's kernel (the final norm included), so the stream is read once per norm rather than three times,
+and it stays in the model dtype, rounded after every add, as in the eager `x = x + sublayer(x)`.
+
+It reads the same parameters as the torch modules and needs paged attention: RoPE writes the new tokens'
+K/V into the cache itself, then `attn.attend` runs on the stored K/V. A decode step of this forward is what the
+runner captures in a CUDA graph, the final norm included.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.activation import silu_and_mul
+from kernels.rmsnorm import rms_norm
+from kernels.rope_store import rope_store_kv
+from server.model.llama import Attention, AttentionFn, DecoderLayer, LlamaForCausalLM
+
+
+def fused_forward(model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
+                  attn: AttentionFn) -> torch.Tensor:
+    """input_ids, positions (T,) -> final-normed hidden states (T, H), as LlamaForCausalLM.forward."""
+    inner = model.model
+    residual = inner.embed_tokens(input_ids)  # (T, H): the residual stream, advanced in place by the norms
+    cos, sin = inner.rotary.half_angles(positions)  # (T, D/2) fp32, shared by every layer
+    out = None  # the previous layer's MLP output; None before the first layer
+    for layer in inner.layers:
+        out = _layer(layer, out, residual, cos, sin, attn)
+    return rms_norm(out, inner.norm.weight, inner.norm.eps, residual=residual)
+
+
+def _layer(layer: DecoderLayer, prev: torch.Tensor | None, residual: torch.Tensor, cos, sin,
+           attn: AttentionFn) -> torch.Tensor:
+    """-> this layer's MLP output (T, H); residual gains prev and the attention output."""
+    norm = layer.input_layernorm
+    if prev is None:
+        x = rms_norm(residual, norm.weight, norm.eps)  # the embeddings: nothing to add yet
+    else:
+        x = rms_norm(prev, norm.weight, norm.eps, residual=residual)
+    x = _attention(layer.self_attn, x, cos, sin, attn)  # (T, H)
+    norm = layer.post_attention_layernorm
+    x = rms_norm(x, norm.weight, norm.eps, residual=residual)
+    mlp = layer.mlp
+    return mlp.down_proj(silu_and_mul(mlp.gate_up_proj(x)))  # (T, 2I) -> (T, I) -> (T, H)
+
+
+def _attention(mod: Attention, x: torch.Tensor, cos, sin, attn: AttentionFn) -> torch.Tensor:
+    T = x.shape[0]
+    qkv = mod.qkv_proj(x)  # (T, (Hq + 2 Hkv) D)
+    k_cache, v_cache, slots = attn.kv_destination(mod.layer_idx)
+    rope_store_kv(qkv, cos, sin, k_cache, v_cache, slots, mod.num_heads, mod.num_kv_heads)  # q, k in place
+    heads = qkv.view(T, mod.num_heads + 2 * mod.num_kv_heads, mod.head_dim)
+    q, k, v = heads.split([mod.num_heads, mod.num_kv_heads, mod.num_kv_heads], dim=1)  # strided views
+    o = attn.attend(mod.layer_idx, q, k, v)  # (T, Hq, D)
+    return mod.o_proj(o.reshape(T, mod.q_size))

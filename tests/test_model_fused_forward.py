@@ -1,0 +1,158 @@
+"""The fused decoder forward (server/model/fused_forward.py) against the torch one: how it is chosen, the same
+logits and K/V cache on the Triton interpreter (eager prefill, static-graph decode), and in bf16 on the GPU
+with real CUDA graphs over batch and block sizes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+
+import pytest
+import torch
+
+from server.engine.runner import ModelRunner, SeqChunk
+from server.model import load_model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, _ = load_model("tiny", "cpu", torch.float32)
+    return model
+
+
+class TeacherForced:
+    """Ragged random sequences in shuffled blocks: one prefill step, then one fixed token per decode step (the
+    same chunks for every runner, so logits and caches are comparable step by step)."""
+
+    def __init__(self, lengths: list[int], block_size: int, num_blocks: int, seed: int) -> None:
+        rng = random.Random(seed)
+        free = list(range(1, num_blocks))
+        rng.shuffle(free)
+        self.block_size, self.rng, self.free = block_size, rng, free
+        self.seqs = [[rng.randrange(3, 259) for _ in range(n)] for n in lengths]
+        self.tables: list[list[int]] = [[] for _ in lengths]
+
+    def _chunk(self, i: int, start: int) -> SeqChunk:
+        seq, table, bs = self.seqs[i], self.tables[i], self.block_size
+        while len(table) * bs < len(seq):
+            table.append(self.free.pop())
+        slots = [table[t // bs] * bs + t % bs for t in range(start, len(seq))]
+        return SeqChunk(seq[start:], start, list(table), slots)
+
+    def prefill(self) -> list[SeqChunk]:
+        return [self._chunk(i, 0) for i in range(len(self.seqs))]
+
+    def decode(self) -> list[SeqChunk]:
+        for seq in self.seqs:
+            seq.append(self.rng.randrange(3, 259))
+        return [self._chunk(i, len(s) - 1) for i, s in enumerate(self.seqs)]
+
+
+def run_steps(model, runner: ModelRunner, ops: str, batches: list[list[SeqChunk]]) -> list[torch.Tensor]:
+    model.set_decoder_ops(ops)
+    try:
+        return [runner.execute(chunks) for chunks in batches]
+    finally:
+        model.set_decoder_ops("auto")
+
+
+def teacher_forced_batches(lengths, block_size, num_blocks, steps, seed=0) -> list[list[SeqChunk]]:
+    tf = TeacherForced(lengths, block_size, num_blocks, seed)
+    return [tf.prefill()] + [tf.decode() for _ in range(steps)]
+
+
+# ---- the choice -----------------------------------------------------------------------------------------
+
+
+class FakeAttention:
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+
+
+def test_decoder_ops_follow_device_and_backend(tiny, caplog):
+    assert tiny.resolve_decoder_ops(None) == "torch"  # the contiguous path is the reference
+    assert tiny.resolve_decoder_ops(FakeAttention("torch")) == "torch"
+    assert tiny.resolve_decoder_ops(FakeAttention("triton")) == "torch"  # CPU: eager torch ops
+    tiny.set_decoder_ops("fused")
+    try:
+        assert tiny.resolve_decoder_ops(FakeAttention("torch")) == "fused"
+        assert tiny.resolve_decoder_ops(None) == "torch"
+    finally:
+        tiny.set_decoder_ops("auto")
+    with pytest.raises(ValueError, match="decoder ops"):
+        tiny.set_decoder_ops("compiled")
+    runner = ModelRunner(tiny, block_size=4, num_blocks=16, attention_backend="torch")
+    tiny._logged_ops = None
+    with caplog.at_level(logging.INFO, logger="server.model.llama"):
+        runner.execute([SeqChunk([5, 6], 0, [1], [4, 5])])
+    assert "model: decoder ops torch (cpu device, torch attention backend)" in caplog.text
+
+
+# ---- interpreter: fused == torch ------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_fused_forward_equals_torch_on_the_interpreter(tiny, block_size):
+    """Prefill (eager) then decode through the static-graph path (the captured body: forward, final norm and
+    lm_head), 3 ragged sequences; one padded bucket (3 -> 4: a slot -1 row)."""
+    lengths, num_blocks = [5, 1, 7], 48
+    batches = teacher_forced_batches(lengths, block_size, num_blocks, steps=2, seed=block_size)
+    runners = {}
+    for ops in ("torch", "fused"):
+        runner = ModelRunner(tiny, block_size=block_size, num_blocks=num_blocks, attention_backend="triton",
+                             max_num_seqs=4, max_model_len=32)
+        runner.graphs = runner._decode_graphs(use_cuda_graphs=False)
+        runner.graphs.capture()
+        runners[ops] = runner
+    for runner in runners.values():  # a finite poison (the kernels mask, never multiply, unread slots)
+        runner.kv.data.fill_(-3.0)
+    expect = run_steps(tiny, runners["torch"], "torch", batches)
+    got = run_steps(tiny, runners["fused"], "fused", batches)
+    assert runners["fused"].graphs.num_replays == 2
+    for a, b in zip(got, expect, strict=True):
+        assert a.dtype == torch.float32 and a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    # the same slots written with the same K/V; the poison left everywhere else, the null block included
+    torch.testing.assert_close(runners["fused"].kv.data, runners["torch"].kv.data, rtol=1e-5, atol=1e-5)
+    assert (runners["fused"].kv.data[:, :, 0] == -3.0).all()
+
+
+# ---- GPU: bf16, real CUDA graphs ------------------------------------------------------------------------
+
+# bf16 keeps ~3 significant digits; the fused path rounds once per kernel where the torch ops round after
+# every elementwise op, so the two differ by a few bf16 ulps of the logits' scale, and the fused one is at
+# least as close to fp32
+GPU_REL_TOL = 5e-2
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("num_seqs", [1, 8, 64])
+def test_fused_graph_decode_equals_torch_in_bf16(num_seqs, block_size):
+    model, _ = load_model("tiny", "cuda", torch.bfloat16)
+    ref_model, _ = load_model("tiny", "cuda", torch.float32)
+    lengths = [(7 * i) % 40 + 1 for i in range(num_seqs)]
+    num_blocks = num_seqs * (-(-60 // block_size)) + 1
+    batches = teacher_forced_batches(lengths, block_size, num_blocks, steps=12, seed=num_seqs)
+    out = {}
+    for name, m, ops in (("torch", model, "torch"), ("fused", model, "fused"), ("fp32", ref_model, "torch")):
+        m.set_decoder_ops(ops)  # before the runner captures its graphs
+        try:
+            runner = ModelRunner(m, block_size=block_size, num_blocks=num_blocks, max_num_seqs=64,
+                                 max_model_len=256)
+            assert runner.cuda_graphs and runner.graphs is not None
+            out[name] = [runner.execute(chunks) for chunks in batches]
+            assert runner.graphs.num_replays == len(batches) - 1
+        finally:
+            m.set_decoder_ops("auto")
+    for fused, unfused, ref in zip(out["fused"], out["torch"], out["fp32"], strict=True):
+        assert torch.isfinite(fused).all()
+        assert rel_err(fused, unfused) < GPU_REL_TOL
+        assert rel_err(fused, ref) <= 1.5 * rel_err(unfused, ref) + 1e-3
