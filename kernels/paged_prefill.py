@@ -74,7 +74,8 @@ def _paged_prefill_kernel(
     WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
-    pid = tl.program_id(0)
+    # tiles in reverse: the last tiles of a chunk, which see the most keys, start first and the tail is short
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)
     kvh = tl.program_id(1)
 
     # ---- which chunk and which of its query tiles: count the chunks whose first tile is <= pid
@@ -85,7 +86,7 @@ def _paged_prefill_kernel(
     n = tl.load(QUERY_START_LOC + chunk + 1) - q_lo
     tile_q0 = (pid - (q_lo // BLOCK_Q + chunk)) * BLOCK_Q             # first query of the tile, in the chunk
     if tile_q0 >= n:
-        return                                                      # the chunk's spare tile (or an empty chunk)
+        return                                                      # a spare tile, or an empty chunk
     seq_len = tl.load(SEQ_LENS + chunk)
     ctx = seq_len - n                                               # tokens cached before this chunk
 

@@ -53,7 +53,8 @@ def check_prefill_inputs(backend, q, k_cache, v_cache, block_tables, query_start
     if (num_chunks < 0 or query_start_loc.shape != (num_chunks + 1,) or block_tables.dim() != 2
             or block_tables.shape[0] != num_chunks):
         raise ValueError(f"need seq_lens (C,), query_start_loc (C + 1,), block_tables (C, max_blocks); got "
-                         f"{tuple(seq_lens.shape)}, {tuple(query_start_loc.shape)}, {tuple(block_tables.shape)}")
+                         f"{tuple(seq_lens.shape)}, {tuple(query_start_loc.shape)}, "
+                         f"{tuple(block_tables.shape)}")
     for name, t in (("block_tables", block_tables), ("query_start_loc", query_start_loc),
                     ("seq_lens", seq_lens)):
         if t.dtype != torch.int32:

@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-
 from kernel_cases import TOLERANCE, make_paged_case, rel_error
+
 from kernels import reference
 from kernels.prefill_dispatch import paged_prefill_attention
 
@@ -27,8 +27,9 @@ def make_prefill_case(seq_lens, new_lens, hq, hkv, d, block_size, dtype=F32, see
 
 
 def reference_fp64(case, q, qsl, **kw):
-    return reference.paged_prefill_attention_reference(q.double(), case.k_cache.double(), case.v_cache.double(),
-                                                       case.block_tables, qsl, case.seq_lens, **kw)
+    return reference.paged_prefill_attention_reference(q.double(), case.k_cache.double(),
+                                                       case.v_cache.double(), case.block_tables, qsl,
+                                                       case.seq_lens, **kw)
 
 
 def run_triton(case, q, qsl, out=None, config=None, **kw):
@@ -133,4 +134,35 @@ def test_bad_inputs_raise(change, message):
     q = change.get("q", lambda x: x)(q)
     with pytest.raises(ValueError, match=message):
         paged_prefill_attention(q, case.k_cache, case.v_cache, tables, qsl, case.seq_lens,
-                                sliding_window=change.get("sliding_window"), backend=change.get("backend", "torch"))
+                                sliding_window=change.get("sliding_window"),
+                                backend=change.get("backend", "torch"))
+
+
+BF16 = torch.bfloat16
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [BF16, F16, F32])
+@pytest.mark.parametrize("hq,hkv,d,bs", [(32, 8, 128, 16), (32, 8, 64, 16), (8, 1, 64, 1), (6, 2, 80, 4),
+                                         (16, 16, 128, 128), (16, 2, 256, 32), (4, 4, 96, 256)])
+@pytest.mark.parametrize("win", [None, 100])
+def test_gpu_grid(dtype, hq, hkv, d, bs, win):
+    lens, new = [1000, 4097, 17, 1, 300, 64], [1000, 129, 17, 1, 0, 1]
+    case, q, qsl = make_prefill_case(lens, new, hq, hkv, d, bs, dtype=dtype, seed=d + bs, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, qsl, case.seq_lens,
+                            sliding_window=win, out=out)
+    err = rel_error(out, reference_fp64(case, q, qsl, sliding_window=win))
+    assert err <= TOLERANCE[dtype], f"relative error {err:.2e}"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_many_small_chunks():
+    """The prefix-cache-hit step: 32 chunks x 16 new tokens over 496 cached each, bf16."""
+    case, q, qsl = make_prefill_case([512] * 32, [16] * 32, 32, 8, 128, 16, dtype=BF16, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, qsl, case.seq_lens, out=out)
+    assert rel_error(out, reference_fp64(case, q, qsl)) <= TOLERANCE[BF16]
