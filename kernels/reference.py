@@ -149,10 +149,10 @@ def store_kv_reference(key, value, k_cache, v_cache, slot_mapping, backend="torc
     v_cache[blk, off] = value[keep].to(v_cache.dtype)
 
 
-def paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale=None,
-                                      sliding_window=None, backend="torch", out=None):
-    """Varlen causal attention of prefill chunks over the paged cache, one chunk at a time, scores materialised,
-    softmax in fp32 (fp64 when the inputs are fp64).
+def paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+                                      scale=None, sliding_window=None, backend="torch", out=None):
+    """Varlen causal attention of prefill chunks over the paged cache, one chunk at a time, scores
+    materialised, softmax in fp32 (fp64 when the inputs are fp64).
 
     q (T, Hq, D): chunk i is rows [qsl[i], qsl[i+1]); its n_i queries sit at positions seq_lens[i] - n_i + j
     and see keys 0..position (and, with a window W, only keys > position - W). Their K/V are in the cache.
@@ -162,7 +162,7 @@ def paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, query_s
                          f"{tuple(q.shape)}, {tuple(k_cache.shape)}")
     num_chunks = seq_lens.shape[0]
     if query_start_loc.shape != (num_chunks + 1,) or block_tables.shape[0] != num_chunks:
-        raise ValueError("query_start_loc must be (num_chunks + 1,) and block_tables (num_chunks, max_blocks)")
+        raise ValueError("query_start_loc must be (num_chunks + 1,), block_tables (num_chunks, max_blocks)")
     if sliding_window is not None and int(sliding_window) < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     t, hq, d = q.shape
