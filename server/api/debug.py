@@ -1,0 +1,91 @@
+"""GET /debug/kvcache (the engine's KV block map as JSON) and GET /debug/kvcache/stream (SSE of it).
+
+The block map comes from the engine (``await engine.kv_snapshot()``: see kvcache/snapshot.py for its
+shape); this layer adds the running / waiting counts of ``engine.health()`` where the map lacks them, and
+the engine's running totals of prefill tokens, generated tokens and preemptions, so a viewer shows what
+ran between two maps.
+The engine builds a map only when asked: the stream asks a few times a second while a client is connected
+and sends a map only when it changed, so nobody watching costs the engine nothing.
+
+Both require the API key when the server has one (``Authorization: Bearer <key>``, as /v1/*).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.datastructures import Headers
+
+from server.api.auth import bearer_token, token_matches
+from server.api.errors import APIError
+
+POLL_INTERVAL_S = 0.25  # the page redraws at this rate; a step of the tiny model is far shorter
+
+
+def require_api_key(request: Request) -> None:
+    api_key = getattr(request.app.state, "api_key", None)
+    if not api_key:
+        return
+    token = bearer_token(Headers(scope=request.scope).get("authorization"))
+    if not token_matches(token, api_key):
+        message = ("Missing bearer token: send 'Authorization: Bearer <api key>'." if token is None
+                   else "Incorrect API key provided.")
+        raise APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+async def read_snapshot(engine) -> dict:
+    take = getattr(engine, "kv_snapshot", None)
+    if take is None:
+        raise APIError(503, f"this engine ({type(engine).__name__}) does not expose its KV block map",
+                       code="kv_snapshot_unavailable")
+    snapshot = take()
+    if inspect.isawaitable(snapshot):
+        snapshot = await snapshot
+    snapshot = dict(snapshot)
+    if "running" not in snapshot or "waiting" not in snapshot:
+        health = engine.health()
+        snapshot.setdefault("running", health.get("running", 0))
+        snapshot.setdefault("waiting", health.get("waiting", 0))
+    snapshot.setdefault("totals", engine_totals(engine))
+    return snapshot
+
+
+def engine_totals(engine) -> dict:
+    value = engine.metrics.value
+    return {"prefill_tokens": int(getattr(engine, "num_prefill_tokens", 0)),
+            "generated_tokens": int(value("pagewalk_generation_tokens_total") or 0),
+            "preemptions": int(value("pagewalk_num_preemptions_total") or 0)}
+
+
+@router.get("/debug/kvcache")
+async def kvcache(request: Request) -> JSONResponse:
+    return JSONResponse(await read_snapshot(request.app.state.engine))
+
+
+@router.get("/debug/kvcache/stream")
+async def kvcache_stream(request: Request) -> StreamingResponse:
+    engine = request.app.state.engine
+    await read_snapshot(engine)  # answer 503 now, not inside a 200 stream, when the engine has no map
+    events = snapshot_events(lambda: read_snapshot(engine), request.is_disconnected)
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def snapshot_events(take: Callable[[], Awaitable[dict]], is_disconnected: Callable[[], Awaitable[bool]],
+                          interval_s: float = POLL_INTERVAL_S) -> AsyncIterator[str]:
+    """``data: <map>`` events: the first map, then each map that differs from the one sent before."""
+    sent = None
+    while not await is_disconnected():
+        data = json.dumps(await take(), separators=(",", ":"))
+        if data != sent:
+            sent = data
+            yield f"data: {data}\n\n"
+        await asyncio.sleep(interval_s)

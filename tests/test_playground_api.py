@@ -1,0 +1,117 @@
+"""The playground's HTTP side on a fake engine: the page and its files, /debug/kvcache and its auth, and the
+snapshot stream (asks the engine only while connected, sends a map only when it changed)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from server.api import debug
+from server.api.app import create_app
+from server.api.playground import ASSETS
+
+pytestmark = pytest.mark.timeout(60)
+
+MAP = {"block_size": 16, "num_blocks": 8, "free_blocks": 6, "used_blocks": 1, "cached_blocks": 1,
+       "blocks": [{"id": 1, "state": "used", "ref_count": 1, "tokens": 3,
+                   "owners": [{"request_id": "cmpl-1", "index": 0, "seq_id": 0}]},
+                  {"id": 2, "state": "cached", "ref_count": 0, "tokens": 16, "owners": []}]}
+
+
+class FakeMetrics:
+    def value(self, name: str, labels=None) -> float | None:
+        return {"pagewalk_generation_tokens_total": 5.0, "pagewalk_num_preemptions_total": 1.0}.get(name)
+
+
+class FakeEngine:
+    """What the debug routes use of an engine: kv_snapshot, health, metrics, num_prefill_tokens."""
+
+    def __init__(self, with_snapshot: bool = True):
+        self.calls = 0
+        self.metrics = FakeMetrics()
+        self.num_prefill_tokens = 7
+        if not with_snapshot:
+            self.kv_snapshot = None
+
+    async def kv_snapshot(self) -> dict:
+        self.calls += 1
+        return dict(MAP)
+
+    def health(self) -> dict:
+        return {"status": "ok", "running": 1, "waiting": 2}
+
+
+def get(app, path: str, **kw) -> httpx.Response:
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.get(path, timeout=30, **kw)
+    return asyncio.run(go())
+
+
+def test_page_and_its_files_are_served_without_a_key():
+    app = create_app(FakeEngine(), api_key="s3cret")
+    r = get(app, "/")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    for name, media in ASSETS.items():
+        assert f"/playground/{name}" in r.text or name == "kvmap.js"  # kvmap.js is imported by app.js
+        f = get(app, f"/playground/{name}")
+        assert f.status_code == 200 and f.headers["content-type"].startswith(media) and f.text
+    assert "./kvmap.js" in get(app, "/playground/app.js").text
+    assert get(app, "/playground/secrets.txt").status_code == 404
+    assert get(app, "/playground/..%2Fdebug.py").status_code == 404
+
+
+def test_page_fetches_nothing_from_outside():
+    app = create_app(FakeEngine())
+    for path in ["/", *(f"/playground/{name}" for name in ASSETS)]:
+        text = get(app, path).text
+        assert "http://" not in text and "https://" not in text and "//cdn" not in text, path
+
+
+def test_snapshot_json_with_queues_and_totals():
+    engine = FakeEngine()
+    r = get(create_app(engine), "/debug/kvcache")
+    assert r.status_code == 200
+    assert r.json() == {**MAP, "running": 1, "waiting": 2,
+                        "totals": {"prefill_tokens": 7, "generated_tokens": 5, "preemptions": 1}}
+    assert engine.calls == 1
+
+
+@pytest.mark.parametrize("path", ["/debug/kvcache", "/debug/kvcache/stream"])
+def test_debug_routes_require_the_api_key(path):
+    engine = FakeEngine()
+    app = create_app(engine, api_key="s3cret")
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = get(app, path, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert engine.calls == 0
+    if path == "/debug/kvcache":
+        assert get(app, path, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+
+
+def test_engine_without_a_block_map_answers_503():
+    r = get(create_app(FakeEngine(with_snapshot=False)), "/debug/kvcache/stream")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "kv_snapshot_unavailable"
+
+
+def test_stream_sends_changed_maps_only_and_stops_asking_when_the_client_leaves():
+    maps = [{"v": 1}, {"v": 1}, {"v": 2}, {"v": 2}, {"v": 2}, {"v": 3}]
+    asked = 0
+    connected_polls = 6
+
+    async def take() -> dict:
+        nonlocal asked
+        asked += 1
+        return maps[asked - 1]
+
+    async def is_disconnected() -> bool:
+        return asked >= connected_polls
+
+    async def go() -> list[str]:
+        return [e async for e in debug.snapshot_events(take, is_disconnected, interval_s=0)]
+
+    events = asyncio.run(go())
+    assert events == ['data: {"v":1}\n\n', 'data: {"v":2}\n\n', 'data: {"v":3}\n\n']
+    assert asked == connected_polls  # not one poll after the disconnect
