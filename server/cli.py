@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"])
     s.add_argument("--no-prefix-caching", action="store_true", help="disable prefix-cache block reuse")
     s.add_argument("--enforce-eager", action="store_true", help="no CUDA-graph decode (eager kernels only)")
+    s.add_argument("--engine-in-process", action="store_true",
+                   help="run the engine core on a thread of the API process instead of its own process")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
@@ -82,7 +84,8 @@ def serve(args: argparse.Namespace) -> int:
 
     from server.api.app import create_app, stop_engine
     from server.api.limits import DEFAULT_MAX_BODY_BYTES
-    from server.engine.engine import AsyncEngine
+    from server.api.async_engine import AsyncEngine
+    from server.engine.core_client import CoreStartupError
 
     class GracefulServer(uvicorn.Server):
         """On SIGTERM/SIGINT the engine drains first (in-flight requests finish, or are aborted with
@@ -92,7 +95,11 @@ def serve(args: argparse.Namespace) -> int:
             await stop_engine(self.config.app)
             await super().shutdown(sockets)
 
-    engine = AsyncEngine(engine_config(args))
+    try:
+        engine = AsyncEngine(engine_config(args), in_process=args.engine_in_process, log_level=args.log_level)
+    except CoreStartupError as e:
+        logger.error("%s", e)
+        return 1
     max_body_bytes = args.max_body_bytes or DEFAULT_MAX_BODY_BYTES
     app = create_app(engine, api_key=args.api_key, max_body_bytes=max_body_bytes,
                      shutdown_timeout_s=args.shutdown_timeout)
@@ -104,8 +111,15 @@ def serve(args: argparse.Namespace) -> int:
     # uvicorn re-raises the signal it shut down on once it is done; a graceful stop is a clean exit (0)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    GracefulServer(config).run()
-    return 0
+    server = GracefulServer(config)
+
+    def core_died(reason: str) -> None:  # in-flight requests have their error; a supervisor restarts us
+        logger.error("%s: stopping the server", reason)
+        server.should_exit = True
+
+    engine.on_core_death = core_died
+    server.run()
+    return 1 if engine.dead is not None else 0
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""Shared helpers of the engine tests: a small real engine on CPU and a collector of its streams."""
+"""Shared helpers of the engine tests: a small real engine on CPU and a collector of its streams.
+
+Engines here run their core on a thread (`in_process=True`) unless a test asks for the core process."""
 
 from __future__ import annotations
 
@@ -7,24 +9,28 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from server.engine.engine import AsyncEngine, EngineConfig
-from server.engine.outputs import RequestOutput, TokenLogprob
+from server.api.async_engine import AsyncEngine
+from server.api.choice_stream import ChoiceStream
+from server.api.outputs import ChoiceDelta, RequestOutput, TokenLogprob
+from server.engine.engine import EngineConfig
+from server.engine.outputs import SeqUpdate
 from server.engine.sampling_params import SamplingParams
 
 
-def make_engine(**overrides) -> AsyncEngine:
-    cfg = dict(model="tiny", device="cpu", dtype="float32", block_size=16, num_blocks=256,
-               max_num_seqs=16, max_num_batched_tokens=256, attention_backend="torch")
-    cfg.update(overrides)
-    engine = AsyncEngine(EngineConfig(**cfg))
+TINY = dict(model="tiny", device="cpu", dtype="float32", block_size=16, num_blocks=256, max_num_seqs=16,
+            max_num_batched_tokens=256, attention_backend="torch")
+
+
+def make_engine(in_process: bool = True, **overrides) -> AsyncEngine:
+    engine = AsyncEngine(EngineConfig(**{**TINY, **overrides}), in_process=in_process)
     engine.start()
     return engine
 
 
 @contextmanager
-def started_engine(**cfg):
+def started_engine(in_process: bool = True, **cfg):
     """An AsyncEngine of exactly `cfg` (no defaults added), started, shut down on exit."""
-    engine = AsyncEngine(EngineConfig(**cfg))
+    engine = AsyncEngine(EngineConfig(**cfg), in_process=in_process)
     engine.start()
     try:
         yield engine
@@ -85,3 +91,27 @@ def wait_until(cond, timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.01)
     return cond()
+
+
+def stream_choice(tokenizer, token_ids: list[int], params: SamplingParams, per_update: int = 1,
+                  eos_token_ids: frozenset[int] = frozenset()) -> list[ChoiceDelta]:
+    """One choice's deltas on the API side, fed `per_update` ids per SeqUpdate with the core's finish rules
+    (stop token ids, EOS, max_tokens); stops at the first finished delta."""
+    choice = ChoiceStream(0, params, tokenizer, lambda t: tokenizer.decode([t]))
+    deltas, n = [], 0
+    while n < len(token_ids):
+        ids = token_ids[n:n + per_update]
+        reason, stop_id = None, None
+        for i, t in enumerate(ids):
+            if t in params.stop_token_ids or (t in eos_token_ids and not params.ignore_eos):
+                reason, stop_id, ids = "stop", t if t in params.stop_token_ids else None, ids[:i + 1]
+            elif n + i + 1 >= params.max_tokens:
+                reason, ids = "length", ids[:i + 1]
+            if reason:
+                break
+        n += len(ids)
+        delta, _ = choice.apply(SeqUpdate("r", 0, ids, None, reason, stop_id))
+        deltas.append(delta)
+        if delta.finish_reason:
+            break
+    return deltas

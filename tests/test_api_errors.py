@@ -10,7 +10,8 @@ import httpx
 import pytest
 
 from server.api.app import create_app
-from server.engine.engine import AsyncEngine, EngineConfig
+from server.api.async_engine import AsyncEngine
+from server.engine.engine import EngineConfig
 from tests.engine_helpers import started_engine
 
 pytestmark = pytest.mark.timeout(120)
@@ -73,6 +74,9 @@ BAD_COMPLETIONS = [
     ({**CMPL, "repetition_penalty": 0}, "repetition_penalty"),
     ({**CMPL, "seed": "x"}, "seed"),
     ({**CMPL, "echo": True, "logprobs": 1}, "echo"),
+    ({**CMPL, "suffix": "tail"}, "suffix"),
+    ({**CMPL, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({**CMPL, "stream": False, "stream_options": {}}, "stream_options"),
 ]
 
 BAD_CHATS = [
@@ -88,6 +92,22 @@ BAD_CHATS = [
     ({**CHAT, "logprobs": 1}, "logprobs"),
     ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
     ({**CHAT, "top_logprobs": 30, "logprobs": True}, "top_logprobs"),
+    ({**CHAT, "tool_choice": "required"}, "tool_choice"),
+    ({**CHAT, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({**CHAT, "functions": [{"name": "f"}]}, "functions"),
+    ({**CHAT, "echo": True}, "echo"),
+    ({**CHAT, "store": True}, "store"),
+    ({**CHAT, "modalities": ["text", "audio"]}, "modalities"),
+    ({**CHAT, "audio": {"voice": "x"}}, "audio"),
+    ({**CHAT, "prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ({**CHAT, "reasoning_effort": "high"}, "reasoning_effort"),
+    ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+]
+NO_OP_FIELDS = [  # OpenAI fields at the value that asks for nothing: accepted
+    ("/v1/completions", {**CMPL, "suffix": None, "stream_options": None}),
+    ("/v1/completions", {**CMPL, "stream": True, "stream_options": {"include_usage": True}}),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "none", "store": False, "modalities": ["text"],
+                              "echo": False, "functions": [], "metadata": {"k": "v"}, "service_tier": "auto"}),
 ]
 
 
@@ -100,6 +120,12 @@ def test_bad_completion_requests_are_400(engine, body, param):
 @pytest.mark.parametrize("body,param", BAD_CHATS)
 def test_bad_chat_requests_are_400(engine, body, param):
     assert_error(request(create_app(engine), "POST", "/v1/chat/completions", json=body), 400, param)
+
+
+@pytest.mark.parametrize("path,body", NO_OP_FIELDS)
+def test_unimplemented_fields_at_their_no_op_value_are_accepted(engine, path, body):
+    r = request(create_app(engine), "POST", path, json=body)
+    assert r.status_code == 200, r.text
 
 
 def test_unknown_fields_are_ignored(engine):
@@ -121,12 +147,27 @@ def test_unknown_model_is_404(engine):
     assert err["code"] == "model_not_found"
 
 
-def test_prompt_too_long_names_both_numbers(engine):
+def test_prompt_plus_max_tokens_too_long_names_max_tokens_and_both_numbers(engine):
     r = request(create_app(engine), "POST", "/v1/completions",
                 json={"prompt": "hello", "max_tokens": engine.max_model_len})
     err = assert_error(r, 400, "max_tokens")
+    assert err["code"] == "context_length_exceeded"
     numbers = re.findall(r"\d+", err["message"])
     assert str(len(engine.tokenizer.encode("hello"))) in numbers and str(engine.max_model_len) in numbers
+    r = request(create_app(engine), "POST", "/v1/chat/completions",
+                json={**CHAT, "max_completion_tokens": engine.max_model_len})
+    assert assert_error(r, 400, "max_completion_tokens")["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"max_tokens": 1}, "prompt"),
+    ("/v1/chat/completions", {}, "messages"),
+])
+def test_prompt_alone_too_long_names_the_prompt(engine, path, body, param):
+    text = "x" * engine.max_model_len
+    body = {**body, "prompt": text} if param == "prompt" else {"messages": [{"role": "user", "content": text}]}
+    err = assert_error(request(create_app(engine), "POST", path, json=body), 400, param)
+    assert err["code"] == "context_length_exceeded" and str(engine.max_model_len) in err["message"]
 
 
 def test_unknown_route_404_and_wrong_method_405(engine):
@@ -174,7 +215,7 @@ def test_queue_full_is_429_with_retry_after():
 
 
 def test_shutting_down_is_503():
-    eng = AsyncEngine(EngineConfig(**CFG))
+    eng = AsyncEngine(EngineConfig(**CFG), in_process=True)
     eng.start()
     eng.shutdown(timeout=5)
     app = create_app(eng)
@@ -197,7 +238,7 @@ def test_engine_side_error_is_500_or_an_error_event(engine, monkeypatch):
     def broken_execute(*_a, **_k):
         raise RuntimeError("device fell off")
 
-    monkeypatch.setattr(engine.runner, "execute", broken_execute)
+    monkeypatch.setattr(engine.client.core.runner, "execute", broken_execute)
     app = create_app(engine)
     err = assert_error(request(app, "POST", "/v1/completions", json=CMPL), 500)
     assert err["code"] == "engine_error"

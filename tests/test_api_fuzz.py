@@ -12,10 +12,8 @@ import pytest
 
 from server.api.app import create_app
 from server.engine.sampling_params import SamplingParams
-from server.engine.stop_checker import StopChecker
-from server.model import IncrementalDetokenizer
 from server.model.tokenizer import ByteTokenizer
-from tests.engine_helpers import collect, started_engine, wait_until
+from tests.engine_helpers import collect, started_engine, stream_choice, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -126,7 +124,7 @@ def test_nasty_bodies_are_4xx_or_valid_200(engine):
         except AssertionError as e:
             raise AssertionError(f"{body[:120]!r}: {e}") from None
     assert wait_until(lambda: engine.health()["kv_cache"]["used_blocks"] == 0, timeout=10)
-    engine.kv.check_integrity()
+    engine.client.core.kv.check_integrity()
 
 
 def test_huge_top_k_does_not_fail_its_batch_neighbours(engine):
@@ -176,15 +174,9 @@ def test_stop_strings_match_a_naive_reference(seed):
     stops = ["".join(rng.choices("abc", k=rng.choice([1, 2, 3, 5, 60]))) for _ in range(rng.randint(1, 6))]
     max_tokens = rng.randint(1, 45)
     tok = ByteTokenizer()
-    params = SamplingParams(stop=stops, max_tokens=max_tokens)
-    checker = StopChecker(params, IncrementalDetokenizer(tok), set())
-    emitted, stop_reason = "", None
-    for token in tok.encode(text, add_bos=False):
-        res = checker.append(token)
-        emitted += res.text
-        if res.finish_reason:
-            stop_reason = res.stop_reason
-            break
-    else:
-        emitted += checker.finish()
+    token_ids = tok.encode(text, add_bos=False)
+    params = SamplingParams(stop=stops, max_tokens=min(max_tokens, len(token_ids)))  # the text's end: length
+    deltas = stream_choice(tok, token_ids, params, rng.choice([1, 1, 2, 3]))
+    emitted = "".join(d.text for d in deltas)
+    stop_reason = deltas[-1].stop_reason
     assert (emitted, stop_reason) == reference_stop(text, stops, max_tokens), (text, stops)

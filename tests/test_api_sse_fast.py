@@ -11,7 +11,7 @@ from server.api.completions import CompletionJob
 from server.api.logprobs import chat_logprobs
 from server.api.protocol import ChatChunkChoice, ChatCompletionRequest, ChatDelta, CompletionRequest
 from server.api.streaming import sse_event
-from server.engine.outputs import ChoiceDelta, TokenLogprob
+from server.api.outputs import ChoiceDelta, TokenLogprob
 from server.engine.sampling_params import SamplingParams
 
 ENGINE = SimpleNamespace(model_name='tiny "model" é')

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from server.engine.engine import OutputChannel
+from server.api.output_channel import OutputChannel
 
 
 def test_fifo_wakes_the_reader_and_survives_a_cancelled_read():

@@ -44,9 +44,9 @@ def test_text_is_the_detokenized_token_ids(engine):
 
 def test_n2_forks_one_prefill_and_greedy_choices_match(engine):
     prompt = prompt_of(engine, "fork me please, a unique prompt #1")
-    before = engine.core.num_prefill_tokens
+    before = engine.num_prefill_tokens
     res = run_one(engine, "fork", prompt, greedy(12, n=2))
-    assert engine.core.num_prefill_tokens - before == len(prompt)  # the prompt ran once, not twice
+    assert engine.num_prefill_tokens - before == len(prompt)  # the prompt ran once, not twice
     assert sorted(res.choices) == [0, 1]
     assert res.choices[0].token_ids == res.choices[1].token_ids
     assert len(res.choices[0].token_ids) == 12
@@ -137,12 +137,12 @@ def test_health_and_metrics_after_requests(engine):
 
 def test_prefix_cache_skips_the_shared_prefix_and_output_is_unchanged(engine):
     prompt = prompt_of(engine, "a long shared system prompt that spans several blocks of sixteen tokens")
-    first_before = engine.core.num_prefill_tokens
+    first_before = engine.num_prefill_tokens
     first = run_one(engine, "prefix-1", prompt, greedy(8)).choices[0].token_ids
-    assert engine.core.num_prefill_tokens - first_before == len(prompt)
-    before = engine.core.num_prefill_tokens
+    assert engine.num_prefill_tokens - first_before == len(prompt)
+    before = engine.num_prefill_tokens
     second = run_one(engine, "prefix-2", prompt, greedy(8)).choices[0].token_ids
-    computed = engine.core.num_prefill_tokens - before
+    computed = engine.num_prefill_tokens - before
     assert computed == len(prompt) - (len(prompt) - 1) // 16 * 16  # only the last, partial block reruns
     assert second == first
     assert engine.metrics.value("pagewalk_prefix_cache_hit_rate") > 0

@@ -7,7 +7,8 @@ import asyncio
 import pytest
 from engine_helpers import collect, make_engine, run_all, run_one, wait_until
 
-from server.engine.engine import RequestRejected
+from server.api.async_engine import RequestRejected
+from server.api.choice_stream import ChoiceStream
 from server.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
@@ -38,7 +39,7 @@ def test_tiny_cache_preempts_and_every_request_completes_exactly():
             assert c.choices[0].token_ids == s.choices[0].token_ids
             assert c.choices[0].text == s.choices[0].text
         assert wait_until(lambda: e.health()["kv_cache"]["used_blocks"] == 0)
-        e.kv.check_integrity()
+        e.client.core.kv.check_integrity()
     finally:
         e.shutdown(timeout=5)
 
@@ -160,18 +161,15 @@ def test_duplicate_request_id_is_refused(engine):
     asyncio.run(main())
 
 
-class Exploding:
-    def append(self, token_id):
-        raise RuntimeError("detokenizer exploded")
-
-    def flush(self):
-        return ""
-
-
 def test_failure_in_one_request_fails_only_that_one(engine, monkeypatch):
-    make = engine.core.make_stop_checker
-    monkeypatch.setattr(engine.core, "make_stop_checker",
-                        lambda seq: Exploding() if seq.request_id == "bad" else make(seq))
+    apply = ChoiceStream.apply
+
+    def exploding(self, u):
+        if u.request_id == "bad":
+            raise RuntimeError("detokenizer exploded")
+        return apply(self, u)
+
+    monkeypatch.setattr(ChoiceStream, "apply", exploding)
     bad, good = run_all(engine, [("bad", [1, 10, 11], greedy(8)), ("good", [1, 12, 13], greedy(8))])
     assert bad.choices[0].finish_reason == "error" and "detokenizer exploded" in bad.error
     assert good.error is None and len(good.choices[0].token_ids) == 8
@@ -179,7 +177,7 @@ def test_failure_in_one_request_fails_only_that_one(engine, monkeypatch):
 
 
 def test_failed_step_fails_its_batch_and_the_engine_keeps_serving(engine, monkeypatch):
-    execute = engine.runner.execute
+    execute = engine.client.core.runner.execute
     calls = {"n": 0}
 
     def flaky(chunks):
@@ -188,7 +186,7 @@ def test_failed_step_fails_its_batch_and_the_engine_keeps_serving(engine, monkey
             raise RuntimeError("device on fire")
         return execute(chunks)
 
-    monkeypatch.setattr(engine.runner, "execute", flaky)
+    monkeypatch.setattr(engine.client.core.runner, "execute", flaky)
     results = run_all(engine, [(f"flaky-{i}", [1, 20 + i, 30], greedy(10)) for i in range(3)])
     failed = [r for r in results if r.error]
     assert failed
@@ -211,5 +209,20 @@ def test_shutdown_lets_short_requests_finish_and_aborts_long_ones():
     short, long = asyncio.run(main())
     assert short.choices[0].finish_reason == "length" and len(short.choices[0].token_ids) == 3
     assert long.choices[0].finish_reason == "abort" and len(long.choices[0].token_ids) < 1500
-    assert e.health()["status"] != "ok" and not e._thread.is_alive()
+    assert e.health()["status"] != "ok" and not e.client.is_alive()
     assert e.health()["kv_cache"]["used_blocks"] == 0
+
+
+def test_kv_snapshot_names_each_block_holder(engine):
+    async def main():
+        agen = engine.generate("snap", engine.tokenizer.encode("x" * 40), greedy(200))
+        async for _ in agen:
+            snap = await engine.kv_snapshot()
+            break
+        await agen.aclose()
+        return snap
+
+    snap = asyncio.run(main())
+    used = [b for b in snap["blocks"] if b["state"] == "used"]
+    assert len(used) == snap["used_blocks"] >= 3  # 41 prompt tokens + 1 in blocks of 16
+    assert all(o["request_id"] == "snap" and o["index"] == 0 for b in used for o in b["owners"])

@@ -12,7 +12,7 @@ import torch
 import kernels
 from server.cli import build_parser, engine_config
 from server.engine.cuda_graphs import DecodeGraphs, capture_sizes, pack_decode_inputs, padded_size
-from server.engine.engine import AsyncEngine, EngineConfig
+from server.engine.engine import EngineConfig, build_core
 from server.engine.runner import ModelRunner, SeqChunk
 from server.model import load_model
 
@@ -216,9 +216,9 @@ def test_enforce_eager_flag_reaches_the_engine_config():
 
 
 def test_engine_sizes_the_graphs_from_its_limits():
-    engine = AsyncEngine(EngineConfig(model="tiny", device="cpu", attention_backend="torch", num_blocks=16,
+    core, _ = build_core(EngineConfig(model="tiny", device="cpu", attention_backend="torch", num_blocks=16,
                                       max_num_seqs=5, max_num_batched_tokens=64, max_model_len=100))
-    runner = engine.runner
+    runner = core.runner
     assert (runner.max_num_seqs, runner.max_num_batched_tokens, runner.max_model_len) == (5, 64, 100)
     graphs = runner._decode_graphs(use_cuda_graphs=False)
     assert graphs.sizes == [1, 2, 4, 5] and graphs.max_blocks_per_seq == 7  # ceil(100 / 16)

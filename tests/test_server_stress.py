@@ -15,7 +15,9 @@ import httpx
 import pytest
 
 from server.api.app import create_app
-from server.engine.engine import AsyncEngine, EngineConfig
+from server.api.async_engine import AsyncEngine
+from server.engine.engine import EngineConfig, build_core
+from server.engine.outputs import EngineRequest
 from server.engine.request import Request
 from server.engine.sampling_params import SamplingParams
 from server.engine.sequence import SeqStatus
@@ -43,9 +45,10 @@ def assert_drained(engine: AsyncEngine) -> None:
         return h["kv_cache"]["used_blocks"] == 0 and h["running"] == 0 and h["waiting"] == 0
 
     assert wait_until(drained, timeout=10), engine.health()
-    assert not engine.core.requests and not engine._live
-    engine.kv.check_integrity()
-    assert engine._thread.is_alive()
+    core = engine.client.core
+    assert not core.requests and not engine._live
+    core.kv.check_integrity()
+    assert engine.client.is_alive()
 
 
 # ---- the random mix --------------------------------------------------------------------------------------
@@ -220,7 +223,7 @@ def test_random_mix_with_cancellations_leaves_nothing_behind(engine, caplog):
     cut_off = [j for j in jobs if j.result["status"] in ("cancelled", 499, "gone")]
     assert cut_off, "no request was cut off mid-flight"
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "a client's doing logged an error"
-    assert engine.core.scheduler.num_preemptions > 0, "the mix should have forced a preemption"
+    assert engine.client.core.scheduler.num_preemptions > 0, "the mix should have forced a preemption"
     assert_drained(engine)
     health = asyncio.run(_get(app, "/health"))
     assert (health["kv_cache"]["used_blocks"], health["running"], health["waiting"]) == (0, 0, 0), health
@@ -269,19 +272,18 @@ def _num_aborted(engine: AsyncEngine) -> float:
 
 @pytest.fixture
 def core():
-    eng = AsyncEngine(EngineConfig(**CFG))  # never started: the test steps its core
-    yield eng.core
-    assert not eng.core.requests and not eng.core.scheduler.has_work()
-    assert eng.kv.usage().used_blocks == 0
-    eng.kv.check_integrity()
+    core, _ = build_core(EngineConfig(**CFG))  # no loop: the test steps the core
+    yield core
+    assert not core.requests and not core.scheduler.has_work()
+    assert core.kv.usage().used_blocks == 0
+    core.kv.check_integrity()
 
 
 def add(core, rid: str, num_prompt: int, **params) -> Request:
     rng = random.Random(rid)
     prompt = [rng.randint(3, 258) for _ in range(num_prompt)]
-    req = Request(rid, prompt, SamplingParams(ignore_eos=True, **params), lambda out: None)
-    core.add_request(req)
-    return req
+    core.add_request(EngineRequest(rid, prompt, SamplingParams(ignore_eos=True, **params), 0.0))
+    return core.requests[rid]
 
 
 def step_until(core, cond, max_steps: int = 400) -> None:
@@ -294,8 +296,8 @@ def step_until(core, cond, max_steps: int = 400) -> None:
 
 
 def abort(core, req: Request) -> None:
-    _, out = core.abort_request(req.request_id)
-    assert out.finished and {d.finish_reason for d in out.deltas} == {"abort"}
+    updates = core.abort_request(req.request_id)
+    assert updates and {u.finish_reason for u in updates} == {"abort"}
     assert req.request_id not in core.requests
     assert not any(core.kv.has_seq(s.seq_id) for s in req.seqs), "an aborted choice still holds blocks"
     core.kv.check_integrity()
@@ -344,7 +346,7 @@ def test_abort_while_preempted(core):
 def test_abort_after_finish_is_a_no_op(core):
     req = add(core, "done", 10, n=2, max_tokens=3)
     step_until(core, lambda: req.request_id not in core.requests)
-    assert core.abort_request(req.request_id) is None
+    assert core.abort_request(req.request_id) == []
 
 
 def test_engine_abort_of_finished_and_unknown_ids_is_ignored(engine):

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 import httpx
 
 from server.api.app import create_app
-from server.engine.engine import AsyncEngine, EngineConfig
+from server.api.async_engine import AsyncEngine
+from server.engine.engine import EngineConfig
 
 MODES = {"greedy": {"temperature": 0.0}, "sample": {"temperature": 0.8, "top_p": 0.95}}
 
@@ -90,7 +91,8 @@ class StepTimer:
 def build(streams: int, max_tokens: int) -> AsyncEngine:
     blocks = streams * (-(-(max_tokens + 64) // 16)) + 64
     return AsyncEngine(EngineConfig(model="tiny", device="cpu", dtype="float32", attention_backend="torch",
-                                    num_blocks=blocks, max_num_seqs=streams, max_num_batched_tokens=4096))
+                                    num_blocks=blocks, max_num_seqs=streams, max_num_batched_tokens=4096),
+                       in_process=True)  # the runner is patched in place: the core runs on a thread
 
 
 async def one_stream(client: httpx.AsyncClient, body: dict) -> bytes:
@@ -117,8 +119,8 @@ def run_mode(engine: AsyncEngine, app, streams: int, body: dict, profile: bool) 
     loop_prof = cProfile.Profile() if profile else None
     if profile:
         timer.profiler = cProfile.Profile()
-    original = engine.runner.execute
-    timer.install(engine.runner)
+    original = engine.client.core.runner.execute
+    timer.install(engine.client.core.runner)
     try:
         if loop_prof:
             loop_prof.enable()
@@ -126,7 +128,7 @@ def run_mode(engine: AsyncEngine, app, streams: int, body: dict, profile: bool) 
         if loop_prof:
             loop_prof.disable()
     finally:
-        engine.runner.execute = original
+        engine.client.core.runner.execute = original
     return timer, [out, loop_prof]
 
 

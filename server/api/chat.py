@@ -42,7 +42,7 @@ from server.api.streaming import (
     json_text,
     sse_event,
 )
-from server.engine.outputs import ChoiceDelta
+from server.api.outputs import ChoiceDelta
 from server.engine.sampling_params import SamplingParams
 
 router = APIRouter()

@@ -26,7 +26,7 @@ from server.api.parsing import check_model, parse_body
 from server.api.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from server.api.sampling import DEFAULT_COMPLETION_MAX_TOKENS, check_token_ids, sampling_params
 from server.api.streaming import CHUNK_TAIL, chunk_head, job_response, json_member, sse_event
-from server.engine.outputs import ChoiceDelta
+from server.api.outputs import ChoiceDelta
 from server.engine.sampling_params import SamplingParams
 
 router = APIRouter()

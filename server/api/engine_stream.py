@@ -16,8 +16,8 @@ from fastapi import Request
 
 from server.api.errors import APIError
 from server.api.protocol import Usage
-from server.engine.engine import RequestRejected
-from server.engine.outputs import ChoiceDelta, RequestOutput, TokenLogprob
+from server.api.async_engine import RequestRejected
+from server.api.outputs import ChoiceDelta, RequestOutput, TokenLogprob
 from server.engine.sampling_params import SamplingParams
 
 T = TypeVar("T")

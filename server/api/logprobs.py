@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from server.api.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
-from server.engine.outputs import TokenLogprob
+from server.api.outputs import TokenLogprob
 
 
 def completion_logprobs(tokens: list[TokenLogprob], text_offset: int) -> CompletionLogprobs:

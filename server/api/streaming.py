@@ -15,7 +15,7 @@ from starlette.types import Receive, Scope, Send
 from server.api.engine_stream import ClientDisconnected, rejected_to_api_error, unless_disconnected
 from server.api.errors import APIError, error_body
 from server.api.protocol import dump
-from server.engine.engine import RequestRejected
+from server.api.async_engine import RequestRejected
 
 logger = logging.getLogger("pagewalk.api")
 

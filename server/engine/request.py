@@ -1,12 +1,9 @@
-"""One accepted request: its n choices (Sequences), timing, and where its outputs go."""
+"""One request inside the engine core: its n choices (Sequences) and when it arrived."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from server.engine.outputs import RequestOutput
 from server.engine.sampling_params import SamplingParams
 from server.engine.sequence import SeqStatus, Sequence
 
@@ -16,8 +13,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    emit: Callable[[RequestOutput], None]  # called on the engine thread; must not block
-    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_time: float
     seqs: list[Sequence] = field(default_factory=list)  # index order: seqs[i].index == i
 
     @property

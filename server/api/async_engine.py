@@ -1,0 +1,332 @@
+"""AsyncEngine: the API process's side of the engine: admission, one output stream per request, and the
+per-choice work the core does not do (detokenization, stop strings, logprob token strings, metrics).
+
+The core runs behind a CoreClient (its own process when serving, a thread in unit tests); this class is the
+same over both. `generate` registers the request, sends it to the core and awaits its OutputChannel. The
+client's thread hands every StepUpdate to `_on_step`, which updates the stats and passes each request's
+SeqUpdates to that request's event loop, where `_apply` turns them into RequestOutputs. A stop string ends a
+choice here and aborts it in the core. If the core dies, every request in flight ends with an error, /health
+answers 503 and `on_core_death` is called (the CLI stops the server with a non-zero exit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from server.api.choice_stream import ChoiceStream
+from server.api.metrics import EngineMetrics
+from server.api.output_channel import OutputChannel, call_soon
+from server.api.outputs import ChoiceDelta, RequestOutput
+from server.engine.core_client import CoreClient, ProcessCoreClient, ThreadCoreClient
+from server.engine.engine import EngineConfig
+from server.engine.outputs import CoreStats, EngineRequest, SeqUpdate, StepUpdate
+from server.engine.sampling_params import SamplingParams
+from server.engine.wire import Abort, FromCore, Query, Reply
+from server.model.loader import load_tokenizer
+
+logger = logging.getLogger("pagewalk.engine")
+
+ABORT_WAIT_S = 5.0  # after the drain deadline, how long the aborts of what is left may take
+
+
+class RequestRejected(Exception):
+    """The request cannot be accepted: `status` is the HTTP status the API answers with."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+@dataclass(eq=False)
+class LiveRequest:
+    """A request accepted here and not yet ended by the core."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    loop: asyncio.AbstractEventLoop
+    channel: OutputChannel
+    choices: list[ChoiceStream]
+    arrival_time: float
+    open_in_core: int  # choices the core has not ended yet (each ends there exactly once)
+    last_token_time: list[float | None] = field(default_factory=list)
+    error: str | None = None
+    closed: bool = False  # the stream has its last output
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, in_process: bool = False, log_level: str = "info"):
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model, config.tokenizer, config.chat_template)
+        self.client: CoreClient = ThreadCoreClient(config) if in_process else ProcessCoreClient(config, log_level)
+        info = self.info = self.client.info
+        self.model_name, self.device, self.dtype = info.model, info.device, info.dtype
+        self.model_name = (config.served_model_name or (info.model,))[0]
+        self.attention_backend, self.max_model_len = info.attention_backend, info.max_model_len
+        self.vocab_size, self.capacity_tokens = info.vocab_size, info.capacity_tokens
+        self.metrics = EngineMetrics(self.model_name, self.attention_backend, self.device, self.dtype)
+        self.on_core_death: Callable[[str], None] | None = None
+        self.dead: str | None = None  # why the core is gone
+        self.num_prefill_tokens = 0  # prompt (and recomputed) tokens the core ran, all time
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when the last live request ends
+        self._live: dict[str, LiveRequest] = {}
+        self._stats = CoreStats(0, 0, info.num_blocks - 1, 0, 0, 0.0)
+        self._accepting = True
+        self._started = self._closed = False
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._call_ids = itertools.count()
+        self._token_text: dict[int, str] = {}
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        if not self._started:
+            self._started = True
+            self.client.start(self._on_message, self._on_death)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop accepting; let in-flight requests finish for up to `timeout` s, abort the rest; stop the
+        core. Blocking: the app runs it on a thread so streams keep flowing while it drains."""
+        with self._lock:
+            self._accepting = False
+            if self._closed:
+                return
+            self._closed = True
+        if self._started:
+            self._wait_idle(timeout)
+            with self._lock:
+                left = list(self._live)
+            for rid in left:
+                self.client.send(Abort(rid))
+            self._wait_idle(ABORT_WAIT_S)
+        self.client.close(timeout=10.0)
+
+    def _wait_idle(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            while self._live and self.dead is None and (left := deadline - time.monotonic()) > 0:
+                self._idle.wait(left)
+
+    # ---- admission --------------------------------------------------------------------------------
+    def check_admissible(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Raise RequestRejected(status, message, param) if a request of this size cannot be served now."""
+        if self.dead is not None:
+            raise RequestRejected(503, f"the engine is not running: {self.dead}")
+        if not self._accepting:
+            raise RequestRejected(503, "the engine is shutting down")
+        if num_prompt_tokens < 1:
+            raise RequestRejected(400, "the prompt must contain at least one token", "prompt")
+        if params.n > self.config.max_num_seqs:
+            raise RequestRejected(
+                400, f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})", "n")
+        total = num_prompt_tokens + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestRejected(
+                400, f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"tokens exceeds the maximum context length of {self.max_model_len} tokens", "max_tokens")
+        if total * params.n > self.capacity_tokens:
+            raise RequestRejected(
+                400, f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"tokens per choice x n={params.n} = {total * params.n} tokens exceeds the whole KV cache "
+                f"capacity of {self.capacity_tokens} tokens", "max_tokens")
+        waiting = self._num_waiting()
+        if waiting >= self.config.max_waiting:
+            raise RequestRejected(429, f"too many requests waiting ({waiting}, max_waiting="
+                                  f"{self.config.max_waiting}); retry later")
+
+    def _num_waiting(self) -> int:
+        """Requests accepted and not running in the core: queued there, or on their way to it."""
+        return max(0, len(self._live) - self._stats.running)
+
+    # ---- requests ---------------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Stream of RequestOutputs, the last with finished=True. Closing it early aborts the request."""
+        try:
+            params.validate(self.vocab_size)
+        except ValueError as e:
+            raise RequestRejected(400, str(e)) from None
+        loop = asyncio.get_running_loop()
+        live = LiveRequest(request_id, list(prompt_token_ids), loop, OutputChannel(loop),
+                           [ChoiceStream(i, params, self.tokenizer, self._text_of) for i in range(params.n)],
+                           time.monotonic(), params.n, [None] * params.n)
+        with self._lock:
+            self.check_admissible(len(live.prompt_token_ids), params)
+            if request_id in self._live:
+                raise RequestRejected(400, f"request id {request_id!r} is already in use")
+            self._live[request_id] = live
+        self.metrics.prompt_tokens.inc(len(live.prompt_token_ids))
+        self.client.send(EngineRequest(request_id, live.prompt_token_ids, params, live.arrival_time))
+        finished = False
+        try:
+            while not finished:
+                out = await live.channel.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (its blocks are freed at the core's next turn). Unknown ids are ignored."""
+        with self._lock:
+            known = request_id in self._live
+        if known and self.dead is None:
+            self.client.send(Abort(request_id))
+
+    async def kv_snapshot(self) -> dict:
+        """The core's block map (EngineCore.kv_snapshot); the core builds it only when asked."""
+        return await self._query("kv_snapshot")
+
+    async def core_stats(self) -> dict:
+        """The core's stats now (CoreStats as a dict), asked of the core itself."""
+        return await self._query("stats")
+
+    async def _query(self, name: str) -> dict:
+        if self.dead is not None or not self._started or self._closed:
+            raise RequestRejected(503, "the engine core is not running")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        call_id = next(self._call_ids)
+        self._calls[call_id] = (loop, future)
+        self.client.send(Query(call_id, name))
+        return await future
+
+    def health(self) -> dict:
+        with self._lock:
+            s, waiting, accepting = self._stats, self._num_waiting(), self._accepting
+        status = "dead" if self.dead is not None else "ok" if accepting else "shutting_down"
+        info = self.info
+        return {
+            "status": status, "model": self.model_name, "device": self.device, "dtype": self.dtype,
+            "attention_backend": self.attention_backend, "cuda_graphs": info.cuda_graphs,
+            "engine_core": self.client.mode,
+            "kv_cache": {"block_size": info.block_size, "num_blocks": info.num_blocks,
+                         "free_blocks": s.free_blocks, "used_blocks": s.used_blocks,
+                         "cached_blocks": s.cached_blocks},
+            "running": s.running, "waiting": waiting,
+        }
+
+    # ---- the client's thread ----------------------------------------------------------------------
+    def _on_message(self, msg: FromCore) -> None:
+        if isinstance(msg, StepUpdate):
+            self._on_step(msg)
+        elif isinstance(msg, Reply):
+            loop, future = self._calls.pop(msg.call_id)
+            call_soon(loop, _resolve, future, msg.value, None)
+
+    def _on_step(self, step: StepUpdate) -> None:
+        s = step.stats
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[LiveRequest, SeqUpdate]]] = {}
+        with self._lock:
+            self._stats = s
+            live_map = self._live
+            for u in step.updates:
+                live = live_map.get(u.request_id)
+                if live is None:
+                    continue
+                if u.finish_reason is not None:
+                    live.open_in_core -= 1
+                    if live.open_in_core == 0:
+                        del live_map[u.request_id]
+                batches.setdefault(live.loop, []).append((live, u))
+            if not live_map:
+                self._idle.notify_all()
+            waiting = self._num_waiting()
+        self.num_prefill_tokens += s.num_prefill_tokens
+        m = self.metrics
+        if s.num_preemptions:
+            m.num_preemptions.inc(s.num_preemptions)
+        m.num_requests_running.set(s.running)
+        m.num_requests_waiting.set(waiting)
+        m.kv_cache_usage_ratio.set(s.used_blocks / max(1, self.info.num_blocks - 1))
+        m.prefix_cache_hit_rate.set(s.prefix_hit_rate)
+        for loop, items in batches.items():
+            call_soon(loop, self._apply, items)
+
+    def _on_death(self, reason: str) -> None:
+        error = f"the engine core died ({reason})"
+        self.dead = error
+        with self._lock:
+            lives = list(self._live.values())
+            self._live.clear()
+            self._idle.notify_all()
+            calls, self._calls = self._calls, {}
+        for live in lives:
+            call_soon(live.loop, self._fail, live, error)
+        for loop, future in calls.values():
+            call_soon(loop, _resolve, future, None, RequestRejected(503, error))
+        if self.on_core_death is not None:
+            self.on_core_death(error)
+
+    # ---- each request's event loop ----------------------------------------------------------------
+    def _apply(self, items: list[tuple[LiveRequest, SeqUpdate]]) -> None:
+        outputs: dict[LiveRequest, list[ChoiceDelta]] = {}
+        now = time.monotonic()
+        m = self.metrics
+        for live, u in items:
+            if live.closed:
+                continue
+            try:
+                delta, abort = live.choices[u.index].apply(u)
+            except Exception as e:  # a detokenizer failure fails this request only
+                logger.exception("request %s: could not process its tokens", live.request_id)
+                self._fail(live, f"{type(e).__name__}: {e}")
+                self.abort(live.request_id)
+                continue
+            if delta is None:
+                continue
+            if abort:
+                self.client.send(Abort(live.request_id, u.index))
+            if delta.token_ids:
+                m.generation_tokens.inc(len(delta.token_ids))
+                last = live.last_token_time[u.index]
+                if last is None:
+                    m.time_to_first_token.observe(now - live.arrival_time)
+                else:
+                    m.inter_token_latency.observe(now - last)
+                live.last_token_time[u.index] = now
+            if delta.finish_reason is not None:
+                m.request_success.labels(finish_reason=delta.finish_reason).inc()
+            if u.error is not None:
+                live.error = u.error
+            outputs.setdefault(live, []).append(delta)
+        for live, deltas in outputs.items():
+            finished = all(c.finished for c in live.choices)
+            if finished:
+                live.closed = True
+                m.e2e_request_latency.observe(now - live.arrival_time)
+            live.channel.put(RequestOutput(live.request_id, live.prompt_token_ids, deltas, finished, live.error))
+
+    def _fail(self, live: LiveRequest, error: str) -> None:
+        """End every choice still open with finish_reason "error"."""
+        if live.closed:
+            return
+        live.closed = True
+        deltas = []
+        for c in live.choices:
+            if not c.finished:
+                c.finish_reason = "error"
+                self.metrics.request_success.labels(finish_reason="error").inc()
+                deltas.append(ChoiceDelta(c.index, "", [], None, "error", None))
+        live.channel.put(RequestOutput(live.request_id, live.prompt_token_ids, deltas, True, error))
+
+    def _text_of(self, token: int) -> str:
+        text = self._token_text.get(token)
+        if text is None:
+            text = self._token_text[token] = self.tokenizer.decode([token])
+        return text
+
+
+def _resolve(future: asyncio.Future, value, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)

@@ -1,0 +1,83 @@
+"""One choice on the API side: the core's token ids -> text deltas, stop strings, logprob token strings.
+
+The core ends a choice on EOS / a stop token id (finish "stop", that last id is counted but never
+detokenized), on max_tokens ("length"), or on an abort or error. A stop string is found here: the choice
+ends with finish "stop" and the caller aborts it in the core; tokens the core sends after that are dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from server.api.outputs import ChoiceDelta, TokenLogprob
+from server.api.stop_strings import StopStrings
+from server.engine.outputs import SeqUpdate
+from server.engine.sampling_params import SamplingParams
+from server.model.detokenizer import IncrementalDetokenizer
+
+
+class ChoiceStream:
+    __slots__ = ("index", "detokenizer", "stops", "text_of", "want_logprobs", "finish_reason", "num_tokens")
+
+    def __init__(self, index: int, params: SamplingParams, tokenizer, text_of: Callable[[int], str]):
+        self.index = index
+        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.stops = StopStrings(params.stop) if params.stop else None
+        self.text_of = text_of  # token id -> its text alone (logprob entries)
+        self.want_logprobs = params.logprobs is not None
+        self.finish_reason: str | None = None
+        self.num_tokens = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def apply(self, u: SeqUpdate) -> tuple[ChoiceDelta | None, bool]:
+        """-> (the delta to stream, None once finished here; whether a stop string ended the choice while
+        the core still runs it: the caller then aborts it there)."""
+        if self.finished:
+            return None, False
+        ids = u.new_token_ids
+        reason, stop_reason = u.finish_reason, u.stop_token_id
+        by_token = reason == "stop"  # EOS or a stop token id: its text is not part of the output
+        pieces = []
+        taken = len(ids)
+        hit = None
+        for i, token in enumerate(ids):
+            if by_token and i == len(ids) - 1:
+                break
+            text = self.detokenizer.push(token)
+            if self.stops is not None:
+                text, hit = self.stops.feed(text)
+            pieces.append(text)
+            if hit is not None:
+                taken = i + 1
+                break
+        if hit is None and reason in ("stop", "length"):
+            text, hit = self._finish_text()
+            pieces.append(text)
+        elif hit is None and reason is not None and self.stops is not None:  # abort / error: held text
+            pieces.append(self.stops.release())
+        if hit is not None:
+            reason, stop_reason = "stop", hit
+        self.finish_reason = reason
+        self.num_tokens += taken
+        ids = ids[:taken] if taken < len(ids) else ids
+        return ChoiceDelta(self.index, "".join(pieces), ids, self._logprobs(u, taken), reason,
+                           stop_reason), hit is not None and u.finish_reason is None
+
+    def _finish_text(self) -> tuple[str, str | None]:
+        """The core ended the choice: the detokenizer's held bytes, then the held stop-string prefix
+        (a stop string the final bytes complete still counts)."""
+        tail = self.detokenizer.flush()
+        if self.stops is None:
+            return tail, None
+        text, hit = self.stops.feed(tail)
+        return (text, hit) if hit is not None else (text + self.stops.release(), None)
+
+    def _logprobs(self, u: SeqUpdate, taken: int) -> list[TokenLogprob] | None:
+        if not self.want_logprobs or u.logprobs is None:
+            return None
+        text_of = self.text_of
+        return [TokenLogprob(token, text_of(token), lp, [(t, text_of(t), tlp) for t, tlp in top])
+                for token, (lp, top) in zip(u.new_token_ids[:taken], u.logprobs[:taken], strict=True)]

@@ -1,0 +1,46 @@
+"""OutputChannel: one request's outputs on its event loop, filled from the engine's receiving thread."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+from server.api.outputs import RequestOutput
+
+
+class OutputChannel:
+    """An unbounded FIFO with one waiting reader (lighter than asyncio.Queue, which keeps getter/putter
+    queues and task accounting). `put` runs on the channel's loop."""
+
+    __slots__ = ("loop", "items", "waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.items: deque[RequestOutput] = deque()
+        self.waiter: asyncio.Future | None = None
+
+    def put(self, out: RequestOutput) -> None:
+        self.items.append(out)
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None and not waiter.done():  # done: its reader was cancelled
+            waiter.set_result(None)
+
+    async def get(self) -> RequestOutput:
+        while not self.items:
+            self.waiter = self.loop.create_future()
+            await self.waiter
+        return self.items.popleft()
+
+
+def call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    """Run fn(*args) on `loop` from any thread. A closed loop has nobody left listening: fn runs here, so
+    the request's bookkeeping (metrics, finish reasons) still happens."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+        return
+    except RuntimeError:  # closed
+        pass
+    try:
+        fn(*args)
+    except RuntimeError:  # a future of the closed loop
+        pass

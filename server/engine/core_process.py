@@ -1,0 +1,65 @@
+"""The engine-core process: builds the core (model, runner, KV cache) and runs its CoreLoop over ZeroMQ.
+
+Started with the spawn method (a fresh interpreter: CUDA is initialised here, never inherited). It
+connects a PULL socket (messages from the API process) and a PUSH socket (messages to it), sends Ready with
+the facts of what it built, or StartupFailed with the error, then loops. It ignores SIGINT (a terminal's
+Ctrl-C reaches the whole process group; the API process drains first and then sends Shutdown) and exits
+when its parent is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import traceback
+
+import zmq
+
+from server.engine.core_loop import CoreLoop
+from server.engine.engine import EngineConfig, build_core
+from server.engine.wire import FromCore, Ready, StartupFailed, ToCore, encoder, to_core_decoder
+
+PARENT_CHECK_MS = 1000  # an idle core looks for its parent this often
+
+
+def run_core_process(config: EngineConfig, to_core: str, from_core: str, log_level: str) -> None:
+    """Spawn target. `to_core` / `from_core`: the ipc:// addresses the API process bound."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parent = os.getppid()
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.connect(to_core)
+    push.connect(from_core)
+    enc, dec = encoder(), to_core_decoder()
+
+    def send(msg: FromCore) -> None:
+        push.send(enc.encode(msg), copy=False)
+
+    def receive(timeout: float | None) -> list[ToCore]:
+        if timeout is None:
+            while not pull.poll(PARENT_CHECK_MS):
+                if os.getppid() != parent:
+                    sys.exit("pagewalk engine core: the API process is gone")
+        elif timeout > 0:
+            pull.poll(int(timeout * 1000))
+        messages = []
+        while True:
+            try:
+                messages.append(dec.decode(pull.recv(zmq.NOBLOCK)))
+            except zmq.Again:
+                return messages
+
+    try:
+        core, info = build_core(config)
+    except BaseException as e:  # reported to the parent, which raises it: the server does not start
+        lines = traceback.format_exception(type(e), e, e.__traceback__)
+        send(StartupFailed(f"{type(e).__name__}: {e}\n{''.join(lines[-4:])}"))
+        push.close(linger=5000)
+        sys.exit(1)
+    send(Ready(info))
+    CoreLoop(core, receive, send).run()
+    push.close(linger=5000)
+    pull.close(linger=0)

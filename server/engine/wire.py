@@ -1,0 +1,74 @@
+"""The messages between the API process and the engine-core process, and their msgpack codecs.
+
+To the core: EngineRequest (add), Abort, Query, Shutdown. From the core: Ready (once, after start-up) or
+StartupFailed, then StepUpdates and Replies. Every message is a tagged msgspec Struct, so one decoder per
+direction reads them all.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from server.engine.outputs import EngineRequest, StepUpdate
+
+
+class CoreInfo(msgspec.Struct):
+    """Static facts of a started core: what /health, /v1/models and admission need."""
+
+    model: str
+    device: str
+    dtype: str
+    attention_backend: str
+    cuda_graphs: bool
+    block_size: int
+    num_blocks: int  # the null block 0 included
+    capacity_tokens: int  # usable blocks x block_size
+    max_model_len: int
+    vocab_size: int
+
+
+class Abort(msgspec.Struct, tag="abort"):
+    request_id: str
+    index: int | None = None  # one choice (a stop string ended it); None: every choice
+
+
+class Query(msgspec.Struct, tag="query"):
+    """Ask the core for one of its read-only views ("stats" | "kv_snapshot"); answered by a Reply."""
+
+    call_id: int
+    name: str
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    """Stop the core loop (the API process has drained or aborted every request first)."""
+
+
+class Ready(msgspec.Struct, tag="ready"):
+    info: CoreInfo
+
+
+class StartupFailed(msgspec.Struct, tag="startup_failed"):
+    error: str  # exception type, message and the traceback's last lines
+
+
+class Reply(msgspec.Struct, tag="reply"):
+    call_id: int
+    value: dict
+
+
+ToCore = EngineRequest | Abort | Query | Shutdown
+FromCore = StepUpdate | Reply | Ready | StartupFailed
+
+QUERIES = ("stats", "kv_snapshot")
+
+
+def encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def to_core_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(ToCore)
+
+
+def from_core_decoder() -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(FromCore)
