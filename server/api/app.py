@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from server.api import chat, completions, debug, models, monitoring, playground
+from server.api import chat, completions, debug, models, monitoring, playground, tokenize
 from server.api.auth import BearerAuthMiddleware
 from server.api.errors import CatchAllMiddleware, install_error_handlers
 from server.api.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimitMiddleware
@@ -39,7 +39,7 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = DEFAULT
     app.state.engine_stopped = False
     install_error_handlers(app)
     app.state.api_key = api_key  # /debug/* checks it itself (the middleware guards /v1/* only)
-    for module in (completions, chat, models, monitoring, debug, playground):
+    for module in (completions, chat, models, monitoring, debug, playground, tokenize):
         app.include_router(module.router)
     if api_key:
         app.add_middleware(BearerAuthMiddleware, api_key=api_key)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from server.api.errors import APIError
 from server.api.protocol import ChatMessage
 from server.model.chat_template import ChatTemplateError
@@ -21,9 +24,39 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
 
 def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
     """Rendered by the model's chat template and tokenized as transformers' apply_chat_template does."""
+    plain = chat_messages(messages)
+    with template_errors():
+        return tokenizer.chat_token_ids(plain, add_generation_prompt)
+
+
+def chat_prompt_text(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+    plain = chat_messages(messages)
+    with template_errors():
+        return tokenizer.apply_chat_template(plain, add_generation_prompt)
+
+
+@contextmanager
+def template_errors() -> Iterator[None]:
     try:
-        return tokenizer.chat_token_ids(chat_messages(messages), add_generation_prompt)
+        yield
     except NoChatTemplateError as e:
         raise APIError(400, f"Chat is not available: {e}.", "messages", "chat_template_missing") from None
     except ChatTemplateError as e:  # templates may reject role orders etc.
         raise APIError(400, f"The chat template rejected these messages: {e}", "messages") from None
+
+
+def check_context_length(engine, prompts: list[list[int]], max_tokens: int, prompt_param: str,
+                         max_tokens_param: str = "max_tokens") -> None:
+    """OpenAI's context_length_exceeded: blames the prompt when it leaves no room for one token, else
+    the requested completion length."""
+    limit = engine.max_model_len
+    longest = max(len(ids) for ids in prompts)
+    if longest >= limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens, but the {prompt_param} "
+                            f"has {longest} tokens, which leaves no room for a completion; shorten the "
+                            f"{prompt_param}.", prompt_param, "context_length_exceeded")
+    if longest + max_tokens > limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens, but {longest + max_tokens} "
+                            f"were requested ({longest} in the {prompt_param}, {max_tokens} for the completion); "
+                            f"reduce {max_tokens_param} to at most {limit - longest}.", max_tokens_param,
+                       "context_length_exceeded")

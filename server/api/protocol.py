@@ -1,18 +1,33 @@
 """Pydantic request and response models of the OpenAI-compatible surface.
 
 Requests are strict about the types of the fields they know (a string where a number belongs is a 400) and
-ignore fields they do not know (OpenAI clients send extras). Value ranges that need no engine knowledge are
+ignore fields they do not know (OpenAI clients send extras). OpenAI fields pagewalk does not implement are
+accepted only at a value that asks for nothing (`refused_unless`), never silently dropped; pure metadata
+(user, metadata, service_tier, ...) is accepted and unused. Value ranges that need no engine knowledge are
 checked here; token ids against the vocabulary are checked by the handlers.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 NonNegInt = Annotated[int, Field(ge=0)]
 OmitIfNone = dict(default=None, exclude_if=lambda v: v is None)
+
+
+def refused_unless(*no_ops: object) -> AfterValidator:
+    """An OpenAI field pagewalk does not implement: a 400 naming it unless its value asks for nothing."""
+    shown = " or ".join(json.dumps(v) for v in no_ops)
+
+    def check(value):
+        if value not in no_ops:
+            raise ValueError(f"not supported by pagewalk (only {shown} is accepted)")
+        return value
+
+    return AfterValidator(check)
 
 
 class _Request(BaseModel):
@@ -41,12 +56,19 @@ class _SamplingRequest(_Request):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     stream: bool | None = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = None  # declared after `stream`: its validator reads it
     return_token_ids: bool | None = False
     user: str | None = None
     # OpenAI fields pagewalk does not implement: accepted only at their no-op value, never silently ignored
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, v, info: ValidationInfo):
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return v
 
     @field_validator("logit_bias")
     @classmethod
@@ -71,6 +93,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool | None = False
+    suffix: Annotated[str | None, refused_unless(None, "")] = None
 
     @field_validator("prompt")
     @classmethod
@@ -113,6 +136,17 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
+    tool_choice: Annotated[str | dict[str, Any] | None, refused_unless(None, "none", "auto")] = None
+    functions: Annotated[list[dict[str, Any]] | None, refused_unless(None, [])] = None
+    function_call: Annotated[str | dict[str, Any] | None, refused_unless(None, "none", "auto")] = None
+    echo: Annotated[bool | None, refused_unless(None, False)] = None  # vLLM's: echo the last message
+    audio: Annotated[dict[str, Any] | None, refused_unless(None)] = None
+    modalities: Annotated[list[str] | None, refused_unless(None, ["text"])] = None
+    prediction: Annotated[dict[str, Any] | None, refused_unless(None)] = None
+    web_search_options: Annotated[dict[str, Any] | None, refused_unless(None)] = None
+    reasoning_effort: Annotated[str | None, refused_unless(None)] = None
+    verbosity: Annotated[str | None, refused_unless(None)] = None
+    store: Annotated[bool | None, refused_unless(None, False)] = None  # nothing is stored
 
     @field_validator("tools")
     @classmethod
@@ -127,6 +161,29 @@ class ChatCompletionRequest(_SamplingRequest):
         if v is not None and v.get("type", "text") != "text":
             raise ValueError("only response_format {'type': 'text'} is supported by pagewalk")
         return v
+
+
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize: a completion `prompt` or chat `messages` (exactly one)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = True  # messages only
+    # None: as the endpoint that takes this input tokenizes it (a prompt gets the post-processor's special
+    # tokens, messages what /v1/chat/completions gives them)
+    add_special_tokens: bool | None = None
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' and 'messages'")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[NonNegInt]
 
 
 # ---- responses -------------------------------------------------------------------------------------------
@@ -236,6 +293,16 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 def dump(model: BaseModel) -> dict[str, Any]:

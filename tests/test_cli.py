@@ -1,0 +1,89 @@
+"""`pagewalk serve` flags: vLLM's spellings, defaults in --help, one-line start-up errors."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from server.cli import build_parser, engine_config, main, parse_serve_args
+from server.model.loader import resolve_dtype
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["serve"]
+
+
+def test_model_positional_or_flag():
+    assert parse_serve_args(["serve"]).model == "tiny"
+    assert parse_serve_args(["serve", "/ckpt/llama"]).model == "/ckpt/llama"
+    assert parse_serve_args(["serve", "--model", "/ckpt/llama"]).model == "/ckpt/llama"
+    assert parse_serve_args(["serve", "bench", "--model", "bench"]).model == "bench"
+    with pytest.raises(SystemExit):
+        parse_serve_args(["serve", "tiny", "--model", "bench"])
+
+
+@pytest.mark.parametrize("flag,dtype", [("half", torch.float16), ("float16", torch.float16),
+                                        ("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16),
+                                        ("float", torch.float32), ("float32", torch.float32)])
+def test_dtype_spellings_reach_the_loader(flag, dtype):
+    config = engine_config(parse_serve_args(["serve", "--dtype", flag]))
+    assert resolve_dtype(config.dtype, torch.device("cpu")) == dtype
+    assert engine_config(parse_serve_args(["serve"])).dtype is None  # auto
+
+
+def test_vllm_flags_reach_the_engine_config():
+    args = parse_serve_args(["serve", "tiny", "--served-model-name", "my-model", "alias", "--seed", "7",
+                             "--tokenizer", "/tok", "--chat-template", "{{ 1 }}",
+                             "--gpu-memory-utilization", "0.5", "--no-enable-prefix-caching"])
+    config = engine_config(args)
+    assert config.served_model_name == ("my-model", "alias") and config.seed == 7
+    assert (config.tokenizer, config.chat_template) == ("/tok", "{{ 1 }}")
+    assert config.gpu_memory_utilization == 0.5 and config.enable_prefix_caching is False
+    defaults = engine_config(parse_serve_args(["serve"]))
+    assert defaults.served_model_name == () and defaults.seed is None and defaults.enable_prefix_caching
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--gpu-memory-utilization", "1.5"], "must be a fraction in (0, 1]"),
+    (["--kv-cache-memory", "0.9"], "--kv-cache-memory is retired: use --gpu-memory-utilization"),
+    (["--dtype", "int8"], "invalid choice"),
+])
+def test_bad_flags_are_usage_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        parse_serve_args(["serve", *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_api_key_defaults_to_the_environment_but_help_never_shows_it(monkeypatch):
+    monkeypatch.setenv("PAGEWALK_API_KEY", "sekrit")
+    assert parse_serve_args(["serve"]).api_key == "sekrit"
+    assert parse_serve_args(["serve", "--api-key", "other"]).api_key == "other"
+    assert "sekrit" not in serve_parser().format_help()
+
+
+def test_help_has_text_and_defaults_for_every_flag():
+    parser = serve_parser()
+    for action in parser._actions:
+        assert action.help, f"{action.option_strings or action.dest} has no help"
+    text = " ".join(parser.format_help().split())
+    for default in ("(default: 16)", "(default: auto)", "(default: 2048)", "(default: 127.0.0.1)",
+                    "(default: 8000)", "(default: True)", "(default: tiny)"):
+        assert default in text
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["meta-llama/Llama-3.1-8B"], "does not download from the Hugging Face Hub"),
+    (["/no/such/dir"], "neither a preset (tiny, bench) nor a checkpoint directory"),
+    (["tiny", "--chat-template", "{% if %}"], "chat template from --chat-template does not compile"),
+    (["tiny", "--chat-template", "/no/template.jinja"], "neither a file nor a jinja template"),
+    (["tiny", "--tokenizer", "/no/tokenizer"], "is not a directory holding tokenizer.json"),
+    (["tiny", "--num-blocks", "1"], "num_blocks must be >= 2"),  # raised by the engine core
+])
+def test_start_up_errors_are_one_line(capsys, argv, message):
+    assert main(["serve", *argv, "--device", "cpu", "--engine-in-process"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pagewalk serve: error: ") and message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
