@@ -40,7 +40,8 @@ def rope_store_reference(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_he
     qk = heads[:, : num_q_heads + num_kv_heads].float()  # (T, Hq + Hkv, D)
     x1, x2 = qk[..., :half], qk[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]  # (T, 1, D/2)
-    heads[:, : num_q_heads + num_kv_heads] = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(qkv.dtype)
+    rotated = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)  # (T, Hq + Hkv, D)
+    heads[:, : num_q_heads + num_kv_heads] = rotated.to(qkv.dtype)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     block_size = k_cache.shape[1]

@@ -64,7 +64,8 @@ def _rope_store_kernel(
                  + offs_i[None, :] * stride_kd)
         tl.store(dst_k, k1.to(K_CACHE.dtype.element_ty), mask=kv_mask)
         tl.store(dst_k + HALF * stride_kd, k2.to(K_CACHE.dtype.element_ty), mask=kv_mask)
-        src_v = row + (NUM_Q_HEADS + NUM_KV_HEADS) * 2 * HALF + offs_k[:, None] * (2 * HALF) + offs_i[None, :]
+        v_heads = row + (NUM_Q_HEADS + NUM_KV_HEADS) * 2 * HALF
+        src_v = v_heads + offs_k[:, None] * (2 * HALF) + offs_i[None, :]
         dst_v = (V_CACHE + blk * stride_vb + off * stride_vt + offs_k[:, None] * stride_vh
                  + offs_i[None, :] * stride_vd)
         v1 = tl.load(src_v, mask=kv_mask)
@@ -90,7 +91,8 @@ def _launch(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_h
 
 
 def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_q_heads: int, num_kv_heads: int) -> None:
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_q_heads: int,
+                  num_kv_heads: int) -> None:
     """RoPE on q and k of qkv (T, (Hq + 2 Hkv) D), in place, and the rotated k and v stored into
     k_cache / v_cache (num_blocks, block_size, Hkv, D; any strides) at slot_mapping (T,) (< 0: skip).
 

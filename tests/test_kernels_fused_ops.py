@@ -10,14 +10,18 @@ import pytest
 import torch
 
 from kernels.activation import silu_and_mul
-from kernels.fused_reference import rms_norm_reference, rope_store_reference, silu_and_mul_reference
+from kernels.fused_reference import (
+    rms_norm_reference,
+    rope_store_reference,
+    silu_and_mul_reference,
+)
 from kernels.rmsnorm import rms_norm
 from kernels.rope_store import rope_store_kv
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="the Triton kernels run on CPU only under TRITON_INTERPRET=1")
 
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3)}
+TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.float16: {"rtol": 2e-3, "atol": 2e-3}}
 
 
 @contextlib.contextmanager

@@ -54,8 +54,8 @@ class PagedAttention:
         return self.attend(layer_idx, q, k, v)
 
     def kv_destination(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Where the new tokens' K/V go: the layer's caches (N, bs, Hkv, D) and the slot mapping (T,). The fused
-        decoder's RoPE kernel stores them itself and then calls `attend`."""
+        """Where the new tokens' K/V go: the layer's caches (N, bs, Hkv, D) and the slot mapping (T,). The
+        fused decoder's RoPE kernel stores them itself and then calls `attend`."""
         k_cache, v_cache = self.kv.layer(layer_idx)
         return k_cache, v_cache, self.meta.slot_mapping
 

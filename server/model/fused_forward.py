@@ -3,11 +3,12 @@
 Per layer: add + RMSNorm -> qkv GEMM -> RoPE(q, k) + K/V store -> paged attention -> o_proj -> add + RMSNorm
 -> gate_up GEMM -> SiLU-and-mul -> down GEMM. Each sublayer's output joins the residual stream inside the
 next norm's kernel (the final norm included), so the stream is read once per norm rather than three times,
-and it stays in the model dtype, rounded after every add, as in the eager `x = x + sublayer(x)`.
+and it stays in the model dtype, rounded after every add, as in the eager
+`x = x + sublayer(x)`.
 
 It reads the same parameters as the torch modules and needs paged attention: RoPE writes the new tokens'
-K/V into the cache itself, then `attn.attend` runs on the stored K/V. A decode step of this forward is what the
-runner captures in a CUDA graph, the final norm included.
+K/V into the cache itself, then `attn.attend` runs on the stored K/V. A decode step of this forward is what
+the runner captures in a CUDA graph, the final norm included.
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ from server.model.config import ModelConfig
 from server.model.layers import RMSNorm, SwiGLU, causal_attention
 from server.model.rope import RotaryEmbedding, apply_rope
 
-
 log = logging.getLogger(__name__)
 
 DECODER_OPS = ("auto", "torch", "fused")
@@ -141,7 +140,8 @@ class LlamaForCausalLM(nn.Module):
                          attn.backend)
                 self._logged_ops = ops
             if ops == "fused":
-                from server.model.fused_forward import fused_forward  # imports triton: CUDA / interpreter only
+                # imported here: it imports triton, which a CPU-only install may lack
+                from server.model.fused_forward import fused_forward
 
                 return fused_forward(self, input_ids, positions, attn)
         x = self.model.embed_tokens(input_ids)  # (T, H)
