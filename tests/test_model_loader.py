@@ -70,6 +70,18 @@ def test_tiny_greedy_text_is_printable_and_not_a_single_repeated_byte(tiny):
     assert len(set(seq[-32:])) > 8
 
 
+def test_tiny_masked_ids_have_zero_probability_at_any_temperature(tiny):
+    model, _ = tiny
+    keep = torch.zeros(259, dtype=torch.bool)
+    keep[[1, 2, 3 + ord("\n")]] = True
+    keep[3 + 32 : 3 + 127] = True
+    hidden = torch.randn(64, model.config.hidden_size, generator=torch.Generator().manual_seed(0)) * 10
+    logits = model.compute_logits(hidden)  # (64, V)
+    assert torch.isneginf(logits[:, ~keep]).all() and torch.isfinite(logits[:, keep]).all()
+    probs = torch.softmax(logits / 5.0, dim=-1)  # hot sampling cannot reach a lone UTF-8 byte (U+FFFD)
+    assert (probs[:, ~keep] == 0).all()
+
+
 def test_bench_preset_matches_llama_3_2_1b_shape():
     cfg = PRESETS["bench"]
     with torch.device("meta"):

@@ -35,11 +35,11 @@ def init_random_weights(model: LlamaForCausalLM, cfg: ModelConfig) -> None:
 
 @torch.no_grad()
 def restrict_to_printable(model: LlamaForCausalLM) -> None:
-    """Zero the unembedding rows of ids that are not printable ASCII, newline, BOS or EOS (byte vocab).
+    """Give the ids that are not printable ASCII, newline, BOS or EOS (byte vocab) a logit of -inf.
 
-    A random decoder picks among all ids (259, or 128256 for `bench`); this keeps the presets' greedy text
-    readable (zero logit vs. the random logits of the ~98 kept ids) at unchanged compute cost. With tied
-    embeddings the zeroed rows are embeddings of ids the byte tokenizer never produces; BOS is kept.
+    A random decoder picks among all ids (259, or 128256 for `bench`); this keeps the presets' sampled text
+    readable at any temperature: a masked id has probability zero, so no lone UTF-8 byte (U+FFFD) is drawn.
+    The mask is an lm_head bias, so eager and graph-captured steps apply it alike.
     """
     from server.model.tokenizer import ByteTokenizer
 
@@ -47,4 +47,5 @@ def restrict_to_printable(model: LlamaForCausalLM) -> None:
     keep[[ByteTokenizer.BOS, ByteTokenizer.EOS]] = True
     keep[ByteTokenizer.OFFSET + ord("\n")] = True
     keep[ByteTokenizer.OFFSET + 32 : ByteTokenizer.OFFSET + 127] = True
-    model.lm_head.weight[~keep.to(model.device)] = 0.0
+    bias = torch.zeros(model.config.vocab_size).masked_fill_(~keep, float("-inf"))  # (V,)
+    model.lm_head.bias = torch.nn.Parameter(bias.to(model.device, model.dtype), requires_grad=False)
