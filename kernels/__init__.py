@@ -1,6 +1,8 @@
 """pagewalk kernels: paged-decode attention and KV store (Triton on CUDA, torch references on CPU)."""
 
+from kernels.checks import check_block_size
 from kernels.dispatch import last_backend, paged_decode_attention, resolve_backend, store_kv
 from kernels.workspace import DecodeWorkspace
 
-__all__ = ["paged_decode_attention", "store_kv", "last_backend", "resolve_backend", "DecodeWorkspace"]
+__all__ = ["paged_decode_attention", "store_kv", "last_backend", "resolve_backend", "DecodeWorkspace",
+           "check_block_size"]

@@ -12,11 +12,9 @@ import os
 import torch
 
 from kernels import reference
+from kernels.checks import check_decode_inputs, check_supported
 
 BACKENDS = ("auto", "triton", "torch")
-TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-TORCH_DTYPES = TRITON_DTYPES + (torch.float64,)
-MAX_HEAD_DIM = 256
 
 _last_backend = "none"
 _paged_decode_triton = None
@@ -59,38 +57,16 @@ def resolve_backend(device, requested: str = "auto") -> str:
     return "triton"
 
 
-def _check_supported(backend, dtype, head_dim, block_size):
-    dtypes = TRITON_DTYPES if backend == "triton" else TORCH_DTYPES
-    if dtype not in dtypes:
-        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise ValueError(f"{backend} backend supports dtypes {{{names}}}, got {dtype}")
-    if backend == "triton" and (head_dim % 16 != 0 or not 16 <= head_dim <= MAX_HEAD_DIM):
-        raise ValueError(f"triton backend supports head_dim in multiples of 16 from 16 to {MAX_HEAD_DIM}, "
-                         f"got {head_dim}")
-    if block_size < 1 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two (1..256), got {block_size}")
-
-
-def check_decode_inputs(backend, q, k_cache, v_cache, out) -> None:
-    """What every backend needs of a decode call: a supported dtype, head_dim and block size, one dtype for
-    q and both caches, and an `out` (if given) shaped, typed and placed like q."""
-    _check_supported(backend, q.dtype, q.shape[-1], k_cache.shape[1])
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"q, k_cache, v_cache must share a dtype; got {q.dtype}, {k_cache.dtype}, "
-                         f"{v_cache.dtype}")
-    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}")
-
-
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None, sliding_window=None,
                            num_splits=None, backend="auto", out=None, workspace=None):
-    """Decode attention over a paged KV cache. q (B, Hq, D) -> (B, Hq, D); see DESIGN.md kernel contract.
+    """Decode attention over a paged KV cache. q (B, Hq, D) -> (B, Hq, D); docs/ARCHITECTURE.md has the
+    kernel contract.
 
     workspace: an optional caller-owned kernels.DecodeWorkspace; the Triton kernel then merges KV splits
     inside its one launch (kernels/workspace.py says when one may be shared). The torch backend needs none.
 
     The Triton wrapper checks its own inputs once per call signature, so the CUDA hot path goes straight
-    there.
+    there; reference.paged_decode_attention_dense is the torch backend.
     """
     global _last_backend
     if backend == "auto" and q.is_cuda and _TRITON_AVAILABLE:
@@ -102,7 +78,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=No
                                sliding_window=sliding_window, num_splits=num_splits, out=out,
                                workspace=workspace)
     else:
-        check_decode_inputs(chosen, q, k_cache, v_cache, out)
+        check_decode_inputs(chosen, q, k_cache, v_cache, block_tables, seq_lens, out)
         res = reference.paged_decode_attention_dense(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
                                                      sliding_window=sliding_window, out=out)
     _last_backend = chosen
@@ -122,7 +98,7 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, backend="auto"):
     """Write key/value (T, Hkv, D) into cache slots (slot = block_id * block_size + offset; < 0 skips)."""
     global _last_backend
     chosen = resolve_backend(key.device, backend)
-    _check_supported(chosen, k_cache.dtype, k_cache.shape[-1], k_cache.shape[1])
+    check_supported(chosen, k_cache.dtype, k_cache.shape[-1], k_cache.shape[1])
     if key.shape != value.shape or key.shape[1:] != k_cache.shape[2:] or v_cache.shape != k_cache.shape:
         raise ValueError(f"key/value must be (T, Hkv, D) matching caches {tuple(k_cache.shape)}; "
                          f"got {tuple(key.shape)}, {tuple(value.shape)}")

@@ -1,15 +1,16 @@
 """Cheaper host-side launches of @triton.jit kernels.
 
-Triton's JIT re-binds and re-specialises every argument on each call, and in triton 3.6 its CompiledKernel
-runner also builds launch metadata and calls an (empty) enter/exit hook chain on every launch. On the H200
-machine (a slow VM CPU) that cost ~40 µs per launch, against ~25 µs for a whole SDPA call: at small decode
-shapes longer than the kernels themselves (docs/kernel_notes.md, runs 2-6).
+Triton's JIT re-binds and re-specialises every argument on each call, and its CompiledKernel runner builds
+launch metadata and runs the launch-hook chain on every launch; at small decode shapes that host time is
+longer than the kernels themselves (docs/kernel.md gives the per-call host time of both paths).
 
-`CompiledLaunch` binds one CompiledKernel for direct launches: on a triton whose launcher layout was verified
-(3.6) it calls the C launch function with the raw stream and no hooks; elsewhere, or while a launch hook is
-installed (e.g. a profiler), it goes through the CompiledKernel's own runner. `CachedLauncher` keeps compiled
-kernels under a key covering everything Triton specialises on (dtypes, 16-byte pointer alignment, integer
-values, constexprs, warps, stages, launch options, device).
+`CompiledLaunch` binds one CompiledKernel for direct launches. The direct path fails closed: it calls the C
+launch function with the raw stream and no hooks only on the Triton versions whose launcher argument layout
+was read and verified (_VERIFIED_LAUNCHER; tests/test_gpu_kernels.py checks its outputs equal the public
+path's), and only while no launch hook is installed (e.g. a profiler); everywhere else it goes through the
+CompiledKernel's own runner, the public path. `CachedLauncher` keeps compiled kernels under a key covering
+everything Triton specialises on (dtypes, 16-byte pointer alignment, integer values, constexprs, warps,
+stages, device).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class CompiledLaunch:
 
 
 def current_stream(device_index: int) -> int:
-    """The raw CUDA stream handle Triton launches on (what triton's driver itself asks torch for)."""
+    """The raw CUDA stream handle Triton launches on: the call Triton's own driver makes to torch, cheaper
+    than building a torch.cuda.Stream object per launch."""
     return torch._C._cuda_getCurrentRawStream(device_index)
 
 

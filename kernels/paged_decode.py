@@ -1,23 +1,17 @@
 """Triton paged-decode attention: block-table walk, online softmax, split-KV LSE merge, GQA-native.
 
-Stage 1, grid (seq, kv_head, split) or (kv_head, seq, split) (HEADS_FASTEST: the KV heads of one token range
-run side by side): the query heads of one KV head are the rows of one tile; each program walks its split's
-tokens in tiles of BLOCK_N (looked up through the block table, so the tile width is independent of
-block_size), keeps m, l, o in fp32 and rescales by exp2(m_old - m_new). It writes either the final output (one
-split) or a normalised partial output and its log2-sum-exp. The splits are merged by their LSE
-(kernels/split_merge.py) either by a second launch, stage 2, grid (seq, q_head), launched with programmatic
-dependent launch where the config says so; or, when the caller passes a `DecodeWorkspace` (FUSED_MERGE), in
-the same launch: every split program takes a ticket from its (seq, kv_head) counter after its partial is
-written; the one that draws the last ticket merges all splits, in split order (so the result does not depend
-on which program finished last), and sets the counter back to zero for the next launch.
-
-The block ids of a split's first tile load either after seq_len (the split size follows from seq_len: the
-rule that makes a fixed num_splits batch-invariant) or, with EARLY_TABLE, alongside it (the split size
-follows from the table width). Later tiles' ids are loaded a tile ahead by hand or, with TABLE_IN_LOOP, in
-the loop where Triton's pipeliner stages them.
+Stage 1, grid (kv_head, seq, split) (the KV heads of one token range run side by side and read neighbouring
+DRAM rows): the query heads of one KV head are the rows of one tile, so they share each K/V load; each
+program walks its split's tokens in tiles of BLOCK_N looked up through the block table (the tile width is
+independent of block_size), keeps m, l, o in fp32 and rescales by exp2(m_old - m_new). With one split it
+writes the final output. With several it writes a normalised partial output and its log2-sum-exp, and the
+splits are merged by their LSE (kernels/split_merge.py): when the caller passes a `DecodeWorkspace`, in the
+same launch -- every split program takes a ticket from its (seq, kv_head) counter after its partial is
+written, the one that draws the last ticket merges all splits in split order (so the result does not depend
+on which program finished last) and sets the counter back to zero -- else by a second launch, stage 2.
 
 Host side: the first call with a given signature validates the inputs and builds a `_DecodePlan`; later calls
-go straight to the launches (see kernels/launch_cache.py).
+go straight to the launches (kernels/launch_cache.py).
 """
 
 from __future__ import annotations
@@ -27,29 +21,28 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels import l2_hint
-from kernels.dispatch import check_decode_inputs
+from kernels.checks import check_decode_inputs
 from kernels.launch_cache import CachedLauncher, CompiledLaunch, current_stream
 from kernels.split_heuristic import (
-    MAX_FIXED_SPLITS,
+    MAX_SPLITS,
     KernelConfig,
     choose_launch,
-    cp_async_hint,
+    int32_offsets,
     num_sms,
+    split_size,
 )
 from kernels.split_merge import MAX_FUSED_CHUNKS, merge_chunk, merge_group, merge_stage2
 from kernels.workspace import DecodeWorkspace
 
-l2_hint.install()   # Triton 3.6 drops evict_first on cp.async; see kernels/l2_hint.py
-
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30
 
+
 @triton.jit
 def _split_range(seq_len, window, split, num_splits, BLOCK_N: tl.constexpr):
-    """Token range [lo, hi) of this split: the visible range cut into tile-aligned equal pieces."""
+    """Token range [lo, hi) of this split from the sequence's own length (kernels/split_heuristic.py's
+    split_size over the visible range [seq_len - window, seq_len))."""
     vis_lo = tl.maximum(seq_len - window, 0)
     per = tl.cdiv(tl.cdiv(seq_len - vis_lo, num_splits), BLOCK_N) * BLOCK_N
     lo = vis_lo + split * per
@@ -58,31 +51,19 @@ def _split_range(seq_len, window, split, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _index(x, OFFSETS_32: tl.constexpr):
-    """Cache offsets in int32 when the host found every offset of both caches below 2**31 (fewer address
-    instructions per tile), else int64."""
-    if OFFSETS_32:
-        idx = x.to(tl.int32)
-    else:
-        idx = x.to(tl.int64)
-    return idx
+def _block_ids(table_row, pos, limit, BLOCK_SIZE: tl.constexpr, OFFSETS_32: tl.constexpr):
+    """(BN,) physical block of each token position, as the offset type (0 at `pos >= limit`: never read)."""
+    blk = tl.load(table_row + pos // BLOCK_SIZE, mask=pos < limit, other=0)
+    return blk.to(tl.int32) if OFFSETS_32 else blk.to(tl.int64)
 
 
 @triton.jit
-def _load_block_ids(table_row, pos, hi, BLOCK_SIZE: tl.constexpr, OFFSETS_32: tl.constexpr):
-    """(BLOCK_N,) physical block of each token position (0 past `hi`, never dereferenced there)."""
-    return _index(tl.load(table_row + pos // BLOCK_SIZE, mask=pos < hi, other=0), OFFSETS_32)
-
-
-@triton.jit
-def _load_kv_tile(base, blk, pos, valid, offs_d, d_mask, stride_b, stride_t, stride_d,
-                  BLOCK_SIZE: tl.constexpr, OFFSETS_32: tl.constexpr, EVICT: tl.constexpr):
-    """(BLOCK_N, HEAD_DIM_PAD) tile of K or V for token positions `pos` living in blocks `blk`. EVICT is the
-    L2 eviction hint ("" or "evict_first"); plain loads keep it, the cp.async pipeline only where ptxas
-    compiles it correctly (kernels/l2_hint.py)."""
-    tok = _index(pos % BLOCK_SIZE, OFFSETS_32)
+def _kv_tile(base, blk, pos, valid, offs_d, d_mask, stride_b, stride_t, stride_d,
+             BLOCK_SIZE: tl.constexpr):
+    """(BN, DP) tile of K or V for token positions `pos` living in blocks `blk`."""
+    tok = (pos % BLOCK_SIZE).to(blk.dtype)
     offs = blk[:, None] * stride_b + tok[:, None] * stride_t + offs_d[None, :] * stride_d
-    return tl.load(base + offs, mask=valid[:, None] & d_mask[None, :], other=0.0, eviction_policy=EVICT)
+    return tl.load(base + offs, mask=valid[:, None] & d_mask[None, :], other=0.0)
 
 
 @triton.jit
@@ -102,120 +83,87 @@ def _softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.con
 @triton.jit
 def _paged_decode_stage1(
     Q, K, V, BLOCK_TABLES, SEQ_LENS, O_PART, LSE_PART, OUT, TICKETS,
-    qk_scale, window, num_splits, split_tokens, table_tokens,
+    qk_scale, window, num_splits, table_split_tokens, table_tokens,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
-    stride_tb, stride_tn,
-    stride_pb, stride_ph, stride_ps, stride_pd,
-    stride_lb, stride_lh, stride_ls,
-    stride_ob, stride_oh, stride_od,
+    stride_tb, stride_ob, stride_oh, stride_od,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_FINAL: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, DOT_PRECISION: tl.constexpr, TABLE_IN_LOOP: tl.constexpr,
-    HEADS_FASTEST: tl.constexpr, EARLY_TABLE: tl.constexpr, USE_PDL: tl.constexpr, PDL_WAIT: tl.constexpr,
-    MERGE_GROUP_PAD: tl.constexpr, MERGE_BLOCK_S: tl.constexpr, MERGE_CHUNK_S: tl.constexpr,
-    OFFSETS_32: tl.constexpr, REG_PREFETCH: tl.constexpr, EVICT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLITS_FROM_TABLE: tl.constexpr, OFFSETS_32: tl.constexpr,
+    MERGE: tl.constexpr, MERGE_GROUP_PAD: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
+    MERGE_CHUNK_S: tl.constexpr,
 ):
-    if PDL_WAIT:
-        gdc_wait()   # launched early (PDL): wait for the kernel before us (q, new K/V) and its writes
-    if USE_PDL:
-        gdc_launch_dependents()              # stage 2 may start launching now; it waits for our writes itself
-    if HEADS_FASTEST:  # grid (Hkv, B, S): the KV heads of one token range run side by side (same DRAM rows)
-        kvh = tl.program_id(0)
-        seq = tl.program_id(1)
-        num_kv_heads = tl.num_programs(0)
-    else:              # grid (B, Hkv, S)
-        seq = tl.program_id(0)
-        kvh = tl.program_id(1)
-        num_kv_heads = tl.num_programs(1)
+    # MERGE: 0 = one split (write the output), 1 = write partials (stage 2 merges), 2 = merge in this launch
+    kvh = tl.program_id(0)
+    seq = tl.program_id(1)
     split = tl.program_id(2)
+    num_kv_heads = tl.num_programs(0)
     offs_n = tl.arange(0, BLOCK_N)                                      # (BN,)
     table_row = BLOCK_TABLES + seq.to(tl.int64) * stride_tb
-    if EARLY_TABLE:
-        # the host fixed the split size (heuristic mode, no window), so this split's first block ids load
-        # alongside seq_len rather than after it; entries past seq_len are never dereferenced
-        lo = split * split_tokens
-        blk = _load_block_ids(table_row, lo + offs_n, table_tokens, BLOCK_SIZE, OFFSETS_32)
+
+    # -- this split's token range, and the block ids of its first tile
+    if SPLITS_FROM_TABLE:
+        # the split size follows from the table width, so these block ids load alongside seq_len rather
+        # than after it; entries past seq_len are never dereferenced
+        lo = split * table_split_tokens
+        blk = _block_ids(table_row, lo + offs_n, table_tokens, BLOCK_SIZE, OFFSETS_32)
         seq_len = tl.load(SEQ_LENS + seq).to(tl.int32)
-        hi = tl.minimum(lo + split_tokens, seq_len)
+        hi = tl.minimum(lo + table_split_tokens, seq_len)
     else:
         seq_len = tl.load(SEQ_LENS + seq).to(tl.int32)
         lo, hi = _split_range(seq_len, window, split, num_splits, BLOCK_N)
-        if not TABLE_IN_LOOP:
-            blk = _load_block_ids(table_row, lo + offs_n, hi, BLOCK_SIZE, OFFSETS_32)  # (BN,) 1st tile's
+        blk = _block_ids(table_row, lo + offs_n, hi, BLOCK_SIZE, OFFSETS_32)
 
-    offs_g = tl.arange(0, GROUP_PAD)                                    # (GP,) query rows of this KV head
-    offs_d = tl.arange(0, HEAD_DIM_PAD)                                 # (DP,)
+    # -- the query rows of this KV head: (GP, DP)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
     heads = kvh * GROUP + offs_g
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
     q = tl.load(Q + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)     # (GP, DP)
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     k_base = K + kvh.to(tl.int64) * stride_kh
     v_base = V + kvh.to(tl.int64) * stride_vh
 
+    # -- the tile loop: online softmax over [lo, hi)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)              # running max (log2 units)
     l_i = tl.zeros([GROUP_PAD], tl.float32)                             # running sum
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)               # unnormalised output
-    if REG_PREFETCH:
-        # plain loads, one tile ahead into registers: the next tile's K/V are in flight during this tile's
-        # math, and unlike the cp.async pipeline they keep EVICT (evict_first streams the KV through L2
-        # without pushing out lines that are there already, e.g. dirty ones that would need a write-back)
-        k = _load_kv_tile(k_base, blk, lo + offs_n, lo + offs_n < hi, offs_d, d_mask, stride_kb, stride_kt,
-                          stride_kd, BLOCK_SIZE, OFFSETS_32, EVICT)     # (BN, DP)
-        v = _load_kv_tile(v_base, blk, lo + offs_n, lo + offs_n < hi, offs_d, d_mask, stride_vb, stride_vt,
-                          stride_vd, BLOCK_SIZE, OFFSETS_32, EVICT)     # (BN, DP)
-        blk = _load_block_ids(table_row, lo + BLOCK_N + offs_n, hi, BLOCK_SIZE, OFFSETS_32)
-        for start in range(lo, hi, BLOCK_N):
-            nxt = start + BLOCK_N + offs_n
-            k_next = _load_kv_tile(k_base, blk, nxt, nxt < hi, offs_d, d_mask, stride_kb, stride_kt,
-                                   stride_kd, BLOCK_SIZE, OFFSETS_32, EVICT)
-            v_next = _load_kv_tile(v_base, blk, nxt, nxt < hi, offs_d, d_mask, stride_vb, stride_vt,
-                                   stride_vd, BLOCK_SIZE, OFFSETS_32, EVICT)
-            blk = _load_block_ids(table_row, nxt + BLOCK_N, hi, BLOCK_SIZE, OFFSETS_32)
-            m_i, l_i, acc = _softmax_step(q, k, v, start + offs_n < hi, m_i, l_i, acc, qk_scale,
-                                          DOT_PRECISION)
-            k, v = k_next, v_next
-    else:
-        for start in range(lo, hi, BLOCK_N):
-            pos = start + offs_n
-            valid = pos < hi
-            if TABLE_IN_LOOP:
-                # block ids from the tile index: the pipeliner can stage this load ahead of the K/V copies
-                blk = _load_block_ids(table_row, pos, hi, BLOCK_SIZE, OFFSETS_32)
-            # K and V of this tile are both in flight before any math
-            k = _load_kv_tile(k_base, blk, pos, valid, offs_d, d_mask, stride_kb, stride_kt, stride_kd,
-                              BLOCK_SIZE, OFFSETS_32, EVICT)            # (BN, DP)
-            v = _load_kv_tile(v_base, blk, pos, valid, offs_d, d_mask, stride_vb, stride_vt, stride_vd,
-                              BLOCK_SIZE, OFFSETS_32, EVICT)            # (BN, DP)
-            if not TABLE_IN_LOOP:
-                blk = _load_block_ids(table_row, pos + BLOCK_N, hi, BLOCK_SIZE, OFFSETS_32)   # next tile's
-            m_i, l_i, acc = _softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        valid = pos < hi
+        k = _kv_tile(k_base, blk, pos, valid, offs_d, d_mask, stride_kb, stride_kt, stride_kd, BLOCK_SIZE)
+        v = _kv_tile(v_base, blk, pos, valid, offs_d, d_mask, stride_vb, stride_vt, stride_vd, BLOCK_SIZE)
+        blk = _block_ids(table_row, pos + BLOCK_N, hi, BLOCK_SIZE, OFFSETS_32)     # the next tile's
+        m_i, l_i, acc = _softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
+    # -- the output, or this split's partial and its LSE
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]                          # empty split / seq_len 0 -> zeros
     row_mask = g_mask[:, None] & d_mask[None, :]
-    if WRITE_FINAL:
+    if MERGE == 0:
         out_ptrs = OUT + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
         tl.store(out_ptrs, o.to(OUT.dtype.element_ty), mask=row_mask)
     else:
-        p_ptrs = (O_PART + seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps
-                  + offs_d[None, :] * stride_pd)
+        # partials are ours and contiguous: o (B, Hq, S, D), lse (B, Hq, S)
+        hq = num_kv_heads * GROUP
+        seq_part = O_PART + seq.to(tl.int64) * hq * num_splits * HEAD_DIM
+        seq_lse = LSE_PART + seq.to(tl.int64) * hq * num_splits
+        p_ptrs = seq_part + heads[:, None] * (num_splits * HEAD_DIM) + split * HEAD_DIM + offs_d[None, :]
         tl.store(p_ptrs, o, mask=row_mask)
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(LSE_PART + seq * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=g_mask)
-        if FUSED_MERGE:
+        tl.store(seq_lse + heads * num_splits + split, lse, mask=g_mask)
+        if MERGE == 2:
             # every thread's partial stores are done (barrier) before the release of the ticket; the
             # acquire of the last ticket orders the merge's loads after all other splits' releases
             tl.debug_barrier()
             counter = TICKETS + seq * num_kv_heads + kvh
             ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if ticket == num_splits - 1:
-                merge_group(O_PART + seq * stride_pb, LSE_PART + seq * stride_lb, OUT + seq * stride_ob,
-                             kvh * GROUP, GROUP, num_splits, stride_ph, stride_ps, stride_pd, stride_lh,
-                             stride_ls, stride_oh, stride_od, offs_d, d_mask, MERGE_GROUP_PAD, HEAD_DIM_PAD,
-                             MERGE_BLOCK_S, MERGE_CHUNK_S)
+                merge_group(seq_part, seq_lse, OUT + seq * stride_ob, kvh * GROUP, GROUP, num_splits,
+                            num_splits * HEAD_DIM, HEAD_DIM, 1, num_splits, 1, stride_oh, stride_od,
+                            offs_d, d_mask, MERGE_GROUP_PAD, HEAD_DIM_PAD, MERGE_BLOCK_S, MERGE_CHUNK_S)
                 tl.store(counter, 0)         # every ticket drawn: back to zero for the next launch
 
 
@@ -223,57 +171,40 @@ _stage1 = CachedLauncher(_paged_decode_stage1, num_tensors=9)
 
 
 class _DecodePlan:
-    """Everything about one call signature that does not depend on the data: grids, split count, tile config,
-    strides, constexprs, and (after the first call) the bound compiled kernels. A call then costs two tensor
-    allocations and one or two direct launches. q (B, Hq, D); caches (N, bs, Hkv, D); out (B, Hq, D)."""
+    """Everything about one call signature that does not depend on the data: grid, split count, tile config,
+    strides, constexprs, and (after the first call) the bound compiled kernels. A call then costs one
+    partial-buffer allocation and one or two direct launches. q (B, Hq, D); caches (N, bs, Hkv, D)."""
 
-    def __init__(self, q, k_cache, v_cache, block_tables, out, scale, window, num_splits, cfg: KernelConfig,
-                 fused_merge: bool, free_split_rule: bool):
+    def __init__(self, q, k_cache, v_cache, block_tables, out, scale, window, num_splits,
+                 cfg: KernelConfig, with_workspace: bool, splits_from_table: bool):
         bsz, hq, d = q.shape
         hkv, block_size = k_cache.shape[2], k_cache.shape[1]
         self.bsz, self.hkv, self.d = bsz, hkv, d
-        self.pairs = bsz * hkv                              # (sequence, KV head) counters a fused merge uses
+        self.pairs = bsz * hkv                              # (sequence, KV head) counters a merge uses
         self.device_index = q.get_device()
-        self.one = num_splits == 1
-        # early table: split size from the table width, not seq_len -- only where no caller relies on the
-        # seq_len rule (heuristic split count, one split, or an explicit config) and there is no window
-        early = (cfg.early_table and not cfg.table_in_loop and window == NO_WINDOW
-                 and (free_split_rule or self.one))
-        table_tokens = block_tables.shape[1] * block_size
-        split_tokens = triton.cdiv(triton.cdiv(table_tokens, num_splits), cfg.block_n) * cfg.block_n
-        out_strides = out.stride() if out is not None else (hq * d, d, 1)         # ours are contiguous
         d_pad = triton.next_power_of_2(d)
         block_s = triton.next_power_of_2(num_splits)
         group_pad = triton.next_power_of_2(hq // hkv)
         chunk1 = merge_chunk(block_s, group_pad * d_pad)                         # in-launch: GROUP heads
-        chunk2 = merge_chunk(block_s, d_pad)                                     # stage 2: one head
-        self.fused = fused_merge and not self.one and block_s // chunk1 <= MAX_FUSED_CHUNKS
-        pdl = cfg.pdl and q.is_cuda and not (self.one or self.fused)
-        pdl_wait = cfg.pdl_wait and q.is_cuda
-        self.kw1 = dict(GROUP=hq // hkv, GROUP_PAD=max(16, group_pad), HEAD_DIM=d,
-                        HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n,
-                        WRITE_FINAL=self.one, FUSED_MERGE=self.fused,
+        self.merge = 0 if num_splits == 1 else (
+            2 if with_workspace and block_s // chunk1 <= MAX_FUSED_CHUNKS else 1)
+        table_tokens = block_tables.shape[1] * block_size
+        out_strides = out.stride() if out is not None else (hq * d, d, 1)         # ours are contiguous
+        self.kw1 = dict(GROUP=hq // hkv, GROUP_PAD=max(16, group_pad), HEAD_DIM=d, HEAD_DIM_PAD=d_pad,
+                        BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n,
                         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                        TABLE_IN_LOOP=cfg.table_in_loop, HEADS_FASTEST=cfg.heads_fastest,
-                        EARLY_TABLE=early, USE_PDL=pdl, PDL_WAIT=pdl_wait, MERGE_GROUP_PAD=group_pad,
-                        MERGE_BLOCK_S=block_s, MERGE_CHUNK_S=chunk1,
-                        OFFSETS_32=cfg.offsets_32 and _offsets_fit_int32(k_cache, v_cache),
-                        REG_PREFETCH=cfg.reg_prefetch and not cfg.table_in_loop,
-                        EVICT="evict_first" if cfg.evict_first else "",
-                        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                        **({"launch_pdl": True} if pdl_wait else {}))
-        self.kw2 = dict(HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_S=block_s, CHUNK_S=chunk2,
-                        USE_PDL=pdl,
-                        num_warps=4, num_stages=1, **({"launch_pdl": True} if pdl else {}))
-        # partial buffers, one fp32 allocation: o (B, Hq, S, D) then lse (B, Hq, S); contiguous strides
-        self.part_numel = bsz * hq * num_splits * d
-        p_strides = (hq * num_splits * d, num_splits * d, d, 1) if not self.one else (0, 0, 0, 0)
-        l_strides = (hq * num_splits, num_splits, 1) if not self.one else (0, 0, 0)
-        self.ints1 = (scale * LOG2E, window, num_splits, split_tokens, table_tokens, *q.stride(),
-                      *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *p_strides, *l_strides,
-                      *out_strides)
-        self.ints2 = (num_splits, *p_strides, *l_strides, *out_strides)
-        self.grid1 = (hkv, bsz, num_splits) if cfg.heads_fastest else (bsz, hkv, num_splits)
+                        SPLITS_FROM_TABLE=(splits_from_table or num_splits == 1) and window == NO_WINDOW,
+                        OFFSETS_32=int32_offsets(block_size, num_splits) and _fits_int32(k_cache, v_cache),
+                        MERGE=self.merge, MERGE_GROUP_PAD=group_pad, MERGE_BLOCK_S=block_s,
+                        MERGE_CHUNK_S=chunk1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        self.kw2 = dict(HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_S=block_s, CHUNK_S=merge_chunk(block_s, d_pad),
+                        num_warps=4, num_stages=1)
+        self.part_numel = bsz * hq * num_splits * d          # o (B, Hq, S, D) then lse (B, Hq, S), fp32
+        self.ints1 = (scale * LOG2E, window, num_splits, split_size(table_tokens, num_splits, cfg.block_n),
+                      table_tokens, *q.stride(), *k_cache.stride(), *v_cache.stride(),
+                      block_tables.stride(0), *out_strides)
+        self.ints2 = (num_splits, hq, *out_strides)
+        self.grid1 = (hkv, bsz, num_splits)
         self.grid2 = (bsz, hq, 1)
         self.bound = None                                   # (stage-1, stage-2) CompiledLaunch once compiled
 
@@ -282,10 +213,10 @@ class _DecodePlan:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self.bsz == 0:
             return out
-        work = None if self.one else torch.empty(self.part_numel + self.part_numel // self.d,
-                                                 device=q.device, dtype=torch.float32)
-        tickets = out                                       # a placeholder pointer unless fused
-        if self.fused:
+        work = None if self.merge == 0 else torch.empty(self.part_numel + self.part_numel // self.d,
+                                                        device=q.device, dtype=torch.float32)
+        tickets = out                                       # a placeholder pointer unless merged in-launch
+        if self.merge == 2:
             if workspace.capacity < self.pairs or workspace.device_index != self.device_index:
                 workspace.check(q, self.hkv)
             tickets = workspace.tickets
@@ -311,7 +242,7 @@ class _DecodePlan:
         args1 = (q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, out, tickets, *self.ints1)
         bound1 = _stage1(self.grid1, *args1, **self.kw1)
         bound2 = None
-        if not (self.one or self.fused):
+        if self.merge == 1:
             bound2 = merge_stage2(self.grid2[:2], o_part, lse_part, out, *self.ints2, **self.kw2)
         if isinstance(bound1, CompiledLaunch):
             self.tail1 = _stage1.tail(len(args1), self.kw1)
@@ -320,7 +251,7 @@ class _DecodePlan:
         return out
 
 
-def _offsets_fit_int32(*caches) -> bool:
+def _fits_int32(*caches) -> bool:
     """Whether every element offset of each cache from its base (its largest: sum of (size - 1) * stride; the
     kernel adds a head's offset to the 64-bit base pointer first) stays below 2**31."""
     return all(sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True) if n > 0) < 2**31
@@ -339,30 +270,17 @@ def _signature(*tensors) -> tuple:
 
 
 def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, sliding_window, num_splits, workspace):
-    check_decode_inputs("triton", q, k_cache, v_cache, out)
-    bsz, hq, d = q.shape
-    nb, block_size, hkv, dk = k_cache.shape
-    if hq % hkv or dk != d or v_cache.shape != k_cache.shape:
-        raise ValueError(f"bad shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
-                         f"v_cache {tuple(v_cache.shape)} (need Hq % Hkv == 0, same head_dim)")
-    if block_tables.dim() != 2 or block_tables.shape[0] != bsz or seq_lens.shape != (bsz,):
-        raise ValueError("block_tables must be (B, max_blocks) and seq_lens (B,)")
-    ints = (torch.int32, torch.int64)
-    if block_tables.dtype not in ints or seq_lens.dtype not in ints:
-        raise ValueError("block_tables and seq_lens must be int32 or int64")
-    if seq_lens.stride() != (1,) and bsz > 1:
+    check_decode_inputs("triton", q, k_cache, v_cache, block_tables, seq_lens, out)
+    if seq_lens.stride() != (1,) and q.shape[0] > 1:
         raise ValueError("seq_lens must be contiguous")
-    devices = {t.device for t in (q, k_cache, v_cache, block_tables, seq_lens)}
-    if len(devices) != 1:
-        raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
-    if num_splits is not None and not 1 <= int(num_splits) <= MAX_FIXED_SPLITS:
-        raise ValueError(f"num_splits must be in 1..{MAX_FIXED_SPLITS} or None, got {num_splits}")
+    if num_splits is not None and not 1 <= int(num_splits) <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in 1..{MAX_SPLITS} or None, got {num_splits}")
     if workspace is not None:
         if not isinstance(workspace, DecodeWorkspace):
             raise ValueError(f"workspace must be a kernels.DecodeWorkspace or None, got {type(workspace)}")
-        workspace.check(q, hkv)
+        workspace.check(q, k_cache.shape[2])
 
 
 def _make_plan(q, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_window, num_splits, config,
@@ -370,13 +288,14 @@ def _make_plan(q, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, sliding_window, num_splits, workspace)
     d, block_size, hkv = q.shape[-1], k_cache.shape[1], k_cache.shape[2]
     window = NO_WINDOW if sliding_window is None else int(sliding_window)
-    free_split_rule = num_splits is None or config is not None  # batch invariance only for fixed splits
+    # a fixed split count promises batch invariance: its split size follows the sequence's own length
+    splits_from_table = (num_splits is None or config is not None) and window == NO_WINDOW
     max_len = min(block_tables.shape[1] * block_size, window)
-    cfg, num_splits = choose_launch(q.device, q.shape[0], hkv, max_len, d, q.element_size(), block_size,
-                                    num_sms(q.device), cp_async_hint(q.device), num_splits, config)
+    cfg, num_splits = choose_launch(q.device, q.shape[0], hkv, max_len, d, q.element_size(),
+                                    num_sms(q.device), num_splits, config)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     return _DecodePlan(q, k_cache, v_cache, block_tables, out, scale, window, num_splits, cfg,
-                       workspace is not None, free_split_rule)
+                       workspace is not None, splits_from_table)
 
 
 def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale=None,
@@ -385,7 +304,8 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     """Checked public wrapper: returns out (B, Hq, D). The first call with a given signature validates the
     inputs and builds a plan; later calls with the same signature go straight to the launches.
     workspace: a kernels.DecodeWorkspace; with one, the last split program of each (sequence, KV head)
-    merges the splits inside the stage-1 launch (one launch), without one a stage-2 launch merges them."""
+    merges the splits inside the stage-1 launch (one launch), without one a stage-2 launch merges them.
+    config: a KernelConfig to use instead of the table's (benchmarks and tests)."""
     key = (_signature(q, k_cache, v_cache, block_tables, seq_lens, out), scale, sliding_window, num_splits,
            config, workspace is not None)
     plan = _PLANS.get(key)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from kernels.launch_cache import CachedLauncher
 
@@ -64,21 +63,16 @@ def merge_group(o_part, lse_part, out, first_head, num_heads, num_splits, stride
 
 @triton.jit
 def _paged_decode_stage2(
-    O_PART, LSE_PART, OUT, num_splits,
-    stride_pb, stride_ph, stride_ps, stride_pd,
-    stride_lb, stride_lh, stride_ls,
-    stride_ob, stride_oh, stride_od,
+    O_PART, LSE_PART, OUT, num_splits, num_q_heads, stride_ob, stride_oh, stride_od,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:
-        gdc_wait()                           # launched early (PDL): wait until stage 1's partials are visible
-    seq = tl.program_id(0)
+    """Grid (seq, q_head): one query head's splits; partials contiguous, o (B, Hq, S, D), lse (B, Hq, S)."""
+    seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    merge_group(O_PART + seq * stride_pb, LSE_PART + seq * stride_lb, OUT + seq * stride_ob, head, 1,
-                 num_splits, stride_ph, stride_ps, stride_pd, stride_lh, stride_ls, stride_oh, stride_od,
-                 offs_d, offs_d < HEAD_DIM, 1, HEAD_DIM_PAD, BLOCK_S, CHUNK_S)
+    merge_group(O_PART + seq * num_q_heads * num_splits * HEAD_DIM, LSE_PART + seq * num_q_heads * num_splits,
+                OUT + seq * stride_ob, head, 1, num_splits, num_splits * HEAD_DIM, HEAD_DIM, 1, num_splits, 1,
+                stride_oh, stride_od, offs_d, offs_d < HEAD_DIM, 1, HEAD_DIM_PAD, BLOCK_S, CHUNK_S)
 
 
 merge_stage2 = CachedLauncher(_paged_decode_stage2, num_tensors=3)

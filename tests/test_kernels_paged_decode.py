@@ -100,7 +100,7 @@ def test_unsupported_inputs_raise(dtype, d, match):
 
 def test_bad_arguments_raise():
     case = make_paged_case([4], 6, 4, 32, 4)
-    with pytest.raises(ValueError, match="multiple"):
+    with pytest.raises(ValueError, match="Hq % Hkv"):
         kernels.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
                                        case.seq_lens, backend="torch")
     case = make_paged_case([4], 4, 2, 32, 4)
@@ -152,60 +152,34 @@ def test_workspace_through_the_public_call_and_its_errors():
                                out, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("row", [0, 2, 5, 9])
-def test_table_in_loop_variant_matches_reference(row):
-    """Block ids loaded inside the tile loop (instead of a tile ahead by hand) over grid rows with empty
-    splits, windows, ragged lengths and several tiles per split."""
+@pytest.mark.parametrize("bs,splits", [(16, 1), (16, 3), (4, 1)])
+def test_offset_width_follows_the_rule_and_both_widths_match_reference(bs, splits):
+    """One split over blocks of 8+ tokens computes cache offsets in int64 (the path caches of 2**31+ elements
+    take too), tiny blocks and splits in int32; both are exact."""
     from kernels.paged_decode import paged_decode_attention_triton
-    lens, hq, hkv, d, bs, splits, dtype, win, strided = GRID[row]
-    case = make_paged_case(lens, hq, hkv, d, bs, dtype=dtype, seed=row, strided=strided)
+    from kernels.split_heuristic import int32_offsets
+    case = make_paged_case([1, 70, 300], 8, 2, 32, bs, dtype=torch.float32, seed=bs + splits)
     out = torch.full_like(case.q, float("nan"))
+    cfg = KernelConfig(32, 4, 1)
     paged_decode_attention_triton(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
-                                  num_splits=splits, sliding_window=win, out=out,
-                                  config=KernelConfig(16, 4, 1, table_in_loop=True))
-    assert rel_error(out, reference_fp64(case, sliding_window=win)) <= TOLERANCE[dtype]
+                                  num_splits=splits, out=out, config=cfg)
+    assert rel_error(out, reference_fp64(case)) <= TOLERANCE[torch.float32]
+    assert _last_plan().kw1["OFFSETS_32"] == int32_offsets(bs, splits)
 
 
-@pytest.mark.parametrize("row", [2, 5, 8])
-def test_int64_offsets_variant_matches_reference(row):
-    """With offsets_32 off the cache offsets are int64 (the path for caches of 2**31+ elements; every other
-    CPU test takes int32 offsets, which small caches allow)."""
-    from kernels.paged_decode import _PLANS, paged_decode_attention_triton
-    lens, hq, hkv, d, bs, splits, dtype, win, strided = GRID[row]
-    case = make_paged_case(lens, hq, hkv, d, bs, dtype=dtype, seed=row, strided=strided)
-    out = torch.full_like(case.q, float("nan"))
-    cfg = KernelConfig(32, 4, 1, offsets_32=False)
-    paged_decode_attention_triton(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
-                                  num_splits=splits, sliding_window=win, out=out, config=cfg)
-    assert rel_error(out, reference_fp64(case, sliding_window=win)) <= TOLERANCE[dtype]
-    assert {p.kw1["OFFSETS_32"] for k, p in _PLANS.items() if k[4] == cfg} == {False}
-
-
-@pytest.mark.parametrize("row", [0, 2, 5, 7])
-def test_register_prefetch_variant_matches_reference(row):
-    """Plain loads one tile ahead into registers with the evict-first hint, over rows with empty splits,
-    windows, ragged lengths and several tiles a split; with and without a workspace."""
-    from kernels.paged_decode import paged_decode_attention_triton
-    lens, hq, hkv, d, bs, splits, dtype, win, strided = GRID[row]
-    case = make_paged_case(lens, hq, hkv, d, bs, dtype=dtype, seed=row, strided=strided)
-    ws = kernels.DecodeWorkspace(len(lens), hkv, "cpu")
-    for workspace in (None, ws):
-        out = torch.full_like(case.q, float("nan"))
-        paged_decode_attention_triton(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
-                                      num_splits=splits, sliding_window=win, out=out, workspace=workspace,
-                                      config=KernelConfig(16, 4, 1, reg_prefetch=True, evict_first=True))
-        assert rel_error(out, reference_fp64(case, sliding_window=win)) <= TOLERANCE[dtype]
-    assert ws.idle()
+def _last_plan():
+    from kernels import paged_decode
+    return list(paged_decode._PLANS.values())[-1]
 
 
 def test_int32_offsets_only_where_every_cache_offset_fits():
-    from kernels.paged_decode import _offsets_fit_int32
+    from kernels.paged_decode import _fits_int32
     meta = torch.empty(0, device="meta")
     fits = meta.new_empty((2**31 // 2048, 16, 1, 128))            # largest offset 2**31 - 1
     over = meta.new_empty((2**31 // 2048 + 1, 16, 1, 128))        # one block more
-    assert _offsets_fit_int32(fits, fits) and not _offsets_fit_int32(fits, over)
+    assert _fits_int32(fits, fits) and not _fits_int32(fits, over)
     gaps = meta.new_empty((4, 16, 8, 128)).as_strided((4, 16, 8, 128), (2**30, 1024, 128, 1))
-    assert not _offsets_fit_int32(gaps)                           # 3 * 2**30 + ...: strides count, not numel
+    assert not _fits_int32(gaps)                           # 3 * 2**30 + ...: strides count, not numel
 
 
 def test_plans_are_per_signature_and_see_new_data():
@@ -228,19 +202,19 @@ def test_plans_are_per_signature_and_see_new_data():
     assert len(paged_decode._PLANS) == before + 2
 
 
-@pytest.mark.parametrize("splits,heads_fastest", [(None, False), (1, True), (4, False), (7, True)])
-def test_early_table_and_grid_order_variants(splits, heads_fastest):
-    """Split size from the table width (first block ids loaded alongside seq_len) and the (Hkv, B, S) grid:
-    ragged lengths leave some splits empty, entries past a sequence's end hold -1 and must not be read."""
+@pytest.mark.parametrize("splits", [None, 1, 4, 7])
+def test_split_size_from_the_table_or_from_seq_len(splits):
+    """The heuristic's split count (None) and one split take the split size from the table width (the first
+    block ids load alongside seq_len); a fixed count takes it from each sequence's length (batch invariance).
+    Ragged lengths leave some splits empty, and entries past a sequence's end hold -1 and must not be read."""
     from kernels import paged_decode
     case = make_paged_case([0, 1, 130, 517, 64], 8, 2, 32, 4, seed=21)
     out = torch.full_like(case.q, float("nan"))
-    cfg = KernelConfig(16, 4, 1, heads_fastest=heads_fastest, early_table=True)
     paged_decode.paged_decode_attention_triton(case.q, case.k_cache, case.v_cache, case.block_tables,
-                                               case.seq_lens, num_splits=splits, out=out, config=cfg)
-    plan = list(paged_decode._PLANS.values())[-1]
-    assert plan.kw1["EARLY_TABLE"] and plan.kw1["HEADS_FASTEST"] == heads_fastest
-    assert plan.grid1[0] == (2 if heads_fastest else 5)
+                                               case.seq_lens, num_splits=splits, out=out)
+    plan = _last_plan()
+    assert plan.kw1["SPLITS_FROM_TABLE"] == (splits in (None, 1))
+    assert plan.grid1[:2] == (2, 5)                                 # (Hkv, B, S): KV heads fastest
     assert rel_error(out, reference_fp64(case)) <= 1e-5
     assert torch.equal(out[0], torch.zeros_like(out[0]))
 

@@ -3,7 +3,14 @@
 import pytest
 import torch
 
-from kernels.split_heuristic import KernelConfig, choose_config, choose_launch, choose_num_splits
+from kernels.split_heuristic import (
+    KernelConfig,
+    choose_config,
+    choose_launch,
+    choose_num_splits,
+    int32_offsets,
+    split_size,
+)
 
 
 @pytest.mark.parametrize("batch,ctx,want", [(1, 4096, 16), (1, 32768, 27), (1, 16384, 26), (2, 32768, 16),
@@ -24,49 +31,32 @@ def test_no_split_is_empty_and_one_wave_at_most(batch, ctx):
     assert splits == 1 or batch * 8 * splits <= 2 * 132
 
 
-def test_config_table_by_block_size_splits_and_dtype():
+def test_config_table_by_splits_head_dim_and_dtype():
     cuda = torch.device("cuda")
-    assert choose_config(cuda, 128, 2, 16, 1) == KernelConfig(64, 4, 2, heads_fastest=True, early_table=True,
-                                                              offsets_32=False)
-    assert choose_config(cuda, 128, 2, 16, 8).pdl and choose_config(cuda, 128, 2, 16, 8).num_stages == 3
-    assert choose_config(cuda, 128, 2, 16, 8).offsets_32                      # int32 offsets with splits
-    assert choose_config(cuda, 128, 2, 1, 1).offsets_32                       # and for tiny blocks
-    assert choose_config(cuda, 128, 2, 1, 8).table_in_loop
-    assert choose_config(cuda, 128, 4, 16, 1).block_n == 32                   # fp32: half the tile
-    assert choose_config(torch.device("cpu"), 128) == KernelConfig(32, 4, 1)  # interpreter
+    assert choose_config(cuda, 128, 2, 1) == KernelConfig(64, 4, 2)
+    assert choose_config(cuda, 128, 2, 8) == KernelConfig(64, 4, 3)               # a deeper pipeline
+    assert choose_config(cuda, 256, 2, 1) == KernelConfig(32, 4, 2)               # head_dim 256
+    assert choose_config(cuda, 128, 4, 1).block_n == 32                           # fp32: half the tile
+    assert choose_config(torch.device("cpu"), 128) == KernelConfig(32, 4, 1)      # interpreter
 
 
-@pytest.mark.parametrize("batch,ctx,want", [(1, 32768, 32), (1, 16384, 32), (1, 4096, 16), (2, 32768, 16),
-                                            (16, 4096, 2), (64, 2048, 1)])
-def test_h200_picks_where_cp_async_loses_the_hint(batch, ctx, want):
-    """Register prefetch (what such a toolchain streams few long sequences with) wants one full wave even
-    for a single sequence (run 34); several sequences are unchanged."""
-    assert choose_num_splits(batch, 8, ctx, 132, cp_async_hint=False) == want
+def test_int32_offsets_for_tiny_blocks_and_splits_only():
+    assert int32_offsets(1, 1) and int32_offsets(4, 1) and int32_offsets(16, 8)
+    assert not int32_offsets(16, 1) and not int32_offsets(128, 1)
 
 
-def test_register_prefetch_only_at_many_splits_and_only_without_the_cp_async_hint():
-    cuda = torch.device("cuda")
-    assert choose_config(cuda, 128, 2, 16, 32, cp_async_hint=False).reg_prefetch
-    assert choose_config(cuda, 128, 2, 16, 32, cp_async_hint=False).evict_first
-    assert not choose_config(cuda, 128, 2, 16, 32, cp_async_hint=True).reg_prefetch
-    assert not choose_config(cuda, 128, 2, 16, 16, cp_async_hint=False).reg_prefetch   # (2, 32768)
-    assert not choose_config(cuda, 128, 2, 16, 1, cp_async_hint=False).reg_prefetch
-    assert not choose_config(cuda, 128, 2, 1, 32, cp_async_hint=False).reg_prefetch    # tiny blocks
-    assert choose_config(cuda, 128, 4, 16, 32, cp_async_hint=False).block_n == 32      # fp32: half the tile
-
-
-def test_interpreter_keeps_the_hinted_picks():
-    from kernels.split_heuristic import cp_async_hint
-    assert cp_async_hint(torch.device("cpu"))
+@pytest.mark.parametrize("tokens,splits,block_n", [(1, 1, 64), (4096, 16, 64), (32768, 27, 64), (100, 3, 32)])
+def test_split_size_covers_the_range_in_whole_tiles(tokens, splits, block_n):
+    per = split_size(tokens, splits, block_n)
+    assert per % block_n == 0 and per * splits >= tokens and (per - block_n) * splits < tokens
 
 
 def test_choose_launch_takes_the_heuristic_for_what_the_caller_left_open():
     cuda = torch.device("cuda")
-    for hint in (True, False):
-        cfg, splits = choose_launch(cuda, 1, 8, 32768, 128, 2, 16, 132, hint)
-        assert splits == choose_num_splits(1, 8, 32768, 132, cp_async_hint=hint)
-        assert cfg == choose_config(cuda, 128, 2, 16, splits, cp_async_hint=hint)
-    one_split = choose_launch(cuda, 1, 8, 32768, 80, 2, 16, 132, True, num_splits=1)   # head_dim 80 -> 128
+    cfg, splits = choose_launch(cuda, 1, 8, 32768, 128, 2, 132)
+    assert splits == choose_num_splits(1, 8, 32768, 132)
+    assert cfg == choose_config(cuda, 128, 2, splits)
+    one_split = choose_launch(cuda, 1, 8, 32768, 80, 2, 132, num_splits=1)       # head_dim 80 -> 128
     assert one_split == (choose_config(cuda, 128), 1)
     fixed = KernelConfig(32, 4, 2)
-    assert choose_launch(cuda, 64, 8, 8192, 128, 2, 16, 132, True, config=fixed) == (fixed, 1)
+    assert choose_launch(cuda, 64, 8, 8192, 128, 2, 132, config=fixed) == (fixed, 1)
