@@ -1,0 +1,195 @@
+"""The playground page in headless Chromium (the system's package, driven by Playwright) against a real
+`pagewalk serve` (uvicorn) of the tiny preset: it loads cleanly, streams a prompt, and its block map shows
+used blocks while a request runs, shared blocks for two requests with a common prefix, and none after.
+
+Skipped, with the reason, when Playwright or a Chromium binary is missing; `.ci/run` installs both.
+PLAYGROUND_SCREENSHOT=docs/playground.png writes the README's screenshot there (default: a temp dir).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+REPO = Path(__file__).resolve().parents[1]
+BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+# As root, in a sandbox with no network: no sandboxing, no GPU, none of the background fetches
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+PREFIX = "Paged attention keeps each sequence's keys and values in fixed blocks; "  # > 4 blocks of 16 bytes
+FREE_RGB = (0x26, 0x2C, 0x37)  # COLOURS.free in kvmap.js
+
+
+def find_browser() -> str | None:
+    found = [p for name in BROWSERS if (p := shutil.which(name))]
+    return found[0] if found else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path_factory.mktemp("playground") / "server.log"
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--device", "cpu",
+           "--attention-backend", "torch", "--num-blocks", "160", "--max-num-seqs", "8"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"server exited early:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"server not healthy in 120 s:\n{log.read_text()}"
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    sync_api = pytest.importorskip("playwright.sync_api",
+                                   reason="Playwright is not installed (.ci/run installs it)")
+    path = find_browser()
+    if path is None:
+        pytest.skip(f"no Chromium binary on PATH (looked for {', '.join(BROWSERS)}); "
+                    ".ci/run installs Debian's chromium")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=path, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser, server):
+    context = browser.new_context(viewport={"width": 1280, "height": 860})
+    pg = context.new_page()
+    problems: list[str] = []
+    pg.on("console", lambda m: problems.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
+    pg.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+    pg.goto(server)
+    pg.wait_for_selector("#kv-status:text-is('live')", timeout=15_000)
+    pg.problems = problems
+    yield pg
+    context.close()
+
+
+def count(pg, name: str) -> int:
+    return int(pg.inner_text(f"#kv-{name}"))
+
+
+def wait_count(pg, name: str, op: str, value: int, timeout_ms: int = 30_000) -> None:
+    pg.wait_for_function(f"Number(document.getElementById('kv-{name}').textContent) {op} {value}",
+                         timeout=timeout_ms)
+
+
+def set_controls(pg, max_tokens: int, n: int = 1) -> None:
+    pg.fill("#temperature", "0")
+    pg.fill("#max_tokens", str(max_tokens))
+    pg.fill("#n", str(n))
+    pg.check("#ignore_eos")
+
+
+def run_prompt(pg, text: str) -> None:
+    """Run one prompt: the first prompt box holds `text`, every other box is removed."""
+    while pg.locator("#prompts .prompt").count() > 1:
+        pg.locator("#prompts .prompt .remove").last.click()
+    pg.locator("#prompts textarea").first.fill(text)
+    pg.click("#run")
+
+
+def block_pixel(pg, block_id: int) -> tuple[int, int, int]:
+    return tuple(pg.evaluate(
+        """(id) => { const m = window.playground.kvmap, c = m.cellCentre(id);
+                     return Array.from(m.ctx.getImageData(c.x, c.y, 1, 1).data.slice(0, 3)); }""", block_id))
+
+
+def blocks_in(pg, state: str, shared: bool | None = None) -> list[int]:
+    return pg.evaluate("""([state, shared]) => window.playground.kvmap.snap.blocks
+        .filter((b) => b.state === state && (shared === null || (b.ref_count > 1) === shared))
+        .map((b) => b.id)""", [state, shared])
+
+
+def test_page_loads_without_console_errors(page, server):
+    assert page.inner_text("#model") == "model: tiny"
+    health = httpx.get(f"{server}/health").json()
+    assert count(page, "total") == health["kv_cache"]["num_blocks"] == 160
+    assert count(page, "used") == 0 and count(page, "free") == 159
+    assert page.inner_text("#kv-scale") == "1 cell = 1 block"
+    assert page.evaluate("document.getElementById('kv-map').height") > 0
+    assert page.problems == []
+
+
+def test_prompt_streams_and_the_map_shows_its_blocks_until_it_ends(page):
+    set_controls(page, max_tokens=1500)
+    run_prompt(page, "Hello from the browser: ")
+    page.wait_for_function(
+        "document.querySelector('.output .completion') && "
+        "document.querySelector('.output .completion').textContent.length > 20", timeout=30_000)
+    wait_count(page, "used", ">", 1)
+    assert "TTFT" in page.inner_text(".output .stats") and "tok/s" in page.inner_text(".output .stats")
+    used = blocks_in(page, "used", shared=False)
+    assert used and block_pixel(page, used[0]) != FREE_RGB
+    tip = hover_block(page, used[0])
+    assert f"block {used[0]}" in tip and "ref count 1" in tip and "/16 tokens" in tip
+    page.click("#stop")
+    wait_count(page, "used", "==", 0)
+    page.wait_for_selector(".output.done")
+    assert "stopped" in page.inner_text(".output pre")
+    assert page.problems == []
+
+
+def hover_block(pg, block_id: int) -> str:
+    box = pg.locator("#kv-map").bounding_box()
+    c = pg.evaluate("(id) => window.playground.kvmap.cellCentre(id)", block_id)
+    pg.mouse.move(box["x"] + c["x"], box["y"] + c["y"])
+    pg.wait_for_selector("#kv-tip:not([hidden])")
+    return pg.inner_text("#kv-tip")
+
+
+def test_common_prefix_shares_blocks_then_everything_is_freed(page, tmp_path):
+    set_controls(page, max_tokens=900)
+    run_prompt(page, PREFIX + "first")
+    page.wait_for_function("document.querySelectorAll('.output .completion')[0].textContent.length > 5",
+                           timeout=30_000)  # its prompt blocks are computed and in the prefix cache
+    run_prompt(page, PREFIX + "second")
+    wait_count(page, "shared", ">=", 4)
+    shared = blocks_in(page, "used", shared=True)
+    tip = hover_block(page, shared[0])
+    assert "ref count 2" in tip and "16/16 tokens" in tip and tip.count("(seq ") == 2, tip
+    assert block_pixel(page, shared[0]) == (0xF2, 0xC1, 0x4E)  # COLOURS.shared
+    shot = Path(os.environ.get("PLAYGROUND_SCREENSHOT") or tmp_path / "playground.png")
+    page.mouse.move(0, 0)
+    box = page.locator("main").bounding_box()
+    page.screenshot(path=str(shot), clip={"x": 0, "y": 0, "width": 1280, "height": box["y"] + box["height"]})
+    assert shot.stat().st_size > 10_000
+    page.wait_for_function("document.querySelectorAll('.output.done').length >= 2", timeout=60_000)
+    wait_count(page, "used", "==", 0)
+    assert count(page, "cached") >= 4  # the finished requests' full blocks stay reusable
+    assert blocks_in(page, "cached") and block_pixel(page, blocks_in(page, "cached")[0]) == (0x59, 0x6A, 0x80)
+    assert page.problems == []
