@@ -52,12 +52,20 @@ def _attend(q, k, v, m_i, l_i, acc, qk_scale, q_pos, key_pos, window,
 
 
 @triton.jit
-def _kv_tile(base, table_row, key_pos, valid, offs_d, d_mask, stride_b, stride_t, stride_d,
-             BLOCK_SIZE: tl.constexpr):
-    """(BN, DP) tile of K or V at token positions key_pos, found through the block table row."""
-    blk = tl.load(table_row + key_pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    offs = blk[:, None] * stride_b + (key_pos % BLOCK_SIZE)[:, None] * stride_t + offs_d[None, :] * stride_d
-    return tl.load(base + offs, mask=valid[:, None] & d_mask[None, :], other=0.0)
+def _kv_tiles(k_base, v_base, table_row, start, hi, offs_n, offs_d, d_mask, stride_tn, stride_kb, stride_kt,
+              stride_kd, stride_vb, stride_vt, stride_vd, BLOCK_SIZE: tl.constexpr):
+    """Key positions start + offs_n (BN,) and their K and V tiles (BN, DP), found through the block table row;
+    positions >= hi are neither looked up nor loaded."""
+    key_pos = start + offs_n
+    valid = key_pos < hi
+    blk = tl.load(table_row + key_pos // BLOCK_SIZE * stride_tn, mask=valid, other=0).to(tl.int64)
+    tok = (key_pos % BLOCK_SIZE)[:, None]
+    mask = valid[:, None] & d_mask[None, :]
+    k = tl.load(k_base + blk[:, None] * stride_kb + tok * stride_kt + offs_d[None, :] * stride_kd, mask=mask,
+                other=0.0)
+    v = tl.load(v_base + blk[:, None] * stride_vb + tok * stride_vt + offs_d[None, :] * stride_vd, mask=mask,
+                other=0.0)
+    return key_pos, k, v
 
 
 @triton.jit
@@ -69,11 +77,11 @@ def _paged_prefill_kernel(
     stride_vb, stride_vt, stride_vh, stride_vd,
     stride_tb, stride_tn,
     stride_ot, stride_oh, stride_od,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNKS_PAD: tl.constexpr,
     WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     # tiles in reverse: the last tiles of a chunk, which see the most keys, start first and the tail is short
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
     kvh = tl.program_id(1)
@@ -124,29 +132,23 @@ def _paged_prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     if WINDOW:
         for start in range(lo, mid, BLOCK_N):
-            key_pos = start + offs_n
-            k = _kv_tile(k_base, table_row, key_pos, key_pos < hi, offs_d, d_mask, stride_kb, stride_kt,
-                         stride_kd, BLOCK_SIZE)
-            v = _kv_tile(v_base, table_row, key_pos, key_pos < hi, offs_d, d_mask, stride_vb, stride_vt,
-                         stride_vd, BLOCK_SIZE)
-            m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, qk_scale, q_pos, key_pos, window,
-                                    True, WINDOW, DOT_PRECISION)
+            key_pos, k, v = _kv_tiles(k_base, v_base, table_row, start, hi, offs_n, offs_d, d_mask, stride_tn,
+                                      stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+                                      BLOCK_SIZE)
+            m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, qk_scale, q_pos, key_pos, window, True, WINDOW,
+                                    DOT_PRECISION)
     for start in range(mid, diag, BLOCK_N):
-        key_pos = start + offs_n
-        k = _kv_tile(k_base, table_row, key_pos, key_pos < hi, offs_d, d_mask, stride_kb, stride_kt,
-                     stride_kd, BLOCK_SIZE)
-        v = _kv_tile(v_base, table_row, key_pos, key_pos < hi, offs_d, d_mask, stride_vb, stride_vt,
-                     stride_vd, BLOCK_SIZE)
-        m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, qk_scale, q_pos, key_pos, window,
-                                False, WINDOW, DOT_PRECISION)
+        key_pos, k, v = _kv_tiles(k_base, v_base, table_row, start, hi, offs_n, offs_d, d_mask, stride_tn,
+                                  stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+                                  BLOCK_SIZE)
+        m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, qk_scale, q_pos, key_pos, window, False, WINDOW,
+                                DOT_PRECISION)
     for start in range(diag, hi, BLOCK_N):
-        key_pos = start + offs_n
-        k = _kv_tile(k_base, table_row, key_pos, key_pos < hi, offs_d, d_mask, stride_kb, stride_kt,
-                     stride_kd, BLOCK_SIZE)
-        v = _kv_tile(v_base, table_row, key_pos, key_pos < hi, offs_d, d_mask, stride_vb, stride_vt,
-                     stride_vd, BLOCK_SIZE)
-        m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, qk_scale, q_pos, key_pos, window,
-                                True, WINDOW, DOT_PRECISION)
+        key_pos, k, v = _kv_tiles(k_base, v_base, table_row, start, hi, offs_n, offs_d, d_mask, stride_tn,
+                                  stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+                                  BLOCK_SIZE)
+        m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, qk_scale, q_pos, key_pos, window, True, WINDOW,
+                                DOT_PRECISION)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]                 # every valid row sees its own key
     tl.store(OUT + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
@@ -197,7 +199,7 @@ def _launch(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, s
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         scale * LOG2E, 0 if sliding_window is None else int(sliding_window), num_chunks,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, HEAD_DIM=d,
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, HEAD_DIM=d,
         HEAD_DIM_PAD=triton.next_power_of_2(d), BLOCK_SIZE=block_size,
         CHUNKS_PAD=triton.next_power_of_2(num_chunks + 1), WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
