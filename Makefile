@@ -33,7 +33,7 @@ serve: $(STAMP)
 bench: bench-kernel
 
 bench-kernel: $(STAMP)
-	$(VPY) -m kernels.benchmark
+	$(VPY) -m tools.kernel_bench
 
 lint: $(STAMP)
 	$(VPY) -m pip install -q ruff && $(VENV)/bin/ruff check .

@@ -4,8 +4,7 @@ With several KV splits, the splits' partial outputs must be merged by their log-
 a second launch (stage 2) merges them. With one, each split program increments the counter of its (sequence,
 KV head) after writing its partial; the program that draws the last ticket merges all splits and sets the
 counter back to 0 before the launch ends. So the counters are zeroed once, here, and never per call (a
-per-call memset is a launch of its own, which cost more than the second launch it saves; docs/kernel_notes.md
-run 7).
+per-call memset is a launch of its own, which costs more than the second launch it saves).
 
 The caller owns the memory (the kernel allocates nothing persistent), as with FlashInfer's workspace buffers.
 Rule of use: launches that may run at the same time (different streams) must not share a workspace; launches

@@ -59,8 +59,7 @@ class ModelRunner:
         enforce_eager: bool = False,
         decode_num_splits: int | None = None,
     ) -> None:
-        if block_size < 1 or block_size > 256 or block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a power of two from 1 to 256, got {block_size}")
+        kernels.check_block_size(block_size)
         self.model, self.config = model, model.config
         self.device, self.dtype = model.device, model.dtype
         self.block_size = block_size
@@ -111,7 +110,7 @@ class ModelRunner:
             batch = self._prepare(chunks)
             hidden = self._forward(batch.input_ids, batch.positions, batch.meta)[batch.logits_rows]
             return self.model.compute_logits(hidden)  # (N, V)
-        return logits.float()  # a fresh tensor: the graph's static output is overwritten by its next replay
+        return logits.to(torch.float32, copy=True)  # fresh: the next replay overwrites the static output
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
