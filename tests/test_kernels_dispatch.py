@@ -35,6 +35,17 @@ def test_torch_path_runs_reference_and_reports_it():
     assert rel_error(out, reference_fp64(case)) < 1e-6
 
 
+@pytest.mark.parametrize("bs", [0, 3, 6, 100, 512, -4, 2.0, True, None])
+def test_block_size_rule_in_one_place(bs):
+    with pytest.raises(ValueError, match="power of two from 1 to 256"):
+        kernels.check_block_size(bs)
+
+
+def test_block_sizes_1_to_256_accepted():
+    for bs in (1, 2, 16, 128, 256):
+        kernels.check_block_size(bs)
+
+
 def test_torch_path_rejects_int_dtype_and_non_pow2_block():
     case = make_paged_case([4], 2, 2, 16, 3)
     with pytest.raises(ValueError, match="power of two"):
