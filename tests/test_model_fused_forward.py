@@ -95,17 +95,14 @@ def test_decoder_ops_follow_device_and_backend(tiny, caplog):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_fused_forward_equals_torch_on_the_interpreter(tiny, block_size):
-    """Prefill (eager) then decode through the static-graph path (the captured body: forward, final norm and
-    lm_head), 3 ragged sequences; one padded bucket (3 -> 4: a slot -1 row)."""
+    """Fused: prefill (eager), then decode through the static-graph path (the captured body: forward, final
+    norm and lm_head; one padded bucket, 3 -> 4, with a slot -1 row). Torch: all eager. 3 ragged sequences."""
     lengths, num_blocks = [5, 1, 7], 48
     batches = teacher_forced_batches(lengths, block_size, num_blocks, steps=2, seed=block_size)
-    runners = {}
-    for ops in ("torch", "fused"):
-        runner = ModelRunner(tiny, block_size=block_size, num_blocks=num_blocks, attention_backend="triton",
-                             max_num_seqs=4, max_model_len=32)
-        runner.graphs = runner._decode_graphs(use_cuda_graphs=False)
-        runner.graphs.capture()
-        runners[ops] = runner
+    runners = {ops: ModelRunner(tiny, block_size=block_size, num_blocks=num_blocks, attention_backend="triton",
+                                max_num_seqs=4, max_model_len=32) for ops in ("torch", "fused")}
+    runners["fused"].graphs = runners["fused"]._decode_graphs(use_cuda_graphs=False)
+    runners["fused"].graphs.capture()
     for runner in runners.values():  # a finite poison (the kernels mask, never multiply, unread slots)
         runner.kv.data.fill_(-3.0)
     expect = run_steps(tiny, runners["torch"], "torch", batches)
