@@ -136,9 +136,10 @@ def execute_ms(runner: ModelRunner, chunks: list[SeqChunk], iters: int) -> float
     return statistics.median(times)
 
 
-def profile_step(runner: ModelRunner, chunks: list[SeqChunk], steps: int = 3, top: int = 15) -> dict:
-    """Per-kernel device time of one replayed step (mean over `steps`); falls back to an eager step if the
-    profiler records no kernels inside graph replays."""
+def profile_step(runner: ModelRunner, ops: str, chunks: list[SeqChunk], steps: int = 3,
+                 top: int = 15) -> dict:
+    """Per-kernel device time of one replayed step (mean over `steps`); falls back to an eager step with the
+    same decoder ops if the profiler records no kernels inside graph replays."""
     from torch.profiler import ProfilerActivity, profile
 
     runner.execute(chunks)
@@ -163,11 +164,13 @@ def profile_step(runner: ModelRunner, chunks: list[SeqChunk], steps: int = 3, to
     rows = record(step)
     if not rows:
         graphs, runner.graphs = runner.graphs, None
+        runner.model.set_decoder_ops(ops)
         try:
             rows = record(lambda: runner.execute(chunks))
             mode = "eager (no kernels traced in graph replays)"
         finally:
             runner.graphs = graphs
+            runner.model.set_decoder_ops("auto")
     rows.sort(key=lambda r: -r[1])
     total = sum(r[1] for r in rows)
     kernels = [{"name": n[:90], "us": us, "calls": c, "share": us / total} for n, us, c in rows[:top]]
@@ -219,7 +222,7 @@ def main() -> None:
         print(f"batch {batch}: torch {row['torch']['step_ms']:.3f} ms, "
               f"fused {row['fused']['step_ms']:.3f} ms", flush=True)
 
-    profiles = {ops: profile_step(runners[ops], ctx.chunks(args.profile_batch)) for ops in OPS}
+    profiles = {ops: profile_step(runners[ops], ops, ctx.chunks(args.profile_batch)) for ops in OPS}
     result = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(), "preset": "bench", "dtype": "bfloat16",
