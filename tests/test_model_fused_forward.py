@@ -99,8 +99,9 @@ def test_fused_forward_equals_torch_on_the_interpreter(tiny, block_size):
     norm and lm_head; one padded bucket, 3 -> 4, with a slot -1 row). Torch: all eager. 3 ragged sequences."""
     lengths, num_blocks = [5, 1, 7], 48
     batches = teacher_forced_batches(lengths, block_size, num_blocks, steps=2, seed=block_size)
-    runners = {ops: ModelRunner(tiny, block_size=block_size, num_blocks=num_blocks, attention_backend="triton",
-                                max_num_seqs=4, max_model_len=32) for ops in ("torch", "fused")}
+    runners = {ops: ModelRunner(tiny, block_size=block_size, num_blocks=num_blocks,
+                                attention_backend="triton", max_num_seqs=4, max_model_len=32)
+               for ops in ("torch", "fused")}
     runners["fused"].graphs = runners["fused"]._decode_graphs(use_cuda_graphs=False)
     runners["fused"].graphs.capture()
     for runner in runners.values():  # a finite poison (the kernels mask, never multiply, unread slots)
@@ -114,6 +115,27 @@ def test_fused_forward_equals_torch_on_the_interpreter(tiny, block_size):
     # the same slots written with the same K/V; the poison left everywhere else, the null block included
     torch.testing.assert_close(runners["fused"].kv.data, runners["torch"].kv.data, rtol=1e-5, atol=1e-5)
     assert (runners["fused"].kv.data[:, :, 0] == -3.0).all()
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
+@pytest.mark.parametrize("arch,overrides", [
+    ("qwen2", {"tie_word_embeddings": True}),  # qkv bias, tied lm_head
+    ("mistral", {"sliding_window": 5}),  # the window cuts into the 9-token sequence
+])
+def test_fused_forward_equals_torch_on_checkpoints(tmp_path, arch, overrides):
+    pytest.importorskip("transformers")
+    from model_fixtures import hf_config, write_hf_checkpoint
+
+    write_hf_checkpoint(tmp_path, hf_config(arch, **overrides))
+    model, _ = load_model(str(tmp_path), "cpu", torch.float32)
+    batches = teacher_forced_batches([9, 2], 4, 16, steps=2, seed=3)
+    out = {}
+    for ops in ("torch", "fused"):
+        runner = ModelRunner(model, block_size=4, num_blocks=16, attention_backend="triton", max_num_seqs=2,
+                             max_model_len=32)
+        out[ops] = run_steps(model, runner, ops, batches)
+    for a, b in zip(out["fused"], out["torch"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 # ---- GPU: bf16, real CUDA graphs ------------------------------------------------------------------------
