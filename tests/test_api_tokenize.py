@@ -7,8 +7,8 @@ import asyncio
 
 import httpx
 import pytest
-
 from model_fixtures import CHAT_TEMPLATE, hf_config, write_hf_checkpoint
+
 from server.api.app import create_app
 from tests.engine_helpers import started_engine
 
@@ -54,6 +54,23 @@ def test_tokenize_prompt_and_messages(tiny):
     assert tok["tokens"] == chat["prompt_token_ids"] and tok["count"] == chat["usage"]["prompt_tokens"]
     no_gen = call(app, "POST", "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}).json()
     assert engine.tokenizer.decode(no_gen["tokens"]) == "system: be brief\nuser: héllo 東京\n"
+
+
+def test_add_special_tokens_and_template_kwargs(tmp_path):
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}{{ flavour | default('plain') }}"
+    with started_engine(model="tiny", chat_template=template, **CFG) as engine:
+        app, tok = create_app(engine), engine.tokenizer
+        r = call(app, "POST", "/v1/completions", {"prompt": "ab", "max_tokens": 1, "return_token_ids": True,
+                                                  "add_special_tokens": False})
+        assert r.json()["choices"][0]["prompt_token_ids"] == tok.encode("ab", add_bos=False), r.text
+        body = {"messages": MESSAGES[1:], "max_tokens": 1, "return_token_ids": True,
+                "chat_template_kwargs": {"flavour": "spicy"}}
+        chat = call(app, "POST", "/v1/chat/completions", body).json()
+        assert chat["prompt_token_ids"] == tok.encode("héllo 東京spicy")  # the preset's chat keeps BOS
+        bare = call(app, "POST", "/v1/chat/completions", {**body, "add_special_tokens": False}).json()
+        assert bare["prompt_token_ids"] == tok.encode("héllo 東京spicy", add_bos=False)
+        ids = call(app, "POST", "/tokenize", {"messages": MESSAGES[1:]}).json()["tokens"]
+        assert ids == tok.encode("héllo 東京plain")
 
 
 def test_detokenize_round_trips(tiny):

@@ -7,9 +7,9 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from model_fixtures import CHAT_TEMPLATE, byte_bpe_tokenizer
 
 from server.model import IncrementalDetokenizer
-from model_fixtures import CHAT_TEMPLATE, byte_bpe_tokenizer
 from server.model.chat_template import ChatTemplate
 from server.model.tokenizer import ByteTokenizer, HFTokenizer
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from model_fixtures import CHAT_TEMPLATE, byte_bpe_tokenizer
+
 from server.model.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from server.model.loader import load_tokenizer
 from server.model.tokenizer import HFTokenizer, NoChatTemplateError
@@ -106,7 +106,8 @@ def test_load_tokenizer_overrides(tmp_path):
     write_tokenizer(tmp_path / "tok", True, template=None)
     tok = load_tokenizer("tiny", chat_template="{{ messages[0].content }}")
     assert tok.chat_token_ids(MESSAGES) == tok.encode("be brief")  # the byte tokenizer keeps its BOS
-    assert load_tokenizer("tiny").apply_chat_template(MESSAGES[:2]) == "system: be brief\nuser: hi\nassistant:"
+    preset = load_tokenizer("tiny")
+    assert preset.apply_chat_template(MESSAGES[:2]) == "system: be brief\nuser: hi\nassistant:"
     with pytest.raises(ValueError, match="300 ids but the model only 259"):
         load_tokenizer("tiny", tokenizer=str(tmp_path / "tok"))
     with pytest.raises(FileNotFoundError, match="does not download from the Hugging Face Hub"):

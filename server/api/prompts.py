@@ -22,17 +22,17 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
-def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-    """Rendered by the model's chat template and tokenized as transformers' apply_chat_template does."""
-    plain = chat_messages(messages)
+def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                    add_special_tokens: bool | None = None, template_kwargs: dict | None = None) -> list[int]:
+    """Rendered by the model's chat template. `add_special_tokens` None: tokenized as transformers'
+    apply_chat_template does (the template spells its own BOS); True/False: with/without the
+    post-processor."""
+    plain, variables = chat_messages(messages), template_kwargs or {}
     with template_errors():
-        return tokenizer.chat_token_ids(plain, add_generation_prompt)
-
-
-def chat_prompt_text(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
-    plain = chat_messages(messages)
-    with template_errors():
-        return tokenizer.apply_chat_template(plain, add_generation_prompt)
+        if add_special_tokens is None:
+            return tokenizer.chat_token_ids(plain, add_generation_prompt, **variables)
+        text = tokenizer.apply_chat_template(plain, add_generation_prompt, **variables)
+    return tokenizer.encode(text, add_bos=add_special_tokens)
 
 
 @contextmanager
@@ -56,7 +56,7 @@ def check_context_length(engine, prompts: list[list[int]], max_tokens: int, prom
                             f"has {longest} tokens, which leaves no room for a completion; shorten the "
                             f"{prompt_param}.", prompt_param, "context_length_exceeded")
     if longest + max_tokens > limit:
-        raise APIError(400, f"This model's maximum context length is {limit} tokens, but {longest + max_tokens} "
-                            f"were requested ({longest} in the {prompt_param}, {max_tokens} for the completion); "
-                            f"reduce {max_tokens_param} to at most {limit - longest}.", max_tokens_param,
-                       "context_length_exceeded")
+        raise APIError(400, f"This model's maximum context length is {limit} tokens, but "
+                            f"{longest + max_tokens} were requested ({longest} in the {prompt_param}, "
+                            f"{max_tokens} for the completion); reduce {max_tokens_param} to at most "
+                            f"{limit - longest}.", max_tokens_param, "context_length_exceeded")

@@ -12,7 +12,15 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 NonNegInt = Annotated[int, Field(ge=0)]
 OmitIfNone = dict(default=None, exclude_if=lambda v: v is None)
@@ -59,9 +67,26 @@ class _SamplingRequest(_Request):
     stream_options: StreamOptions | None = None  # declared after `stream`: its validator reads it
     return_token_ids: bool | None = False
     user: str | None = None
+    add_special_tokens: bool | None = None  # vLLM's; None: True for a prompt, as the template has it in chat
     # OpenAI fields pagewalk does not implement: accepted only at their no-op value, never silently ignored
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
+    # vLLM's sampling extensions pagewalk does not implement, likewise
+    min_tokens: Annotated[Any, refused_unless(None, 0)] = None
+    include_stop_str_in_output: Annotated[Any, refused_unless(None, False)] = None
+    skip_special_tokens: Annotated[Any, refused_unless(None, True)] = None
+    spaces_between_special_tokens: Annotated[Any, refused_unless(None, True)] = None
+    prompt_logprobs: Annotated[Any, refused_unless(None)] = None
+    truncate_prompt_tokens: Annotated[Any, refused_unless(None)] = None
+    allowed_token_ids: Annotated[Any, refused_unless(None)] = None
+    bad_words: Annotated[Any, refused_unless(None, [])] = None
+    use_beam_search: Annotated[Any, refused_unless(None, False)] = None
+    length_penalty: Annotated[Any, refused_unless(None, 1.0)] = None
+    guided_json: Annotated[Any, refused_unless(None)] = None
+    guided_regex: Annotated[Any, refused_unless(None)] = None
+    guided_choice: Annotated[Any, refused_unless(None)] = None
+    guided_grammar: Annotated[Any, refused_unless(None)] = None
+    structured_outputs: Annotated[Any, refused_unless(None)] = None
 
     @field_validator("stream_options")
     @classmethod
@@ -109,6 +134,16 @@ class CompletionRequest(_SamplingRequest):
         return v
 
 
+def _template_kwargs(v: dict[str, Any]) -> dict[str, Any]:
+    taken = {"messages", "add_generation_prompt"} & set(v)
+    if taken:
+        raise ValueError(f"{', '.join(sorted(taken))} cannot be set through chat_template_kwargs")
+    return v
+
+
+TemplateKwargs = Annotated[dict[str, Any], AfterValidator(_template_kwargs)]
+
+
 class ContentPart(_Request):
     type: str
     text: str | None = None
@@ -147,6 +182,10 @@ class ChatCompletionRequest(_SamplingRequest):
     reasoning_effort: Annotated[str | None, refused_unless(None)] = None
     verbosity: Annotated[str | None, refused_unless(None)] = None
     store: Annotated[bool | None, refused_unless(None, False)] = None  # nothing is stored
+    chat_template_kwargs: TemplateKwargs | None = None  # vLLM's: extra template variables
+    chat_template: Annotated[Any, refused_unless(None)] = None  # vLLM's per-request template: use the flag
+    continue_final_message: Annotated[Any, refused_unless(None, False)] = None
+    documents: Annotated[Any, refused_unless(None)] = None
 
     @field_validator("tools")
     @classmethod
@@ -170,6 +209,7 @@ class TokenizeRequest(_Request):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_generation_prompt: bool = True  # messages only
+    chat_template_kwargs: TemplateKwargs | None = None  # messages only
     # None: as the endpoint that takes this input tokenizes it (a prompt gets the post-processor's special
     # tokens, messages what /v1/chat/completions gives them)
     add_special_tokens: bool | None = None

@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from server.api.parsing import check_model, parse_body
-from server.api.prompts import chat_prompt_ids, chat_prompt_text
+from server.api.prompts import chat_prompt_ids
 from server.api.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from server.api.sampling import check_token_ids
 
@@ -21,11 +21,9 @@ async def tokenize(request: Request) -> dict:
     tok = engine.tokenizer
     if req.prompt is not None:
         ids = tok.encode(req.prompt, add_bos=req.add_special_tokens is not False)
-    elif req.add_special_tokens is None:
-        ids = chat_prompt_ids(tok, req.messages, req.add_generation_prompt)
     else:
-        text = chat_prompt_text(tok, req.messages, req.add_generation_prompt)
-        ids = tok.encode(text, add_bos=req.add_special_tokens)
+        ids = chat_prompt_ids(tok, req.messages, req.add_generation_prompt, req.add_special_tokens,
+                              req.chat_template_kwargs)
     return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids).model_dump()
 
 
@@ -36,4 +34,5 @@ async def detokenize(request: Request) -> dict:
     check_model(engine, req.model)
     check_token_ids(req.tokens, engine.tokenizer.vocab_size, "tokens")
     # special tokens are kept, as vLLM's /detokenize keeps them: the text tokenizes back to the same ids
-    return DetokenizeResponse(prompt=engine.tokenizer.decode(req.tokens, skip_special_tokens=False)).model_dump()
+    text = engine.tokenizer.decode(req.tokens, skip_special_tokens=False)
+    return DetokenizeResponse(prompt=text).model_dump()

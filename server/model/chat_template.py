@@ -70,11 +70,12 @@ class ChatTemplate:
             raise ValueError(f"chat template from {origin} does not compile: {e.message} (line {e.lineno})") \
                 from None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, **special_tokens: str) -> str:
-        """Raises ChatTemplateError when the template rejects the messages."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:
+        """`variables`: special tokens (bos_token, ...) and any extra ones. Raises ChatTemplateError when the
+        template rejects the messages."""
         try:
             return self._template.render(messages=[_plain_message(m) for m in messages],
-                                         add_generation_prompt=add_generation_prompt, **special_tokens)
+                                         add_generation_prompt=add_generation_prompt, **variables)
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as e:

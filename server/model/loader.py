@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from server.model.chat_template import load_chat_template
 from server.model.config import PRESETS, ModelConfig
 from server.model.llama import LlamaForCausalLM
 from server.model.random_init import init_random_weights, restrict_to_printable
-from server.model.chat_template import load_chat_template
 from server.model.tokenizer import ByteTokenizer, HFTokenizer
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,8 @@ def model_config(name_or_path: str) -> ModelConfig:
         if _HUB_ID.match(name_or_path) and not path.exists():
             raise FileNotFoundError(
                 f"model {name_or_path!r} is not a local directory and pagewalk does not download from the "
-                f"Hugging Face Hub: download it first (`hf download {name_or_path} --local-dir DIR`) and pass DIR")
+                f"Hugging Face Hub: download it first (`hf download {name_or_path} --local-dir DIR`) "
+                "and pass DIR")
         raise FileNotFoundError(
             f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
     return ModelConfig.from_hf(_read_json(path / "config.json", required=True), name=path.name)
