@@ -4,83 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from server_helpers import GREEDY, Server
 
 pytestmark = pytest.mark.timeout(180)
-
-REPO = Path(__file__).resolve().parents[1]
-GREEDY = {"temperature": 0, "ignore_eos": True}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, tmp: Path, *args: str, env: dict | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tmp / f"server-{self.port}.log"
-        cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(self.port), "--device", "cpu",
-               "--attention-backend", "torch", *args]
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, **(env or {})})
-        self.wait_healthy()
-
-    def wait_healthy(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"server exited early:\n{self.log.read_text()}"
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"server not healthy in {timeout}s:\n{self.log.read_text()}")
-
-    def health(self) -> dict:
-        return httpx.get(f"{self.url}/health", timeout=5).json()
-
-    def metric(self, name: str, labels: dict | None = None) -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=5).text
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
-                    return s.value
-        raise KeyError(name)
-
-    def wait_idle(self, timeout: float = 20) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            h = self.health()
-            if h["running"] == 0 and h["waiting"] == 0 and h["kv_cache"]["used_blocks"] == 0:
-                return h
-            time.sleep(0.05)
-        raise AssertionError(f"server never went idle: {self.health()}")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
 
 
 @pytest.fixture(scope="module")

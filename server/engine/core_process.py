@@ -2,9 +2,9 @@
 
 Started with the spawn method (a fresh interpreter: CUDA is initialised here, never inherited). It
 connects a PULL socket (messages from the API process) and a PUSH socket (messages to it), sends Ready with
-the facts of what it built, or StartupFailed with the error, then loops. It ignores SIGINT (a terminal's
-Ctrl-C reaches the whole process group; the API process drains first and then sends Shutdown) and exits
-when its parent is gone.
+the facts of what it built, or StartupFailed with the error, then loops. It ignores SIGINT and SIGTERM
+(a terminal's Ctrl-C reaches the whole process group, systemd signals the whole cgroup): the API process
+drains the requests first and then sends Shutdown. It exits by itself when its parent is gone.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ PARENT_CHECK_MS = 1000  # an idle core looks for its parent this often
 
 def run_core_process(config: EngineConfig, to_core: str, from_core: str, log_level: str) -> None:
     """Spawn target. `to_core` / `from_core`: the ipc:// addresses the API process bound."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parent = os.getppid()
     ctx = zmq.Context()
@@ -38,11 +39,15 @@ def run_core_process(config: EngineConfig, to_core: str, from_core: str, log_lev
     def send(msg: FromCore) -> None:
         push.send(enc.encode(msg), copy=False)
 
+    def check_parent() -> None:
+        if os.getppid() != parent:
+            sys.exit("pagewalk engine core: the API process is gone")
+
     def receive(timeout: float | None) -> list[ToCore]:
+        check_parent()  # a busy core never blocks below, so it looks here too
         if timeout is None:
             while not pull.poll(PARENT_CHECK_MS):
-                if os.getppid() != parent:
-                    sys.exit("pagewalk engine core: the API process is gone")
+                check_parent()
         elif timeout > 0:
             pull.poll(int(timeout * 1000))
         messages = []

@@ -1,0 +1,160 @@
+"""The engine core in its own process: same greedy tokens as in-process, stop strings abort in the core,
+kv_snapshot over the wire, start-up errors reported, and a core killed mid-stream fails every request in
+flight quickly, turns /health to 503 and makes the server exit non-zero."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from engine_helpers import TINY, make_engine, run_all, wait_until
+from server_helpers import GREEDY, Server
+
+from server.api.async_engine import AsyncEngine
+from server.engine.core_client import CoreStartupError
+from server.engine.engine import EngineConfig
+from server.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = make_engine(in_process=False, num_blocks=24, max_num_batched_tokens=64)
+    yield e
+    e.shutdown(timeout=5)
+    assert not e.client.process.is_alive()
+
+
+def jobs(tok) -> list[tuple[str, list[int], SamplingParams]]:
+    return [(f"j{i}", tok.encode(f"job {i}: " + "abc" * (2 + 3 * i)), greedy(40 + 8 * i, n=1 + i % 2))
+            for i in range(5)]
+
+
+def test_greedy_tokens_equal_in_process_and_across_processes(engine):
+    remote = run_all(engine, jobs(engine.tokenizer))
+    local_engine = make_engine(in_process=True, num_blocks=24, max_num_batched_tokens=64)
+    try:
+        local = run_all(local_engine, jobs(local_engine.tokenizer))
+    finally:
+        local_engine.shutdown(timeout=5)
+    assert engine.metrics.value("pagewalk_num_preemptions_total") > 0  # 23 usable blocks: the mix preempts
+    for r, s in zip(remote, local, strict=True):
+        assert r.error is None and r.choices.keys() == s.choices.keys()
+        for i, c in r.choices.items():
+            assert c.token_ids == s.choices[i].token_ids and c.text == s.choices[i].text
+            assert c.finish_reason == "length"
+    assert wait_until(lambda: engine.health()["kv_cache"]["used_blocks"] == 0)
+    assert engine.health()["engine_core"] == "process" and engine.health()["waiting"] == 0
+
+
+def test_stop_string_ends_the_choice_and_aborts_it_in_the_core(engine):
+    prompt = engine.tokenizer.encode("stop here")
+    (full,) = run_all(engine, [("full", prompt, greedy(60))])
+    text = full.choices[0].text
+    stop = text[20:23]
+    assert stop and text.find(stop) == 20, "the greedy text should give a fresh stop string at 20"
+    (cut,) = run_all(engine, [("cut", prompt, greedy(60, stop=[stop]))])
+    c = cut.choices[0]
+    assert (c.text, c.finish_reason, c.stop_reason) == (text[:20], "stop", stop)
+    assert len(c.token_ids) < 60
+    assert wait_until(lambda: engine.health()["kv_cache"]["used_blocks"] == 0 and engine.health()["running"] == 0)
+
+
+def test_kv_snapshot_and_stats_come_from_the_core_process(engine):
+    async def main():
+        agen = engine.generate("snap", engine.tokenizer.encode("y" * 40), greedy(300))
+        async for _ in agen:
+            snap, stats = await engine.kv_snapshot(), await engine.core_stats()
+            break
+        await agen.aclose()
+        return snap, stats
+
+    snap, stats = asyncio.run(main())
+    used = [b for b in snap["blocks"] if b["state"] == "used"]
+    assert used and all(o["request_id"] == "snap" for b in used for o in b["owners"])
+    assert stats["running"] == 1 and stats["used_blocks"] == len(used)
+
+
+def test_a_core_that_cannot_start_is_reported():
+    with pytest.raises(CoreStartupError, match="engine core failed to start.*[Cc]uda|CUDA"):
+        AsyncEngine(EngineConfig(**{**TINY, "device": "cuda"}))
+
+
+def test_core_killed_mid_stream_fails_every_request_and_the_server_exits_non_zero(tmp_path):
+    srv = Server(tmp_path, "--num-blocks", "256")
+    try:
+        body = {"prompt": "keep going", "max_tokens": 1500, **GREEDY}
+        results: dict[str, object] = {}
+        first_events = threading.Event()
+
+        def stream() -> None:
+            events = []
+            with httpx.stream("POST", f"{srv.url}/v1/completions", json={**body, "stream": True},
+                              timeout=30) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[len("data: "):])
+                        first_events.set()
+            results["stream"] = (events, time.monotonic())
+
+        def plain() -> None:
+            r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=30)
+            results["plain"] = (r.status_code, r.json(), time.monotonic())
+
+        threads = [threading.Thread(target=stream), threading.Thread(target=plain)]
+        for t in threads:
+            t.start()
+        assert first_events.wait(30)
+        assert wait_until(lambda: srv.health()["running"] == 2, timeout=10)
+        os.kill(srv.core_pid(), signal.SIGKILL)
+        killed = time.monotonic()
+        health = None
+        while health is None:  # /health answers 503 while the server shuts down (or it is gone already)
+            try:
+                r = httpx.get(f"{srv.url}/health", timeout=1)
+                if r.status_code == 503:
+                    health = r.json()
+            except httpx.TransportError:
+                health = {"status": "gone"}
+        for t in threads:
+            t.join(30)
+        events, stream_end = results["stream"]
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])["error"]
+        assert err["code"] == "engine_error" and "engine core died" in err["message"]
+        status, answer, plain_end = results["plain"]
+        assert status == 500 and "engine core died" in answer["error"]["message"]
+        assert max(stream_end, plain_end) - killed < 2.0
+        assert health["status"] in ("dead", "gone")
+        assert srv.proc.wait(timeout=30) != 0
+        assert "engine core process died" in srv.log.read_text()
+    finally:
+        srv.stop()
+
+
+def test_core_exits_when_the_api_process_is_killed(tmp_path):
+    srv = Server(tmp_path)
+    core = srv.core_pid()
+    srv.proc.kill()
+    srv.proc.wait(timeout=10)
+
+    def gone() -> bool:
+        try:
+            os.kill(core, 0)
+        except ProcessLookupError:
+            return True
+        with open(f"/proc/{core}/stat") as f:  # reparented and exited, waiting to be reaped
+            return f.read().split()[2] == "Z"
+
+    assert wait_until(gone, timeout=5)
