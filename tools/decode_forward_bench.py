@@ -9,7 +9,7 @@ back-to-back steps: one step = the graph replay plus the fp32 copy of the real r
 and copies included, synchronised), the logits' agreement between the two ops, the achieved bandwidth
 (weights + KV bytes read) / time and the fraction of the roofline, whose bandwidth is a large device-to-device
 copy timed in the same run. Last, a torch.profiler split of one replayed step at --profile-batch, per kernel.
-Prints a table; writes decode_forward_<gpu>.json under --out.
+Prints a table; writes decode_forward_<gpu>.{json,md} under --out.
 """
 
 from __future__ import annotations
@@ -234,6 +234,7 @@ def main() -> None:
     gpu = torch.cuda.get_device_name().split()[-1].lower()
     path = args.out / f"decode_forward_{gpu}.json"
     path.write_text(json.dumps(result, indent=1))
+    path.with_suffix(".md").write_text(markdown(result))
     print_report(result, path)
 
 
@@ -260,6 +261,39 @@ def print_report(r: dict, path: Path) -> None:
         print(f"{row['batch']:>5} {row['roofline_ms']:>9.3f} {t['step_ms']:>9.3f} {f['step_ms']:>9.3f} "
               f"{f['tb_s']:>10.2f} {f['roofline_frac']:>8.1%} {verdict:>7} {t['execute_ms']:>10.3f} "
               f"{f['execute_ms']:>10.3f} {row['fused_vs_torch_rel_err']:>8.1e}")
+
+
+def markdown(r: dict) -> str:
+    """The same figures as a docs/benchmarks page: setup, the step table, the per-kernel splits."""
+    lines = [
+        "# Decode forward (CUDA-graph step, logits included): torch ops vs fused Triton ops", "",
+        f"{r['gpu']}, torch {r['torch']}, triton {r['triton']}, Python {r['python']}. `bench` preset "
+        f"(Llama-3.2-1B shape, random weights) in bf16, {r['context']} cached tokens per sequence, "
+        f"block size {r['block_size']}, graph tables for {r['max_model_len']} tokens. Roofline: (weights "
+        f"{r['weight_bytes'] / 1e9:.2f} GB + KV read) / the device-to-device copy bandwidth measured in "
+        f"the same run, {r['copy_bw_tb_s']:.2f} TB/s. `python -m tools.decode_forward_bench --out DIR`.", "",
+        "| batch | roofline ms | torch ms | fused ms | fused TB/s | of roofline | target ms "
+        "| execute torch ms | execute fused ms | fused vs torch rel err |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in r["rows"]:
+        t, f = row["torch"], row["fused"]
+        target = "" if row["target_ms"] is None else f"{row['target_ms']:.2f}"
+        lines.append(f"| {row['batch']} | {row['roofline_ms']:.3f} | {t['step_ms']:.3f} | "
+                     f"{f['step_ms']:.3f} | {f['tb_s']:.2f} | {f['roofline_frac']:.1%} | {target} | "
+                     f"{t['execute_ms']:.3f} | {f['execute_ms']:.3f} | {row['fused_vs_torch_rel_err']:.1e} |")
+    startup = ", ".join(f"{ops} {s['init_s']:.1f} s and {s['graphs_mib']:.0f} MiB"
+                        for ops, s in r["startup"].items())
+    lines += ["", f"Start-up (runner construction, graph capture included): {startup}."]
+    for ops in OPS:
+        p = r["profiles"][ops]
+        lines += ["", f"## {ops}: one step at batch {p['batch']}, per kernel ({p['mode']}), "
+                      f"{p['total_us']:.0f} us of kernels", "",
+                  "| us | share | calls | kernel |", "|---|---|---|---|"]
+        lines += [f"| {k['us']:.1f} | {k['share']:.1%} | {k['calls']} | `{k['name']}` |"
+                  for k in p["kernels"]]
+        lines.append(f"| {p['other_us']:.1f} | | | other |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
