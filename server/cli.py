@@ -1,4 +1,8 @@
-"""`pagewalk serve ...` (the HTTP server) and `pagewalk loadtest ...` (forwarded to loadtest.cli)."""
+"""`pagewalk serve [MODEL] ...` (the HTTP server) and `pagewalk loadtest ...` (forwarded to loadtest.cli).
+
+Flag names follow `vllm serve` where vLLM has the concept; where pagewalk's meaning or default differs, the
+flag's help says so.
+"""
 
 from __future__ import annotations
 
@@ -11,39 +15,124 @@ import sys
 logger = logging.getLogger("pagewalk")
 
 API_KEY_ENV = "PAGEWALK_API_KEY"
+DTYPES = ["auto", "half", "float16", "bfloat16", "bf16", "float", "float32"]
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless it is None (the help then says what None means)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or isinstance(action, RetiredFlag):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+class RetiredFlag(argparse.Action):
+    """A flag pagewalk no longer takes: using it is an error that names its replacement."""
+
+    def __init__(self, option_strings, dest, replacement: str, **kwargs):
+        self.replacement = replacement
+        super().__init__(option_strings, dest, default=None, help=f"retired: use {replacement}", **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is retired: use {self.replacement}")
+
+
+def fraction(value: str) -> float:
+    x = float(value)
+    if not 0.0 < x <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], got {value}")
+    return x
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagewalk", description="paged-KV decode inference microserver")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("loadtest", help="load generator (see `pagewalk loadtest --help`)", add_help=False)
-    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    s.add_argument("--model", default="tiny", help="tiny | bench | PATH to a checkpoint directory")
-    s.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    s.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    s.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API", formatter_class=HelpFormatter,
+                       description="Serve a model over the OpenAI-compatible HTTP API "
+                                   "(as `vllm serve MODEL`).")
+    add_model_flags(s)
+    add_engine_flags(s)
+    add_server_flags(s)
+    return parser
+
+
+def add_model_flags(s: argparse.ArgumentParser) -> None:
+    s.add_argument("model_tag", nargs="?", metavar="MODEL",
+                   help="tiny | bench (presets with random weights) | PATH to a local Hugging Face "
+                        "checkpoint directory; pagewalk does not download from the Hub (default: tiny)")
+    s.add_argument("--model", default=None, help="the same as the positional MODEL")
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model ids clients may send; the first is the one responses carry (default: the "
+                        "preset or checkpoint directory name; the --model value as given is accepted too)")
+    s.add_argument("--tokenizer", default=None,
+                   help="directory holding tokenizer.json (+ tokenizer_config.json) to use instead of "
+                        "the model's")
+    s.add_argument("--chat-template", default=None,
+                   help="chat template file, or the template text itself, overriding the tokenizer's; a "
+                        "model without one serves no chat (400) unless this is given")
+    s.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="weights and KV cache dtype; auto: bfloat16 on CUDA (float16 without bf16 support), "
+                        "float32 on CPU (vLLM's auto takes the checkpoint's dtype)")
+    s.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: cuda when available, else cpu")
+    s.add_argument("--seed", type=int, default=None,
+                   help="seeds the sampling of requests that send no seed (default: not seeded; vLLM's is 0)")
+
+
+def add_engine_flags(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a power of two, 1-256)")
     kv = s.add_mutually_exclusive_group()
-    kv.add_argument("--num-blocks", type=int, default=None, help="KV cache size in blocks")
-    kv.add_argument("--kv-cache-memory", type=float, default=None,
-                    help="KV cache size as a fraction of free device memory (e.g. 0.9)")
+    kv.add_argument("--gpu-memory-utilization", type=fraction, default=None,
+                    help="fraction of the GPU's total memory this server may use: weights, activations, CUDA "
+                         "graphs and the KV cache, which gets the rest (vLLM's meaning; default 0.9; CPU: "
+                         "a KV cache of 8192 tokens)")
+    kv.add_argument("--num-blocks", type=int, default=None,
+                    help="KV cache size in blocks, instead of sizing it from --gpu-memory-utilization "
+                         "(vLLM: --num-gpu-blocks-override)")
+    kv.add_argument("--kv-cache-memory", action=RetiredFlag, nargs=1,
+                    replacement="--gpu-memory-utilization (a fraction of the GPU's total memory, as in vLLM)")
     s.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one decode batch")
     s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens in one engine step")
-    s.add_argument("--max-waiting", type=int, default=1024, help="queued requests before 429")
-    s.add_argument("--max-model-len", type=int, default=None, help="prompt + completion tokens per sequence")
-    s.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"])
-    s.add_argument("--no-prefix-caching", action="store_true", help="disable prefix-cache block reuse")
+    s.add_argument("--max-waiting", type=int, default=1024,
+                   help="queued requests before new ones get 429 (vLLM queues without a bound)")
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + completion tokens per sequence "
+                        "(default: the model's max_position_embeddings)")
+    s.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],
+                   help="paged attention kernels: auto = triton on CUDA, the torch reference on CPU")
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of prompt prefixes seen before")
     s.add_argument("--enforce-eager", action="store_true", help="no CUDA-graph decode (eager kernels only)")
     s.add_argument("--engine-in-process", action="store_true",
                    help="run the engine core on a thread of the API process instead of its own process")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV})")
-    s.add_argument("--max-body-bytes", type=int, default=None, help="request body limit (413 above it)")
+
+
+def add_server_flags(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (vLLM listens on all interfaces by default)")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on")
+    s.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set)")
+    s.add_argument("--max-body-bytes", type=int, default=None,
+                   help="request body limit, 413 above it (default: 8 MiB)")
     s.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may take to finish on SIGTERM before they are aborted")
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    return parser
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="log verbosity; debug also prints the traceback of a start-up error")
+
+
+def parse_serve_args(argv: list[str]) -> argparse.Namespace:
+    """Parses `serve ...` and resolves MODEL / --model and the API key's environment default."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.model_tag and args.model and args.model_tag != args.model:
+        parser.error(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree; give one")
+    args.model = args.model_tag or args.model or "tiny"
+    if args.api_key is None:
+        args.api_key = os.environ.get(API_KEY_ENV)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,10 +141,21 @@ def main(argv: list[str] | None = None) -> int:
         from loadtest.cli import main as loadtest_main
 
         return loadtest_main(argv[1:]) or 0
-    args = build_parser().parse_args(argv)
+    args = parse_serve_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return serve(args)
+    try:
+        return serve(args)
+    except (ValueError, OSError) as e:  # a bad model, tokenizer, template or flag value found at start-up
+        return startup_failed(e)
+
+
+def startup_failed(error: Exception) -> int:
+    """One line on stderr (the traceback only at --log-level debug); exit code 1."""
+    logger.debug("start-up failed", exc_info=error)
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    print(f"pagewalk serve: error: {first_line}", file=sys.stderr)
+    return 1
 
 
 def engine_config(args: argparse.Namespace):
@@ -63,11 +163,13 @@ def engine_config(args: argparse.Namespace):
 
     return EngineConfig(
         model=args.model, device=args.device, dtype=None if args.dtype == "auto" else args.dtype,
-        block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory=args.kv_cache_memory,
+        block_size=args.block_size, num_blocks=args.num_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting=args.max_waiting, max_model_len=args.max_model_len,
-        attention_backend=args.attention_backend, enable_prefix_caching=not args.no_prefix_caching,
-        enforce_eager=args.enforce_eager)
+        attention_backend=args.attention_backend, enable_prefix_caching=args.enable_prefix_caching,
+        enforce_eager=args.enforce_eager, tokenizer=args.tokenizer, chat_template=args.chat_template,
+        served_model_name=tuple(args.served_model_name or ()), seed=args.seed)
 
 
 def startup_line(engine, url: str) -> str:
@@ -75,7 +177,8 @@ def startup_line(engine, url: str) -> str:
     capacity = (kv["free_blocks"] + kv["used_blocks"]) * kv["block_size"]
     dtype = str(engine.dtype).removeprefix("torch.")
     return (f"pagewalk serving model={engine.model_name} device={engine.device} dtype={dtype} "
-            f"attention_backend={engine.attention_backend} max_model_len={engine.max_model_len} "
+            f"attention_backend={engine.attention_backend} engine_core={engine.client.mode} "
+            f"max_model_len={engine.max_model_len} "
             f"kv_cache={capacity} tokens ({kv['num_blocks']} blocks x {kv['block_size']}) url={url}")
 
 
@@ -83,8 +186,8 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from server.api.app import create_app, stop_engine
-    from server.api.limits import DEFAULT_MAX_BODY_BYTES
     from server.api.async_engine import AsyncEngine
+    from server.api.limits import DEFAULT_MAX_BODY_BYTES
     from server.engine.core_client import CoreStartupError
 
     class GracefulServer(uvicorn.Server):
@@ -98,14 +201,13 @@ def serve(args: argparse.Namespace) -> int:
     try:
         engine = AsyncEngine(engine_config(args), in_process=args.engine_in_process, log_level=args.log_level)
     except CoreStartupError as e:
-        logger.error("%s", e)
-        return 1
+        return startup_failed(e)
     max_body_bytes = args.max_body_bytes or DEFAULT_MAX_BODY_BYTES
     app = create_app(engine, api_key=args.api_key, max_body_bytes=max_body_bytes,
                      shutdown_timeout_s=args.shutdown_timeout)
     logger.info(startup_line(engine, f"http://{args.host}:{args.port}"))
     logger.info("prefix caching %s; bearer-token auth on /v1/* %s",
-                "off" if args.no_prefix_caching else "on", "required" if args.api_key else "off")
+                "on" if args.enable_prefix_caching else "off", "required" if args.api_key else "off")
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=int(args.shutdown_timeout) + 5, access_log=False)
     # uvicorn re-raises the signal it shut down on once it is done; a graceful stop is a clean exit (0)

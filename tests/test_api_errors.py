@@ -77,6 +77,12 @@ BAD_COMPLETIONS = [
     ({**CMPL, "suffix": "tail"}, "suffix"),
     ({**CMPL, "stream_options": {"include_usage": True}}, "stream_options"),
     ({**CMPL, "stream": False, "stream_options": {}}, "stream_options"),
+    ({**CMPL, "min_tokens": 3}, "min_tokens"),  # vLLM's extensions pagewalk lacks
+    ({**CMPL, "include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ({**CMPL, "skip_special_tokens": False}, "skip_special_tokens"),
+    ({**CMPL, "guided_json": {"type": "object"}}, "guided_json"),
+    ({**CMPL, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({**CMPL, "add_special_tokens": "yes"}, "add_special_tokens"),
 ]
 
 BAD_CHATS = [
@@ -102,12 +108,18 @@ BAD_CHATS = [
     ({**CHAT, "prediction": {"type": "content", "content": "x"}}, "prediction"),
     ({**CHAT, "reasoning_effort": "high"}, "reasoning_effort"),
     ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({**CHAT, "chat_template": "{{ 1 }}"}, "chat_template"),
+    ({**CHAT, "continue_final_message": True}, "continue_final_message"),
+    ({**CHAT, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ({**CHAT, "chat_template_kwargs": [1]}, "chat_template_kwargs"),
 ]
 NO_OP_FIELDS = [  # OpenAI fields at the value that asks for nothing: accepted
-    ("/v1/completions", {**CMPL, "suffix": None, "stream_options": None}),
+    ("/v1/completions", {**CMPL, "suffix": None, "stream_options": None, "min_tokens": 0,
+                         "skip_special_tokens": True, "include_stop_str_in_output": False}),
     ("/v1/completions", {**CMPL, "stream": True, "stream_options": {"include_usage": True}}),
     ("/v1/chat/completions", {**CHAT, "tool_choice": "none", "store": False, "modalities": ["text"],
-                              "echo": False, "functions": [], "metadata": {"k": "v"}, "service_tier": "auto"}),
+                              "echo": False, "functions": [], "metadata": {"k": "v"},
+                              "service_tier": "auto"}),
 ]
 
 
@@ -165,7 +177,8 @@ def test_prompt_plus_max_tokens_too_long_names_max_tokens_and_both_numbers(engin
 ])
 def test_prompt_alone_too_long_names_the_prompt(engine, path, body, param):
     text = "x" * engine.max_model_len
-    body = {**body, "prompt": text} if param == "prompt" else {"messages": [{"role": "user", "content": text}]}
+    messages = [{"role": "user", "content": text}]
+    body = {**body, "prompt": text} if param == "prompt" else {"messages": messages}
     err = assert_error(request(create_app(engine), "POST", path, json=body), 400, param)
     assert err["code"] == "context_length_exceeded" and str(engine.max_model_len) in err["message"]
 

@@ -87,3 +87,19 @@ def test_start_up_errors_are_one_line(capsys, argv, message):
     err = capsys.readouterr().err
     assert err.startswith("pagewalk serve: error: ") and message in err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_seed_makes_unseeded_sampling_repeat_across_restarts():
+    from server.engine.sampling_params import SamplingParams
+    from tests.engine_helpers import make_engine, run_one
+
+    def sample(seed: int) -> list[int]:
+        engine = make_engine(seed=seed)
+        try:
+            params = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)  # no request seed
+            return run_one(engine, "r", engine.tokenizer.encode("seeded"), params).choices[0].token_ids
+        finally:
+            engine.shutdown(timeout=5)
+
+    first = sample(7)
+    assert sample(7) == first and sample(8) != first

@@ -23,7 +23,7 @@ from server.api.engine_stream import (
 from server.api.errors import APIError
 from server.api.logprobs import chat_logprobs
 from server.api.parsing import check_model, parse_body
-from server.api.prompts import chat_prompt_ids
+from server.api.prompts import chat_prompt_ids, check_context_length
 from server.api.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -107,10 +107,13 @@ async def create_chat_completion(request: Request) -> Response:
 def _job(engine, req: ChatCompletionRequest) -> ChatJob:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true.", "top_logprobs")
-    prompt = chat_prompt_ids(engine.tokenizer, req.messages)
+    prompt = chat_prompt_ids(engine.tokenizer, req.messages, True, req.add_special_tokens,
+                             req.chat_template_kwargs)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
         max_tokens = _room_left(engine, len(prompt), req.n or 1)
+    limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    check_context_length(engine, [prompt], max_tokens, "messages", limit_param)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, max_tokens, logprobs, engine.tokenizer.vocab_size)
     return ChatJob(engine, req, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), prompt, params)

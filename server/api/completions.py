@@ -23,6 +23,7 @@ from server.api.engine_stream import (
 from server.api.errors import APIError
 from server.api.logprobs import completion_logprobs
 from server.api.parsing import check_model, parse_body
+from server.api.prompts import check_context_length
 from server.api.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from server.api.sampling import DEFAULT_COMPLETION_MAX_TOKENS, check_token_ids, sampling_params
 from server.api.streaming import CHUNK_TAIL, chunk_head, job_response, json_member, sse_event
@@ -104,13 +105,14 @@ def _job(engine, req: CompletionRequest) -> CompletionJob:
     prompt = req.prompt
     if isinstance(prompt, str) or isinstance(prompt[0], str):
         texts = [prompt] if isinstance(prompt, str) else list(prompt)
-        prompts = [tok.encode(t, add_bos=True) for t in texts]
+        prompts = [tok.encode(t, add_bos=req.add_special_tokens is not False) for t in texts]
     else:
         prompts = [prompt] if isinstance(prompt[0], int) else [list(p) for p in prompt]
         for ids in prompts:
             check_token_ids(ids, tok.vocab_size, "prompt")
         texts = [tok.decode(ids) for ids in prompts] if req.echo else [""] * len(prompts)
     max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+    check_context_length(engine, prompts, max_tokens, "prompt")
     params = sampling_params(req, max_tokens, req.logprobs, tok.vocab_size)
     return CompletionJob(engine, req, f"cmpl-{uuid.uuid4().hex}", int(time.time()), prompts, texts, params)
 

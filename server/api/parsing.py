@@ -46,8 +46,15 @@ def _load_json(raw: bytes) -> object:
     return data
 
 
+def model_names(engine) -> list[str]:
+    """The ids a request may name: --served-model-name's (the first is the one responses carry), or the
+    model's own name, plus the --model value as given (a checkpoint's full path)."""
+    names = list(engine.config.served_model_name) or [engine.model_name]
+    return names + [engine.config.model] if engine.config.model not in names else names
+
+
 def check_model(engine, requested: str | None) -> None:
     """A request may omit `model`; naming another model than the one served is a 404."""
-    if requested is not None and requested != engine.model_name:
+    if requested is not None and requested not in model_names(engine):
         raise APIError(404, f"The model '{requested}' does not exist; this server serves "
                             f"'{engine.model_name}'.", "model", "model_not_found")
