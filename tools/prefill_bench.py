@@ -195,6 +195,12 @@ def table(rows, decode_rows) -> str:
         lines.append(f"{shape:>22} {r['head_dim']:>4} {r['ours_us']:9.1f} {best} {ratio} "
                      f"{r['tflops_ours']:8.1f} {r['rel_error']:8.1e} {r['public_wall_us']:8.1f}")
     lines.append("ratio = best SDPA time / ours (>= 0.8 is the target); wall = the public call back to back")
+    for r in rows:
+        timed = {k: t for k, t in r.get("sweep_us", {}).items() if isinstance(t, float)}
+        if timed:
+            best = min(timed, key=timed.get)
+            lines.append(f"sweep {r['chunks']}x{r['new']} over {r['cached']} D={r['head_dim']}: best "
+                         f"(block_m, block_n, warps, stages) = {best} {timed[best]:.1f} us")
     lines.append(f"{'decode rows':>22} {'D':>4} {'decode us':>10} {'prefill us':>11}")
     for r in decode_rows:
         lines.append(f"{r['batch']:>12} x {r['ctx']:>7} {r['head_dim']:>4} {r['decode_kernel_us']:10.1f} "
