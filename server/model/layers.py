@@ -37,32 +37,16 @@ def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding_window: int | None = None
 ) -> torch.Tensor:
     """Dense causal attention of ONE contiguous sequence. q (T, Hq, D), k/v (T, Hkv, D) -> (T, Hq, D)."""
-    return prefix_causal_attention(q, k, v, start_pos=0, sliding_window=sliding_window)
-
-
-def prefix_causal_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    start_pos: int,
-    sliding_window: int | None = None,
-    mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Queries are the LAST q.shape[0] of the k.shape[0] keys (absolute positions start_pos + i).
-
-    q (n, Hq, D); k/v (start_pos + n, Hkv, D) -> (n, Hq, D). `mask` (n, L) bool may be passed in precomputed.
-    """
     n, num_heads = q.shape[0], q.shape[1]
-    if mask is None and (start_pos > 0 or sliding_window is not None):
-        mask = causal_mask(n, start_pos, sliding_window, q.device)
+    mask = None if sliding_window is None else causal_mask(n, 0, sliding_window, q.device)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None],  # (1, Hq, n, D): 4-D so the fused CUDA kernels are eligible
-        k.transpose(0, 1)[None],  # (1, Hkv, L, D)
+        q.transpose(0, 1)[None],  # (1, Hq, T, D): 4-D so the fused CUDA kernels are eligible
+        k.transpose(0, 1)[None],  # (1, Hkv, T, D)
         v.transpose(0, 1)[None],
         attn_mask=mask,
         is_causal=mask is None,
         enable_gqa=num_heads != k.shape[1],
-    )  # (1, Hq, n, D)
+    )  # (1, Hq, T, D)
     return out[0].transpose(0, 1)
 
 
