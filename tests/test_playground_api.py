@@ -4,6 +4,7 @@ snapshot stream (asks the engine only while connected, sends a map only when it 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -115,3 +116,26 @@ def test_stream_sends_changed_maps_only_and_stops_asking_when_the_client_leaves(
     events = asyncio.run(go())
     assert events == ['data: {"v":1}\n\n', 'data: {"v":2}\n\n', 'data: {"v":3}\n\n']
     assert asked == connected_polls  # not one poll after the disconnect
+
+
+def test_stream_spaces_out_maps_that_are_slow_to_build():
+    cost_s, polls = 0.02, 3
+    asked = 0
+
+    async def take() -> dict:
+        nonlocal asked
+        asked += 1
+        await asyncio.sleep(cost_s)
+        return {"v": asked}
+
+    async def is_disconnected() -> bool:
+        return asked >= polls
+
+    async def go() -> float:
+        start = time.monotonic()
+        assert len([e async for e in debug.snapshot_events(take, is_disconnected, interval_s=0)]) == polls
+        return time.monotonic() - start
+
+    elapsed = asyncio.run(go())
+    # each map is followed by a wait of at least 9x its cost: the engine spends <= 10% of its time on maps
+    assert elapsed >= polls * cost_s / debug.MAX_WATCH_SHARE * 0.95

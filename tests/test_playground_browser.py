@@ -193,3 +193,47 @@ def test_common_prefix_shares_blocks_then_everything_is_freed(page, tmp_path):
     assert count(page, "cached") >= 4  # the finished requests' full blocks stay reusable
     assert blocks_in(page, "cached") and block_pixel(page, blocks_in(page, "cached")[0]) == (0x59, 0x6A, 0x80)
     assert page.problems == []
+
+
+def test_forked_choices_share_the_prompt_blocks(page):
+    set_controls(page, max_tokens=900, n=2)
+    run_prompt(page, PREFIX)  # 73 tokens with BOS: 4 full blocks shared, the partial one copied per choice
+    wait_count(page, "shared", ">=", 4)
+    shared = blocks_in(page, "used", shared=True)
+    tip = hover_block(page, shared[0])
+    assert "ref count 2" in tip and "#0 (seq" in tip and "#1 (seq" in tip, tip
+    page.click("#stop")
+    wait_count(page, "used", "==", 0)
+    assert page.problems == []
+
+
+SYNTHETIC_MAP = """() => {
+    const n = 400000, blocks = [];
+    for (let id = 1; id <= 100000; id++) {
+        const owners = [{request_id: `cmpl-${id % 7}`, index: 0, seq_id: id % 7}];
+        if (id % 50 === 0) owners.push({request_id: "cmpl-x", index: 0, seq_id: 99});
+        blocks.push({id, state: "used", ref_count: owners.length, tokens: 16, owners});
+    }
+    for (let id = 200000; id < 250000; id++) {
+        blocks.push({id, state: "cached", ref_count: 0, tokens: 16, owners: []});
+    }
+    const snap = {block_size: 16, num_blocks: n, free_blocks: n - 1 - 100000, used_blocks: 100000,
+                  cached_blocks: 50000, blocks, running: 8, waiting: 0};
+    const start = performance.now();
+    window.playground.showSnapshot(snap);
+    return performance.now() - start;
+}"""
+
+
+def test_a_gpu_sized_cache_aggregates_cells_and_says_so(page):
+    page.uncheck("#live")
+    page.wait_for_selector("#kv-status:text-is('paused')")
+    ms = page.evaluate(SYNTHETIC_MAP)
+    assert ms < 3000, f"{ms:.0f} ms to draw 400K blocks"
+    assert page.inner_text("#kv-scale") == "1 cell = 16 blocks"  # 186 x 140 cells of 3 px
+    assert count(page, "total") == 400000 and count(page, "shared") == 2000
+    assert page.evaluate("document.getElementById('kv-map').height") <= 420
+    tip = hover_block(page, 16 * 1000)
+    assert tip.startswith("blocks 16000–16015 (1 cell = 16 blocks)\n15 used · 1 shared · 0 cached-free"), tip
+    assert block_pixel(page, 250000 + 32) == FREE_RGB
+    assert page.problems == []

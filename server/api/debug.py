@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import APIRouter, Depends, Request
@@ -25,6 +26,9 @@ from server.api.auth import bearer_token, token_matches
 from server.api.errors import APIError
 
 POLL_INTERVAL_S = 0.25  # the page redraws at this rate; a step of the tiny model is far shorter
+# A map of a GPU cache (hundreds of thousands of blocks) takes the core a while to build: the stream waits
+# long enough between maps that watching takes at most this share of the engine's time.
+MAX_WATCH_SHARE = 0.1
 
 
 def require_api_key(request: Request) -> None:
@@ -84,8 +88,10 @@ async def snapshot_events(take: Callable[[], Awaitable[dict]], is_disconnected: 
     """``data: <map>`` events: the first map, then each map that differs from the one sent before."""
     sent = None
     while not await is_disconnected():
+        start = time.monotonic()
         data = json.dumps(await take(), separators=(",", ":"))
+        cost = time.monotonic() - start
         if data != sent:
             sent = data
             yield f"data: {data}\n\n"
-        await asyncio.sleep(interval_s)
+        await asyncio.sleep(max(interval_s, cost * (1 - MAX_WATCH_SHARE) / MAX_WATCH_SHARE))

@@ -269,6 +269,6 @@ $("run").addEventListener("click", runAll);
 $("stop").addEventListener("click", () => running.forEach((c) => c.abort()));
 $("live").addEventListener("change", restartKV);
 DEFAULT_PROMPTS.forEach((p) => addPrompt(p));
-window.playground = { kvmap, addPrompt, runAll };
+window.playground = { kvmap, addPrompt, runAll, showSnapshot };
 loadModel();
 watchKV();
