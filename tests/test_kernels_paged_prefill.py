@@ -145,9 +145,9 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [BF16, F16, F32])
-@pytest.mark.parametrize("hq,hkv,d,bs,win", [(32, 8, 128, 16, None), (32, 8, 64, 16, 100), (8, 1, 64, 1, None),
-                                             (6, 2, 80, 4, 100), (16, 16, 128, 128, None),
-                                             (16, 2, 256, 32, 100), (4, 4, 96, 256, None)])
+@pytest.mark.parametrize("hq,hkv,d,bs,win", [
+    (32, 8, 128, 16, None), (32, 8, 64, 16, 100), (8, 1, 64, 1, None), (6, 2, 80, 4, 100),
+    (16, 16, 128, 128, None), (16, 2, 256, 32, 100), (4, 4, 96, 256, None)])
 def test_gpu_grid(dtype, hq, hkv, d, bs, win):
     lens, new = [1000, 4097, 17, 1, 300, 64], [1000, 129, 17, 1, 0, 1]
     case, q, qsl = make_prefill_case(lens, new, hq, hkv, d, bs, dtype=dtype, seed=d + bs, device="cuda")
