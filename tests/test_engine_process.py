@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+import torch
 from engine_helpers import TINY, make_engine, run_all, wait_until
 from server_helpers import GREEDY, Server
 
@@ -158,3 +159,25 @@ def test_core_exits_when_the_api_process_is_killed(tmp_path):
             return f.read().split()[2] == "Z"
 
     assert wait_until(gone, timeout=5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_core_process_serves_the_same_greedy_tokens_as_in_process():
+    """The spawned core owns CUDA (the API process never initialises it) and matches the thread core."""
+    cfg = dict(model="tiny", device="cuda", dtype="bfloat16", num_blocks=256, max_num_seqs=16,
+               max_num_batched_tokens=256, attention_backend="triton")
+    results = {}
+    for in_process in (False, True):
+        e = AsyncEngine(EngineConfig(**cfg), in_process=in_process)
+        e.start()
+        try:
+            assert e.health()["device"].startswith("cuda") and e.health()["attention_backend"] == "triton"
+            results[in_process] = run_all(e, jobs(e.tokenizer))
+        finally:
+            e.shutdown(timeout=10)
+        if not in_process:
+            assert not torch.cuda.is_initialized(), "the API process initialised CUDA"
+    for r, s in zip(results[False], results[True], strict=True):
+        assert r.error is None and {i: c.token_ids for i, c in r.choices.items()} == \
+            {i: c.token_ids for i, c in s.choices.items()}

@@ -111,8 +111,10 @@ def test_disconnect_aborts_and_frees_blocks(server):
     assert server.metric("pagewalk_request_success_total", {"finish_reason": "abort"}) == aborted + 2
 
 
-def test_auth_and_sigterm_mid_stream_exits_zero(tmp_path):
-    srv = Server(tmp_path, "--shutdown-timeout", "0.5", env={"PAGEWALK_API_KEY": "k3y"})
+@pytest.mark.parametrize("core", ["process", "thread"])
+def test_auth_and_sigterm_mid_stream_exits_zero(tmp_path, core):
+    extra = ["--engine-in-process"] if core == "thread" else []
+    srv = Server(tmp_path, "--shutdown-timeout", "0.5", *extra, env={"PAGEWALK_API_KEY": "k3y"})
     try:
         assert httpx.get(f"{srv.url}/v1/models").status_code == 401
         headers = {"Authorization": "Bearer k3y"}
@@ -129,5 +131,6 @@ def test_auth_and_sigterm_mid_stream_exits_zero(tmp_path):
         last = json.loads(events[-2])["choices"][0]
         assert last["finish_reason"] == "abort"
         assert srv.proc.wait(timeout=60) == 0, srv.log.read_text()
+        assert f"engine_core={core}" in srv.log.read_text()
     finally:
         srv.stop()
