@@ -4,6 +4,7 @@ snapshot stream (asks the engine only while connected, sends a map only when it 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -139,3 +140,24 @@ def test_stream_spaces_out_maps_that_are_slow_to_build():
     elapsed = asyncio.run(go())
     # each map is followed by a wait of at least 9x its cost: the engine spends <= 10% of its time on maps
     assert elapsed >= polls * cost_s / debug.MAX_WATCH_SHARE * 0.95
+
+
+def test_stream_ends_with_an_error_body_when_the_engine_stops_answering():
+    asked = 0
+
+    async def take() -> dict:
+        nonlocal asked
+        asked += 1
+        if asked == 2:
+            raise debug.APIError(503, "the engine core is not running")
+        return {"v": 1}
+
+    async def never() -> bool:
+        return False
+
+    async def go() -> list[str]:
+        return [e async for e in debug.snapshot_events(take, never, interval_s=0)]
+
+    events = asyncio.run(go())
+    assert events[0] == 'data: {"v":1}\n\n' and len(events) == 2
+    assert json.loads(events[1].removeprefix("data: "))["error"]["type"] == "service_unavailable_error"

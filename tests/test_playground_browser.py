@@ -164,6 +164,17 @@ def test_prompt_streams_and_the_map_shows_its_blocks_until_it_ends(page):
     assert page.problems == []
 
 
+def test_chat_mode_streams_to_the_finish(page):
+    set_controls(page, max_tokens=40)
+    page.check("input[name=mode][value=chat]")
+    page.locator("#prompts textarea").first.fill("Say something")
+    page.locator("#prompts textarea").first.press("Control+Enter")
+    page.wait_for_selector(".output.done", timeout=30_000)
+    assert "finish: length" in page.inner_text(".output .head")
+    assert len(page.inner_text(".output .completion")) > 0
+    assert page.problems == []
+
+
 def hover_block(pg, block_id: int) -> str:
     box = pg.locator("#kv-map").bounding_box()
     c = pg.evaluate("(id) => window.playground.kvmap.cellCentre(id)", block_id)

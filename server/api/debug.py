@@ -22,8 +22,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.datastructures import Headers
 
+from server.api.async_engine import RequestRejected
 from server.api.auth import bearer_token, token_matches
-from server.api.errors import APIError
+from server.api.engine_stream import rejected_to_api_error
+from server.api.errors import APIError, error_body
 
 POLL_INTERVAL_S = 0.25  # the page redraws at this rate; a step of the tiny model is far shorter
 # A map of a GPU cache (hundreds of thousands of blocks) takes the core a while to build: the stream waits
@@ -50,9 +52,12 @@ async def read_snapshot(engine) -> dict:
     if take is None:
         raise APIError(503, f"this engine ({type(engine).__name__}) does not expose its KV block map",
                        code="kv_snapshot_unavailable")
-    snapshot = take()
-    if inspect.isawaitable(snapshot):
-        snapshot = await snapshot
+    try:
+        snapshot = take()
+        if inspect.isawaitable(snapshot):
+            snapshot = await snapshot
+    except RequestRejected as e:  # the core is not running (stopped, or died)
+        raise rejected_to_api_error(e) from None
     snapshot = dict(snapshot)
     if "running" not in snapshot or "waiting" not in snapshot:
         health = engine.health()
@@ -85,11 +90,17 @@ async def kvcache_stream(request: Request) -> StreamingResponse:
 
 async def snapshot_events(take: Callable[[], Awaitable[dict]], is_disconnected: Callable[[], Awaitable[bool]],
                           interval_s: float = POLL_INTERVAL_S) -> AsyncIterator[str]:
-    """``data: <map>`` events: the first map, then each map that differs from the one sent before."""
+    """``data: <map>`` events: the first map, then each map that differs from the one sent before; an
+    OpenAI error body as the last event if the engine stops answering."""
     sent = None
     while not await is_disconnected():
         start = time.monotonic()
-        data = json.dumps(await take(), separators=(",", ":"))
+        try:
+            snapshot = await take()
+        except APIError as e:
+            yield f"data: {json.dumps(error_body(e.status, e.message, e.param, e.code))}\n\n"
+            return
+        data = json.dumps(snapshot, separators=(",", ":"))
         cost = time.monotonic() - start
         if data != sent:
             sent = data

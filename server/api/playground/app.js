@@ -45,6 +45,9 @@ function addPrompt(text = "") {
   const node = $("prompt-tpl").content.firstElementChild.cloneNode(true);
   node.querySelector("textarea").value = text;
   node.querySelector(".remove").addEventListener("click", () => node.remove());
+  node.querySelector("textarea").addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) runAll();
+  });
   $("prompts").append(node);
   return node;
 }
@@ -229,7 +232,11 @@ async function watchKV() {
         $("kv-status").textContent = await errorMessage(r);
       } else {
         $("kv-status").textContent = "live";
-        for await (const data of sseData(r)) showSnapshot(JSON.parse(data));
+        for await (const data of sseData(r)) {
+          const snap = JSON.parse(data);
+          if (snap.error) $("kv-status").textContent = `${snap.error.message}; retrying`;
+          else showSnapshot(snap);
+        }
       }
     } catch (e) {
       if (e.name === "AbortError") break;
