@@ -44,7 +44,7 @@ def require_api_key(request: Request) -> None:
         raise APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
-router = APIRouter(dependencies=[Depends(require_api_key)])
+router = APIRouter(dependencies=[Depends(require_api_key)], include_in_schema=False)
 
 
 async def read_snapshot(engine) -> dict:
