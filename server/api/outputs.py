@@ -21,6 +21,9 @@ class ChoiceDelta:
     logprobs: list[TokenLogprob] | None  # one per new token when logprobs were asked for
     finish_reason: str | None = None  # None | "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string / stop token id that ended the choice
+    # the core's (logprob, [(token id, logprob)]) per prompt token (None first), on a choice's first delta
+    # when prompt logprobs were asked for
+    prompt_logprobs: list | None = None
 
 
 @dataclass
