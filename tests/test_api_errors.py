@@ -73,7 +73,6 @@ BAD_COMPLETIONS = [
     ({**CMPL, "presence_penalty": 3}, "presence_penalty"),
     ({**CMPL, "repetition_penalty": 0}, "repetition_penalty"),
     ({**CMPL, "seed": "x"}, "seed"),
-    ({**CMPL, "echo": True, "logprobs": 1}, "echo"),
     ({**CMPL, "suffix": "tail"}, "suffix"),
     ({**CMPL, "stream_options": {"include_usage": True}}, "stream_options"),
     ({**CMPL, "stream": False, "stream_options": {}}, "stream_options"),

@@ -64,7 +64,7 @@ class ChoiceStream:
         self.num_tokens += taken
         ids = ids[:taken] if taken < len(ids) else ids
         return ChoiceDelta(self.index, "".join(pieces), ids, self._logprobs(u, taken), reason,
-                           stop_reason), hit is not None and u.finish_reason is None
+                           stop_reason, u.prompt_logprobs), hit is not None and u.finish_reason is None
 
     def _finish_text(self) -> tuple[str, str | None]:
         """The core ended the choice: the detokenizer's held bytes, then the held stop-string prefix

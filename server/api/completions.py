@@ -20,11 +20,10 @@ from server.api.engine_stream import (
     merged_outputs,
     usage,
 )
-from server.api.errors import APIError
-from server.api.logprobs import completion_logprobs
+from server.api.logprobs import completion_logprobs, echo_logprobs, joined
 from server.api.parsing import check_model, parse_body
 from server.api.prompts import check_context_length
-from server.api.protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from server.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from server.api.sampling import DEFAULT_COMPLETION_MAX_TOKENS, check_token_ids, sampling_params
 from server.api.streaming import CHUNK_TAIL, chunk_head, job_response, json_member, sse_event
 from server.api.outputs import ChoiceDelta
@@ -63,6 +62,15 @@ class CompletionJob:
             token_ids=token_ids if ids_wanted else None,
             prompt_token_ids=self.prompts[index // self.params.n] if ids_wanted and with_prompt_ids else None)
 
+    def echo_logprobs(self, index: int, entries: list) -> CompletionLogprobs:
+        return echo_logprobs(self.engine.tokenizer, self.prompts[index // self.params.n], entries)
+
+    def echo_choice(self, index: int, prompt_logprobs: list | None) -> CompletionChoice:
+        """The streamed echo of choice `index`'s prompt, with its logprobs when the core sent them."""
+        c = self.choice(index, self.prompt_texts[index // self.params.n], None, 0, [], True)
+        c.logprobs = None if prompt_logprobs is None else self.echo_logprobs(index, prompt_logprobs)
+        return c
+
     def response(self, choices: list[CompletionChoice], usage_=None) -> CompletionResponse:
         return CompletionResponse(id=self.request_id, created=self.created, model=self.engine.model_name,
                                   choices=choices, usage=usage_)
@@ -93,8 +101,6 @@ async def create_completion(request: Request) -> Response:
     engine = request.app.state.engine
     req = await parse_body(request, CompletionRequest)
     check_model(engine, req.model)
-    if req.echo and req.logprobs is not None:
-        raise APIError(400, "echo together with logprobs is not supported (no prompt logprobs).", "echo")
     job = _job(engine, req)
     admit(engine, job.prompts, job.params)
     return await job_response(request, req.stream, lambda: _stream(job), lambda: _complete(job))
@@ -114,6 +120,8 @@ def _job(engine, req: CompletionRequest) -> CompletionJob:
     max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
     check_context_length(engine, prompts, max_tokens, "prompt")
     params = sampling_params(req, max_tokens, req.logprobs, tok.vocab_size)
+    if req.echo and req.logprobs is not None:  # the echoed prompt comes with its logprobs
+        params.prompt_logprobs = req.logprobs
     return CompletionJob(engine, req, f"cmpl-{uuid.uuid4().hex}", int(time.time()), prompts, texts, params)
 
 
@@ -127,6 +135,8 @@ async def _complete(job: CompletionJob) -> bytes:
         c.finish_reason, c.stop_reason = st.finish_reason, st.stop_reason
         if job.req.logprobs is not None:
             c.logprobs = completion_logprobs(st.logprobs, base)
+            if job.req.echo and st.prompt_logprobs is not None:
+                c.logprobs = joined(job.echo_logprobs(index, st.prompt_logprobs), c.logprobs)
         choices.append(c)
     resp = job.response(choices, usage(job.prompts, states))
     return resp.model_dump_json().encode()
@@ -136,7 +146,7 @@ async def _stream(job: CompletionJob) -> AsyncIterator[str]:
     states = job.new_states()
     n = job.params.n
     started = [False] * len(states)
-    if job.req.echo:
+    if job.req.echo and job.req.logprobs is None:
         for index, st in enumerate(states):
             started[index] = True
             yield sse_event(job.response([job.choice(index, st.text, None, 0, [], True)]))
@@ -146,6 +156,9 @@ async def _stream(job: CompletionJob) -> AsyncIterator[str]:
                 raise engine_error(out)
             for d in out.deltas:
                 index = i * n + d.index
+                if job.req.echo and not started[index]:  # with logprobs: they came with this first delta
+                    started[index] = True
+                    yield sse_event(job.response([job.echo_choice(index, d.prompt_logprobs)]))
                 offset = len(states[index].text)
                 states[index].add(d)
                 if d.text or d.token_ids or d.finish_reason:

@@ -37,8 +37,11 @@ class ChoiceState:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: list | None = None  # ChoiceDelta.prompt_logprobs, from the choice's first delta
 
     def add(self, delta: ChoiceDelta) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.text += delta.text
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs or []

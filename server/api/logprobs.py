@@ -18,6 +18,34 @@ def completion_logprobs(tokens: list[TokenLogprob], text_offset: int) -> Complet
     return out
 
 
+def echo_logprobs(tokenizer, prompt_ids: list[int], entries: list) -> CompletionLogprobs:
+    """The prompt's part of `echo` with `logprobs`: one entry per prompt token from the core's prompt
+    logprobs, the first without a logprob (nothing precedes it). A position's top_logprobs holds the prompt
+    token itself besides the top-k, as OpenAI's and vLLM's do."""
+    out = CompletionLogprobs()
+    offset = 0
+    for token, entry in zip(prompt_ids, entries, strict=True):
+        text = tokenizer.decode([token])
+        out.tokens.append(text)
+        out.text_offset.append(offset)
+        offset += len(text)
+        if entry is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        logprob, top = entry
+        out.token_logprobs.append(logprob)
+        out.top_logprobs.append({**{tokenizer.decode([t]): lp for t, lp in top}, text: logprob})
+    return out
+
+
+def joined(first: CompletionLogprobs, then: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(tokens=first.tokens + then.tokens,
+                              token_logprobs=first.token_logprobs + then.token_logprobs,
+                              top_logprobs=first.top_logprobs + then.top_logprobs,
+                              text_offset=first.text_offset + then.text_offset)
+
+
 def chat_logprobs(tokens: list[TokenLogprob], num_top: int) -> ChatLogprobs:
     return ChatLogprobs(content=[
         ChatTokenLogprob(token=lp.token, logprob=lp.logprob, bytes=_bytes(lp.token),

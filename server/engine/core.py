@@ -17,6 +17,7 @@ import torch
 from kvcache import KVCacheManager
 from kvcache.snapshot import block_map
 from server.engine.outputs import CoreStats, EngineRequest, SeqUpdate, StepUpdate, TokenLogprobs
+from server.engine.prompt_logprobs import prompt_logprobs
 from server.engine.request import Request
 from server.engine.runner import SeqChunk
 from server.engine.sampler import Sampler, SamplerOutput, make_generator
@@ -46,6 +47,9 @@ class EngineCore:
         if er.request_id in self.requests:
             raise ValueError(f"request id {er.request_id!r} is already in the engine")
         req = Request(er.request_id, list(er.prompt_token_ids), er.params, er.arrival_time)
+        if er.params.prompt_logprobs is not None:
+            req.prompt_logprobs = prompt_logprobs(self.runner.model, req.prompt_token_ids,
+                                                  er.params.prompt_logprobs)
         req.seqs = [self._new_seq(req, i) for i in range(er.params.n)]
         parent = req.seqs[0]
         for child in req.seqs[1:]:
@@ -160,6 +164,8 @@ class EngineCore:
         p = seq.params
         logprobs = [self._logprobs(seq, sampled, r)] if sampled.logprobs is not None and p.logprobs is not None \
             else None
+        first = len(seq.output_token_ids) == 1
+        prompt_lps = self.requests[seq.request_id].prompt_logprobs if first else None
         reason, stop_token = None, None
         if token in p.stop_token_ids:
             reason, stop_token = "stop", token
@@ -171,7 +177,8 @@ class EngineCore:
             seq.finish_reason, seq.stop_reason = reason, stop_token
             self.scheduler.finish(seq)
             self._forget_if_finished(self.requests[seq.request_id])
-        return SeqUpdate(seq.request_id, seq.index, [token], logprobs, reason, stop_token)
+        return SeqUpdate(seq.request_id, seq.index, [token], logprobs, reason, stop_token,
+                         prompt_logprobs=prompt_lps)
 
     @staticmethod
     def _logprobs(seq: Sequence, sampled: SamplerOutput, r: int) -> TokenLogprobs:

@@ -34,6 +34,8 @@ class SeqUpdate(msgspec.Struct, array_like=True):
     finish_reason: str | None = None  # None | "stop" | "length" | "abort" | "error"
     stop_token_id: int | None = None  # finish "stop" on a stop token id; None with EOS. The last new id.
     error: str | None = None  # finish "error": what failed
+    # on a choice's first update when the request asked for prompt logprobs: one per prompt token, None first
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class CoreStats(msgspec.Struct, array_like=True):

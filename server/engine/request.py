@@ -15,6 +15,7 @@ class Request:
     params: SamplingParams
     arrival_time: float
     seqs: list[Sequence] = field(default_factory=list)  # index order: seqs[i].index == i
+    prompt_logprobs: list | None = None  # TokenLogprobs per prompt token (None first), when asked for
 
     @property
     def finished(self) -> bool:

@@ -21,6 +21,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1  # choices; prefilled once, then forked
     logprobs: int | None = None  # None: no logprobs; k: sampled token's + top-k
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob + top-k
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -55,6 +56,9 @@ class SamplingParams:
         lp = self.logprobs
         _check(lp is None or (isinstance(lp, int) and 0 <= lp <= MAX_LOGPROBS),
                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        plp = self.prompt_logprobs
+        _check(plp is None or (isinstance(plp, int) and 0 <= plp <= MAX_LOGPROBS),
+               f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {plp}")
         _check(-2.0 <= self.presence_penalty <= 2.0,
                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         _check(-2.0 <= self.frequency_penalty <= 2.0,

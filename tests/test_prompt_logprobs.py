@@ -1,0 +1,99 @@
+"""Prompt logprobs (`echo` + `logprobs` on /v1/completions): against transformers' logits on small byte-BPE
+checkpoints, against the engine's own sampled-token logprobs on the tiny preset, and the OpenAI shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+import torch
+from model_fixtures import hf_config, write_hf_checkpoint
+
+from server.api.app import create_app
+from server.engine.prompt_logprobs import ROWS_PER_CHUNK, prompt_logprobs
+from server.engine.sampling_params import SamplingParams
+from server.model import load_model
+from tests.engine_helpers import started_engine
+
+pytestmark = pytest.mark.timeout(120)
+
+CFG = dict(device="cpu", attention_backend="torch", num_blocks=64)
+
+
+def post(app, body: dict) -> httpx.Response:
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post("/v1/completions", json=body, timeout=60)
+    return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    with started_engine(model="tiny", **CFG) as engine:
+        yield create_app(engine), engine
+
+
+@pytest.mark.parametrize("arch,overrides", [("llama", {}),
+                                            ("mistral", {"sliding_window": 5, "head_dim": 16})])
+def test_prompt_logprobs_equal_transformers(tmp_path, arch, overrides):
+    hf_model = write_hf_checkpoint(tmp_path, hf_config(arch, **overrides))
+    model, tok = load_model(str(tmp_path), "cpu", torch.float32)
+    ids = tok.encode("héllo 東京 🙂 and a longer prompt about paged attention")
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0].log_softmax(-1)  # (T, V)
+    out = prompt_logprobs(model, ids, 3)
+    assert out[0] is None and len(out) == len(ids)
+    for t, (logprob, top) in enumerate(out[1:], start=1):
+        assert logprob == pytest.approx(ref[t - 1, ids[t]].item(), abs=1e-4)
+        assert [i for i, _ in top] == ref[t - 1].topk(3).indices.tolist()
+
+
+def test_long_prompts_are_chunked_the_same(monkeypatch):
+    model, tok = load_model("tiny", "cpu")
+    ids = tok.encode("chunks of the lm_head " * 3)
+    whole = prompt_logprobs(model, ids, 2)
+    monkeypatch.setattr("server.engine.prompt_logprobs.ROWS_PER_CHUNK", 5)
+    assert ROWS_PER_CHUNK > len(ids)
+    chunked = prompt_logprobs(model, ids, 2)
+    assert [e[0] for e in chunked[1:]] == pytest.approx([e[0] for e in whole[1:]], abs=1e-5)
+
+
+def test_echo_logprobs_match_the_engines_sampled_logprobs(tiny):
+    app, engine = tiny
+    first = post(app, {"prompt": "Once upon", "max_tokens": 6, "temperature": 0, "logprobs": 2,
+                       "ignore_eos": True, "return_token_ids": True}).json()["choices"][0]
+    prompt_ids = first["prompt_token_ids"] + first["token_ids"]  # the greedy continuation, fed back
+    echoed = post(app, {"prompt": prompt_ids, "max_tokens": 1, "temperature": 0, "logprobs": 2,
+                        "echo": True, "ignore_eos": True}).json()["choices"][0]
+    lp = echoed["logprobs"]
+    n = len(prompt_ids)
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n + 1
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][n - 6 : n] == pytest.approx(first["logprobs"]["token_logprobs"], abs=1e-4)
+    prompt_part = zip(lp["top_logprobs"][1:n], lp["tokens"][1:n], lp["token_logprobs"][1:n], strict=True)
+    for top, tok, x in prompt_part:
+        assert top[tok] == x and 2 <= len(top) <= 3  # the prompt token besides the top 2
+    assert echoed["text"].startswith(engine.tokenizer.decode(prompt_ids))
+
+
+def test_echo_logprobs_n_prompts_and_stream(tiny):
+    app, _ = tiny
+    body = {"prompt": ["ab", "xyz"], "n": 2, "max_tokens": 2, "logprobs": 0, "echo": True, "temperature": 0.8,
+            "seed": 1}
+    choices = post(app, body).json()["choices"]
+    assert [len(c["logprobs"]["tokens"]) for c in choices] == [3 + 2, 3 + 2, 4 + 2, 4 + 2]  # BOS + bytes
+    assert choices[0]["logprobs"]["token_logprobs"][:3] == choices[1]["logprobs"]["token_logprobs"][:3]
+    r = post(app, {**body, "stream": True})
+    events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+    echoes = [e["choices"][0] for e in events if e["choices"][0]["text"] in ("ab", "xyz")]
+    assert sorted(c["index"] for c in echoes) == [0, 1, 2, 3]
+    assert all(c["logprobs"]["token_logprobs"][0] is None and len(c["logprobs"]["tokens"]) in (3, 4)
+               for c in echoes)
+
+
+def test_prompt_logprobs_is_validated():
+    SamplingParams(prompt_logprobs=20).validate(259)
+    with pytest.raises(ValueError, match="prompt_logprobs must be in"):
+        SamplingParams(prompt_logprobs=21).validate(259)
