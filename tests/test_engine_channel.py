@@ -30,3 +30,24 @@ def test_fifo_wakes_the_reader_and_survives_a_cancelled_read():
         assert [await ch.get(), await ch.get()] == ["d", "e"]
 
     asyncio.run(main())
+
+
+def test_a_reader_that_fell_behind_gets_one_merged_output():
+    from server.api.outputs import ChoiceDelta, RequestOutput, TokenLogprob
+
+    lp = [TokenLogprob(7, "b", -0.5)]
+    outs = [RequestOutput("r", [1], [ChoiceDelta(0, "a", [6], None), ChoiceDelta(1, "x", [9], None)], False),
+            RequestOutput("r", [1], [ChoiceDelta(0, "b", [7], lp, "length")], False),
+            RequestOutput("r", [1], [ChoiceDelta(1, "", [], None, "abort")], True)]
+
+    async def main():
+        ch = OutputChannel(asyncio.get_running_loop())
+        for o in outs:
+            ch.put(o)
+        return await ch.get_merged(), ch.items
+
+    merged, left = asyncio.run(main())
+    assert not left and merged.finished and merged.error is None
+    assert [(d.index, d.text, d.token_ids, d.finish_reason) for d in merged.deltas] == \
+        [(0, "ab", [6, 7], "length"), (1, "x", [9], "abort")]
+    assert merged.deltas[0].logprobs == lp and outs[0].deltas[0].token_ids == [6]  # inputs untouched

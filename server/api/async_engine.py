@@ -146,7 +146,8 @@ class AsyncEngine:
     # ---- requests ---------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Stream of RequestOutputs, the last with finished=True. Closing it early aborts the request."""
+        """Stream of RequestOutputs, the last with finished=True; what arrived while the reader was busy
+        comes merged into one. Closing the stream early aborts the request."""
         try:
             params.validate(self.vocab_size)
         except ValueError as e:
@@ -165,7 +166,7 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                out = await live.channel.get()
+                out = await live.channel.get_merged()
                 finished = out.finished
                 yield out
         finally:

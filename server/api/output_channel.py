@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from server.api.outputs import RequestOutput
+from server.api.outputs import RequestOutput, merge_outputs
 
 
 class OutputChannel:
@@ -30,6 +30,14 @@ class OutputChannel:
             self.waiter = self.loop.create_future()
             await self.waiter
         return self.items.popleft()
+
+    async def get_merged(self) -> RequestOutput:
+        """Everything waiting, as one output (merge_outputs)."""
+        first = await self.get()
+        if not self.items:
+            return first
+        rest, self.items = list(self.items), deque()
+        return merge_outputs([first, *rest])
 
 
 def call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:

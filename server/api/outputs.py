@@ -33,3 +33,28 @@ class RequestOutput:
     deltas: list[ChoiceDelta]
     finished: bool  # every choice has a finish_reason
     error: str | None = None
+
+
+def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one: each choice's deltas concatenated in order. A reader
+    that fell behind (the event loop busier than the engine's step rate) catches up in one SSE event per
+    choice instead of one per step."""
+    if len(outs) == 1:
+        return outs[0]
+    merged: dict[int, ChoiceDelta] = {}
+    for out in outs:
+        for d in out.deltas:
+            m = merged.get(d.index)
+            if m is None:
+                merged[d.index] = ChoiceDelta(d.index, d.text, list(d.token_ids),
+                                              None if d.logprobs is None else list(d.logprobs),
+                                              d.finish_reason, d.stop_reason, d.prompt_logprobs)
+                continue
+            m.text += d.text
+            m.token_ids += d.token_ids
+            if d.logprobs is not None:
+                m.logprobs = (m.logprobs or []) + d.logprobs
+            m.finish_reason, m.stop_reason = d.finish_reason, d.stop_reason
+    last = outs[-1]
+    error = next((o.error for o in outs if o.error), None)
+    return RequestOutput(last.request_id, last.prompt_token_ids, list(merged.values()), last.finished, error)
