@@ -193,8 +193,9 @@ class AsyncEngine:
             raise RequestRejected(503, "the engine core is not running")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        call_id = next(self._call_ids)
-        self._calls[call_id] = (loop, future)
+        with self._lock:
+            call_id = next(self._call_ids)
+            self._calls[call_id] = (loop, future)
         self.client.send(Query(call_id, name))
         return await future
 
@@ -218,8 +219,10 @@ class AsyncEngine:
         if isinstance(msg, StepUpdate):
             self._on_step(msg)
         elif isinstance(msg, Reply):
-            loop, future = self._calls.pop(msg.call_id)
-            call_soon(loop, _resolve, future, msg.value, None)
+            with self._lock:
+                call = self._calls.pop(msg.call_id, None)
+            if call is not None:
+                call_soon(call[0], _resolve, call[1], msg.value, None)
 
     def _on_step(self, step: StepUpdate) -> None:
         s = step.stats

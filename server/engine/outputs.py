@@ -58,33 +58,3 @@ class StepUpdate(msgspec.Struct, tag="step"):
     updates: list[SeqUpdate]
     stats: CoreStats
 
-
-# ---- API-side records, moving to server/api/outputs.py with the process split -----------------------
-from dataclasses import dataclass, field  # noqa: E402
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    token: str
-    logprob: float
-    top: list[tuple[int, str, float]] = field(default_factory=list)  # (token_id, token, logprob), best first
-
-
-@dataclass
-class ChoiceDelta:
-    index: int  # choice index in [0, n)
-    text: str  # new text since the previous delta of this choice; stop strings are never in it
-    token_ids: list[int]  # new token ids since the previous delta
-    logprobs: list[TokenLogprob] | None  # one per new token when logprobs were asked for
-    finish_reason: str | None = None  # None | "stop" | "length" | "abort" | "error"
-    stop_reason: str | int | None = None  # the stop string / stop token id that ended the choice
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    deltas: list[ChoiceDelta]
-    finished: bool  # every choice has a finish_reason
-    error: str | None = None
