@@ -2,7 +2,9 @@
 
 A request's clock starts when it gets a concurrency slot (as in vLLM's `bench serve`), so TTFT measures
 the server, not the client's own queue. Setting `stop` (Ctrl-C) cancels what is in flight and returns the
-records of the requests that had finished, with `interrupted=True`.
+records of the requests that had finished, with `interrupted=True`. Offsets count from `start_at` (a
+`time.perf_counter()` time, now by default), which lets several processes share one arrival schedule
+(processes.py).
 """
 
 from __future__ import annotations
@@ -10,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
 from loadtest.client import ClientConfig, RequestRecord, send_request
+from loadtest.cpu import LoadMeter, ProcessLoad
 from loadtest.workload import RequestSpec
 
 
@@ -24,6 +27,7 @@ class BenchmarkRun:
     num_requested: int
     concurrency: int
     interrupted: bool = False
+    loads: list[ProcessLoad] = field(default_factory=list)  # the load generator's CPU, one per process
 
     @property
     def start_time(self) -> float:
@@ -53,6 +57,7 @@ async def run_benchmark(
     offsets: list[float],
     stop: asyncio.Event | None = None,
     on_record: Callable[[RequestRecord], None] | None = None,
+    start_at: float | None = None,
 ) -> BenchmarkRun:
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
@@ -68,7 +73,7 @@ async def run_benchmark(
             on_record(rec)
 
     async def dispatch() -> None:
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if start_at is None else start_at
         for spec, offset in zip(specs, offsets, strict=True):
             delay = t0 + offset - time.perf_counter()
             if delay > 0:
@@ -88,4 +93,21 @@ async def run_benchmark(
         stopper.cancel()
     if not run.interrupted and dispatcher.exception() is not None:
         raise dispatcher.exception()
+    return run
+
+
+async def drive(
+    specs: list[RequestSpec],
+    cfg: ClientConfig,
+    concurrency: int,
+    offsets: list[float],
+    stop: asyncio.Event | None = None,
+    on_record: Callable[[RequestRecord], None] | None = None,
+    start_at: float | None = None,
+) -> BenchmarkRun:
+    """run_benchmark with a client of its own, recording this process's CPU from `start_at` to the end."""
+    async with make_client(concurrency, cfg.timeout_s) as client:
+        meter = LoadMeter("driver", start_at)
+        run = await run_benchmark(client, specs, cfg, concurrency, offsets, stop, on_record, start_at)
+        run.loads.append(meter.stop())
     return run

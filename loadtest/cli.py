@@ -20,7 +20,7 @@ from loadtest.metrics import SLO
 from loadtest.plot import plot_run, plot_sweep
 from loadtest.report import load_report, print_compare, print_report, save_report
 from loadtest.session import RunSettings, discover, measure, warm_up
-from loadtest.sweep import parse_levels, run_sweep, sweep_table
+from loadtest.sweep import parse_levels, run_sweep, sweep_table, sweep_warnings
 from loadtest.workload import LengthRange
 
 
@@ -59,7 +59,19 @@ def build_parser() -> argparse.ArgumentParser:
       help="do not ask for per-chunk token_ids (for servers that reject unknown fields)")
     a("--save-detailed", action="store_true", help="also store every chunk's timestamp in the JSON")
     a("--no-progress", action="store_true")
+    a("--processes", type=parse_processes, default=1, metavar="N|auto",
+      help="worker processes sharing the requests and the concurrency (default 1: this process); auto = "
+      "min(ceil(concurrency / 32), cpu_count // 2) at each level")
     return p
+
+
+def parse_processes(text: str) -> int | None:
+    """'auto' -> None (chosen per concurrency level), else a count >= 1."""
+    if text == "auto":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a count >= 1 or 'auto', got {text!r}")
+    return int(text)
 
 
 def settings_from_args(args: argparse.Namespace, argv: list[str]) -> RunSettings:
@@ -73,7 +85,7 @@ def settings_from_args(args: argparse.Namespace, argv: list[str]) -> RunSettings
         slo=SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms), warmup=args.warmup,
         vocab_range=(vocab.low, vocab.high), temperature=args.temperature, timeout_s=args.request_timeout,
         return_token_ids=not args.no_return_token_ids, detailed=args.save_detailed,
-        progress=not args.no_progress,
+        progress=not args.no_progress, processes=args.processes,
         command=shlex.join(["python", "-m", "loadtest", *argv]),
     )  # fmt: skip
 
@@ -112,6 +124,8 @@ async def _run(settings: RunSettings, levels: list[int] | None, out: str | None,
     if levels is not None:
         reports = await run_sweep(settings, server, levels, stop, err)
         console.print(sweep_table(reports))
+        for line in sweep_warnings(reports):
+            console.print(f"[yellow]{line}[/]", soft_wrap=True)
         if out:
             save_report({"command": settings.command, "sweep": reports}, out)
         if plot and reports:

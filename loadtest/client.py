@@ -1,11 +1,12 @@
 """One request against an OpenAI-compatible server, timed per streamed chunk.
 
 Times are `time.perf_counter()` seconds. `send_time` is taken just before the request goes out (after the
-concurrency slot is acquired), each content chunk is stamped when its SSE line is read, `end_time` when the
-stream ends. A content chunk is one whose choice carries non-empty text (completions) or delta content
-(chat), as in vLLM's `bench serve`, or non-empty `token_ids`: streaming requests ask for them
-(`return_token_ids`, which pagewalk and vLLM honour and other servers ignore), so a token whose text is not
-yet printable (half a UTF-8 character, or an id outside a byte tokenizer's range) still counts as arriving.
+concurrency slot is acquired), each content chunk is stamped when the network read carrying it returns
+(sse.py), `end_time` when the stream ends. A content chunk is one whose choice carries non-empty text
+(completions) or delta content (chat), as in vLLM's `bench serve`, or non-empty `token_ids`: streaming
+requests ask for them (`return_token_ids`, which pagewalk and vLLM honour and other servers ignore), so a
+token whose text is not yet printable (half a UTF-8 character, or an id outside a byte tokenizer's range)
+still counts as arriving.
 The output token count is the server's `usage.completion_tokens` when the response has it, else the number
 of token ids streamed, else the number of content chunks.
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from loadtest.sse import StreamReader
 from loadtest.workload import RequestSpec
 
 
@@ -102,14 +104,6 @@ def build_payload(spec: RequestSpec, cfg: ClientConfig) -> dict:
     return payload
 
 
-def chunk_text(choice: dict) -> str:
-    if "delta" in choice:
-        return (choice.get("delta") or {}).get("content") or ""
-    if "message" in choice:
-        return (choice.get("message") or {}).get("content") or ""
-    return choice.get("text") or ""
-
-
 async def send_request(client: httpx.AsyncClient, spec: RequestSpec, cfg: ClientConfig) -> RequestRecord:
     rec = RequestRecord(spec.index, spec.input_len, spec.output_len, send_time=time.perf_counter())
     try:
@@ -136,36 +130,20 @@ def _fail(rec: RequestRecord, kind: str, message: str) -> None:
 
 async def _stream(client: httpx.AsyncClient, spec: RequestSpec, cfg: ClientConfig, rec: RequestRecord):
     payload = build_payload(spec, cfg)
+    reader = StreamReader(rec.chunk_times)
     async with client.stream("POST", cfg.url, json=payload, headers=cfg.headers()) as resp:
         if resp.status_code != 200:
             body = (await resp.aread()).decode(errors="replace")
             return _fail(rec, f"http_{resp.status_code}", body)
-        done = False
-        usage = None
-        streamed_ids = 0
-        async for line in resp.aiter_lines():
-            now = time.perf_counter()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                done = True  # read on to the end of the body so the connection returns to the pool
-                continue
-            try:
-                chunk = json.loads(data)
-            except json.JSONDecodeError:
-                return _fail(rec, "bad_response", data)
-            if "error" in chunk:
-                return _fail(rec, "stream_error", json.dumps(chunk["error"]))
-            usage = chunk.get("usage") or usage
-            choices = chunk.get("choices") or []
-            ids = sum(len(c.get("token_ids") or []) for c in choices)
-            if ids or any(chunk_text(c) for c in choices):
-                rec.chunk_times.append(now)
-                streamed_ids += ids
-    if not done:
+        async for data in resp.aiter_bytes():
+            if not reader.feed(data, time.perf_counter()):
+                return _fail(rec, *reader.failure)
+        if not reader.close(time.perf_counter()):
+            return _fail(rec, *reader.failure)
+    if not reader.done:
         return _fail(rec, "incomplete_stream", "stream ended without data: [DONE]")
-    _apply_usage(rec, usage, streamed_ids or len(rec.chunk_times))
+    counted = reader.streamed_ids or len(rec.chunk_times)
+    _apply_usage(rec, reader.completion_tokens, reader.prompt_tokens, counted)
 
 
 async def _unary(client: httpx.AsyncClient, spec: RequestSpec, cfg: ClientConfig, rec: RequestRecord):
@@ -179,14 +157,15 @@ async def _unary(client: httpx.AsyncClient, spec: RequestSpec, cfg: ClientConfig
     # Without streaming the first token is seen with the whole response: TTFT = e2el, no ITL, no TPOT.
     rec.chunk_times.append(time.perf_counter())
     rec.streamed = False
-    _apply_usage(rec, body.get("usage"), 0)
+    usage = body.get("usage") or {}
+    _apply_usage(rec, usage.get("completion_tokens"), usage.get("prompt_tokens"), 0)
 
 
-def _apply_usage(rec: RequestRecord, usage: dict | None, counted: int) -> None:
-    usage = usage or {}
-    rec.output_tokens = int(usage["completion_tokens"]) if "completion_tokens" in usage else counted
-    if "prompt_tokens" in usage:
-        rec.input_len = int(usage["prompt_tokens"])
+def _apply_usage(rec: RequestRecord, completion_tokens: int | None, prompt_tokens: int | None, counted: int):
+    """The server's usage counts win over what the client counted."""
+    rec.output_tokens = counted if completion_tokens is None else int(completion_tokens)
+    if prompt_tokens is not None:
+        rec.input_len = int(prompt_tokens)
 
 
 async def fetch_json(client: httpx.AsyncClient, base_url: str, path: str, api_key: str | None) -> dict | None:

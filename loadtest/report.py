@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from loadtest.benchmark import BenchmarkRun
+from loadtest.cpu import busy_warning, load_fields
 from loadtest.metrics import BenchmarkMetrics
 
 DISTRIBUTIONS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
@@ -20,6 +21,7 @@ SCALARS = (
     "completed", "failed", "duration_s", "request_throughput", "output_throughput",
     "total_token_throughput", "total_input_tokens", "total_output_tokens", "request_goodput",
 )  # fmt: skip
+CLIENT_LOAD = ("client_processes", "client_cpu_s", "client_cpu_util", "client_busy_max")
 HIGHER_IS_BETTER = {"completed", "request_throughput", "output_throughput", "total_token_throughput",
                     "request_goodput", "total_output_tokens", "total_input_tokens"}  # fmt: skip
 
@@ -39,8 +41,10 @@ def build_report(
         "interrupted": run.interrupted,
         "num_requested": run.num_requested,
         **dataclasses.asdict(metrics),
+        **load_fields(run.loads),
         "server_health": health,
-        "client": {"python": platform.python_version(), "host": platform.node()},
+        "client": {"python": platform.python_version(), "host": platform.node(),
+                   "loads": [dataclasses.asdict(x) for x in run.loads]},  # fmt: skip
         "requests": [_request_row(r, run.start_time, detailed) for r in run.records],
     }
     return report
@@ -100,8 +104,14 @@ def print_report(report: dict, console: Console | None = None) -> None:
         table.add_row("good_requests", f"{report['good_requests']} ({slo})")
     for kind, n in report.get("errors", {}).items():
         table.add_row(f"errors.{kind}", str(n))
+    for key in CLIENT_LOAD:
+        if report.get(key) is not None:
+            table.add_row(key, fmt(report[key]))
     console.print(table)
     console.print(distribution_table(report))
+    warning = busy_warning(report)
+    if warning:
+        console.print(f"[yellow]{warning}[/]", soft_wrap=True)
     health = report.get("server_health")
     if health:
         console.print("server /health: " + json.dumps(health, separators=(",", ":")), soft_wrap=True)

@@ -10,9 +10,10 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from loadtest.benchmark import BenchmarkRun, make_client, run_benchmark
+from loadtest.benchmark import BenchmarkRun
 from loadtest.client import ClientConfig, RequestRecord, calibrate_chat_overhead, fetch_json
 from loadtest.metrics import SLO, compute_metrics
+from loadtest.processes import auto_processes, run_workload
 from loadtest.report import build_report
 from loadtest.workload import LengthRange, arrival_offsets, build_workload
 
@@ -39,7 +40,11 @@ class RunSettings:
     return_token_ids: bool = True
     detailed: bool = False
     progress: bool = True
+    processes: int | None = 1  # None: auto_processes(concurrency) at each level
     command: str = ""
+
+    def processes_for(self, concurrency: int) -> int:
+        return auto_processes(concurrency) if self.processes is None else self.processes
 
     def config_dict(self, concurrency: int) -> dict:
         lens = lambda r: r.low if r.low == r.high else f"{r.low}-{r.high}"
@@ -50,6 +55,7 @@ class RunSettings:
             "burstiness": self.burstiness, "input_len": lens(self.input_lens),
             "output_len": lens(self.output_lens), "seed": self.seed, "stream": self.stream,
             "warmup": self.warmup, "temperature": self.temperature,
+            "processes": "auto" if self.processes is None else self.processes,
         }  # fmt: skip
 
 
@@ -91,9 +97,8 @@ async def warm_up(settings: RunSettings, server: Server, concurrency: int) -> li
     specs = build_workload(settings.warmup, settings.input_lens, settings.output_lens, settings.seed + 7919,
                            settings.endpoint, settings.vocab_range, server.chat_overhead)  # fmt: skip
     level = min(concurrency, settings.warmup)
-    async with make_client(level, settings.timeout_s) as client:
-        cfg = client_config(settings, server.model)
-        run = await run_benchmark(client, specs, cfg, level, [0.0] * len(specs))
+    cfg = client_config(settings, server.model)
+    run = await run_workload(specs, cfg, level, [0.0] * len(specs), settings.processes_for(concurrency))
     return run.records
 
 
@@ -124,9 +129,9 @@ async def measure(
             failed += not rec.success
             progress.update(task, advance=1, failed=failed)
 
-        async with make_client(level, settings.timeout_s) as client:
-            run = await run_benchmark(client, specs, cfg, level, offsets, stop, on_record)
-            health_after = await fetch_json(client, settings.base_url, "/health", settings.api_key)
+        run = await run_workload(specs, cfg, level, offsets, settings.processes_for(level), stop, on_record)
+    async with httpx.AsyncClient() as client:
+        health_after = await fetch_json(client, settings.base_url, "/health", settings.api_key)
     metrics = compute_metrics(run.records, run.duration_s, settings.slo)
     config = settings.config_dict(level) | {"model": server.model}
     if settings.endpoint == "chat":

@@ -7,6 +7,7 @@ import asyncio
 from rich.console import Console
 from rich.table import Table
 
+from loadtest.cpu import busy_warning
 from loadtest.report import fmt
 from loadtest.session import RunSettings, Server, measure
 
@@ -21,6 +22,8 @@ COLUMNS = (
     ("TPOT p99", "tpot_ms", "p99"),
     ("ITL p50", "itl_ms", "p50"),
     ("E2EL p50", "e2el_ms", "p50"),
+    ("client procs", "client_processes", None),
+    ("client busy max", "client_busy_max", None),
 )
 
 
@@ -61,3 +64,13 @@ def sweep_table(reports: list[dict]) -> Table:
         suffix = " (interrupted)" if r["interrupted"] else ""
         table.add_row(str(r["config"]["concurrency"]) + suffix, *cells)
     return table
+
+
+def sweep_warnings(reports: list[dict]) -> list[str]:
+    """One line per level whose load generator may have been the bottleneck."""
+    lines = []
+    for r in reports:
+        warning = busy_warning(r)
+        if warning:
+            lines.append(f"concurrency {r['config']['concurrency']}: {warning}")
+    return lines

@@ -1,0 +1,203 @@
+"""`--processes N`: a run's requests split over N worker processes, each an asyncio loop with its own client.
+
+One asyncio process reads a few tens of thousands of SSE events a second at full CPU (httpx's HTTP/1.1
+stack costs most of it, see sse.py), below the token rates of a fast server, so the work is spread:
+- request j takes concurrency slot j % C and slot s belongs to worker s % N: each worker holds its slots'
+  share of the concurrency (the shares sum to C) and of the requests, interleaved in order;
+- every worker releases its requests at their global arrival offsets from one start time the parent hands
+  out once all workers are up (`time.perf_counter` is CLOCK_MONOTONIC on Linux, one clock for every process
+  of the host; startup checks it), and sends each record back as it finishes;
+- the parent merges the records into one BenchmarkRun, so the metrics are computed exactly as for one
+  process (the duration is first send to last completion over all workers), and the run's `loads` hold
+  every worker's CPU and the parent's own.
+A slot belongs to its worker: a request waits for a free slot of its own worker even while another worker
+has one free; with requests of equal length the shares drain together.
+
+Ctrl-C: workers ignore SIGINT (a terminal sends it to the whole process group); the parent's stop reaches
+them as a message and each returns the records that had finished. A worker that dies fails the run.
+
+`--processes auto` = min(ceil(C / 32), max(1, cpu_count // 2)): a process per 32 streams keeps each one well
+below full CPU at the token rates of the serving targets and keeps each httpx connection pool small (its
+bookkeeping scans every connection whenever a request starts or ends); half the cores stay for the server
+when it shares the host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+from loadtest.benchmark import BenchmarkRun, drive
+from loadtest.client import ClientConfig, RequestRecord
+from loadtest.cpu import LoadMeter
+from loadtest.workload import RequestSpec
+
+STREAMS_PER_PROCESS = 32
+START_MARGIN_S = 0.05  # between handing out the start time and the first release: every worker has it
+CLOCK_SKEW_LIMIT_S = 10.0  # a worker's clock reading, received by the parent, is at most this old
+
+
+def auto_processes(concurrency: int) -> int:
+    cap = max(1, (os.cpu_count() or 1) // 2)
+    return max(1, min(math.ceil(concurrency / STREAMS_PER_PROCESS), cap))
+
+
+def split_work(num_requests: int, concurrency: int, processes: int) -> list[tuple[list[int], int]]:
+    """(request indices, concurrency share) per worker; never more workers than slots or requests."""
+    n = max(1, min(processes, concurrency, num_requests))
+    shares = [([], len(range(w, concurrency, n))) for w in range(n)]
+    for j in range(num_requests):
+        shares[(j % concurrency) % n][0].append(j)
+    return shares
+
+
+async def run_workload(
+    specs: list[RequestSpec],
+    cfg: ClientConfig,
+    concurrency: int,
+    offsets: list[float],
+    processes: int,
+    stop: asyncio.Event | None = None,
+    on_record: Callable[[RequestRecord], None] | None = None,
+) -> BenchmarkRun:
+    """The whole workload at `concurrency`, in this process (processes=1) or spread over worker processes."""
+    shares = split_work(len(specs), concurrency, processes)
+    if len(shares) == 1:
+        return await drive(specs, cfg, concurrency, offsets, stop, on_record)
+    ctx = mp.get_context("spawn")
+    workers = []
+    finished = False
+    try:
+        for indices, share in shares:
+            conn, child = ctx.Pipe()
+            args = (child, [specs[i] for i in indices], [offsets[i] for i in indices], cfg, share)
+            proc = ctx.Process(target=_worker_main, args=args, daemon=True, name="loadtest-worker")
+            proc.start()
+            child.close()
+            workers.append((proc, conn))
+        run = await _supervise(workers, stop, on_record)
+        finished = True
+    finally:
+        for proc, conn in workers:
+            conn.close()  # a worker still waiting for its start time reads EOF and exits
+            proc.join(timeout=5.0 if finished else 0.5)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join()
+    run.num_requested, run.concurrency = len(specs), concurrency
+    return run
+
+
+async def _supervise(workers, stop: asyncio.Event | None, on_record) -> BenchmarkRun:
+    """Start the workers together, forward their records, stop them on `stop`; the merged run."""
+    loop = asyncio.get_running_loop()
+    inbox: asyncio.Queue = asyncio.Queue()
+    for w, (_, conn) in enumerate(workers):
+        loop.add_reader(conn.fileno(), _forward, conn, w, inbox)
+    stopper = asyncio.create_task(stop.wait()) if stop is not None else None
+    run = BenchmarkRun(records=[], num_requested=0, concurrency=0)
+    try:
+        ready = 0
+        while ready < len(workers):
+            w, msg = await _next(inbox, stopper)
+            if msg is None:  # stopped before the start
+                run.interrupted = True
+                return run
+            _check(workers, w, msg, "ready")
+            if not 0.0 <= time.perf_counter() - msg[1] < CLOCK_SKEW_LIMIT_S:
+                raise RuntimeError("perf_counter is not one clock across processes here: use --processes 1")
+            ready += 1
+        start_at = time.perf_counter() + START_MARGIN_S
+        meter = LoadMeter("parent", start_at)
+        for _, conn in workers:
+            conn.send(start_at)
+        if stopper is not None:
+            stopper.add_done_callback(lambda t: t.cancelled() or _send_stop(workers))
+        done: set[int] = set()
+        while len(done) < len(workers):
+            w, msg = await _next(inbox, None)
+            if msg[0] == "record":
+                run.records.append(msg[1])
+                if on_record is not None:
+                    on_record(msg[1])
+            elif w not in done:  # a finished worker's end of file is expected
+                _check(workers, w, msg, "done")
+                run.interrupted |= msg[1]
+                run.loads.append(msg[2])
+                done.add(w)
+        run.loads.append(meter.stop())
+        return run
+    finally:
+        for _, conn in workers:
+            loop.remove_reader(conn.fileno())
+        if stopper is not None:
+            stopper.cancel()
+
+
+def _forward(conn: Connection, w: int, inbox: asyncio.Queue) -> None:
+    try:
+        inbox.put_nowait((w, conn.recv()))
+    except (EOFError, OSError):
+        asyncio.get_running_loop().remove_reader(conn.fileno())
+        inbox.put_nowait((w, ("exit",)))
+
+
+async def _next(inbox: asyncio.Queue, stopper: asyncio.Task | None) -> tuple[int, tuple | None]:
+    """The next worker message, or (-1, None) once `stopper` is done."""
+    if stopper is None:
+        return await inbox.get()
+    getter = asyncio.ensure_future(inbox.get())
+    await asyncio.wait([getter, stopper], return_when=asyncio.FIRST_COMPLETED)
+    if getter.done():
+        return getter.result()
+    getter.cancel()
+    return -1, None
+
+
+def _check(workers, w: int, msg: tuple, expected: str) -> None:
+    if msg[0] != expected:
+        proc, _ = workers[w]
+        proc.join(timeout=1.0)
+        raise RuntimeError(f"load generator worker {w} exited (code {proc.exitcode}) before '{expected}'")
+
+
+def _send_stop(workers) -> None:
+    for _, conn in workers:
+        try:
+            conn.send("stop")
+        except OSError:
+            pass  # that worker has already finished and gone
+
+
+def _worker_main(conn: Connection, specs, offsets, cfg: ClientConfig, concurrency: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
+    conn.send(("ready", time.perf_counter()))
+    try:
+        start_at = conn.recv()
+    except EOFError:
+        return  # the parent stopped before the start
+    run = asyncio.run(_worker(conn, specs, offsets, cfg, concurrency, start_at))
+    conn.send(("done", run.interrupted, run.loads[0]))
+    conn.close()
+
+
+async def _worker(conn: Connection, specs, offsets, cfg, concurrency: int, start_at: float) -> BenchmarkRun:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_message() -> None:  # after the start time the only message is "stop" (or the parent's EOF)
+        loop.remove_reader(conn.fileno())
+        stop.set()
+
+    loop.add_reader(conn.fileno(), on_message)
+    try:
+        send = lambda rec: conn.send(("record", rec))
+        return await drive(specs, cfg, concurrency, offsets, stop, send, start_at)
+    finally:
+        loop.remove_reader(conn.fileno())
