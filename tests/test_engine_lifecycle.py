@@ -7,6 +7,7 @@ import asyncio
 import pytest
 from engine_helpers import collect, make_engine, run_all, run_one, wait_until
 
+from kvcache.snapshot import per_block
 from server.api.async_engine import RequestRejected
 from server.api.choice_stream import ChoiceStream
 from server.engine.sampling_params import SamplingParams
@@ -223,6 +224,6 @@ def test_kv_snapshot_names_each_block_holder(engine):
         return snap
 
     snap = asyncio.run(main())
-    used = [b for b in snap["blocks"] if b["state"] == "used"]
+    used = [b for b in per_block(snap) if b["state"] == "used"]
     assert len(used) == snap["used_blocks"] >= 3  # 41 prompt tokens + 1 in blocks of 16
     assert all(o["request_id"] == "snap" and o["index"] == 0 for b in used for o in b["owners"])

@@ -17,6 +17,7 @@ import torch
 from engine_helpers import TINY, make_engine, run_all, wait_until
 from server_helpers import GREEDY, Server
 
+from kvcache.snapshot import per_block
 from server.api.async_engine import AsyncEngine
 from server.engine.core_client import CoreStartupError
 from server.engine.engine import EngineConfig
@@ -82,7 +83,7 @@ def test_kv_snapshot_and_stats_come_from_the_core_process(engine):
         return snap, stats
 
     snap, stats = asyncio.run(main())
-    used = [b for b in snap["blocks"] if b["state"] == "used"]
+    used = [b for b in per_block(snap) if b["state"] == "used"]
     assert used and all(o["request_id"] == "snap" for b in used for o in b["owners"])
     assert stats["running"] == 1 and stats["used_blocks"] == len(used)
 

@@ -1,4 +1,5 @@
-"""kvcache.snapshot.block_map: exact maps for allocation, prefix hits, forks and eviction; JSON-clean."""
+"""kvcache.snapshot: exact maps for allocation, prefix hits, forks and eviction; the per-block view agrees
+with the pool after random traffic; runs keep a large map small; JSON-clean."""
 
 from __future__ import annotations
 
@@ -6,17 +7,27 @@ import json
 import random
 
 from kvcache import KVCacheManager
-from kvcache.snapshot import block_map
+from kvcache.snapshot import block_map, from_runs, per_block, to_runs
 
 
 def summary(snap: dict) -> list[tuple]:
     return [(b["id"], b["state"], b["ref_count"], b["tokens"], [o["seq_id"] for o in b["owners"]])
-            for b in snap["blocks"]]
+            for b in per_block(snap)]
+
+
+def test_runs_round_trip_in_table_order():
+    assert to_runs([]) == []
+    assert to_runs([3, 4, 5, 9, 10, 2]) == [[3, 3], [9, 2], [2, 1]]
+    assert to_runs([5, 4]) == [[5, 1], [4, 1]]  # descending ids are not a run: table order is kept
+    rng = random.Random(0)
+    for _ in range(50):
+        ids = rng.sample(range(1, 200), rng.randint(0, 60))
+        assert from_runs(to_runs(ids)) == ids
 
 
 def test_fresh_pool_is_all_free():
     assert block_map(KVCacheManager(8, 4)) == {"block_size": 4, "num_blocks": 8, "free_blocks": 7,
-                                               "used_blocks": 0, "cached_blocks": 0, "blocks": []}
+                                               "used_blocks": 0, "cached_blocks": 0, "seqs": [], "cached": []}
 
 
 def test_allocation_prefix_hit_and_owner_labels():
@@ -25,11 +36,15 @@ def test_allocation_prefix_hit_and_owner_labels():
     kv.mark_computed(1, 10)  # blocks 1, 2 full and registered
     assert kv.allocate(2, list(range(8)) + [99]) == [1, 2, 4]  # prefix hit on 1, 2
     snap = block_map(kv, {1: {"request_id": "cmpl-a", "index": 0}})
+    assert snap["seqs"] == [
+        {"seq_id": 1, "request_id": "cmpl-a", "index": 0, "num_tokens": 10, "blocks": [[1, 3]]},
+        {"seq_id": 2, "num_tokens": 9, "blocks": [[1, 2], [4, 1]]},
+    ]
+    assert (snap["used_blocks"], snap["free_blocks"], snap["cached_blocks"]) == (4, 11, 0)
     assert summary(snap) == [(1, "used", 2, 4, [1, 2]), (2, "used", 2, 4, [1, 2]), (3, "used", 1, 2, [1]),
                              (4, "used", 1, 1, [2])]
-    assert snap["blocks"][2]["owners"] == [{"seq_id": 1, "request_id": "cmpl-a", "index": 0}]
-    assert snap["blocks"][3]["owners"] == [{"seq_id": 2}]
-    assert (snap["used_blocks"], snap["free_blocks"], snap["cached_blocks"]) == (4, 11, 0)
+    assert per_block(snap)[2]["owners"] == [{"seq_id": 1, "request_id": "cmpl-a", "index": 0,
+                                             "num_tokens": 10}]
 
 
 def test_fork_shares_full_blocks_and_copies_the_partial_one():
@@ -47,15 +62,29 @@ def test_free_leaves_cached_blocks_then_eviction_reuses_them():
     kv.mark_computed("a", 9)
     kv.free("a")
     snap = block_map(kv)
-    assert summary(snap) == [(1, "cached", 0, 4, []), (2, "cached", 0, 4, [])]  # partial block 3: free
+    assert snap["seqs"] == [] and snap["cached"] == [[1, 2]]  # the partial block 3 is free, not cached
+    assert summary(snap) == [(1, "cached", 0, 4, []), (2, "cached", 0, 4, [])]
     assert (snap["used_blocks"], snap["free_blocks"], snap["cached_blocks"]) == (0, 5, 2)
     kv.allocate("b", [50 + i for i in range(17)])  # 5 blocks: the fresh ones first, then evicts 1, 2
     snap = block_map(kv)
-    assert [b["state"] for b in snap["blocks"]] == ["used"] * 5 and snap["free_blocks"] == 0
-    assert [b["tokens"] for b in snap["blocks"]] == [1, 4, 4, 4, 4]  # table 4 5 3 2 1: block 1 is last
+    assert snap["cached"] == [] and snap["seqs"][0]["blocks"] == [[4, 2], [3, 1], [2, 1], [1, 1]]
+    assert [b["tokens"] for b in per_block(snap)] == [1, 4, 4, 4, 4]  # block 1 is the table's last
 
 
-def test_ref_counts_and_states_match_the_pool_after_random_traffic():
+def test_a_large_cache_maps_to_a_few_runs():
+    kv = KVCacheManager(100_001, 16)
+    for s in range(4):
+        kv.allocate(s, [s] * 16 * 20_000)  # 20K blocks each, handed out in id order
+        kv.mark_computed(s, 16 * 20_000 - 1)
+    kv.free(0)  # its full blocks stay cached
+    snap = block_map(kv)
+    assert [seq["blocks"] for seq in snap["seqs"]] == [[[20_001, 20_000]], [[40_001, 20_000]],
+                                                        [[60_001, 20_000]]]
+    assert snap["cached"] == [[1, 19_999]] and snap["cached_blocks"] == 19_999
+    assert len(json.dumps(snap)) < 1000
+
+
+def test_per_block_view_agrees_with_the_pool_after_random_traffic():
     rng = random.Random(1)
     kv = KVCacheManager(40, 4)
     live: list[int] = []
@@ -76,8 +105,7 @@ def test_ref_counts_and_states_match_the_pool_after_random_traffic():
         else:
             kv.free(live.pop(rng.randrange(len(live))))
         snap = json.loads(json.dumps(block_map(kv)))  # ints, strings and lists only
-        by_id = {b["id"]: b for b in snap["blocks"]}
-        assert list(by_id) == sorted(by_id)
+        by_id = {b["id"]: b for b in per_block(snap)}
         for b in range(1, kv.num_blocks):
             ref, hashed = kv.pool.ref_count(b), kv.pool.block_hash(b) is not None
             blk = by_id.get(b)
@@ -88,5 +116,5 @@ def test_ref_counts_and_states_match_the_pool_after_random_traffic():
                 assert blk == {"id": b, "state": "cached", "ref_count": 0, "tokens": 4, "owners": []}
             else:
                 assert blk is None
-        assert sum(b["state"] == "used" for b in snap["blocks"]) == snap["used_blocks"]
-        assert sum(b["state"] == "cached" for b in snap["blocks"]) == snap["cached_blocks"]
+        assert sum(b["state"] == "used" for b in by_id.values()) == snap["used_blocks"]
+        assert sum(b["state"] == "cached" for b in by_id.values()) == snap["cached_blocks"]

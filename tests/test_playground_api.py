@@ -17,9 +17,8 @@ from server.api.playground import ASSETS
 pytestmark = pytest.mark.timeout(60)
 
 MAP = {"block_size": 16, "num_blocks": 8, "free_blocks": 6, "used_blocks": 1, "cached_blocks": 1,
-       "blocks": [{"id": 1, "state": "used", "ref_count": 1, "tokens": 3,
-                   "owners": [{"request_id": "cmpl-1", "index": 0, "seq_id": 0}]},
-                  {"id": 2, "state": "cached", "ref_count": 0, "tokens": 16, "owners": []}]}
+       "seqs": [{"seq_id": 0, "request_id": "cmpl-1", "index": 0, "num_tokens": 3, "blocks": [[1, 1]]}],
+       "cached": [[2, 1]]}
 
 
 class FakeMetrics:

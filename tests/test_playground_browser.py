@@ -129,10 +129,9 @@ def block_pixel(pg, block_id: int) -> tuple[int, int, int]:
                      return Array.from(m.ctx.getImageData(c.x, c.y, 1, 1).data.slice(0, 3)); }""", block_id))
 
 
-def blocks_in(pg, state: str, shared: bool | None = None) -> list[int]:
-    return pg.evaluate("""([state, shared]) => window.playground.kvmap.snap.blocks
-        .filter((b) => b.state === state && (shared === null || (b.ref_count > 1) === shared))
-        .map((b) => b.id)""", [state, shared])
+def blocks_in(pg, state: str) -> list[int]:
+    """Block ids the page's map holds in `state`: "used" (ref count 1), "shared", "cached" or "free"."""
+    return pg.evaluate("(name) => window.playground.kvmap.idsIn(name)", state)
 
 
 def test_page_loads_without_console_errors(page, server):
@@ -153,7 +152,7 @@ def test_prompt_streams_and_the_map_shows_its_blocks_until_it_ends(page):
         "document.querySelector('.output .completion').textContent.length > 20", timeout=30_000)
     wait_count(page, "used", ">", 1)
     assert "TTFT" in page.inner_text(".output .stats") and "tok/s" in page.inner_text(".output .stats")
-    used = blocks_in(page, "used", shared=False)
+    used = blocks_in(page, "used")
     assert used and block_pixel(page, used[0]) != FREE_RGB
     tip = hover_block(page, used[0])
     assert f"block {used[0]}" in tip and "ref count 1" in tip and "/16 tokens" in tip
@@ -190,7 +189,7 @@ def test_common_prefix_shares_blocks_then_everything_is_freed(page, tmp_path):
                            timeout=30_000)  # its prompt blocks are computed and in the prefix cache
     run_prompt(page, PREFIX + "second")
     wait_count(page, "shared", ">=", 4)
-    shared = blocks_in(page, "used", shared=True)
+    shared = blocks_in(page, "shared")
     tip = hover_block(page, shared[0])
     assert "ref count 2" in tip and "16/16 tokens" in tip and tip.count("(seq ") == 2, tip
     assert block_pixel(page, shared[0]) == (0xF2, 0xC1, 0x4E)  # COLOURS.shared
@@ -210,7 +209,7 @@ def test_forked_choices_share_the_prompt_blocks(page):
     set_controls(page, max_tokens=900, n=2)
     run_prompt(page, PREFIX)  # 73 tokens with BOS: 4 full blocks shared, the partial one copied per choice
     wait_count(page, "shared", ">=", 4)
-    shared = blocks_in(page, "used", shared=True)
+    shared = blocks_in(page, "shared")
     tip = hover_block(page, shared[0])
     assert "ref count 2" in tip and "#0 (seq" in tip and "#1 (seq" in tip, tip
     page.click("#stop")
@@ -219,17 +218,16 @@ def test_forked_choices_share_the_prompt_blocks(page):
 
 
 SYNTHETIC_MAP = """() => {
-    const n = 400000, blocks = [];
-    for (let id = 1; id <= 100000; id++) {
-        const owners = [{request_id: `cmpl-${id % 7}`, index: 0, seq_id: id % 7}];
-        if (id % 50 === 0) owners.push({request_id: "cmpl-x", index: 0, seq_id: 99});
-        blocks.push({id, state: "used", ref_count: owners.length, tokens: 16, owners});
+    const n = 400000, seqs = [];
+    for (let k = 0; k < 8; k++) {  // 8 sequences of 12,500 blocks each: blocks 1..100,000
+        seqs.push({seq_id: k, request_id: `cmpl-${k}`, index: 0, num_tokens: 16 * 12500,
+                   blocks: [[1 + k * 12500, 12500]]});
     }
-    for (let id = 200000; id < 250000; id++) {
-        blocks.push({id, state: "cached", ref_count: 0, tokens: 16, owners: []});
-    }
-    const snap = {block_size: 16, num_blocks: n, free_blocks: n - 1 - 100000, used_blocks: 100000,
-                  cached_blocks: 50000, blocks, running: 8, waiting: 0};
+    const every50 = [];
+    for (let b = 50; b <= 100000; b += 50) every50.push([b, 1]);
+    seqs.push({seq_id: 8, request_id: "cmpl-x", index: 0, num_tokens: 16 * every50.length, blocks: every50});
+    const snap = {block_size: 16, num_blocks: n, free_blocks: n - 1 - 150000, used_blocks: 100000,
+                  cached_blocks: 50000, seqs, cached: [[200000, 50000]], running: 9, waiting: 0};
     const start = performance.now();
     window.playground.showSnapshot(snap);
     return performance.now() - start;

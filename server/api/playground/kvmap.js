@@ -32,36 +32,51 @@ export class KVMap {
     return `hsl(${this.hues.get(key).toFixed(1)}, 68%, 58%)`;
   }
 
-  // Reads one snapshot (kvcache/snapshot.py's shape); returns the counts and owners shown beside the map.
+  // Reads one map (kvcache/snapshot.py's shape: block tables as runs); returns what the page shows beside it.
   update(snap) {
-    const n = snap.num_blocks;
+    const n = snap.num_blocks, bs = snap.block_size;
     this.snap = snap;
     this.n = n;
     this.state = new Uint8Array(n);
-    this.owner = new Int32Array(n).fill(-1);
-    this.blocks = new Map();
-    this.keys = [];
-    const keyIndex = new Map();
-    const owners = new Map(); // key -> blocks held
-    let shared = 0;
-    if (n > 0) this.state[0] = NULL;
-    for (const b of snap.blocks) {
-      this.blocks.set(b.id, b);
-      if (b.state === "cached") { this.state[b.id] = CACHED; continue; }
-      this.state[b.id] = b.ref_count > 1 ? SHARED : USED;
-      if (b.ref_count > 1) shared++;
-      for (const o of b.owners) {
-        const key = ownerKey(o);
-        if (!keyIndex.has(key)) { keyIndex.set(key, this.keys.length); this.keys.push(key); }
-        owners.set(key, (owners.get(key) || 0) + 1);
+    this.ref = new Uint16Array(n);
+    this.tokens = new Uint16Array(n);
+    this.owner = new Int32Array(n).fill(-1); // index in snap.seqs of the block's first holder
+    this.seqColours = snap.seqs.map((seq) => this.colourOf(ownerKey(seq)));
+    const owners = snap.seqs.map((seq, k) => {
+      let pos = 0;
+      for (const [first, count] of seq.blocks) {
+        for (let b = first; b < first + count; b++, pos++) {
+          this.ref[b]++;
+          if (this.owner[b] < 0) this.owner[b] = k;
+          this.tokens[b] = Math.max(this.tokens[b], Math.min(bs, seq.num_tokens - pos * bs));
+        }
       }
-      if (b.owners.length) this.owner[b.id] = keyIndex.get(ownerKey(b.owners[0]));
+      return { key: ownerKey(seq), blocks: pos, colour: this.seqColours[k] };
+    });
+    let shared = 0;
+    for (let b = 0; b < n; b++) {
+      if (this.ref[b] > 1) { this.state[b] = SHARED; shared++; } else if (this.ref[b]) this.state[b] = USED;
     }
+    for (const [first, count] of snap.cached) {
+      for (let b = first; b < first + count; b++) { this.state[b] = CACHED; this.tokens[b] = bs; }
+    }
+    if (n > 0) this.state[0] = NULL;
     this.layout(n);
     this.draw();
-    const ownerList = [...owners].map(([key, blocks]) => ({ key, blocks, colour: this.colourOf(key) }));
     return { used: snap.used_blocks, shared, cached: snap.cached_blocks, free: snap.free_blocks,
-             per: this.per, owners: ownerList };
+             per: this.per, owners };
+  }
+
+  // Block ids in one state ("used" = ref count 1, "shared", "cached", "free"), ascending.
+  idsIn(name) {
+    const want = { free: FREE, cached: CACHED, used: USED, shared: SHARED }[name];
+    const ids = [];
+    for (let b = 0; b < this.n; b++) if (this.state[b] === want) ids.push(b);
+    return ids;
+  }
+
+  holders(b) {
+    return this.snap.seqs.filter((seq) => seq.blocks.some(([first, count]) => b >= first && b < first + count));
   }
 
   layout(n) {
@@ -92,7 +107,7 @@ export class KVMap {
     const size = hi - lo;
     if (counts[SHARED]) return { colour: COLOURS.shared, alpha: 1, counts };
     if (counts[USED]) {
-      const colour = owner >= 0 ? this.colourOf(this.keys[owner]) : "#cccccc";
+      const colour = owner >= 0 ? this.seqColours[owner] : "#cccccc";
       return { colour, alpha: 0.4 + 0.6 * counts[USED] / size, counts };
     }
     if (counts[CACHED]) return { colour: COLOURS.cached, alpha: 0.5 + 0.5 * counts[CACHED] / size, counts };
@@ -128,16 +143,13 @@ export class KVMap {
   describe(c) {
     const lo = c * this.per, hi = Math.min(this.n, (c + 1) * this.per);
     if (this.per === 1) {
-      const b = this.blocks.get(lo);
-      const bs = this.snap.block_size;
-      if (!b) return `block ${lo}\n${STATE_NAMES[this.state[lo]]}\nref count 0 · 0/${bs} tokens`;
-      const who = b.owners.map((o) => `  ${ownerKey(o)} (seq ${o.seq_id})`).join("\n");
-      return `block ${b.id}\n${STATE_NAMES[this.state[lo]]}\nref count ${b.ref_count} · ${b.tokens}/${bs} tokens` +
-        (who ? `\nowners:\n${who}` : "");
+      const who = this.holders(lo).map((seq) => `  ${ownerKey(seq)} (seq ${seq.seq_id})`).join("\n");
+      return `block ${lo}\n${STATE_NAMES[this.state[lo]]}\nref count ${this.ref[lo]} · ` +
+        `${this.tokens[lo]}/${this.snap.block_size} tokens` + (who ? `\nowners:\n${who}` : "");
     }
     const { counts } = this.cellStyle(lo, hi);
     const owners = new Set();
-    for (let b = lo; b < hi; b++) if (this.owner[b] >= 0) owners.add(this.keys[this.owner[b]]);
+    for (let b = lo; b < hi; b++) if (this.owner[b] >= 0) owners.add(ownerKey(this.snap.seqs[this.owner[b]]));
     return `blocks ${lo}–${hi - 1} (1 cell = ${this.per} blocks)\n${counts[USED]} used · ${counts[SHARED]} shared · ` +
       `${counts[CACHED]} cached-free · ${counts[FREE]} free` + (owners.size ? `\nowners: ${[...owners].join(", ")}` : "");
   }
