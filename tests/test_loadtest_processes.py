@@ -1,0 +1,162 @@
+"""loadtest --processes: the work split over worker processes, merged records, the generator's CPU fields."""
+
+import asyncio
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from loadtest.cli import main
+from loadtest.client import ClientConfig
+from loadtest.cpu import ProcessLoad, busy_warning, load_fields
+from loadtest.mock_server import MockScript, MockServer, serve_in_thread
+from loadtest.processes import auto_processes, run_workload, split_work
+from loadtest.workload import LengthRange, arrival_offsets, build_workload
+
+pytestmark = pytest.mark.timeout(90)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_split_interleaves_requests_by_concurrency_slot():
+    # slots 0..4 -> workers 0,1,0,1,0: worker 0 holds 3 slots and 3/5 of the requests
+    assert split_work(7, 5, 2) == [([0, 2, 4, 5], 3), ([1, 3, 6], 2)]
+    assert split_work(6, 6, 3) == [([0, 3], 2), ([1, 4], 2), ([2, 5], 2)]
+    assert split_work(2, 8, 4) == [([0], 4), ([1], 4)]  # no worker without requests
+    assert split_work(5, 1, 4) == [([0, 1, 2, 3, 4], 1)]  # no more workers than slots
+    for n, c, p in ((100, 64, 3), (10, 7, 7), (1, 1, 1)):
+        shares = split_work(n, c, p)
+        assert sum(share for _, share in shares) == c
+        assert sorted(i for idx, _ in shares for i in idx) == list(range(n))
+
+
+def test_auto_processes_rule(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert [auto_processes(c) for c in (1, 16, 32, 33, 64, 256, 1024)] == [1, 1, 1, 2, 2, 8, 8]
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert auto_processes(256) == 1
+
+
+def test_load_fields_and_warning():
+    loads = [ProcessLoad("driver", 1.0, 2.0), ProcessLoad("driver", 1.8, 2.0),
+             ProcessLoad("parent", 0.2, 2.0)]  # fmt: skip
+    fields = load_fields(loads)
+    assert fields == pytest.approx(
+        {"client_processes": 2, "client_cpu_s": 3.0, "client_cpu_util": 0.75, "client_busy_max": 0.9}
+    )
+    assert "--processes (now 2)" in busy_warning(fields)
+    assert busy_warning(load_fields(loads[:1])) is None  # 50% busy
+    assert load_fields([]) == {}
+
+
+@pytest.fixture(scope="module")
+def mock_url():
+    with serve_in_thread(MockServer(MockScript(0.01, 0.004))) as url:
+        yield url
+
+
+def run_cli(url, out, *extra):
+    argv = ["--base-url", url, "--input-len", "8", "--output-len", "10", "--no-progress", "--out", str(out),
+            *extra]  # fmt: skip
+    assert main(argv) == 0
+    return json.loads(Path(out).read_text())
+
+
+def test_two_processes_match_one(mock_url, tmp_path):
+    common = ("--num-requests", "12", "--concurrency", "4", "--output-len-range", "5,15")
+    one = run_cli(mock_url, tmp_path / "one.json", *common)
+    two = run_cli(mock_url, tmp_path / "two.json", *common, "--processes", "2")
+    for r in (one, two):
+        assert (r["completed"], r["failed"]) == (12, 0)
+        assert sorted(row["index"] for row in r["requests"]) == list(range(12))
+    assert (
+        two["total_output_tokens"]
+        == one["total_output_tokens"]
+        == sum(row["output_tokens"] for row in one["requests"])
+    )
+    assert sorted((x["index"], x["output_tokens"]) for x in two["requests"]) == sorted(
+        (x["index"], x["output_tokens"]) for x in one["requests"]
+    )
+    # the metrics cover the merged records: one duration from the first send to the last completion
+    starts = [row["start_s"] for row in two["requests"]]
+    assert min(starts) == 0.0
+    last_end = max(row["start_s"] + row["e2el_ms"] / 1000 for row in two["requests"])
+    assert two["duration_s"] == pytest.approx(last_end, abs=1e-9)
+    throughput = two["total_output_tokens"] / two["duration_s"]
+    assert two["output_throughput"] == pytest.approx(throughput, rel=1e-12)
+    assert two["ttft_ms"]["count"] == 12 and two["itl_ms"]["count"] == two["total_output_tokens"] - 12
+    # CPU: one driver in-process, two workers plus the parent
+    assert [x["role"] for x in one["client"]["loads"]] == ["driver"]
+    assert [x["role"] for x in two["client"]["loads"]] == ["driver", "driver", "parent"]
+    assert (one["client_processes"], two["client_processes"]) == (1, 2)
+    assert two["config"]["processes"] == 2
+    for r in (one, two):
+        assert 0 < r["client_cpu_s"] <= sum(x["wall_s"] for x in r["client"]["loads"]) * 1.05
+        assert 0 < r["client_cpu_util"] <= 1.05 and 0 < r["client_busy_max"] <= 1.05
+        assert all(x["wall_s"] <= r["duration_s"] + 0.1 for x in r["client"]["loads"])
+
+
+def test_workers_keep_the_arrival_schedule(mock_url):
+    n = 6
+    specs = build_workload(n, LengthRange(4, 4), LengthRange(2, 2), 0)
+    offsets = arrival_offsets(n, 20.0, 1.0, 0)
+    run = asyncio.run(run_workload(specs, ClientConfig(mock_url, "mock", timeout_s=10.0), n, offsets, 3))
+    assert len(run.loads) == 4 and sum(x.role == "driver" for x in run.loads) == 3
+    sends = {r.index: r.send_time - run.start_time for r in run.records}
+    assert [sends[i] for i in range(n)] == pytest.approx(offsets, abs=0.04)  # one clock across processes
+
+
+def test_sweep_with_two_processes(mock_url, tmp_path, capsys):
+    out = tmp_path / "s.json"
+    argv = ["--base-url", mock_url, "--input-len", "8", "--output-len", "6", "--no-progress",
+            "--num-requests", "8", "--sweep-concurrency", "1,4", "--processes", "2", "--warmup", "2",
+            "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    sweep = json.loads(out.read_text())["sweep"]
+    assert [r["config"]["concurrency"] for r in sweep] == [1, 4]
+    assert [r["client_processes"] for r in sweep] == [1, 2]  # never more workers than slots
+    assert all(r["completed"] == 8 and r["total_output_tokens"] == 48 for r in sweep)
+    assert "client busy max" in capsys.readouterr().out
+
+
+def test_ctrl_c_stops_every_worker(tmp_path):
+    server = MockServer(MockScript(0.05, 0.05))  # 20 tokens: ~1 s per request
+    out = tmp_path / "partial.json"
+    with serve_in_thread(server) as url:
+        cmd = [sys.executable, "-m", "loadtest", "--base-url", url, "--input-len", "8", "--output-len", "20",
+               "--num-requests", "6", "--concurrency", "2", "--processes", "2", "--no-progress",
+               "--out", str(out)]  # fmt: skip
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while server.requests_started < 4 and time.monotonic() < deadline:  # the first pair has finished
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 130, stderr
+    assert "INTERRUPTED" in stdout and "Traceback" not in stderr
+    partial = json.loads(out.read_text())
+    assert partial["interrupted"] is True and partial["num_requested"] == 6
+    assert partial["completed"] == 2 and partial["total_output_tokens"] == 40
+    assert partial["client_processes"] == 2
+
+
+def test_a_worker_that_dies_fails_the_run(mock_url):
+    specs = build_workload(4, LengthRange(4, 4), LengthRange(200, 200), 0)  # ~0.8 s per request
+    cfg = ClientConfig(mock_url, "mock", timeout_s=10.0)
+
+    async def go():
+        task = asyncio.create_task(run_workload(specs, cfg, 4, [0.0] * 4, 2))
+        while len(multiprocessing.active_children()) < 2:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)
+        os.kill(multiprocessing.active_children()[0].pid, signal.SIGKILL)
+        return await task
+
+    with pytest.raises(RuntimeError, match="load generator worker . exited"):
+        asyncio.run(go())
+    assert multiprocessing.active_children() == []

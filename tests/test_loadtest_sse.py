@@ -1,0 +1,73 @@
+"""loadtest.sse.StreamReader: SSE bytes split anywhere give the same chunk times and counts."""
+
+import json
+
+import pytest
+
+from loadtest.sse import StreamReader
+
+
+def event(payload) -> bytes:
+    return b"data: " + (payload if isinstance(payload, bytes) else json.dumps(payload).encode()) + b"\n\n"
+
+
+def completion(text, ids=None):
+    choice = {"index": 0, "text": text, "finish_reason": None, "logprobs": None}
+    if ids is not None:
+        choice["token_ids"] = ids
+    return {"id": "cmpl-1", "object": "text_completion", "choices": [choice]}
+
+
+BODY = b"".join([
+    b": a comment line\n\n",
+    event(completion("a", [97])),
+    event(completion("", [200])),  # an id without printable text yet still counts
+    event({"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "b"}}]}),
+    event(completion("", None)),  # no text, no ids: not a content chunk
+    event(completion("cd", [99, 100])),
+    event({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}}),
+    b"data: [DONE]\n\n",
+])  # fmt: skip
+
+
+def read(pieces: list[bytes]) -> StreamReader:
+    reader = StreamReader([])
+    for t, piece in enumerate(pieces):
+        assert reader.feed(piece, float(t))
+    assert reader.close(float(len(pieces)))
+    return reader
+
+
+@pytest.mark.parametrize("size", [1, 3, 17, len(BODY)])
+def test_split_reads_give_the_same_result(size):
+    reader = read([BODY[i : i + size] for i in range(0, len(BODY), size)])
+    assert (reader.done, reader.failure, reader.streamed_ids) == (True, None, 4)
+    assert (reader.completion_tokens, reader.prompt_tokens) == (5, 7)
+    assert len(reader.chunk_times) == 4
+    assert reader.chunk_times == sorted(reader.chunk_times)
+
+
+def test_one_read_stamps_its_events_with_its_time():
+    reader = read([BODY])
+    assert reader.chunk_times == [0.0] * 4
+
+
+def test_crlf_lines_and_a_last_line_without_newline():
+    body = BODY.replace(b"\n", b"\r\n").removesuffix(b"\r\n\r\n")
+    reader = read([body])
+    assert reader.done and reader.streamed_ids == 4
+
+
+@pytest.mark.parametrize("bad, kind", [
+    (b"{not json", "bad_response"),
+    (b'"a string"', "bad_response"),
+    (b'{"choices": [{"token_ids": "x"}]}', "bad_response"),
+    (json.dumps({"error": {"message": "boom", "type": "server_error"}}).encode(), "stream_error"),
+])  # fmt: skip
+def test_a_bad_or_error_event_stops_the_reading(bad, kind):
+    reader = StreamReader([])
+    assert reader.feed(event(completion("a", [97])), 0.0)
+    assert not reader.feed(event(bad) + event(completion("b", [98])), 1.0)
+    assert reader.failure[0] == kind and reader.chunk_times == [0.0]
+    if kind == "stream_error":
+        assert json.loads(reader.failure[1]) == {"message": "boom", "type": "server_error"}
