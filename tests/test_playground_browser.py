@@ -152,6 +152,8 @@ def test_prompt_streams_and_the_map_shows_its_blocks_until_it_ends(page):
         "document.querySelector('.output .completion').textContent.length > 20", timeout=30_000)
     wait_count(page, "used", ">", 1)
     assert "TTFT" in page.inner_text(".output .stats") and "tok/s" in page.inner_text(".output .stats")
+    owner = page.get_attribute(".output .who .sw", "title")  # the response id, as the map names the seq
+    assert owner.startswith("cmpl-") and owner in page.inner_text("#kv-seqs")
     used = blocks_in(page, "used")
     assert used and block_pixel(page, used[0]) != FREE_RGB
     tip = hover_block(page, used[0])
@@ -194,7 +196,6 @@ def test_common_prefix_shares_blocks_then_everything_is_freed(page, tmp_path):
     assert "ref count 2" in tip and "16/16 tokens" in tip and tip.count("(seq ") == 2, tip
     assert block_pixel(page, shared[0]) == (0xF2, 0xC1, 0x4E)  # COLOURS.shared
     shot = Path(os.environ.get("PLAYGROUND_SCREENSHOT") or tmp_path / "playground.png")
-    page.mouse.move(0, 0)
     box = page.locator("main").bounding_box()
     page.screenshot(path=str(shot), clip={"x": 0, "y": 0, "width": 1280, "height": box["y"] + box["height"]})
     assert shot.stat().st_size > 10_000

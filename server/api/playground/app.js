@@ -94,6 +94,19 @@ class RequestView {
     }
   }
 
+  // The response id names the request in the block map: each card takes its sequence's colour there.
+  identify(id) {
+    if (this.id) return;
+    this.id = id;
+    this.cards.forEach((c, i) => {
+      const swatch = document.createElement("i");
+      swatch.className = "sw";
+      swatch.style.background = kvmap.colourOf(`${id}#${i}`);
+      swatch.title = `${id}#${i}`;
+      c.card.querySelector(".who").prepend(swatch);
+    });
+  }
+
   chunk(index, text) {
     const c = this.cards[index];
     if (!c) return;
@@ -146,6 +159,7 @@ async function runPrompt(prompt, label) {
       if (data === "[DONE]") break;
       const chunk = JSON.parse(data);
       if (chunk.error) { view.fail(chunk.error.message); break; }
+      if (chunk.id) view.identify(chunk.id);
       for (const c of chunk.choices || []) {
         const text = chat ? c.delta?.content : c.text;
         if (text) view.chunk(c.index, text);
@@ -159,9 +173,11 @@ async function runPrompt(prompt, label) {
   }
 }
 
+let numRequests = 0;
+
 function runAll() {
   const prompts = [...document.querySelectorAll("#prompts textarea")].map((t) => t.value).filter((t) => t.trim());
-  prompts.forEach((p, i) => runPrompt(p, `prompt ${i + 1}`));
+  prompts.forEach((p, i) => runPrompt(p, `request ${++numRequests} (prompt ${i + 1})`));
 }
 
 // ---- the live block map --------------------------------------------------------------------------------

@@ -161,8 +161,9 @@ export class KVMap {
     const c = Math.floor(y / this.cell) * this.cols + Math.floor(x / this.cell);
     if (x < 0 || x >= this.cols * this.cell || c >= this.cells) { this.tip.hidden = true; return; }
     this.tip.textContent = this.describe(c);
-    this.tip.style.left = `${Math.min(x + 14, r.width - 180)}px`;
-    this.tip.style.top = `${y + 14}px`;
     this.tip.hidden = false;
+    const w = this.tip.offsetWidth; // beside the cursor, on the side where it fits
+    this.tip.style.left = `${x + 14 + w <= r.width ? x + 14 : Math.max(0, x - 14 - w)}px`;
+    this.tip.style.top = `${y + 14}px`;
   }
 }
