@@ -103,11 +103,10 @@ async def drive(
     offsets: list[float],
     stop: asyncio.Event | None = None,
     on_record: Callable[[RequestRecord], None] | None = None,
-    start_at: float | None = None,
 ) -> BenchmarkRun:
-    """run_benchmark with a client of its own, recording this process's CPU from `start_at` to the end."""
+    """run_benchmark with a client of its own, recording this process's CPU over the run."""
     async with make_client(concurrency, cfg.timeout_s) as client:
-        meter = LoadMeter("driver", start_at)
-        run = await run_benchmark(client, specs, cfg, concurrency, offsets, stop, on_record, start_at)
+        meter = LoadMeter("driver")
+        run = await run_benchmark(client, specs, cfg, concurrency, offsets, stop, on_record)
         run.loads.append(meter.stop())
     return run

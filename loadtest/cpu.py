@@ -5,7 +5,8 @@ threads) and wall seconds from the common start to its last completion; in a mul
 which only merges records and draws the progress bar, records its own as well. The report carries:
 - `client_processes`: processes that drove requests;
 - `client_cpu_s`: CPU seconds of all of them plus the parent's;
-- `client_cpu_util`: client_cpu_s / (window wall seconds x client_processes);
+- `client_cpu_util`: client_cpu_s / (window wall seconds x client_processes), the window being the
+  longest driver's;
 - `client_busy_max`: the busiest single process, CPU / wall. An asyncio process near 100% cannot read its
   streams as they arrive, so above BUSY_WARNING the printed report warns that the generator may be the
   bottleneck (and its token timestamps late): use more `--processes`.
@@ -52,7 +53,7 @@ def load_fields(loads: list[ProcessLoad]) -> dict:
     drivers = [x for x in loads if x.role == "driver"]
     if not drivers:
         return {}
-    wall = max(x.wall_s for x in loads)
+    wall = max(x.wall_s for x in drivers)  # the window: the common start to the last driver's end
     cpu = sum(x.cpu_s for x in loads)
     return {
         "client_processes": len(drivers),

@@ -33,13 +33,13 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
-from loadtest.benchmark import BenchmarkRun, drive
+from loadtest.benchmark import BenchmarkRun, drive, make_client, run_benchmark
 from loadtest.client import ClientConfig, RequestRecord
 from loadtest.cpu import LoadMeter
 from loadtest.workload import RequestSpec
 
 STREAMS_PER_PROCESS = 32
-START_MARGIN_S = 0.05  # between handing out the start time and the first release: every worker has it
+START_MARGIN_S = 0.2  # from handing out the start time to the first release: every worker is waiting
 CLOCK_SKEW_LIMIT_S = 10.0  # a worker's clock reading, received by the parent, is at most this old
 
 
@@ -177,27 +177,33 @@ def _send_stop(workers) -> None:
 
 def _worker_main(conn: Connection, specs, offsets, cfg: ClientConfig, concurrency: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
-    conn.send(("ready", time.perf_counter()))
-    try:
-        start_at = conn.recv()
-    except EOFError:
-        return  # the parent stopped before the start
-    run = asyncio.run(_worker(conn, specs, offsets, cfg, concurrency, start_at))
-    conn.send(("done", run.interrupted, run.loads[0]))
+    run = asyncio.run(_worker(conn, specs, offsets, cfg, concurrency))
+    if run is not None:
+        conn.send(("done", run.interrupted, run.loads[0]))
     conn.close()
 
 
-async def _worker(conn: Connection, specs, offsets, cfg, concurrency: int, start_at: float) -> BenchmarkRun:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
+async def _worker(conn: Connection, specs, offsets, cfg, concurrency: int) -> BenchmarkRun | None:
+    """Ready (loop and client built, so the first release is on time), wait for the start, run the share."""
+    async with make_client(concurrency, cfg.timeout_s) as client:
+        conn.send(("ready", time.perf_counter()))
+        try:
+            start_at = conn.recv()  # blocking is fine: nothing runs in this loop yet
+        except EOFError:
+            return None  # the parent stopped before the start
+        meter = LoadMeter("driver", start_at)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
 
-    def on_message() -> None:  # after the start time the only message is "stop" (or the parent's EOF)
-        loop.remove_reader(conn.fileno())
-        stop.set()
+        def on_message() -> None:  # after the start time the only message is "stop" (or the parent's EOF)
+            loop.remove_reader(conn.fileno())
+            stop.set()
 
-    loop.add_reader(conn.fileno(), on_message)
-    try:
+        loop.add_reader(conn.fileno(), on_message)
         send = lambda rec: conn.send(("record", rec))
-        return await drive(specs, cfg, concurrency, offsets, stop, send, start_at)
-    finally:
-        loop.remove_reader(conn.fileno())
+        try:
+            run = await run_benchmark(client, specs, cfg, concurrency, offsets, stop, send, start_at)
+        finally:
+            loop.remove_reader(conn.fileno())
+        run.loads.append(meter.stop())
+    return run

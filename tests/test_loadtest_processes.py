@@ -98,7 +98,7 @@ def test_two_processes_match_one(mock_url, tmp_path):
     for r in (one, two):
         assert 0 < r["client_cpu_s"] <= sum(x["wall_s"] for x in r["client"]["loads"]) * 1.05
         assert 0 < r["client_cpu_util"] <= 1.05 and 0 < r["client_busy_max"] <= 1.05
-        assert all(x["wall_s"] <= r["duration_s"] + 0.1 for x in r["client"]["loads"])
+        assert all(x["wall_s"] <= r["duration_s"] + 0.5 for x in r["client"]["loads"])
 
 
 def test_workers_keep_the_arrival_schedule(mock_url):
