@@ -167,8 +167,9 @@ class PrefillConfig:
 CONFIGS = (
     # D <= 64: a 128-row tile keeps the tensor cores fed with 4 warps; three stages of K/V fit in smem
     (64, PrefillConfig(128, 64, 4, 3)),
-    # D <= 128: the same tile with 8 warps, as the 128 x 128 fp32 accumulator needs 64 registers a thread
-    (128, PrefillConfig(128, 64, 8, 3)),
+    # D <= 128: 32-key tiles and four stages: the 128 x 128 fp32 accumulator stays in 4 warps' registers
+    # with a deeper K/V pipeline (fastest of the swept configs on every benchmark shape, docs/kernel.md)
+    (128, PrefillConfig(128, 32, 4, 4)),
     # D <= 256: a 64-row tile and two stages keep the accumulator in registers and K/V in shared memory
     (256, PrefillConfig(64, 32, 4, 2)),
 )
