@@ -246,4 +246,7 @@ def test_a_gpu_sized_cache_aggregates_cells_and_says_so(page):
     tip = hover_block(page, 16 * 1000)
     assert tip.startswith("blocks 16000–16015 (1 cell = 16 blocks)\n15 used · 1 shared · 0 cached-free"), tip
     assert block_pixel(page, 250000 + 32) == FREE_RGB
+    page.check("#live")  # the stream resumes and the server's map replaces the synthetic one
+    wait_count(page, "total", "==", 160)
+    assert page.inner_text("#kv-status") == "live" and page.inner_text("#kv-scale") == "1 cell = 1 block"
     assert page.problems == []

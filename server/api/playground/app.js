@@ -239,11 +239,18 @@ function showSteps(totals) {
   $("kv-steps").tBodies[0].replaceChildren(...rows);
 }
 
+// Nobody watches a hidden tab: it holds no stream, so the engine builds no maps for it.
+const watching = () => $("live").checked && !document.hidden;
+
+let kvGeneration = 0; // bumped by every (re)start: an older watch loop sees it and ends
+
 async function watchKV() {
-  while ($("live").checked) {
-    kvCtrl = new AbortController();
+  const generation = ++kvGeneration;
+  const current = () => generation === kvGeneration && watching();
+  while (current()) {
+    const ctrl = kvCtrl = new AbortController();
     try {
-      const r = await fetch("/debug/kvcache/stream", { headers: headers(), signal: kvCtrl.signal });
+      const r = await fetch("/debug/kvcache/stream", { headers: headers(), signal: ctrl.signal });
       if (!r.ok) {
         $("kv-status").textContent = await errorMessage(r);
       } else {
@@ -255,17 +262,18 @@ async function watchKV() {
         }
       }
     } catch (e) {
-      if (e.name === "AbortError") break;
+      if (e.name === "AbortError") return;
       $("kv-status").textContent = `disconnected (${e.message}); retrying`;
     }
     await new Promise((ok) => setTimeout(ok, 1000));
   }
-  $("kv-status").textContent = "paused";
 }
 
 function restartKV() {
+  kvGeneration++;
   if (kvCtrl) kvCtrl.abort();
-  if ($("live").checked) setTimeout(watchKV, 0);
+  if (watching()) watchKV();
+  else $("kv-status").textContent = document.hidden ? "paused (tab hidden)" : "paused";
 }
 
 async function loadModel() {
@@ -291,6 +299,7 @@ $("add-prompt").addEventListener("click", () => addPrompt().querySelector("texta
 $("run").addEventListener("click", runAll);
 $("stop").addEventListener("click", () => running.forEach((c) => c.abort()));
 $("live").addEventListener("change", restartKV);
+document.addEventListener("visibilitychange", restartKV);
 DEFAULT_PROMPTS.forEach((p) => addPrompt(p));
 window.playground = { kvmap, addPrompt, runAll, showSnapshot };
 loadModel();
