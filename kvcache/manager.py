@@ -4,6 +4,10 @@ A sequence's table covers all its token slots, ``ceil(num_tokens / block_size)``
 a time; its last block may be partial. Full blocks whose K/V are written (``mark_computed``) are registered
 in the prefix cache with a chained hash, so a later prompt with the same prefix reuses them.
 
+The manager keeps slots and blocks, not the sequence's tokens: their owner (the engine's Sequence) passes its
+token ids to ``allocate`` (prefix lookup) and ``mark_computed`` (hashing the blocks that just filled up), so
+a slot may be appended before its token id is known (the token is still being sampled on the device).
+
 Rules that keep writes safe (checked by ``check_integrity``):
 - Only full blocks are ever shared (prefix hits, ``fork``), and full blocks are never written again.
 - The block that receives a sequence's next token is never shared: a prefix hit never covers the block
@@ -26,14 +30,12 @@ from kvcache.usage import KVCacheUsage
 
 
 class _Seq:
-    __slots__ = ("block_table", "token_ids", "num_cached_tokens", "num_computed_tokens", "num_hashed_blocks")
+    __slots__ = ("block_table", "num_tokens", "num_cached_tokens", "num_hashed_blocks")
 
-    def __init__(self, block_table: list[int], token_ids: list[int | None], num_cached_tokens: int,
-                 num_computed_tokens: int, num_hashed_blocks: int):
+    def __init__(self, block_table: list[int], num_tokens: int, num_cached_tokens: int, num_hashed_blocks: int):
         self.block_table = block_table
-        self.token_ids = token_ids  # None where append_slots was not told the id
+        self.num_tokens = num_tokens  # slots reserved
         self.num_cached_tokens = num_cached_tokens  # prefix-cache hit found at allocate
-        self.num_computed_tokens = num_computed_tokens  # K/V written for [0, this)
         self.num_hashed_blocks = num_hashed_blocks  # blocks [0, this) are in the prefix cache
 
 
@@ -116,47 +118,40 @@ class KVCacheManager:
         self.pool.touch(hits)  # before take_new, so the hits cannot be evicted
         table = hits + self.pool.take_new(num_new)
         num_cached = len(hits) * self._block_size
-        self._seqs[seq_id] = _Seq(table, token_ids, num_cached, num_cached, len(hits))
+        self._seqs[seq_id] = _Seq(table, len(token_ids), num_cached, len(hits))
         if self.pool.enable_caching:
             self._prefix_queries += len(token_ids)
             self._prefix_hits += num_cached
         return list(table)
 
-    def append_slots(self, seq_id: object, n: int, token_ids: Sequence[int] | None = None) -> bool:
-        """Grow by ``n`` slots (``token_ids``, if given: their ids); False if out of blocks."""
+    def append_slots(self, seq_id: object, n: int) -> bool:
+        """Grow by ``n`` slots; False (and no change) if out of blocks."""
         seq = self._seq(seq_id)
         if n < 0:
             raise ValueError(f"append_slots: n must be >= 0, got {n}")
-        if token_ids is not None and len(token_ids) != n:
-            raise ValueError(f"append_slots: {len(token_ids)} token ids for {n} slots")
-        num_new = self._num_blocks_for(len(seq.token_ids) + n) - len(seq.block_table)
+        num_new = self._num_blocks_for(seq.num_tokens + n) - len(seq.block_table)
         if num_new > 0:  # most decode steps fit in the last block
             if num_new > self.pool.num_free_blocks:
                 return False
             seq.block_table.extend(self.pool.take_new(num_new))
-        seq.token_ids.extend(token_ids if token_ids is not None else [None] * n)
+        seq.num_tokens += n
         return True
 
-    def mark_computed(self, seq_id: object, num_tokens: int) -> None:
-        """K/V of tokens [0, num_tokens) are written: register their full blocks in the prefix cache.
+    def mark_computed(self, seq_id: object, num_tokens: int, token_ids: Sequence[int]) -> None:
+        """K/V of tokens [0, num_tokens) are written; ``token_ids`` (the owner's list, at least that long)
+        holds their ids: register the full blocks among them in the prefix cache.
 
-        Monotonic (a smaller count than before changes nothing). Blocks holding a token whose id is unknown
-        (``append_slots`` without ``token_ids``) end the sequence's hash chain: they and later blocks stay
-        private.
+        Monotonic (a smaller count than before changes nothing); reads only the blocks not yet hashed.
         """
         seq = self._seq(seq_id)
-        if not 0 <= num_tokens <= len(seq.token_ids):
-            raise ValueError(f"mark_computed: {num_tokens} outside [0, {len(seq.token_ids)}]")
-        seq.num_computed_tokens = max(seq.num_computed_tokens, num_tokens)
+        if not 0 <= num_tokens <= min(seq.num_tokens, len(token_ids)):
+            raise ValueError(f"mark_computed: {num_tokens} outside [0, {min(seq.num_tokens, len(token_ids))}]")
         if not self.pool.enable_caching:
             return
         bs, table = self._block_size, seq.block_table
         i = seq.num_hashed_blocks
-        while i < seq.num_computed_tokens // bs:
-            block_tokens = seq.token_ids[i * bs:(i + 1) * bs]
-            if None in block_tokens:  # ids unknown: the chain stops here for this sequence
-                break
-            self.pool.register(table[i], table[i - 1] if i else None, tuple(block_tokens))
+        while i < num_tokens // bs:
+            self.pool.register(table[i], table[i - 1] if i else None, tuple(token_ids[i * bs:(i + 1) * bs]))
             i += 1
         seq.num_hashed_blocks = i
 
@@ -164,12 +159,12 @@ class KVCacheManager:
         """Child shares the parent's full blocks and gets a copy of its partial last block.
 
         Returns the (src_block, dst_block) copies the runner must do; None (no change) if out of blocks.
-        The child inherits the parent's token ids, computed count and ``num_cached_tokens``.
+        The child inherits the parent's slot count, hashed blocks and ``num_cached_tokens``.
         """
         if child_id in self._seqs:
             raise ValueError(f"sequence {child_id!r} is already allocated")
         parent = self._seq(parent_id)
-        num_full = len(parent.token_ids) // self._block_size
+        num_full = parent.num_tokens // self._block_size
         partial = len(parent.block_table) > num_full
         if partial and self.pool.num_free_blocks < 1:
             return None
@@ -180,8 +175,8 @@ class KVCacheManager:
             dst = self.pool.take_new(1)[0]
             copies.append((parent.block_table[-1], dst))
             table.append(dst)
-        self._seqs[child_id] = _Seq(table, list(parent.token_ids), parent.num_cached_tokens,
-                                    parent.num_computed_tokens, parent.num_hashed_blocks)
+        self._seqs[child_id] = _Seq(table, parent.num_tokens, parent.num_cached_tokens,
+                                    parent.num_hashed_blocks)
         return copies
 
     def free(self, seq_id: object) -> None:
@@ -197,20 +192,22 @@ class KVCacheManager:
     def block_table(self, seq_id: object) -> list[int]:
         return list(self._seq(seq_id).block_table)
 
+    def table_view(self, seq_id: object) -> Sequence[int]:
+        """The live block table (no copy): valid until the sequence is freed; the caller must not modify it.
+        The runner syncs its device copy from it every step."""
+        return self._seq(seq_id).block_table
+
     def num_tokens(self, seq_id: object) -> int:
-        return len(self._seq(seq_id).token_ids)
+        return self._seq(seq_id).num_tokens
 
     def num_cached_tokens(self, seq_id: object) -> int:
         return self._seq(seq_id).num_cached_tokens
 
-    def num_computed_tokens(self, seq_id: object) -> int:
-        return self._seq(seq_id).num_computed_tokens
-
     def chunk_view(self, seq_id: object, start: int, end: int) -> tuple[list[int], list[int]]:
         """``(block_table(seq_id), slot_mapping(seq_id, start, end))`` with one lookup: a step's chunk."""
         seq = self._seq(seq_id)
-        if not 0 <= start <= end <= len(seq.token_ids):
-            raise ValueError(f"slot_mapping: [{start}, {end}) outside [0, {len(seq.token_ids)}]")
+        if not 0 <= start <= end <= seq.num_tokens:
+            raise ValueError(f"slot_mapping: [{start}, {end}) outside [0, {seq.num_tokens}]")
         bs, table = self._block_size, seq.block_table
         return list(table), [table[t // bs] * bs + t % bs for t in range(start, end)]
 
@@ -238,7 +235,7 @@ class KVCacheManager:
         pool.check_integrity()
         holders: Counter[int] = Counter()
         for sid, seq in self._seqs.items():
-            table, n = seq.block_table, len(seq.token_ids)
+            table, n = seq.block_table, seq.num_tokens
             check(n >= 1, f"seq {sid!r} has no tokens")
             check(len(table) == self._num_blocks_for(n),
                   f"seq {sid!r}: {len(table)} blocks for {n} tokens (block_size {bs})")
@@ -246,9 +243,7 @@ class KVCacheManager:
             check(NULL_BLOCK_ID not in table, f"seq {sid!r}: null block 0 in its table")
             check(0 <= seq.num_cached_tokens < n, f"seq {sid!r}: num_cached_tokens {seq.num_cached_tokens} "
                                                   f"not in [0, {n})")
-            check(seq.num_computed_tokens <= n, f"seq {sid!r}: more tokens computed than it has")
-            check(seq.num_hashed_blocks * bs <= seq.num_computed_tokens,
-                  f"seq {sid!r}: a block not fully computed is marked hashed")
+            check(seq.num_hashed_blocks * bs <= n, f"seq {sid!r}: more blocks hashed than it fills")
             holders.update(table)
             for i, block_id in enumerate(table):
                 full = (i + 1) * bs <= n
@@ -259,8 +254,6 @@ class KVCacheManager:
                 check(hashed or i >= seq.num_hashed_blocks, f"seq {sid!r}: block {block_id} lost its hash")
                 if hashed:
                     check(full, f"seq {sid!r}: partial block {block_id} is hashed")
-                    check(pool.block_token_ids(block_id) == tuple(seq.token_ids[i * bs:(i + 1) * bs]),
-                          f"seq {sid!r}: hashed block {block_id} holds other token ids than the sequence")
                     parent_tag = pool.block_tag(table[i - 1]) if i else None
                     check(pool.block_parent_tag(block_id) == parent_tag,
                           f"seq {sid!r}: hashed block {block_id} chains on another prefix")

@@ -52,7 +52,7 @@ def block_map(kv: KVCacheManager, owners: Mapping[object, Mapping[str, int | str
     seqs = []
     for seq_id, seq in kv._seqs.items():  # same package: the manager lists its sequences nowhere else
         assert isinstance(seq_id, (int, str)), f"seq id {seq_id!r} is neither int nor str"
-        seqs.append({"seq_id": seq_id, **owners.get(seq_id, {}), "num_tokens": len(seq.token_ids),
+        seqs.append({"seq_id": seq_id, **owners.get(seq_id, {}), "num_tokens": seq.num_tokens,
                      "blocks": to_runs(seq.block_table)})
     u = kv.usage()
     return {"block_size": u.block_size, "num_blocks": u.num_blocks, "free_blocks": u.free_blocks,

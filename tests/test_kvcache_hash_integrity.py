@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvcache import BlockPool, KVCacheManager, default_block_hash, prefix_hash
+from kvcache_owner import OwnedKV
 
 
 def const_hash(parent, tokens):
@@ -16,11 +17,11 @@ def test_default_hash_is_chained():
     h0 = default_block_hash(None, (1, 2))
     assert h0 == default_block_hash(None, (1, 2))
     assert default_block_hash(h0, (3, 4)) != default_block_hash(default_block_hash(None, (9, 9)), (3, 4))
-    assert KVCacheManager(4, 2).pool.hash_fn is prefix_hash.default_block_hash
+    assert OwnedKV(4, 2).pool.hash_fn is prefix_hash.default_block_hash
 
 
 def test_forced_collision_does_not_share():
-    mgr = KVCacheManager(10, 4, hash_fn=const_hash)
+    mgr = OwnedKV(10, 4, hash_fn=const_hash)
     assert mgr.allocate("a", [1, 2, 3, 4, 5]) == [1, 2]
     mgr.mark_computed("a", 5)
     assert mgr.pool.block_hash(1) == 0
@@ -37,7 +38,7 @@ def test_forced_collision_does_not_share():
 
 
 def test_forced_collision_same_tokens_different_parent():
-    mgr = KVCacheManager(10, 2, hash_fn=const_hash)
+    mgr = OwnedKV(10, 2, hash_fn=const_hash)
     mgr.allocate("a", [1, 1, 2, 2, 0])  # blocks (1,1) (2,2)
     mgr.mark_computed("a", 5)
     mgr.allocate("b", [3, 3, 2, 2, 0])  # same second block, different parent
@@ -66,7 +67,7 @@ def test_stale_parent_id_is_not_trusted():
 
 
 def test_equal_content_registered_twice_shares_a_tag():
-    mgr = KVCacheManager(8, 2)
+    mgr = OwnedKV(8, 2)
     mgr.allocate("a", [1, 2, 3])
     mgr.allocate("b", [1, 2, 3])  # concurrent: no hit, its own blocks
     mgr.mark_computed("a", 3)
@@ -85,7 +86,7 @@ def test_equal_content_registered_twice_shares_a_tag():
 
 # ---- check_integrity can fail ----------------------------------------------------------------------
 def busy_manager() -> KVCacheManager:
-    mgr = KVCacheManager(10, 4)
+    mgr = OwnedKV(10, 4)
     mgr.allocate("a", list(range(6)))  # [1, 2]
     mgr.mark_computed("a", 6)
     mgr.fork("a", "b")  # [1, 3]
@@ -135,16 +136,26 @@ def test_integrity_catches_shared_partial_block():
 
 def test_integrity_catches_table_size():
     mgr = busy_manager()
-    mgr._seqs["a"].token_ids.extend([1, 2, 3])  # 9 tokens in 2 blocks
+    mgr._seqs["a"].num_tokens += 3  # 9 tokens in 2 blocks
     with pytest.raises(AssertionError, match="2 blocks for 9 tokens"):
         mgr.check_integrity()
 
 
-def test_integrity_catches_hashed_block_with_other_tokens():
-    mgr = busy_manager()
-    mgr._seqs["b"].token_ids[0] = 99
-    with pytest.raises(AssertionError, match="holds other token ids"):
-        mgr.check_integrity()
+def test_mark_computed_hashes_the_owners_ids_once_known():
+    """A slot is appended before its token is sampled; the owner passes the ids when the K/V are written."""
+    mgr = KVCacheManager(10, 2)
+    ids = [1, 2, 3]
+    assert mgr.allocate("a", ids) == [1, 2]
+    assert mgr.append_slots("a", 1)  # the token being sampled: id unknown to everyone yet
+    with pytest.raises(ValueError, match="outside"):
+        mgr.mark_computed("a", 4, ids)  # the owner does not know token 3 either
+    mgr.mark_computed("a", 3, ids)
+    assert [mgr.pool.block_hash(b) is not None for b in (1, 2)] == [True, False]
+    ids.append(7)
+    mgr.mark_computed("a", 4, ids)
+    assert mgr.pool.block_token_ids(2) == (3, 7)
+    assert mgr.allocate("b", [1, 2, 3, 7, 8]) == [1, 2, 3]  # both full blocks hit
+    mgr.check_integrity()
 
 
 def test_integrity_catches_stale_hash_map():

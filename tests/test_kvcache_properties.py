@@ -6,6 +6,7 @@ import hypothesis.strategies as st
 from hypothesis import given, settings
 
 from kvcache import KVCacheManager
+from kvcache_owner import OwnedKV
 
 prompts_st = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=20), min_size=1, max_size=8)
 
@@ -26,7 +27,7 @@ def test_hit_length_is_longest_cached_full_block_prefix(bs, prompts, frees, hash
     """With no eviction (pool large enough), the hit is the longest common full-block prefix with any earlier
     computed prompt, minus the block of the last token; colliding hashes change nothing."""
     hash_fn = (lambda p, t: 0) if hash_name == "const" else None
-    mgr = KVCacheManager(1 + sum(-(-len(p) // bs) for p in prompts), bs, hash_fn=hash_fn)
+    mgr = OwnedKV(1 + sum(-(-len(p) // bs) for p in prompts), bs, hash_fn=hash_fn)
     seen: list[list[int]] = []
     for i, prompt in enumerate(prompts):
         best = max((common_prefix(prompt, prev) for prev in seen), default=0) // bs
@@ -44,7 +45,7 @@ def test_hit_length_is_longest_cached_full_block_prefix(bs, prompts, frees, hash
 @settings(max_examples=60, deadline=None)
 @given(bs=st.sampled_from([1, 2, 4, 16, 256]), lens=st.lists(st.integers(1, 600), min_size=1, max_size=4))
 def test_slot_mapping_covers_distinct_slots(bs, lens):
-    mgr = KVCacheManager(1 + sum(-(-n // bs) for n in lens), bs)
+    mgr = OwnedKV(1 + sum(-(-n // bs) for n in lens), bs)
     all_slots: list[int] = []
     for i, n in enumerate(lens):
         table = mgr.allocate(i, [0] * n)  # same tokens everywhere, but nothing is computed: no sharing

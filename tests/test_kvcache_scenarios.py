@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvcache import KVCacheManager, KVCacheUsage
+from kvcache_owner import OwnedKV
 
 
 def refs(mgr: KVCacheManager, *block_ids: int) -> list[int]:
@@ -18,7 +19,7 @@ def queue(mgr: KVCacheManager) -> list[int]:
 def snapshot(mgr: KVCacheManager):
     pool = mgr.pool
     seqs = {sid: (mgr.block_table(sid), mgr.num_tokens(sid), mgr.num_cached_tokens(sid),
-                  mgr.num_computed_tokens(sid)) for sid in list(mgr._seqs)}
+                  mgr.num_cached_tokens(sid)) for sid in list(mgr._seqs)}
     return ([pool.ref_count(b) for b in range(pool.num_blocks)], queue(mgr),
             [pool.block_hash(b) for b in range(pool.num_blocks)], seqs, mgr.usage())
 
@@ -26,7 +27,7 @@ def snapshot(mgr: KVCacheManager):
 # ---- construction ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("bs", [1, 2, 4, 8, 16, 32, 64, 128, 256])
 def test_block_sizes_accepted(bs):
-    mgr = KVCacheManager(4, bs)
+    mgr = OwnedKV(4, bs)
     assert (mgr.block_size, mgr.num_blocks) == (bs, 4)
     assert queue(mgr) == [1, 2, 3]
     mgr.check_integrity()
@@ -35,23 +36,23 @@ def test_block_sizes_accepted(bs):
 @pytest.mark.parametrize("bs", [0, -4, 2.0, True, None])
 def test_block_size_rejected(bs):
     with pytest.raises(ValueError):
-        KVCacheManager(4, bs)
+        OwnedKV(4, bs)
 
 
 def test_any_positive_block_size_pages():
     """The power-of-two rule is the kernels' (kernels.check_block_size); the paging itself takes any size."""
-    mgr = KVCacheManager(6, 3)
+    mgr = OwnedKV(6, 3)
     assert mgr.allocate("a", list(range(7))) == [1, 2, 3]
     mgr.check_integrity()
 
 
 def test_num_blocks_rejected():
     with pytest.raises(ValueError):
-        KVCacheManager(0, 4)
+        OwnedKV(0, 4)
 
 
 def test_fresh_usage():
-    u = KVCacheManager(8, 16).usage()
+    u = OwnedKV(8, 16).usage()
     assert u == KVCacheUsage(num_blocks=8, block_size=16, free_blocks=7, used_blocks=0, cached_blocks=0,
                              prefix_queries=0, prefix_hits=0, prefix_hit_rate=0.0)
     with pytest.raises(AttributeError):
@@ -60,7 +61,7 @@ def test_fresh_usage():
 
 # ---- allocate / append -----------------------------------------------------------------------------
 def test_allocate_append_across_block_boundary():
-    mgr = KVCacheManager(8, 4)
+    mgr = OwnedKV(8, 4)
     assert mgr.can_allocate(3)
     assert mgr.allocate("a", [1, 2, 3]) == [1]
     assert mgr.num_tokens("a") == 3 and mgr.num_cached_tokens("a") == 0
@@ -81,7 +82,7 @@ def test_allocate_append_across_block_boundary():
 
 
 def test_slot_mapping_non_contiguous_and_bounds():
-    mgr = KVCacheManager(8, 2)
+    mgr = OwnedKV(8, 2)
     mgr.allocate("a", [1, 2])  # [1]
     mgr.allocate("b", [1, 2, 3])  # [2, 3]
     assert mgr.append_slots("a", 1)  # -> [1, 4]
@@ -96,7 +97,7 @@ def test_slot_mapping_non_contiguous_and_bounds():
 
 
 def test_chunk_view_is_a_copy_of_the_table_and_the_slots():
-    mgr = KVCacheManager(8, 2)
+    mgr = OwnedKV(8, 2)
     mgr.allocate("a", [1, 2, 3])  # [1, 2]
     table, slots = mgr.chunk_view("a", 2, 3)
     assert (table, slots) == ([1, 2], [4])
@@ -107,7 +108,7 @@ def test_chunk_view_is_a_copy_of_the_table_and_the_slots():
 
 
 def test_free_in_reverse_order():
-    mgr = KVCacheManager(8, 4)
+    mgr = OwnedKV(8, 4)
     assert mgr.allocate("a", list(range(9))) == [1, 2, 3]
     assert mgr.allocate("b", list(range(4))) == [4]
     assert queue(mgr) == [5, 6, 7]
@@ -123,7 +124,7 @@ def test_free_in_reverse_order():
 
 
 def test_can_allocate_counts_free_and_cached():
-    mgr = KVCacheManager(4, 2)  # 3 usable
+    mgr = OwnedKV(4, 2)  # 3 usable
     assert mgr.can_allocate(6) and not mgr.can_allocate(7)
     mgr.allocate("a", [1, 2, 3, 4])
     mgr.mark_computed("a", 4)
@@ -137,7 +138,7 @@ def test_can_allocate_counts_free_and_cached():
 
 # ---- prefix cache ----------------------------------------------------------------------------------
 def test_prefix_hit_miss_partial_hit():
-    mgr = KVCacheManager(10, 4)
+    mgr = OwnedKV(10, 4)
     prompt = list(range(10))  # blocks (0..3) (4..7) and a partial (8, 9)
     assert mgr.allocate("a", prompt) == [1, 2, 3]
     mgr.mark_computed("a", 10)
@@ -150,7 +151,7 @@ def test_prefix_hit_miss_partial_hit():
     # full hit: both full blocks come back (ref 0 -> 1), leaving the free queue
     assert mgr.allocate("b", prompt) == [1, 2, 4]
     assert mgr.num_cached_tokens("b") == 8
-    assert mgr.num_computed_tokens("b") == 8
+    assert mgr.num_cached_tokens("b") == 8
     assert refs(mgr, 1, 2, 4) == [1, 1, 1]
     assert queue(mgr) == [5, 6, 7, 8, 9, 3]
     assert mgr.usage().cached_blocks == 0
@@ -177,7 +178,7 @@ def test_prefix_hit_miss_partial_hit():
 
 
 def test_prefix_needs_mark_computed():
-    mgr = KVCacheManager(10, 4)
+    mgr = OwnedKV(10, 4)
     mgr.allocate("a", list(range(9)))
     assert mgr.allocate("b", list(range(9))) == [4, 5, 6]  # a's K/V not written yet: no hit
     mgr.mark_computed("a", 5)  # only block 1 is fully computed
@@ -190,7 +191,7 @@ def test_prefix_needs_mark_computed():
 
 
 def test_decode_tokens_get_hashed():
-    mgr = KVCacheManager(10, 2)
+    mgr = OwnedKV(10, 2)
     mgr.allocate("a", [1, 2, 3])  # [1, 2]
     mgr.mark_computed("a", 3)
     assert mgr.append_slots("a", 1, [4])  # the sampled token, K/V written next step
@@ -202,7 +203,7 @@ def test_decode_tokens_get_hashed():
 
 
 def test_unknown_token_ids_stop_hashing():
-    mgr = KVCacheManager(10, 2)
+    mgr = OwnedKV(10, 2)
     mgr.allocate("a", [1, 2])  # [1]
     assert mgr.append_slots("a", 2)  # ids unknown -> [1, 2]
     assert mgr.append_slots("a", 2, [5, 6])  # [1, 2, 3]
@@ -211,7 +212,7 @@ def test_unknown_token_ids_stop_hashing():
 
 
 def test_eviction_order_lru_tail_first():
-    mgr = KVCacheManager(6, 2)  # usable 1..5
+    mgr = OwnedKV(6, 2)  # usable 1..5
     assert mgr.allocate("a", [1, 2, 3, 4]) == [1, 2]
     mgr.mark_computed("a", 4)
     assert mgr.allocate("b", [5, 6, 7, 8]) == [3, 4]
@@ -239,7 +240,7 @@ def test_eviction_order_lru_tail_first():
 
 
 def test_cached_block_revived_from_middle_of_queue():
-    mgr = KVCacheManager(8, 2)
+    mgr = OwnedKV(8, 2)
     mgr.allocate("a", [1, 2, 3])  # [1, 2]
     mgr.mark_computed("a", 3)
     mgr.free("a")
@@ -251,7 +252,7 @@ def test_cached_block_revived_from_middle_of_queue():
 
 
 def test_prefix_caching_off():
-    mgr = KVCacheManager(8, 2, enable_prefix_caching=False)
+    mgr = OwnedKV(8, 2, enable_prefix_caching=False)
     assert not mgr.enable_prefix_caching
     assert mgr.allocate("a", [1, 2, 3, 4, 5]) == [1, 2, 3]
     mgr.mark_computed("a", 5)
@@ -267,13 +268,13 @@ def test_prefix_caching_off():
 
 # ---- fork / copy-on-write --------------------------------------------------------------------------
 def test_fork_copies_partial_last_block():
-    mgr = KVCacheManager(10, 4)
+    mgr = OwnedKV(10, 4)
     assert mgr.allocate("a", list(range(6))) == [1, 2]
     mgr.mark_computed("a", 6)
     assert mgr.fork("a", "b") == [(2, 3)]
     assert mgr.block_table("b") == [1, 3]
     assert refs(mgr, 1, 2, 3) == [2, 1, 1]
-    assert mgr.num_tokens("b") == 6 and mgr.num_computed_tokens("b") == 6
+    assert mgr.num_tokens("b") == 6
     assert queue(mgr) == [4, 5, 6, 7, 8, 9]
     # each appends into its own partial block
     assert mgr.append_slots("a", 1, [60]) and mgr.append_slots("b", 1, [61])
@@ -287,7 +288,7 @@ def test_fork_copies_partial_last_block():
 
 
 def test_fork_full_last_block_shares_everything():
-    mgr = KVCacheManager(10, 4)
+    mgr = OwnedKV(10, 4)
     assert mgr.allocate("a", list(range(8))) == [1, 2]
     assert mgr.fork("a", "b") == []
     assert mgr.block_table("b") == [1, 2] and refs(mgr, 1, 2) == [2, 2]
@@ -301,7 +302,7 @@ def test_fork_full_last_block_shares_everything():
 
 
 def test_fork_block_size_1():
-    mgr = KVCacheManager(6, 1)
+    mgr = OwnedKV(6, 1)
     mgr.allocate("a", [5, 6])
     assert mgr.fork("a", "b") == []  # with block_size 1 every block is full
     assert refs(mgr, 1, 2) == [2, 2]
@@ -309,7 +310,7 @@ def test_fork_block_size_1():
 
 # ---- block sizes 1 and 256 -------------------------------------------------------------------------
 def test_block_size_1():
-    mgr = KVCacheManager(6, 1)
+    mgr = OwnedKV(6, 1)
     assert mgr.allocate("a", [7, 8, 9]) == [1, 2, 3]
     assert mgr.slot_mapping("a", 0, 3) == [1, 2, 3]
     mgr.mark_computed("a", 3)
@@ -327,7 +328,7 @@ def test_block_size_1():
 
 
 def test_block_size_256():
-    mgr = KVCacheManager(4, 256)
+    mgr = OwnedKV(4, 256)
     prompt = list(range(300))
     assert mgr.allocate("a", prompt) == [1, 2]
     assert mgr.slot_mapping("a", 254, 258) == [510, 511, 512, 513]
@@ -345,7 +346,7 @@ def test_block_size_256():
 
 # ---- out of blocks leaves state unchanged ----------------------------------------------------------
 def test_out_of_blocks_returns_leave_state_unchanged():
-    mgr = KVCacheManager(5, 2)  # usable 1..4
+    mgr = OwnedKV(5, 2)  # usable 1..4
     mgr.allocate("a", [1, 2, 3])  # [1, 2]
     mgr.mark_computed("a", 3)
     mgr.allocate("b", [4, 5, 6])  # [3, 4]
@@ -363,7 +364,7 @@ def test_out_of_blocks_returns_leave_state_unchanged():
 
 
 def test_allocate_hit_only_out_of_blocks_does_not_revive():
-    mgr = KVCacheManager(3, 2)  # usable 1, 2
+    mgr = OwnedKV(3, 2)  # usable 1, 2
     mgr.allocate("a", [1, 2, 3])
     mgr.mark_computed("a", 3)
     mgr.free("a")  # [2, 1], block 1 cached
@@ -376,7 +377,7 @@ def test_allocate_hit_only_out_of_blocks_does_not_revive():
 
 # ---- programming errors ----------------------------------------------------------------------------
 def test_misuse_raises():
-    mgr = KVCacheManager(8, 4)
+    mgr = OwnedKV(8, 4)
     mgr.allocate("a", [1, 2, 3])
     with pytest.raises(ValueError):
         mgr.allocate("a", [1])

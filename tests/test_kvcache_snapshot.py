@@ -7,6 +7,7 @@ import json
 import random
 
 from kvcache import KVCacheManager
+from kvcache_owner import OwnedKV
 from kvcache.snapshot import block_map, from_runs, per_block, to_runs
 
 
@@ -26,12 +27,12 @@ def test_runs_round_trip_in_table_order():
 
 
 def test_fresh_pool_is_all_free():
-    assert block_map(KVCacheManager(8, 4)) == {"block_size": 4, "num_blocks": 8, "free_blocks": 7,
+    assert block_map(OwnedKV(8, 4)) == {"block_size": 4, "num_blocks": 8, "free_blocks": 7,
                                                "used_blocks": 0, "cached_blocks": 0, "seqs": [], "cached": []}
 
 
 def test_allocation_prefix_hit_and_owner_labels():
-    kv = KVCacheManager(16, 4)
+    kv = OwnedKV(16, 4)
     assert kv.allocate(1, list(range(10))) == [1, 2, 3]  # 4 + 4 + 2 tokens
     kv.mark_computed(1, 10)  # blocks 1, 2 full and registered
     assert kv.allocate(2, list(range(8)) + [99]) == [1, 2, 4]  # prefix hit on 1, 2
@@ -48,7 +49,7 @@ def test_allocation_prefix_hit_and_owner_labels():
 
 
 def test_fork_shares_full_blocks_and_copies_the_partial_one():
-    kv = KVCacheManager(16, 4)
+    kv = OwnedKV(16, 4)
     kv.allocate("p", list(range(6)))  # blocks 1 (full), 2 (2 tokens)
     kv.mark_computed("p", 6)
     assert kv.fork("p", "c") == [(2, 3)]
@@ -57,7 +58,7 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one():
 
 
 def test_free_leaves_cached_blocks_then_eviction_reuses_them():
-    kv = KVCacheManager(6, 4)  # 5 usable blocks
+    kv = OwnedKV(6, 4)  # 5 usable blocks
     kv.allocate("a", list(range(9)))  # blocks 1, 2 full, 3 partial
     kv.mark_computed("a", 9)
     kv.free("a")
@@ -72,7 +73,7 @@ def test_free_leaves_cached_blocks_then_eviction_reuses_them():
 
 
 def test_a_large_cache_maps_to_a_few_runs():
-    kv = KVCacheManager(100_001, 16)
+    kv = OwnedKV(100_001, 16)
     for s in range(4):
         kv.allocate(s, [s] * 16 * 20_000)  # 20K blocks each, handed out in id order
         kv.mark_computed(s, 16 * 20_000 - 1)
@@ -86,7 +87,7 @@ def test_a_large_cache_maps_to_a_few_runs():
 
 def test_per_block_view_agrees_with_the_pool_after_random_traffic():
     rng = random.Random(1)
-    kv = KVCacheManager(40, 4)
+    kv = OwnedKV(40, 4)
     live: list[int] = []
     for step in range(300):
         op = rng.random()

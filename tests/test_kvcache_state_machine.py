@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvcache import KVCacheManager
+from kvcache_owner import OwnedKV
 
 HASHES = {
     "default": None,
@@ -30,7 +31,7 @@ def snapshot(mgr: KVCacheManager):
     pool = mgr.pool
     return ([pool.ref_count(b) for b in range(pool.num_blocks)], pool.free_queue_ids(),
             [pool.block_hash(b) for b in range(pool.num_blocks)],
-            {s: (mgr.block_table(s), mgr.num_tokens(s), mgr.num_computed_tokens(s)) for s in list(mgr._seqs)},
+            {s: (mgr.block_table(s), mgr.num_tokens(s), mgr.num_cached_tokens(s)) for s in list(mgr._seqs)},
             mgr.usage())
 
 
@@ -39,7 +40,7 @@ class KVCacheMachine(RuleBasedStateMachine):
                 hash_name=st.sampled_from(sorted(HASHES)))
     def setup(self, bs, num_blocks, caching, hash_name):
         self.bs = bs
-        self.mgr = KVCacheManager(num_blocks, bs, enable_prefix_caching=caching, hash_fn=HASHES[hash_name])
+        self.mgr = OwnedKV(num_blocks, bs, enable_prefix_caching=caching, hash_fn=HASHES[hash_name])
         self.tokens: dict[int, list] = {}  # seq -> token ids (unknown ids: unique placeholders)
         self.computed: dict[int, int] = {}
         self.kv: dict[int, tuple] = {}  # slot -> the token prefix whose K/V it holds

@@ -11,7 +11,8 @@ import random
 import pytest
 import torch
 
-from server.engine.runner import ModelRunner, SeqChunk
+from runner_chunks import Chunk, run_chunks
+from server.engine.runner import ModelRunner
 from server.model import load_model
 
 
@@ -33,31 +34,31 @@ class TeacherForced:
         self.seqs = [[rng.randrange(3, 259) for _ in range(n)] for n in lengths]
         self.tables: list[list[int]] = [[] for _ in lengths]
 
-    def _chunk(self, i: int, start: int) -> SeqChunk:
+    def _chunk(self, i: int, start: int) -> Chunk:
         seq, table, bs = self.seqs[i], self.tables[i], self.block_size
         while len(table) * bs < len(seq):
             table.append(self.free.pop())
         slots = [table[t // bs] * bs + t % bs for t in range(start, len(seq))]
-        return SeqChunk(seq[start:], start, list(table), slots)
+        return Chunk(seq[start:], start, list(table), slots)
 
-    def prefill(self) -> list[SeqChunk]:
+    def prefill(self) -> list[Chunk]:
         return [self._chunk(i, 0) for i in range(len(self.seqs))]
 
-    def decode(self) -> list[SeqChunk]:
+    def decode(self) -> list[Chunk]:
         for seq in self.seqs:
             seq.append(self.rng.randrange(3, 259))
         return [self._chunk(i, len(s) - 1) for i, s in enumerate(self.seqs)]
 
 
-def run_steps(model, runner: ModelRunner, ops: str, batches: list[list[SeqChunk]]) -> list[torch.Tensor]:
+def run_steps(model, runner: ModelRunner, ops: str, batches: list[list[Chunk]]) -> list[torch.Tensor]:
     model.set_decoder_ops(ops)
     try:
-        return [runner.execute(chunks) for chunks in batches]
+        return [run_chunks(runner, chunks) for chunks in batches]
     finally:
         model.set_decoder_ops("auto")
 
 
-def teacher_forced_batches(lengths, block_size, num_blocks, steps, seed=0) -> list[list[SeqChunk]]:
+def teacher_forced_batches(lengths, block_size, num_blocks, steps, seed=0) -> list[list[Chunk]]:
     tf = TeacherForced(lengths, block_size, num_blocks, seed)
     return [tf.prefill()] + [tf.decode() for _ in range(steps)]
 
@@ -85,7 +86,7 @@ def test_decoder_ops_follow_device_and_backend(tiny, caplog):
     runner = ModelRunner(tiny, block_size=4, num_blocks=16, attention_backend="torch")
     tiny._logged_ops = None
     with caplog.at_level(logging.INFO, logger="server.model.llama"):
-        runner.execute([SeqChunk([5, 6], 0, [1], [4, 5])])
+        run_chunks(runner, [Chunk([5, 6], 0, [1], [4, 5])])
     assert "model: decoder ops torch (cpu device, torch attention backend)" in caplog.text
 
 
@@ -171,9 +172,8 @@ def test_fused_graph_decode_equals_torch_in_bf16(num_seqs, block_size):
             runner = ModelRunner(m, block_size=block_size, num_blocks=num_blocks, max_num_seqs=64,
                                  max_model_len=256)
             assert runner.cuda_graphs and runner.graphs is not None
-            out[name] = [runner.execute(chunks) for chunks in batches]
-            decode_only = sum(all(len(c.token_ids) == 1 for c in chunks) for chunks in batches)
-            assert runner.graphs.num_replays == decode_only   # a 1-token prompt's prefill replays too
+            out[name] = [run_chunks(runner, chunks) for chunks in batches]
+            assert runner.graphs.num_replays == len(batches) - 1
         finally:
             m.set_decoder_ops("auto")
     for fused, unfused, ref in zip(out["fused"], out["torch"], out["fp32"], strict=True):

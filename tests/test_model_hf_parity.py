@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine.runner import ModelRunner, SeqChunk
+from runner_chunks import Chunk, run_chunks
+from server.engine.runner import ModelRunner
 from server.model import load_model
 from model_fixtures import hf_config, write_hf_checkpoint
 
@@ -51,16 +52,16 @@ def greedy_paged(runner: ModelRunner, prompts: list[list[int]], steps: int) -> t
     """Prefill all prompts in one step, then decode all of them together; -> (prefill logits, new tokens)."""
     alloc = Allocator()
     tables = [alloc.table(len(p) + steps) for p in prompts]
-    chunks = [SeqChunk(p, 0, t, slots(t, 0, len(p))) for p, t in zip(prompts, tables, strict=True)]
-    logits = prefill_logits = runner.execute(chunks)
+    chunks = [Chunk(p, 0, t, slots(t, 0, len(p))) for p, t in zip(prompts, tables, strict=True)]
+    logits = prefill_logits = run_chunks(runner, chunks)
     seqs = [list(p) for p in prompts]
     for step in range(steps):
         for s, row in zip(seqs, logits, strict=True):
             s.append(int(row.argmax()))
         if step + 1 < steps:
-            chunks = [SeqChunk(s[-1:], len(s) - 1, t, slots(t, len(s) - 1, len(s)))
+            chunks = [Chunk(s[-1:], len(s) - 1, t, slots(t, len(s) - 1, len(s)))
                       for s, t in zip(seqs, tables, strict=True)]  # fmt: skip
-            logits = runner.execute(chunks)
+            logits = run_chunks(runner, chunks)
     return prefill_logits, [s[len(p) :] for s, p in zip(seqs, prompts, strict=True)]
 
 

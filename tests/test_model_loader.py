@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from server.engine.runner import ModelRunner, SeqChunk
+from runner_chunks import Chunk, run_chunks
+from server.engine.runner import ModelRunner
 from server.model import PRESETS, ModelConfig, load_model
 from server.model.llama import LlamaForCausalLM
 from model_fixtures import hf_config, write_hf_checkpoint
@@ -62,9 +63,9 @@ def test_tiny_greedy_text_is_printable_and_not_a_single_repeated_byte(tiny):
     start = 0
     for _ in range(32):
         slots = [table[t // 16] * 16 + t % 16 for t in range(start, len(seq))]
-        chunk = SeqChunk(seq[start:], start, table, slots)
+        chunk = Chunk(seq[start:], start, table, slots)
         start = len(seq)
-        seq.append(int(runner.execute([chunk])[0].argmax()))
+        seq.append(int(run_chunks(runner, [chunk])[0].argmax()))
     text = tok.decode(seq[-32:])
     assert all(c.isprintable() or c == "\n" for c in text)
     assert len(set(seq[-32:])) > 8

@@ -1,6 +1,7 @@
-"""CUDA-graph decode, the parts that run on CPU: bucket sizes, padding, packed inputs, and the static-buffer
-replay path (DecodeGraphs with use_cuda_graphs=False: every buffer and padding row, minus the capture) against
-the eager runner. tests/test_runner_gpu.py runs the same comparison with real graphs."""
+"""CUDA-graph decode, the parts that run on CPU: bucket sizes, padding, and the static-buffer replay path
+(DecodeGraphs with use_cuda_graphs=False: the static inputs, the in-graph gathers from the persistent batch
+state and the padding rows, minus the capture) against the eager runner. tests/test_runner_gpu.py runs the
+same comparison with real graphs."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import torch
 
 import kernels
 from server.cli import build_parser, engine_config
-from server.engine.cuda_graphs import DecodeGraphs, capture_sizes, pack_decode_inputs, padded_size
+from runner_chunks import Chunk, run_chunks
+from server.engine.batch_state import BatchState
+from server.engine.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
 from server.engine.engine import EngineConfig, build_core
-from server.engine.runner import ModelRunner, SeqChunk
+from server.engine.runner import ModelRunner
 from server.model import load_model
 
 
@@ -55,28 +58,10 @@ def test_padded_size_is_the_smallest_bucket_that_fits():
     assert padded_size(101, sizes) is None
 
 
-def test_pack_decode_inputs_layout():
-    packed, width = pack_decode_inputs(
-        token_ids=[7, 8, 9], start_pos=[4, 0, 9], slots=[21, 12, 37], tables=[[3, 5], [3], [2, 6, 9]],
-        size=4, max_size=5)
-    assert width == 3
-    assert packed[:20] == [
-        7, 8, 9, 0, 0,  # input_ids, padding token 0
-        4, 0, 9, 0, 0,  # positions
-        21, 12, 37, -1, -1,  # slot_mapping, padding writes nothing
-        5, 1, 10, 0, 0,  # seq_lens = start_pos + 1, padding attends to nothing
-    ]
-    assert packed[20:] == [3, 5, 0, 3, 0, 0, 2, 6, 9, 0, 0, 0]  # (size 4, width 3), null block 0 padding
-
-
-def test_pack_decode_inputs_rejects_a_batch_above_its_size():
-    with pytest.raises(ValueError, match="num_seqs"):
-        pack_decode_inputs([1, 2, 3], [0, 0, 0], [4, 5, 6], [[1], [1], [1]], size=2, max_size=4)
-
-
 def test_decode_graphs_rejects_unsorted_sizes(tiny):
     with pytest.raises(ValueError, match="ascending"):
-        DecodeGraphs(lambda *a: None, [4, 2], 8, 256, torch.float32, torch.device("cpu"), False)
+        DecodeGraphs(lambda *a: None, [4, 2], BatchState(4, 8, 4, torch.device("cpu")), 256, torch.float32,
+                     torch.device("cpu"), False)
 
 
 # ---- the static-buffer replay path vs eager ---------------------------------------------------------------
@@ -93,26 +78,25 @@ class RaggedBatch:
         self.seqs = [[self.rng.randrange(3, 259) for _ in range(n)] for n in lengths]
         self.tables: list[list[int]] = [[] for _ in lengths]
 
-    def _chunk(self, i: int, start: int) -> SeqChunk:
+    def _chunk(self, i: int, start: int) -> Chunk:
         seq, table, bs = self.seqs[i], self.tables[i], self.block_size
         while len(table) * bs < len(seq):
             table.append(self.free.pop())
-        slots = [table[t // bs] * bs + t % bs for t in range(start, len(seq))]
-        return SeqChunk(seq[start:], start, list(table), slots)
+        return Chunk(seq[start:], start, list(table))
 
-    def prefill(self) -> list[SeqChunk]:
+    def prefill(self) -> list[Chunk]:
         return [self._chunk(i, 0) for i in range(len(self.seqs))]
 
-    def decode(self) -> list[SeqChunk]:
+    def decode(self) -> list[Chunk]:
         for seq in self.seqs:
             seq.append(self.rng.randrange(3, 259))
         return [self._chunk(i, len(s) - 1) for i, s in enumerate(self.seqs)]
 
 
-def run_eager(runner: ModelRunner, chunks: list[SeqChunk]) -> torch.Tensor:
+def run_eager(runner: ModelRunner, chunks: list[Chunk]) -> torch.Tensor:
     graphs, runner.graphs = runner.graphs, None
     try:
-        return runner.execute(chunks)
+        return run_chunks(runner, chunks)
     finally:
         runner.graphs = graphs
 
@@ -121,11 +105,11 @@ def graph_and_eager_steps(runner: ModelRunner, lengths: list[int], steps: int, s
     """Per decode step: (logits through the graph path, eager logits of the same step). The eager run comes
     second and rewrites the same K/V slots, so both see the same history at every step."""
     batch = RaggedBatch(lengths, runner.block_size, runner.num_blocks, seed)
-    runner.execute(batch.prefill())
+    run_chunks(runner, batch.prefill())
     out = []
     for _ in range(steps):
         chunks = batch.decode()
-        out.append((runner.execute(chunks), run_eager(runner, chunks)))
+        out.append((run_chunks(runner, chunks), run_eager(runner, chunks)))
     return out
 
 
@@ -133,13 +117,13 @@ def ragged(num_seqs: int) -> list[int]:
     return [(3 + 5 * i) % 13 + 1 for i in range(num_seqs)]  # 4, 9, 1, 6, 11, 3, ...
 
 
-def cpu_graph_runner(model, backend: str = "torch") -> ModelRunner:
+def cpu_graph_runner(model, backend: str = "torch", max_num_batched_tokens: int = 64) -> ModelRunner:
     runner = ModelRunner(model, block_size=4, num_blocks=64, attention_backend=backend, max_num_seqs=8,
-                         max_model_len=64)
+                         max_model_len=64, max_num_batched_tokens=max_num_batched_tokens)
     assert not runner.cuda_graphs and runner.graphs is None  # CPU: always eager
     runner.graphs = runner._decode_graphs(use_cuda_graphs=False)
     runner.graphs.capture()
-    assert runner.graphs.sizes == [1, 2, 4, 8] and runner.graphs.block_tables.shape == (8, 16)
+    assert runner.state.block_tables.shape == (9, 16)  # 8 rows + the pad row, 64 tokens of blocks
     return runner
 
 
@@ -147,6 +131,7 @@ def cpu_graph_runner(model, backend: str = "torch") -> ModelRunner:
 def test_static_replay_equals_eager(tiny, num_seqs):
     """Exact (1, 4, 8) and padded (3 -> 4, 5 -> 8) buckets, ragged lengths, 6 steps across 4-token blocks."""
     runner = cpu_graph_runner(tiny)
+    assert runner.graphs.sizes == [1, 2, 4, 8]
     steps = graph_and_eager_steps(runner, ragged(num_seqs), steps=6, seed=num_seqs)
     assert runner.graphs.num_replays == 6
     for graph, eager in steps:
@@ -156,8 +141,9 @@ def test_static_replay_equals_eager(tiny, num_seqs):
 
 
 def test_batch_above_the_largest_bucket_runs_eagerly(tiny):
-    runner = cpu_graph_runner(tiny)
-    for graph, eager in graph_and_eager_steps(runner, ragged(9), steps=2):
+    runner = cpu_graph_runner(tiny, max_num_batched_tokens=4)
+    assert runner.graphs.sizes == [1, 2, 4]
+    for graph, eager in graph_and_eager_steps(runner, ragged(5), steps=2):
         torch.testing.assert_close(graph, eager, rtol=0, atol=0)
     assert runner.graphs.num_replays == 0
 
@@ -165,27 +151,25 @@ def test_batch_above_the_largest_bucket_runs_eagerly(tiny):
 def test_mixed_and_multi_token_batches_run_eagerly(tiny):
     runner = cpu_graph_runner(tiny)
     batch = RaggedBatch([5, 1], runner.block_size, runner.num_blocks)
-    runner.execute(batch.prefill())  # a 5-token prefill with a 1-token one: eager
+    run_chunks(runner, batch.prefill())  # a 5-token prefill with a 1-token one: eager
     assert runner.graphs.num_replays == 0
-    runner.execute(batch.decode())
+    run_chunks(runner, batch.decode())
     assert runner.graphs.num_replays == 1
 
 
-def test_longer_than_the_static_table_runs_eagerly(tiny):
-    runner = cpu_graph_runner(tiny)  # tables of 16 blocks of 4 = 64 tokens
-    batch = RaggedBatch([64], runner.block_size, runner.num_blocks)
-    runner.execute(batch.prefill())
-    logits = runner.execute(batch.decode())  # token 65 needs a 17th block
-    assert runner.graphs.num_replays == 0 and logits.shape == (1, tiny.config.vocab_size)
-
-
-def test_replay_path_checks_ranges(tiny):
+def test_padding_rows_are_rewritten_every_replay(tiny):
+    """A smaller batch after a larger one in the same bucket: the rows beyond it must be padding again, not
+    the previous step's rows (which would write stale K/V into live sequences' slots)."""
     runner = cpu_graph_runner(tiny)
-    with pytest.raises(ValueError, match="slots must be in"):
-        runner.execute([SeqChunk([5], 0, [1], [64 * 4])])
-    with pytest.raises(ValueError, match="block ids must be in"):
-        runner.execute([SeqChunk([5], 0, [64], [4])])
-    assert runner.graphs.num_replays == 0
+    batch = RaggedBatch([5, 6, 7, 3], runner.block_size, runner.num_blocks)
+    run_chunks(runner, batch.prefill())
+    run_chunks(runner, batch.decode())  # 4 rows: bucket 4
+    before = runner.kv.data.clone()
+    chunks = batch.decode()[:3]  # 3 rows: bucket 4 again, row 3 is padding
+    graph = run_chunks(runner, chunks)
+    written = (runner.kv.data != before).any(dim=(0, 1, 4, 5)).nonzero().tolist()  # (block, offset) pairs
+    assert len(written) == 3  # one slot per real row, none for the padding row
+    torch.testing.assert_close(graph, run_eager(runner, chunks), rtol=1e-5, atol=1e-5)
 
 
 def test_static_replay_on_the_triton_interpreter(tiny):
@@ -206,7 +190,7 @@ def test_a_failed_capture_leaves_the_runner_eager(tiny, caplog):
     runner._capture_graphs()  # real capture on a CPU runner: torch.cuda fails
     assert not runner.cuda_graphs and runner.graphs is None
     assert "CUDA graph capture failed; decoding eagerly" in caplog.text
-    assert runner.execute([SeqChunk([5], 0, [1], [4])]).shape == (1, tiny.config.vocab_size)
+    assert run_chunks(runner, [Chunk([5], 0, [1])]).shape == (1, tiny.config.vocab_size)
 
 
 def test_enforce_eager_flag_reaches_the_engine_config():
@@ -221,4 +205,4 @@ def test_engine_sizes_the_graphs_from_its_limits():
     runner = core.runner
     assert (runner.max_num_seqs, runner.max_num_batched_tokens, runner.max_model_len) == (5, 64, 100)
     graphs = runner._decode_graphs(use_cuda_graphs=False)
-    assert graphs.sizes == [1, 2, 4, 5] and graphs.max_blocks_per_seq == 7  # ceil(100 / 16)
+    assert graphs.sizes == [1, 2, 4, 5] and runner.state.max_blocks == 7  # ceil(100 / 16)

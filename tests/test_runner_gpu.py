@@ -7,7 +7,9 @@ import pytest
 import torch
 from test_runner_cuda_graphs import graph_and_eager_steps, ragged
 
-from server.engine.runner import ModelRunner, SeqChunk
+from runner_chunks import Chunk, run_chunks
+
+from server.engine.runner import ModelRunner
 from server.model import load_model
 
 pytestmark = [
@@ -36,13 +38,12 @@ def paged_logits(runner: ModelRunner, seqs: list[list[int]], prompt_lens: list[i
     tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq))[::-1] for i in range(len(seqs))]
 
     def chunk(i, start, end):
-        slots = [tables[i][t // bs] * bs + t % bs for t in range(start, end)]
-        return SeqChunk(seqs[i][start:end], start, tables[i], slots)
+        return Chunk(seqs[i][start:end], start, tables[i])
 
-    out = [[row] for row in runner.execute([chunk(i, 0, n) for i, n in enumerate(prompt_lens)])]
+    out = [[row] for row in run_chunks(runner, [chunk(i, 0, n) for i, n in enumerate(prompt_lens)])]
     for pos in range(min(prompt_lens), max(map(len, seqs)) - 1):
         live = [i for i, n in enumerate(prompt_lens) if n <= pos < len(seqs[i]) - 1]
-        for i, row in zip(live, runner.execute([chunk(i, pos, pos + 1) for i in live]), strict=True):
+        for i, row in zip(live, run_chunks(runner, [chunk(i, pos, pos + 1) for i in live]), strict=True):
             out[i].append(row)
     return out
 
@@ -72,7 +73,7 @@ def test_kv_cache_is_sized_from_gpu_memory_utilization():
     allowed = 0.1 * total - (total - free_before)  # vLLM: the process's share, less what is in use already
     assert 0.5 * allowed < cache_bytes <= allowed  # tiny's activations and graph pool are far below half
     assert runner.capacity_tokens == (runner.num_blocks - 1) * 16
-    logits = runner.execute([SeqChunk([1, 40, 41, 42], 0, [1], [16, 17, 18, 19])])
+    logits = run_chunks(runner, [Chunk([1, 40, 41, 42], 0, [1])])
     assert logits.shape == (1, model.config.vocab_size) and torch.isfinite(logits).all()
 
 
@@ -85,10 +86,10 @@ def tiny_bf16():
     return model
 
 
-def graph_runner(model, **kwargs) -> ModelRunner:
+def graph_runner(model, sizes=(1, 2, 4, 8), **kwargs) -> ModelRunner:
     runner = ModelRunner(model, block_size=16, num_blocks=256, max_num_seqs=8, **kwargs)
-    assert runner.cuda_graphs and sorted(runner.graphs.graphs) == [1, 2, 4, 8]
-    assert runner.graphs.block_tables.shape == (8, 2048 // 16)  # tiny's max_position_embeddings
+    assert runner.cuda_graphs and sorted(runner.graphs.graphs) == list(sizes)
+    assert runner.state.block_tables.shape == (9, 2048 // 16)  # tiny's max_position_embeddings, + pad row
     return runner
 
 
@@ -115,8 +116,8 @@ def test_graph_decode_is_bitwise_eager_at_exact_buckets_with_fixed_splits(tiny_b
 
 
 def test_batch_above_the_largest_graph_runs_eagerly(tiny_bf16):
-    runner = graph_runner(tiny_bf16)
-    for graph, eager in graph_and_eager_steps(runner, ragged(9), steps=3):
+    runner = graph_runner(tiny_bf16, sizes=(1, 2, 4), max_num_batched_tokens=4)
+    for graph, eager in graph_and_eager_steps(runner, ragged(5), steps=3):
         assert torch.equal(graph, eager) and torch.isfinite(graph).all()
     assert runner.graphs.num_replays == 0
 

@@ -6,24 +6,24 @@ import os
 import pytest
 import torch
 
-from server.engine.runner import ModelRunner, SeqChunk
+from runner_chunks import Chunk, run_chunks
+from server.engine.runner import ModelRunner
 from server.model import load_model
 
 BS = 4
 
 
 def _chunk(table, ids, start):
-    slots = [table[t // BS] * BS + t % BS for t in range(start, start + len(ids))]
-    return SeqChunk(list(ids), start, list(table), slots)
+    return Chunk(list(ids), start, list(table))
 
 
 def _steps(runner, a, b, c):
     """Step 1: a whole, b's first 6 tokens. Step 2: a decodes, b's other 7, c over a's first 8 (2 blocks)."""
     ta, tb = [3, 9, 1, 7], [12, 5, 2, 11]                                  # physical blocks, shuffled
     tc = ta[:2] + [6, 14, 8]                                               # c's first 8 tokens are a's
-    runner.execute([_chunk(ta, a, 0), _chunk(tb, b[:6], 0)])
+    run_chunks(runner, [_chunk(ta, a, 0), _chunk(tb, b[:6], 0)])
     step2 = [_chunk(ta, [a[-1]], len(a)), _chunk(tb, b[6:], 6), _chunk(tc, c[8:], 8)]
-    return runner.execute(step2)                                           # (3, V)
+    return run_chunks(runner, step2)                                           # (3, V)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")

@@ -11,7 +11,8 @@ import torch
 
 import kernels
 from kvcache import KVCacheManager
-from server.engine.runner import ModelRunner, SeqChunk
+from runner_chunks import Chunk, run_chunks
+from server.engine.runner import ModelRunner
 from server.model import load_model
 
 PROMPTS = [
@@ -57,11 +58,8 @@ class ShuffledBlocks:
             table.append(self.free.pop())
         return table
 
-    def chunk(self, seq: str, token_ids: list[int], start: int) -> SeqChunk:
-        table = self.grow(seq, start + len(token_ids))
-        bs = self.block_size
-        slots = [table[t // bs] * bs + t % bs for t in range(start, start + len(token_ids))]
-        return SeqChunk(list(token_ids), start, list(table), slots)
+    def chunk(self, seq: str, token_ids: list[int], start: int) -> Chunk:
+        return Chunk(list(token_ids), start, list(self.grow(seq, start + len(token_ids))))
 
 
 def decode_together(runner, blocks, seqs: dict[str, list[int]], logits, steps: int) -> None:
@@ -70,7 +68,7 @@ def decode_together(runner, blocks, seqs: dict[str, list[int]], logits, steps: i
         for seq, row in zip(seqs.values(), logits, strict=True):
             seq.append(int(row.argmax()))
         if step + 1 < steps:
-            logits = runner.execute([blocks.chunk(name, s[-1:], len(s) - 1) for name, s in seqs.items()])
+            logits = run_chunks(runner, [blocks.chunk(name, s[-1:], len(s) - 1) for name, s in seqs.items()])
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 256])
@@ -81,7 +79,7 @@ def test_block_size_and_shuffled_physical_blocks(tiny, block_size):
     runner = ModelRunner(model, block_size=block_size, num_blocks=num_blocks, attention_backend="torch")
     blocks = ShuffledBlocks(num_blocks, block_size, seed=block_size)
     seqs = {f"s{i}": list(p) for i, p in enumerate(prompts)}
-    logits = runner.execute([blocks.chunk(n, s, 0) for n, s in seqs.items()])
+    logits = run_chunks(runner, [blocks.chunk(n, s, 0) for n, s in seqs.items()])
     decode_together(runner, blocks, seqs, logits, steps=12)
     for prompt, seq in zip(prompts, seqs.values(), strict=True):
         assert seq[len(prompt) :] == dense_greedy(model, prompt, 12)
@@ -94,10 +92,10 @@ def test_prefix_cache_hit_shares_blocks_and_starts_late(tiny):
     blocks = ShuffledBlocks(64, bs, seed=1)
     a = tok.encode("A shared system prompt, then question one?")
     b = a[:32] + tok.encode("Different tail: question two!", add_bos=False)
-    runner.execute([blocks.chunk("a", a, 0)])
+    run_chunks(runner, [blocks.chunk("a", a, 0)])
     blocks.tables["b"] = list(blocks.tables["a"][:4])  # 32 cached tokens = 4 full blocks of `a`
     shared_before = runner.kv.data[:, :, blocks.tables["a"][:4]].clone()
-    logits = runner.execute([blocks.chunk("b", b[32:], 32)])
+    logits = run_chunks(runner, [blocks.chunk("b", b[32:], 32)])
     seqs = {"b": list(b)}
     decode_together(runner, blocks, seqs, logits, steps=10)
     assert seqs["b"][len(b) :] == dense_greedy(model, b, 10)
@@ -111,12 +109,12 @@ def test_chunked_prefill_in_mixed_batches(tiny):
     blocks = ShuffledBlocks(128, bs, seed=2)
     a, b = tok.encode(PROMPTS[0]), tok.encode(PROMPTS[2])
     seq_a = list(a)
-    logits = runner.execute([blocks.chunk("a", a, 0)])
+    logits = run_chunks(runner, [blocks.chunk("a", a, 0)])
     seq_a.append(int(logits[0].argmax()))
     for start in range(0, len(b), 5):  # b arrives 5 tokens per step, each step also decodes a
         end = min(start + 5, len(b))
         chunks = [blocks.chunk("a", seq_a[-1:], len(seq_a) - 1), blocks.chunk("b", b[start:end], start)]
-        logits = runner.execute(chunks)
+        logits = run_chunks(runner, chunks)
         seq_a.append(int(logits[0].argmax()))
     seqs = {"a": seq_a[:-1], "b": list(b)}
     decode_together(runner, blocks, seqs, logits, steps=6)
@@ -131,16 +129,16 @@ def test_fork_then_copy_on_write_keeps_parent_and_child_apart(tiny):
     blocks = ShuffledBlocks(64, bs, seed=3)
     parent = tok.encode("Fork me after a partial block")  # 30 tokens: last block partial
     assert len(parent) % bs != 0
-    logits = runner.execute([blocks.chunk("p", parent, 0)])
+    logits = run_chunks(runner, [blocks.chunk("p", parent, 0)])
     first = int(logits[0].argmax())
     forced = (first + 1) % model.config.vocab_size  # the child continues with a different token
     table = blocks.tables["p"]
     child_table = table[:-1] + [blocks.free.pop()]  # full blocks shared, partial last block copied
-    runner.copy_blocks([(table[-1], child_table[-1])])
+    runner.kv.copy_blocks(torch.tensor([(table[-1], child_table[-1])]))
     assert torch.equal(runner.kv.data[:, :, child_table[-1]], runner.kv.data[:, :, table[-1]])
     blocks.tables["c"] = child_table
     seqs = {"p": parent + [first], "c": parent + [forced]}
-    logits = runner.execute([blocks.chunk(n, s[-1:], len(parent)) for n, s in seqs.items()])
+    logits = run_chunks(runner, [blocks.chunk(n, s[-1:], len(parent)) for n, s in seqs.items()])
     decode_together(runner, blocks, seqs, logits, steps=8)
     assert seqs["p"][len(parent) :] == dense_greedy(model, parent, 9)
     assert seqs["c"][len(parent) + 1 :] == dense_greedy(model, parent + [forced], 8)
@@ -158,15 +156,14 @@ def test_kvcache_manager_prefix_hit_and_fork(tiny):
 
     def chunk(seq_id, start):
         ids = seqs[seq_id]
-        slots = mgr.slot_mapping(seq_id, start, len(ids))
-        return SeqChunk(ids[start:], start, mgr.block_table(seq_id), slots)
+        return Chunk(ids[start:], start, mgr.block_table(seq_id))
 
     def step(seq_ids, starts):
-        logits = runner.execute([chunk(s, st) for s, st in zip(seq_ids, starts, strict=True)])
+        logits = run_chunks(runner, [chunk(s, st) for s, st in zip(seq_ids, starts, strict=True)])
         for s, row in zip(seq_ids, logits, strict=True):
-            mgr.mark_computed(s, len(seqs[s]))
+            mgr.mark_computed(s, len(seqs[s]), seqs[s])
             seqs[s].append(int(row.argmax()))
-            assert mgr.append_slots(s, 1, [seqs[s][-1]])
+            assert mgr.append_slots(s, 1)
 
     seqs["a"] = list(a)
     assert mgr.allocate("a", a) is not None
@@ -178,7 +175,7 @@ def test_kvcache_manager_prefix_hit_and_fork(tiny):
     step(["b"], [hit])
     seqs["c"] = list(seqs["a"])
     copies = mgr.fork("a", "c")
-    runner.copy_blocks(copies)
+    runner.kv.copy_blocks(torch.tensor(copies).view(-1, 2))
     for _ in range(6):
         step(["a", "b", "c"], [len(seqs[s]) - 1 for s in ("a", "b", "c")])
     mgr.check_integrity()
@@ -202,30 +199,13 @@ def test_triton_interpreter_backend_matches_torch(tiny):
         assert (runner.decode_workspace is None) == (backend == "torch")
         blocks = ShuffledBlocks(32, 8, seed=4)
         seqs = {"a": tok.encode(PROMPTS[0]), "b": tok.encode(PROMPTS[1])}
-        logits = runner.execute([blocks.chunk(n, s, 0) for n, s in seqs.items()])
+        logits = run_chunks(runner, [blocks.chunk(n, s, 0) for n, s in seqs.items()])
         decode_together(runner, blocks, seqs, logits, steps=3)
-        results.append((seqs, runner.execute([blocks.chunk(n, s[-1:], len(s) - 1) for n, s in seqs.items()])))
+        results.append((seqs, run_chunks(runner, [blocks.chunk(n, s[-1:], len(s) - 1) for n, s in seqs.items()])))
         assert runner.decode_workspace is None or runner.decode_workspace.idle()
     for seqs, logits in results[1:]:
         assert seqs == results[0][0]
         torch.testing.assert_close(logits, results[0][1], rtol=1e-4, atol=1e-4)
-
-
-def test_execute_rejects_inconsistent_chunks(tiny):
-    model, _ = tiny
-    runner = ModelRunner(model, block_size=4, num_blocks=8, attention_backend="torch")
-    with pytest.raises(ValueError, match="one slot per token"):
-        runner.execute([SeqChunk([5, 6], 0, [1], [4])])
-    with pytest.raises(ValueError, match="block_table has 1 blocks"):
-        runner.execute([SeqChunk([5] * 5, 0, [1], [4, 5, 6, 7, 8])])
-    with pytest.raises(ValueError, match="token ids must be in"):
-        runner.execute([SeqChunk([259], 0, [1], [4])])
-    with pytest.raises(ValueError, match="slots must be in"):
-        runner.execute([SeqChunk([5], 0, [1], [32])])
-    with pytest.raises(ValueError, match="block ids must be in"):
-        runner.execute([SeqChunk([5], 3, [8], [4])])
-    with pytest.raises(ValueError, match="copy_blocks"):
-        runner.copy_blocks([(0, 3)])
 
 
 def test_cpu_cache_defaults(tiny):
@@ -234,16 +214,17 @@ def test_cpu_cache_defaults(tiny):
     assert runner.attention_backend == kernels.resolve_backend("cpu", "auto")
     assert runner.num_blocks == 8192 // 16 and runner.capacity_tokens == (8192 // 16 - 1) * 16
     assert runner.device == torch.device("cpu") and runner.dtype == torch.float32
-    assert runner.execute([]).shape == (0, model.config.vocab_size)
 
 
 def test_profiling_dummy_batch_is_a_valid_maximal_step(tiny):
-    """The batch that sizes the CUDA KV cache (run here on CPU): max tokens over max seqs, own blocks."""
+    """The step that sizes the CUDA KV cache (run here on CPU): max tokens over max seqs, own blocks, each
+    sampling with top-p."""
     model, _ = tiny
     runner = ModelRunner(model, block_size=16, num_blocks=2, max_num_batched_tokens=300, max_num_seqs=7)
-    chunks, blocks_needed = runner._dummy_chunks()
-    assert sum(len(c.token_ids) for c in chunks) == 300 and len(chunks) == 7
-    slots = [s for c in chunks for s in c.slot_mapping]
-    assert len(set(slots)) == 300 and 16 <= min(slots) and max(slots) < blocks_needed * 16
+    step, tables, blocks_needed = runner._dummy_step()
+    assert step.num_prefill_tokens == 300 and len(step.prefills) == 7 and len(step.samples) == 7
+    blocks = [b for t in tables.values() for b in t]
+    assert len(set(blocks)) == len(blocks) and min(blocks) == 1 and max(blocks) == blocks_needed - 1
     runner.kv, runner.num_blocks = runner._allocate_cache(blocks_needed), blocks_needed
-    assert runner.execute(chunks).shape == (7, model.config.vocab_size)
+    tokens = runner.execute(step, tables.__getitem__).wait().token_ids
+    assert len(tokens) == 7 and all(0 <= t < model.config.vocab_size for t in tokens)

@@ -31,12 +31,13 @@ class PagedMemory:
         self.kv, self.slots = kv, {}
         self.bs = kv.usage().block_size
 
-    def run(self, seq: Sequence, start: int, end: int) -> int:
-        for slot, tok in zip(self.kv.slot_mapping(seq.seq_id, start, end), seq.all_token_ids[start:end],
-                             strict=True):
+    def write(self, seq: Sequence, start: int, ids: list[int]) -> None:
+        for slot, tok in zip(self.kv.slot_mapping(seq.seq_id, start, start + len(ids)), ids, strict=True):
             self.slots[slot] = tok
+
+    def history(self, seq: Sequence, end: int) -> list[int]:
         table = self.kv.block_table(seq.seq_id)
-        return predict([self.slots[table[t // self.bs] * self.bs + t % self.bs] for t in range(end)])
+        return [self.slots[table[t // self.bs] * self.bs + t % self.bs] for t in range(end)]
 
     def copy_blocks(self, pairs):
         for src, dst in pairs:
@@ -46,12 +47,20 @@ class PagedMemory:
 
 
 class Harness:
-    def __init__(self, num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=64, caching=True):
+    """Drives the scheduler like the engine core: launch (the "device": write K/V, sample by reading the
+    history back) then postprocess; with async_=True step N+1 is scheduled and launched before step N is
+    post-processed, its pending tokens read from the "device" (`last`)."""
+
+    def __init__(self, num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=64, caching=True,
+                 async_=False):
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
         self.sched = Scheduler(self.kv, max_num_seqs, max_tokens_per_step)
         self.mem = PagedMemory(self.kv)
         self.ids = itertools.count()
         self.finished: list[Sequence] = []
+        self.async_ = async_
+        self.last: dict[int, int] = {}  # seq id -> the token its last sample drew (the device's copy)
+        self.in_flight = None
 
     def add(self, prompt: list[int], max_tokens: int, n: int = 1) -> list[Sequence]:
         params = SamplingParams(max_tokens=max_tokens, n=n)
@@ -62,21 +71,31 @@ class Harness:
         self.sched.add(seqs[0])
         return seqs
 
+    def token_at(self, seq: Sequence, t: int) -> int:
+        return seq.token_ids[t] if t < len(seq.token_ids) else self.last[seq.seq_id]
+
+    def launch(self, out) -> list[int]:
+        for c in out.chunks:
+            self.mem.write(c.seq, c.start, [self.token_at(c.seq, t) for t in range(c.start, c.end)])
+        self.mem.copy_blocks(out.copies)
+        sampling = [c for c in out.chunks if c.samples]
+        tokens = []
+        for seq, src in zip(out.samples, out.sample_sources, strict=True):
+            chunk = sampling[src]
+            history = self.mem.history(chunk.seq, chunk.end)
+            assert history == [self.token_at(chunk.seq, t) for t in range(chunk.end)], "KV history corrupted"
+            tokens.append(predict(history))
+            self.last[seq.seq_id] = tokens[-1]
+        return tokens
+
     def step(self):
         out = self.sched.schedule()
-        predicted = {c.seq.seq_id: self.mem.run(c.seq, c.start, c.end) for c in out.chunks}
-        self.sched.after_step(out)
-        for c in out.chunks:
-            if not c.samples:
-                continue
-            assert predicted[c.seq.seq_id] == predict(c.seq.all_token_ids), "KV history corrupted"
-            samplers = [c.seq]
-            if c.seq.fork_children:
-                children, copies = self.sched.fork_children(c.seq)
-                self.mem.copy_blocks(copies)
-                samplers += children
-            for seq in samplers:
-                seq.output_token_ids.append(predict(seq.all_token_ids))
+        launched = (out, self.launch(out)) if not out.is_empty else None
+        done = launched
+        if self.async_:
+            done, self.in_flight = self.in_flight, launched
+        if done is not None:
+            for _, seq in self.sched.postprocess(*done):
                 if len(seq.output_token_ids) == seq.params.max_tokens:
                     self.sched.finish(seq)
                     self.finished.append(seq)
@@ -85,7 +104,7 @@ class Harness:
 
     def run(self, max_steps=500):
         for _ in range(max_steps):
-            if not self.sched.has_work():
+            if not self.sched.has_work() and self.in_flight is None:
                 return
             self.step()
         raise AssertionError("did not finish")
@@ -153,9 +172,11 @@ def test_preemption_frees_latest_requeues_at_front_and_resumes_exactly():
     assert h.kv.usage().used_blocks == 0
 
 
+@pytest.mark.parametrize("async_", [False, True])
 @pytest.mark.parametrize("caching", [True, False])
-def test_many_sequences_through_a_small_cache_all_exact(caching):
-    h = Harness(num_blocks=13, block_size=4, max_num_seqs=6, max_tokens_per_step=10, caching=caching)
+def test_many_sequences_through_a_small_cache_all_exact(caching, async_):
+    h = Harness(num_blocks=13, block_size=4, max_num_seqs=6, max_tokens_per_step=10, caching=caching,
+                async_=async_)
     prompts = [[7, 7, 7, 7, 7, 7, 7, 7, i] for i in range(8)]  # shared prefix: prefix-cache hits
     seqs = [h.add(p, max_tokens=8 + i)[0] for i, p in enumerate(prompts)]
     h.run()
@@ -167,8 +188,9 @@ def test_many_sequences_through_a_small_cache_all_exact(caching):
         assert h.kv.usage().prefix_hits > 0
 
 
-def test_fork_shares_the_prefill_and_copies_the_partial_block():
-    h = Harness(block_size=4)
+@pytest.mark.parametrize("async_", [False, True])
+def test_fork_shares_the_prefill_and_copies_the_partial_block(async_):
+    h = Harness(block_size=4, async_=async_)
     prompt = [5, 6, 7, 8, 9, 10]  # one full block + a partial one
     seqs = h.add(prompt, max_tokens=3, n=3)
     out = h.step()
@@ -192,3 +214,48 @@ def test_finish_of_waiting_and_running_sequences_releases_everything():
     h.sched.finish(a)  # running
     assert not h.sched.has_work() and h.kv.usage().used_blocks == 0
     assert b.fork_children == [] and a.is_finished and b.is_finished
+
+
+def test_async_token_of_a_finished_sequence_is_discarded_and_its_blocks_freed():
+    """Finished at step N (say EOS) while step N+1 already computes its next token: that token is dropped."""
+    h = Harness(async_=True)
+    (a,) = h.add([1, 2, 3], max_tokens=20)
+    (b,) = h.add([4, 5, 6], max_tokens=20)
+    first = h.sched.schedule()
+    tokens = h.launch(first)
+    second = h.sched.schedule()  # planned while `first` runs: both decode their pending token
+    assert second.decodes == [a, b] and a.num_pending == 2  # its tokens of both steps
+    tokens2 = h.launch(second)
+    taken = h.sched.postprocess(first, tokens)
+    assert [s for _, s in taken] == [a, b]
+    h.sched.finish(a)  # a's first token ended it
+    assert not h.kv.has_seq(a.seq_id)
+    taken = h.sched.postprocess(second, tokens2)
+    assert [s for _, s in taken] == [b]  # a's wasted token is discarded
+    assert a.output_token_ids == expected_output([1, 2, 3], 1)
+    assert b.output_token_ids == expected_output([4, 5, 6], 2)
+
+
+def test_async_a_last_token_in_flight_is_not_scheduled_again():
+    h = Harness(async_=True)
+    (a,) = h.add([1, 2, 3], max_tokens=1)
+    (b,) = h.add([4, 5], max_tokens=5)
+    h.step()  # both prefilled: a's only token is in flight
+    out = h.step()
+    assert out.decodes == [b]
+    h.run()
+    assert a.output_token_ids == expected_output([1, 2, 3], 1) and a.is_finished
+    assert b.output_token_ids == expected_output([4, 5], 5)
+
+
+def test_rows_are_unique_among_running_and_returned_on_finish():
+    h = Harness(max_num_seqs=3, async_=True)
+    seqs = [h.add([i, i + 1, i + 2], max_tokens=3 + i)[0] for i in range(6)]
+    for _ in range(200):
+        if not h.sched.has_work() and h.in_flight is None:
+            break
+        h.step()
+        rows = [s.row for s in h.sched.running]
+        assert len(set(rows)) == len(rows) and all(0 <= r < 3 for r in rows)
+    assert sorted(h.sched.free_rows) == [0, 1, 2]
+    assert all(s.output_token_ids == expected_output([i, i + 1, i + 2], 3 + i) for i, s in enumerate(seqs))

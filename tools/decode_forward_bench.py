@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 import triton
 
-from server.engine.runner import ModelRunner, SeqChunk
+from server.engine.runner import ModelRunner
+from tests.runner_chunks import Chunk, run_chunks
 from server.model import load_model
 
 TARGETS_MS = {1: 0.75, 64: 1.15, 256: 2.4}  # issue 16, decode forward including logits
@@ -85,10 +86,9 @@ class Contexts:
         self.tokens = [rng.randrange(3, 259) for _ in range(max_batch)]
         self.context, self.block_size = context, block_size
 
-    def chunks(self, batch: int) -> list[SeqChunk]:
+    def chunks(self, batch: int) -> list[Chunk]:
         t, bs = self.context, self.block_size
-        return [SeqChunk([self.tokens[i]], t, self.tables[i], [self.tables[i][t // bs] * bs + t % bs])
-                for i in range(batch)]
+        return [Chunk([self.tokens[i]], t, self.tables[i]) for i in range(batch)]
 
 
 def build_runner(model, ops: str, ctx: Contexts, args) -> tuple[ModelRunner, dict]:
@@ -118,31 +118,31 @@ def graph_step(runner: ModelRunner, batch: int):
 
     def step():
         graph.replay()
-        return graphs.hidden[:batch].float()
+        return graphs.output[:batch].float()
 
     return step
 
 
-def execute_ms(runner: ModelRunner, chunks: list[SeqChunk], iters: int) -> float:
+def execute_ms(runner: ModelRunner, chunks: list[Chunk], iters: int) -> float:
     """Wall ms of runner.execute, synchronised after each (host work included)."""
-    runner.execute(chunks)
+    run_chunks(runner, chunks)
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
-        runner.execute(chunks)
+        run_chunks(runner, chunks)
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
-def profile_step(runner: ModelRunner, ops: str, chunks: list[SeqChunk], steps: int = 3,
+def profile_step(runner: ModelRunner, ops: str, chunks: list[Chunk], steps: int = 3,
                  top: int = 15) -> dict:
     """Per-kernel device time of one replayed step (mean over `steps`); falls back to an eager step with the
     same decoder ops if the profiler records no kernels inside graph replays."""
     from torch.profiler import ProfilerActivity, profile
 
-    runner.execute(chunks)
+    run_chunks(runner, chunks)
     step = graph_step(runner, len(chunks))
     mode = "graph replay"
 
@@ -166,7 +166,7 @@ def profile_step(runner: ModelRunner, ops: str, chunks: list[SeqChunk], steps: i
         graphs, runner.graphs = runner.graphs, None
         runner.model.set_decoder_ops(ops)
         try:
-            rows = record(lambda: runner.execute(chunks))
+            rows = record(lambda: run_chunks(runner, chunks))
             mode = "eager (no kernels traced in graph replays)"
         finally:
             runner.graphs = graphs
@@ -207,7 +207,7 @@ def main() -> None:
     rows = []
     for batch in args.batches:
         chunks = ctx.chunks(batch)
-        logits = {ops: runners[ops].execute(chunks) for ops in OPS}
+        logits = {ops: run_chunks(runners[ops], chunks) for ops in OPS}
         finite = torch.isfinite(logits["torch"])  # the preset masks non-printable ids with -inf
         ref, fused = logits["torch"][finite], logits["fused"][finite]
         rel = float((fused - ref).abs().max() / ref.abs().max())

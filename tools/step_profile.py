@@ -50,15 +50,15 @@ class StepTimer:
         inner = runner.execute
         loop_clock = time.pthread_getcpuclockid(self.loop_thread)
 
-        def execute(chunks):
-            full = len(chunks) == self.batch and all(len(c.token_ids) == 1 for c in chunks)
+        def execute(step, table_of):
+            full = len(step.decodes) == self.batch and not step.prefills
             if self.profiler is not None:
                 self.profiler.disable()
             t0, c0 = time.perf_counter(), time.thread_time()
             if full:
                 self.starts.append((t0, c0, time.clock_gettime(loop_clock)))
             try:
-                return inner(chunks)
+                return inner(step, table_of)
             finally:
                 if full:
                     self.durations.append((time.perf_counter() - t0, time.thread_time() - c0))

@@ -1,4 +1,10 @@
-"""The synchronous engine step: schedule -> runner -> fork -> sample -> finish checks -> SeqUpdates.
+"""The engine step: schedule -> launch (runner: forward, fork copies, sampling) -> finish checks -> SeqUpdates.
+
+With asynchronous scheduling (the default) a step launches step N+1 before it post-processes step N: the
+host schedules and packs N+1 while the device still runs N, N's sampled ids feed N+1 on the device, and
+N's ids reach the host (pinned copy + event) while N+1 runs. A choice that finishes at N has computed one
+token more in N+1; the scheduler discards it, nothing emits it. `async_scheduling=False` post-processes
+each step before planning the next; the tokens are the same.
 
 Ints only: the core never sees text. It ends a choice on EOS, a stop token id or max_tokens; stop strings
 are found in the API process, which aborts the choice here. A failure inside one request's post-processing
@@ -11,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import numbers
+import time
 
 import torch
 
@@ -19,8 +26,8 @@ from kvcache.snapshot import block_map
 from server.engine.outputs import CoreStats, EngineRequest, SeqUpdate, StepUpdate, TokenLogprobs
 from server.engine.prompt_logprobs import prompt_logprobs
 from server.engine.request import Request
-from server.engine.runner import SeqChunk
-from server.engine.sampler import Sampler, SamplerOutput, make_generator
+from server.engine.runner import HostSamples, StepResult
+from server.engine.sampler import seed_key
 from server.engine.scheduler import Scheduler, SchedulerOutput
 from server.engine.sequence import SeqStatus, Sequence
 
@@ -29,15 +36,15 @@ logger = logging.getLogger("pagewalk.engine")
 
 class EngineCore:
     def __init__(self, runner, kv: KVCacheManager, eos_token_ids: set[int], max_num_seqs: int,
-                 max_num_batched_tokens: int):
+                 max_num_batched_tokens: int, async_scheduling: bool = True):
         self.runner = runner
         self.kv = kv
         self.eos_token_ids = frozenset(eos_token_ids)
         self.scheduler = Scheduler(kv, max_num_seqs, max_num_batched_tokens)
-        self.sampler = Sampler()
-        self.device = torch.device(getattr(runner, "device", "cpu"))
+        self.async_scheduling = async_scheduling
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
+        self._in_flight: tuple[SchedulerOutput, StepResult] | None = None  # launched, not post-processed
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self, er: EngineRequest) -> None:
@@ -59,13 +66,13 @@ class EngineCore:
         self.scheduler.add(parent)
 
     def _new_seq(self, req: Request, index: int) -> Sequence:
-        seq = Sequence(next(self._seq_ids), req.request_id, index, req.prompt_token_ids, req.params)
-        if req.params.seed is not None:
-            seq.generator = make_generator(req.params.seed, index, self.device)
-        return seq
+        # unseeded choices draw their stream from torch's generator (EngineConfig.seed seeds it)
+        seed = req.params.seed if req.params.seed is not None else int(torch.randint(0, 2**31, ()).item())
+        return Sequence(next(self._seq_ids), req.request_id, index, req.prompt_token_ids, req.params,
+                        seed_key=seed_key(seed, index))
 
     def has_work(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or self._in_flight is not None
 
     def abort_request(self, request_id: str, index: int | None = None, reason: str = "abort",
                       error: str | None = None) -> list[SeqUpdate]:
@@ -89,18 +96,40 @@ class EngineCore:
 
     # ---- one step ---------------------------------------------------------------------------------
     def step(self) -> StepUpdate:
+        """Schedule and launch a step; return the updates of the step that finished on the device (the
+        previous one with async scheduling, this one without)."""
         sched = self.scheduler.schedule()
-        updates: list[SeqUpdate] = []
+        launched, updates = None, []
+        now = time.monotonic()
+        for c in sched.prefills:  # a request first runs in a prefill chunk
+            req = self.requests[c.seq.request_id]
+            req.scheduled_time = req.scheduled_time or now
         if not sched.is_empty:
             try:
-                rows, sampled = self._run_batch(sched)
-                updates = self._process(rows, sampled)
+                launched = (sched, self.runner.execute(sched, self.kv.table_view))
             except Exception as e:  # the whole batch failed: fail its requests, keep serving
-                logger.exception("engine step failed; failing %d sequences", len(sched.chunks))
-                batch = {c.seq.request_id for c in sched.chunks}
-                updates = [u for rid in batch for u in self.abort_request(rid, None, "error", _describe(e))]
+                updates = self._fail_batch(sched, e)
+        if self.async_scheduling:
+            done, self._in_flight = self._in_flight, launched
+        else:
+            done = launched
+        if done is not None:
+            updates += self._postprocess(*done)
         return StepUpdate(updates, self.stats(sched.num_prefill_tokens, sched.num_decode_tokens,
                                               len(sched.preempted)))
+
+    def _postprocess(self, sched: SchedulerOutput, result: StepResult) -> list[SeqUpdate]:
+        try:
+            samples = result.wait()
+        except Exception as e:  # the device failed this batch
+            return self._fail_batch(sched, e)
+        taken = self.scheduler.postprocess(sched, samples.token_ids)
+        return self._process(taken, samples)
+
+    def _fail_batch(self, sched: SchedulerOutput, e: Exception) -> list[SeqUpdate]:
+        logger.exception("engine step failed; failing %d sequences", len(sched.samples))
+        batch = {s.request_id for s in sched.samples} | {c.seq.request_id for c in sched.prefills}
+        return [u for rid in batch for u in self.abort_request(rid, None, "error", _describe(e))]
 
     def stats(self, num_prefill_tokens: int = 0, num_decode_tokens: int = 0,
               num_preemptions: int = 0) -> CoreStats:
@@ -109,7 +138,8 @@ class EngineCore:
         running = len({seq.request_id for seq in self.scheduler.running})
         u = self.kv.usage()
         return CoreStats(running, len(self.requests) - running, u.free_blocks, u.used_blocks, u.cached_blocks,
-                         u.prefix_hit_rate, num_prefill_tokens, num_decode_tokens, num_preemptions)
+                         u.prefix_hit_rate, num_prefill_tokens, num_decode_tokens, num_preemptions,
+                         u.prefix_queries, u.prefix_hits)
 
     def kv_snapshot(self) -> dict:
         """The block map (kvcache.snapshot.block_map), each holder labelled with its request and choice;
@@ -118,39 +148,14 @@ class EngineCore:
                   for req in self.requests.values() for seq in req.seqs}
         return block_map(self.kv, owners)
 
-    def _run_batch(self, sched: SchedulerOutput) -> tuple[list[Sequence], SamplerOutput | None]:
-        view = self.kv.chunk_view
-        chunks = [SeqChunk(_token_range(c.seq, c.start, c.end), c.start, *view(c.seq.seq_id, c.start, c.end))
-                  for c in sched.chunks]
-        logits = self.runner.execute(chunks)  # (len(chunks), V) fp32
-        self.scheduler.after_step(sched)
-        rows: list[Sequence] = []
-        row_index: list[int] = []
-        for i, c in enumerate(sched.chunks):
-            if not c.samples:
-                continue
-            rows.append(c.seq)
-            row_index.append(i)
-            if c.seq.fork_children:  # n > 1: the siblings share this prefill and sample from its logits
-                children, copies = self.scheduler.fork_children(c.seq)
-                if copies:
-                    self.runner.copy_blocks(copies)
-                rows.extend(children)
-                row_index.extend([i] * len(children))
-        if not rows:
-            return rows, None
-        if row_index != list(range(logits.shape[0])):  # some chunks do not sample, or forks share a row
-            logits = logits.index_select(0, torch.tensor(row_index, device=logits.device))
-        return rows, self.sampler(logits, rows)  # (R, V)
-
-    def _process(self, rows: list[Sequence], sampled: SamplerOutput | None) -> list[SeqUpdate]:
+    def _process(self, taken: list[tuple[int, Sequence]], samples: HostSamples) -> list[SeqUpdate]:
         updates = []
         failed: dict[str, str] = {}
-        for r, seq in enumerate(rows):
+        for r, seq in taken:
             if seq.request_id in failed:
                 continue
             try:
-                updates.append(self._append_token(seq, sampled, r))
+                updates.append(self._finish_checks(seq, samples, r))
             except Exception as e:  # this request only
                 logger.exception("request %s failed", seq.request_id)
                 failed[seq.request_id] = _describe(e)
@@ -158,40 +163,34 @@ class EngineCore:
             updates += self.abort_request(rid, None, "error", error)
         return updates
 
-    def _append_token(self, seq: Sequence, sampled: SamplerOutput, r: int) -> SeqUpdate:
-        token = sampled.token_ids[r]
-        seq.output_token_ids.append(token)
+    def _finish_checks(self, seq: Sequence, samples: HostSamples, r: int) -> SeqUpdate:
+        """seq just took sampled token r (Scheduler.postprocess): does it end here?"""
+        token = seq.token_ids[-1]
         p = seq.params
-        logprobs = [self._logprobs(seq, sampled, r)] if sampled.logprobs is not None and p.logprobs is not None \
+        logprobs = [self._logprobs(seq, samples, r)] if samples.logprobs is not None and p.logprobs is not None \
             else None
-        first = len(seq.output_token_ids) == 1
-        prompt_lps = self.requests[seq.request_id].prompt_logprobs if first else None
+        first = len(seq.token_ids) - seq.num_prompt_tokens == 1
+        req = self.requests[seq.request_id]
+        prompt_lps = req.prompt_logprobs if first else None
         reason, stop_token = None, None
         if token in p.stop_token_ids:
             reason, stop_token = "stop", token
         elif token in self.eos_token_ids and not p.ignore_eos:
             reason = "stop"
-        elif len(seq.output_token_ids) >= p.max_tokens:
+        elif len(seq.token_ids) - seq.num_prompt_tokens >= p.max_tokens:
             reason = "length"
         if reason is not None:
             seq.finish_reason, seq.stop_reason = reason, stop_token
             self.scheduler.finish(seq)
             self._forget_if_finished(self.requests[seq.request_id])
         return SeqUpdate(seq.request_id, seq.index, [token], logprobs, reason, stop_token,
-                         prompt_logprobs=prompt_lps)
+                         prompt_logprobs=prompt_lps, scheduled_time=req.scheduled_time if first else None)
 
     @staticmethod
-    def _logprobs(seq: Sequence, sampled: SamplerOutput, r: int) -> TokenLogprobs:
-        k = seq.params.logprobs or 0  # the batch's top lists are as long as its largest request
-        top = list(zip(sampled.top_ids[r][:k], sampled.top_logprobs[r][:k], strict=True))
-        return sampled.logprobs[r], top
-
-
-def _token_range(seq: Sequence, start: int, end: int) -> list[int]:
-    p = len(seq.prompt_token_ids)
-    if start >= p:
-        return seq.output_token_ids[start - p:end - p]
-    return seq.all_token_ids[start:end]
+    def _logprobs(seq: Sequence, samples: HostSamples, r: int) -> TokenLogprobs:
+        k = seq.params.logprobs or 0  # the step's top lists are as long as its largest request
+        top = list(zip(samples.top_ids[r][:k], samples.top_logprobs[r][:k], strict=True))
+        return samples.logprobs[r], top
 
 
 def _check_prompt(token_ids: list[int], vocab_size: int) -> None:

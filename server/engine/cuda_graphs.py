@@ -1,14 +1,14 @@
 """CUDA-graph decode: the decode forward captured once per batch size, replayed with one launch per step.
 
 A decode step of a small model is host bound (every layer launches ~25 kernels); a graph replays them all
-from one call. The graphs read fixed (static) input buffers and write a static output, so a step copies its
-inputs into those buffers, replays the graph of the next captured size >= its batch, and reads the first
-rows. Padding rows are inert: seq_len 0 (the attention reads nothing and gives zeros), slot -1 (store_kv
-writes nothing), token 0 at position 0, block table row of null blocks.
-
-The block table is (max_size, max_blocks_per_seq) wide, blocks for max_model_len: the split heuristic reads
-that width, so each graph's launch config is fixed at capture and valid for any sequence length. Entries
-past a sequence's length are never dereferenced, so a step only writes the (size, width) corner it uses.
+from one call. The graphs read one fixed (static) input buffer and write a static output: a step writes its
+decode rows (row, position, token id) into the buffer, replays the graph of the next captured size >= its
+batch, and reads the first rows. Everything else the forward needs is derived inside the graph from the
+runner's persistent BatchState: the input ids of rows decoding a token sampled last step (read from the
+device, never from the host), the block tables (gathered by row, full max_model_len width: the split
+heuristic reads that width, so each graph's launch config is fixed at capture and valid for any sequence
+length), sequence lengths and slots. Padding rows are inert: the all-null pad row at position -1 (seq_len 0:
+the attention reads nothing and gives zeros; slot -1: store_kv writes nothing).
 
 The runner's forward ends with the final norm and the lm_head, so the static output holds (max_size, vocab)
 logits in the model dtype; the runner turns the real rows into fp32 after the replay. All graphs share one
@@ -26,15 +26,15 @@ from collections.abc import Callable, Sequence
 import torch
 
 from server.engine.attention import AttentionMetadata
+from server.engine.batch_state import BatchState
 
 log = logging.getLogger(__name__)
 
 # Graph pool headroom beyond the activations measured when sizing the KV cache: cuBLAS workspaces of the
 # capture stream, split-KV partial buffers, allocator rounding.
 GRAPH_MEMORY_MARGIN = 256 << 20
-NUM_SCALARS = 4  # input_ids, positions, slot_mapping, seq_lens
 
-# forward(input_ids (T,), positions (T,), meta) -> hidden (T, H); T = the padded batch size
+# forward(input_ids (T,), positions (T,), meta) -> (T, out_width); T = the padded batch size
 DecodeForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 
 
@@ -54,36 +54,6 @@ def padded_size(num_seqs: int, sizes: Sequence[int]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
-def pack_decode_inputs(
-    token_ids: Sequence[int],
-    start_pos: Sequence[int],
-    slots: Sequence[int],
-    tables: Sequence[Sequence[int]],
-    size: int,
-    max_size: int,
-) -> tuple[list[int], int]:
-    """Host ints of one padded decode step -> (packed, width).
-
-    packed = [input_ids | positions | slot_mapping | seq_lens], each max_size long (rows >= len(token_ids)
-    are padding: token 0, position 0, slot -1, seq_len 0), then the (size, width) block tables row-major,
-    width = the longest table, short rows and padding rows filled with the null block 0.
-    """
-    n = len(token_ids)
-    if not 0 < n <= size <= max_size:
-        raise ValueError(f"need 0 < num_seqs ({n}) <= size ({size}) <= max_size ({max_size})")
-    pad = max_size - n
-    width = max(map(len, tables))
-    packed = list(token_ids) + [0] * pad
-    packed += list(start_pos) + [0] * pad
-    packed += list(slots) + [-1] * pad
-    packed += [p + 1 for p in start_pos] + [0] * pad
-    for t in tables:
-        packed += t
-        packed += [0] * (width - len(t))
-    packed += [0] * ((size - n) * width)
-    return packed, width
-
-
 class DecodeGraphs:
     """One captured decode forward per size in `sizes`, sharing static inputs, the output and a pool.
 
@@ -95,8 +65,8 @@ class DecodeGraphs:
         self,
         forward: DecodeForward,
         sizes: Sequence[int],
-        max_blocks_per_seq: int,
-        hidden_size: int,
+        state: BatchState,
+        out_width: int,
         dtype: torch.dtype,
         device: torch.device,
         use_cuda_graphs: bool = True,
@@ -104,19 +74,17 @@ class DecodeGraphs:
         if list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
             raise ValueError(f"sizes must be ascending distinct positive ints, got {list(sizes)}")
         self.forward, self.sizes, self.max_size = forward, list(sizes), sizes[-1]
-        self.max_blocks_per_seq = max_blocks_per_seq
+        self.state = state
         self.use_cuda_graphs = use_cuda_graphs
         n = self.max_size
-        self.scalars = torch.zeros(NUM_SCALARS, n, dtype=torch.int32, device=device)  # (4, n)
-        self.input_ids, self.positions, self.slot_mapping, self.seq_lens = self.scalars  # (n,) each
-        self.slot_mapping.fill_(-1)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)  # (n, W)
-        self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)  # (n, H)
+        self.inputs = torch.tensor([[state.pad_row], [-1], [0]], dtype=torch.int32, device=device).repeat(
+            1, n)  # (DECODE_FIELDS, n): padding rows until a step writes them
+        self.output = torch.zeros(n, out_width, dtype=dtype, device=device)  # (n, out_width)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.num_replays = 0
 
-    def fits(self, num_seqs: int, width: int) -> bool:
-        return num_seqs <= self.max_size and width <= self.max_blocks_per_seq
+    def fits(self, num_seqs: int) -> bool:
+        return num_seqs <= self.max_size
 
     def padded_size(self, num_seqs: int) -> int | None:
         return padded_size(num_seqs, self.sizes)
@@ -125,14 +93,8 @@ class DecodeGraphs:
 
     def _body(self, size: int) -> None:
         """The captured region: forward of the first `size` static rows into the static output."""
-        meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
-            num_decode=size,
-            block_tables=self.block_tables[:size],  # (size, W)
-            seq_lens=self.seq_lens[:size],
-        )
-        hidden = self.forward(self.input_ids[:size], self.positions[:size], meta)  # (size, H)
-        self.hidden[:size].copy_(hidden)
+        input_ids, positions, meta = self.state.decode_inputs(self.inputs[:, :size])
+        self.output[:size].copy_(self.forward(input_ids, positions, meta))  # (size, out_width)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -141,7 +103,7 @@ class DecodeGraphs:
             for size in reversed(self.sizes):
                 self._body(size)
             return
-        device = self.hidden.device
+        device = self.output.device
         torch.cuda.synchronize(device)
         free_before, _ = torch.cuda.mem_get_info(device)
         start = time.perf_counter()
@@ -163,20 +125,18 @@ class DecodeGraphs:
         torch.cuda.synchronize(device)
         free_after, _ = torch.cuda.mem_get_info(device)
         log.info("runner: captured %d CUDA decode graphs (batch sizes %s, %d-block tables) in %.2f s, "
-                 "%.1f MiB of device memory", len(self.graphs), self.sizes, self.max_blocks_per_seq,
+                 "%.1f MiB of device memory", len(self.graphs), self.sizes, self.state.max_blocks,
                  time.perf_counter() - start, (free_before - free_after) / 2**20)
 
     # ---- replay -------------------------------------------------------------------------------------
 
-    def replay(self, packed: torch.Tensor, num_seqs: int, size: int, width: int) -> torch.Tensor:
-        """packed: pack_decode_inputs(...) on the device. -> (num_seqs, H) hidden, a view of the static
-        output that the next replay overwrites."""
-        scalars = NUM_SCALARS * self.max_size
-        self.scalars.view(-1).copy_(packed[:scalars])
-        self.block_tables[:size, :width].copy_(packed[scalars:].view(size, width))
+    def replay(self, decode: torch.Tensor, num_seqs: int, size: int) -> torch.Tensor:
+        """decode: (DECODE_FIELDS, size) device int32, the step's rows then padding rows. -> (num_seqs,
+        out_width), a view of the static output that the next replay overwrites."""
+        self.inputs[:, :size].copy_(decode)
         if self.use_cuda_graphs:
             self.graphs[size].replay()
         else:
             self._body(size)
         self.num_replays += 1
-        return self.hidden[:num_seqs]
+        return self.output[:num_seqs]

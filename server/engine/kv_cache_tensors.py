@@ -31,10 +31,8 @@ class KVCacheTensors:
         # -> k_cache, v_cache (N, bs, Hkv, D)
         return self.data[layer_idx, 0], self.data[layer_idx, 1]
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """dst <- src for every (src, dst) pair, all layers, K and V (sources read before any write)."""
-        if not pairs:
-            return
-        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.data.device)
-        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.data.device)
+    def copy_blocks(self, pairs: torch.Tensor) -> None:
+        """pairs (Q, 2) device ints (src, dst): dst <- src, all layers, K and V (sources read before any
+        write)."""
+        src, dst = pairs.long().unbind(1)
         self.data[:, :, dst] = self.data[:, :, src]

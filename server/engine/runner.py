@@ -1,25 +1,37 @@
-"""ModelRunner: turns the scheduler's integer chunks into tensors, runs the decoder over the paged KV cache,
-and returns the logits of each chunk's last token.
+"""ModelRunner: runs one scheduled step on the device (inputs, decoder over the paged KV cache, fork copies,
+sampling) and hands back the sampled ids without waiting for them.
 
-Per step it builds every index tensor (input ids, positions, slot mapping, decode and prefill block tables and
-seq lens, prefill query offsets, logits rows) from one packed int32 host buffer: one (pinned, non-blocking)
-copy on CUDA. Single-token chunks (decode, or a one-token prefill) are placed first and share one paged-decode
-call; the longer chunks follow and share one paged-prefill call.
-On CUDA (Triton backend) a batch of only single-token chunks replays a captured CUDA graph instead
+The running sequences' block tables and last sampled tokens stay on the device between steps (BatchState,
+in row space), so a step sends only a few ints per scheduled row plus the block-table entries that are new,
+in one packed int32 copy (pinned, non-blocking on CUDA). A decode row whose token is still being sampled by
+the previous step (asynchronous scheduling) reads it from the device. Single-token rows come first and
+share one paged-decode call; the longer chunks follow and share one paged-prefill call. On CUDA (Triton
+backend) a batch of only single-token rows replays a captured CUDA graph instead
 (server/engine/cuda_graphs.py); mixed and prefill batches, and batches above the largest graph, run eagerly.
+The step's sampled ids reach the host through a non-blocking copy into pinned memory and an event
+(StepResult.wait), so the caller may plan and launch the next step first.
+
+Inputs are validated at the engine's boundary (prompt ids, sampling parameters, lengths); here they are
+asserted, not range-checked per step.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 import kernels
 from server.engine.attention import AttentionMetadata, PagedAttention, PrefillMetadata
-from server.engine.cuda_graphs import GRAPH_MEMORY_MARGIN, DecodeGraphs, capture_sizes, pack_decode_inputs
+from server.engine.batch_state import DECODE_FIELDS, BatchState, StepPacker, floats_as_int32
+from server.engine.cuda_graphs import GRAPH_MEMORY_MARGIN, DecodeGraphs, capture_sizes
 from server.engine.kv_cache_tensors import KVCacheTensors
+from server.engine.sampler import FLOAT_FIELDS, INT_FIELDS, LOGPROBS, PENALTIES, Sampler, row_fields
+from server.engine.sampling_params import SamplingParams
+from server.engine.scheduler import ScheduledChunk, SchedulerOutput
+from server.engine.sequence import Sequence as Seq
 from server.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -28,21 +40,32 @@ CPU_CACHE_TOKENS = 8192  # default KV capacity on CPU (block 0 included)
 CPU_CACHE_MAX_BYTES = 1 << 30
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 
-
-@dataclass
-class SeqChunk:
-    token_ids: list[int]  # the new tokens to run this step (1 for decode)
-    start_pos: int  # tokens of this sequence already in the cache before these
-    block_table: list[int]  # physical blocks covering start_pos + len(token_ids) tokens
-    slot_mapping: list[int]  # slot of each new token (block_id * block_size + offset)
+TableOf = Callable[[int], Sequence[int]]  # seq_id -> its live block table (KVCacheManager.table_view)
 
 
 @dataclass
-class StepBatch:
-    input_ids: torch.Tensor  # (T,) int32
-    positions: torch.Tensor  # (T,) int32
-    logits_rows: torch.Tensor  # (len(chunks),) int32: flat row of each chunk's last token, in chunk order
-    meta: AttentionMetadata
+class HostSamples:
+    token_ids: list[int]  # (S,) one per SchedulerOutput.samples
+    logprobs: list[float] | None = None  # (S,) when some row asked
+    top_ids: list[list[int]] | None = None  # (S, k), k = the largest logprobs asked in the step
+    top_logprobs: list[list[float]] | None = None
+
+
+class StepResult:
+    """A launched step's samples on their way to the host: wait() blocks until they are there."""
+
+    def __init__(self, ints: torch.Tensor, floats: torch.Tensor | None, event: torch.cuda.Event | None):
+        self._ints, self._floats, self._event = ints, floats, event  # (S, 1 + k) host, (S, 1 + k) host
+
+    def wait(self) -> HostSamples:
+        if self._event is not None:
+            self._event.synchronize()
+        ints = self._ints.tolist()
+        if self._floats is None:
+            return HostSamples([r[0] for r in ints])
+        floats = self._floats.tolist()
+        return HostSamples([r[0] for r in ints], [r[0] for r in floats], [r[1:] for r in ints],
+                           [r[1:] for r in floats])
 
 
 class ModelRunner:
@@ -78,6 +101,9 @@ class ModelRunner:
         # in order (eager steps and graph replays alike); allocated before the profiling step and any capture
         self.decode_workspace = (kernels.DecodeWorkspace(max_num_seqs, self.config.num_kv_heads, self.device)
                                  if self.attention_backend == "triton" else None)
+        self.state = self._new_batch_state()
+        self.sampler = Sampler(max_num_seqs, self.config.vocab_size, self.device)
+        self.packer = StepPacker(self.device)
         if num_blocks is None:
             num_blocks = self._auto_num_blocks(gpu_memory_utilization)
         if num_blocks < 2:
@@ -85,6 +111,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.capacity_tokens = (num_blocks - 1) * block_size
         self.kv = self._allocate_cache(num_blocks)
+        self.state = self._new_batch_state()  # the profiling step's rows are reset: start clean
         log.info(
             "runner: attention backend %s, %d KV blocks of %d tokens (%.1f MiB) on %s %s",
             self.attention_backend, num_blocks, block_size,
@@ -99,26 +126,45 @@ class ModelRunner:
     # ---- public API -------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        """-> (len(chunks), vocab) fp32 logits of each chunk's last token."""
-        if not chunks:
-            return torch.empty(0, self.config.vocab_size, device=self.device)
-        for i, chunk in enumerate(chunks):
-            self._check_chunk(i, chunk)
-        logits = self._replay_decode(chunks)  # (N, V) in the model dtype, or None: not a graph batch
-        if logits is None:
-            batch = self._prepare(chunks)
-            hidden = self._forward(batch.input_ids, batch.positions, batch.meta)[batch.logits_rows]
-            return self.model.compute_logits(hidden)  # (N, V)
-        return logits.to(torch.float32, copy=True)  # fresh: the next replay overwrites the static output
+    def execute(self, step: SchedulerOutput, table_of: TableOf) -> StepResult:
+        """Launch `step` (inputs, forward, fork copies, sampling) and start copying its samples to the host;
+        returns without waiting for the device."""
+        logits, sample_rows, flags, num_logprobs = self.forward_step(step, table_of)
+        out = self.sampler(logits, sample_rows, flags, num_logprobs)
+        self.state.record_samples(sample_rows, out.token_ids)
+        return self._to_host(out)
 
     @torch.inference_mode()
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write after a kvcache fork: block dst <- block src, every layer, K and V."""
-        for src, dst in pairs:
-            if not (0 < src < self.num_blocks and 0 < dst < self.num_blocks):
-                raise ValueError(f"copy_blocks pair ({src}, {dst}) outside blocks 1..{self.num_blocks - 1}")
-        self.kv.copy_blocks(pairs)
+    def forward_step(self, step: SchedulerOutput, table_of: TableOf) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """The step up to sampling: -> (S, V) fp32 logits each sample draws from, its rows (S,) on the device,
+        the samples' sampler flags and logprobs width."""
+        assert not step.is_empty and step.samples, "a step runs some chunk and samples at least once"
+        graph_size = self._graph_size(step)
+        sections, num_logprobs, flags = self._pack(step, table_of, graph_size)
+        (dec, p_ids, p_pos, p_rows, p_qsl, p_lens, p_table_rows, logit_rows, writes, init_rows, init_floats,
+         init_ints, pen_rows, pen_token_rows, pen_tokens, pen_is_output, sample_rows, sample_sources,
+         copies) = self.packer.send(sections)
+        self.state.apply_table_writes(writes)
+        if init_rows.numel():
+            n = init_rows.numel()
+            self.sampler.init_rows(init_rows, init_floats.view(torch.float32).view(n, FLOAT_FIELDS),
+                                   init_ints.view(n, INT_FIELDS))
+        if pen_rows.numel():
+            self.sampler.init_penalty_rows(pen_rows, pen_token_rows, pen_tokens, pen_is_output)
+        num_decode = len(step.decodes)
+        if graph_size is not None:
+            logits = self.graphs.replay(dec.view(DECODE_FIELDS, graph_size), num_decode, graph_size)
+            logits = logits.to(torch.float32, copy=True)  # fresh: the next replay overwrites the static output
+        else:
+            input_ids, positions, meta = self._attention_metadata(dec.view(DECODE_FIELDS, num_decode), p_ids,
+                                                                  p_pos, p_rows, p_qsl, p_lens, p_table_rows)
+            hidden = self._forward(input_ids, positions, meta)  # (T, H)
+            logits = self.model.compute_logits(hidden.index_select(0, logit_rows.long()))  # (L, V) fp32
+        if copies.numel():
+            self.kv.copy_blocks(copies.view(-1, 2))
+        if len(step.sample_sources) != logits.shape[0] or step.sample_sources[-1] != len(step.samples) - 1:
+            logits = logits.index_select(0, sample_sources.long())  # (S, V): forks share their parent's row
+        return logits, sample_rows, flags, num_logprobs
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         # input_ids, positions (T,) -> hidden (T, H)
@@ -130,14 +176,129 @@ class ModelRunner:
         # the captured decode step: the forward (final norm included) and the lm_head -> (T, V), model dtype
         return self.model.lm_head(self._forward(input_ids, positions, meta))
 
+    def _to_host(self, out) -> StepResult:
+        ints = out.token_ids[:, None]  # (S, 1)
+        floats = None
+        if out.logprobs is not None:
+            ints = torch.cat([ints, out.top_ids], dim=1)  # (S, 1 + k)
+            floats = torch.cat([out.logprobs[:, None], out.top_logprobs], dim=1)
+        if self.device.type != "cuda":
+            return StepResult(ints, floats, None)
+        ints_host = torch.empty(ints.shape, dtype=ints.dtype, pin_memory=True)
+        ints_host.copy_(ints, non_blocking=True)
+        floats_host = None
+        if floats is not None:
+            floats_host = torch.empty(floats.shape, dtype=floats.dtype, pin_memory=True)
+            floats_host.copy_(floats, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return StepResult(ints_host, floats_host, event)
+
+    # ---- step inputs ------------------------------------------------------------------------------------
+
+    def _graph_size(self, step: SchedulerOutput) -> int | None:
+        """The captured batch size this step replays, or None: it runs eagerly."""
+        if self.graphs is None or step.prefills or not self.graphs.fits(len(step.decodes)):
+            return None
+        return self.graphs.padded_size(len(step.decodes))
+
+    def _pack(self, step: SchedulerOutput, table_of: TableOf, graph_size: int | None):
+        """The step's host ints, one list per section (see execute), the logprobs width and the OR of the
+        samples' sampler flags."""
+        state = self.state
+        for seq in step.new_rows:
+            state.reset_row(seq.row)
+        writes: list[int] = []
+        rows, ids = [], []
+        for seq, pos in zip(step.decodes, step.decode_positions, strict=True):
+            rows.append(seq.row)
+            ids.append(seq.token_ids[pos] if pos < len(seq.token_ids) else -1)  # -1: pending, on the device
+            state.table_writes(seq.row, table_of(seq.seq_id), writes)
+        positions = list(step.decode_positions)
+        if graph_size is not None:
+            pad = graph_size - len(rows)
+            rows += [state.pad_row] * pad
+            positions += [-1] * pad
+            ids += [0] * pad
+        p_ids, p_pos, p_rows, qsl, p_lens, p_table_rows, logit_rows = [], [], [], [0], [], [], []
+        logit_rows += range(len(step.decodes))
+        for c in step.prefills:
+            self._pack_prefill(c, table_of, writes, p_ids, p_pos, p_rows, qsl, p_lens, p_table_rows)
+            if c.samples:
+                logit_rows.append(len(step.decodes) + qsl[-1] - 1)
+        inits = self._pack_new_rows(step.new_rows)
+        flags = 0
+        for seq in step.samples:
+            flags |= seq.sample_flags
+        num_logprobs = max(s.params.logprobs or 0 for s in step.samples) if flags & LOGPROBS else 0
+        sections = [rows + positions + ids, p_ids, p_pos, p_rows, qsl if step.prefills else [], p_lens,
+                    p_table_rows, logit_rows, writes, *inits, [s.row for s in step.samples],
+                    step.sample_sources, [b for pair in step.copies for b in pair]]
+        return sections, num_logprobs, flags
+
+    def _pack_prefill(self, c: ScheduledChunk, table_of: TableOf, writes, p_ids, p_pos, p_rows, qsl, p_lens,
+                      p_table_rows) -> None:
+        seq, n = c.seq, c.end - c.start
+        assert c.end <= len(seq.token_ids), "a prefill chunk's token ids are on the host"
+        p_ids += seq.token_ids[c.start:c.end]
+        p_pos += range(c.start, c.end)
+        p_rows += [seq.row] * n
+        qsl.append(qsl[-1] + n)
+        p_lens.append(c.end)
+        p_table_rows.append(seq.row)
+        self.state.table_writes(seq.row, table_of(seq.seq_id), writes)
+
+    @staticmethod
+    def _pack_new_rows(seqs: list[Seq]) -> list:
+        """Sampler state of the sequences that took a row: parameters, and for rows with penalties the
+        prompt tokens (mask) and the tokens generated so far (counts, after a preemption)."""
+        rows, floats, ints = [], [], []
+        pen_rows, pen_token_rows, pen_tokens, pen_is_output = [], [], [], []
+        for seq in seqs:
+            num_sampled = len(seq.token_ids) - seq.num_prompt_tokens
+            f, i = row_fields(seq.params, seq.seed_key, num_sampled)
+            rows.append(seq.row)
+            floats += f
+            ints += i
+            if seq.sample_flags & PENALTIES:
+                pen_rows.append(seq.row)
+                pen_token_rows += [seq.row] * len(seq.token_ids)
+                pen_tokens += seq.token_ids
+                pen_is_output += [0] * seq.num_prompt_tokens + [1] * num_sampled
+        return [rows, floats_as_int32(floats), ints, pen_rows, pen_token_rows, pen_tokens, pen_is_output]
+
+    def _attention_metadata(self, dec: torch.Tensor, p_ids: torch.Tensor, p_pos: torch.Tensor,
+                            p_rows: torch.Tensor, p_qsl: torch.Tensor, p_lens: torch.Tensor,
+                            p_table_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """An eager step's flat batch: decode rows (DECODE_FIELDS, D), then prefill tokens (P,) of chunks
+        with query offsets p_qsl (C + 1,), lengths p_lens (C,) and rows p_table_rows (C,) ->
+        input_ids (T,), positions (T,), AttentionMetadata."""
+        state = self.state
+        input_ids, positions, meta = state.decode_inputs(dec)
+        if p_ids.numel() == 0:
+            return input_ids, positions, meta
+        prefill = PrefillMetadata(state.block_tables.index_select(0, p_table_rows.long()), p_qsl, p_lens)
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat([meta.slot_mapping, state.prefill_slots(p_rows, p_pos)]),
+            num_decode=meta.num_decode,
+            block_tables=meta.block_tables,
+            seq_lens=meta.seq_lens,
+            prefill=prefill,
+        )
+        return torch.cat([input_ids, p_ids.long()]), torch.cat([positions, p_pos.long()]), meta
+
     # ---- CUDA-graph decode --------------------------------------------------------------------------------
 
+    def _new_batch_state(self) -> BatchState:
+        """Rows for max_num_seqs sequences, tables for max_model_len tokens (or one profiling chunk)."""
+        tokens = max(self.max_model_len, min(self.max_num_batched_tokens, self.config.max_position_embeddings))
+        return BatchState(self.max_num_seqs, -(-tokens // self.block_size), self.block_size, self.device)
+
     def _decode_graphs(self, use_cuda_graphs: bool) -> DecodeGraphs:
-        """Graphs for decode batches up to min(max_num_seqs, max_num_batched_tokens) sequences of up to
-        max_model_len tokens (capture() still to be called)."""
+        """Graphs for decode batches up to min(max_num_seqs, max_num_batched_tokens) sequences (capture()
+        still to be called)."""
         sizes = capture_sizes(min(self.max_num_seqs, self.max_num_batched_tokens))
-        max_blocks = -(-self.max_model_len // self.block_size)
-        return DecodeGraphs(self._forward_logits, sizes, max_blocks, self.config.vocab_size, self.dtype,
+        return DecodeGraphs(self._forward_logits, sizes, self.state, self.config.vocab_size, self.dtype,
                             self.device, use_cuda_graphs)
 
     def _capture_graphs(self) -> None:
@@ -150,95 +311,6 @@ class ModelRunner:
             self.cuda_graphs = False
             return
         self.graphs = graphs
-
-    def _replay_decode(self, chunks: list[SeqChunk]) -> torch.Tensor | None:
-        """(N, V) logits (model dtype) from a captured graph; None if the batch is not all single-token
-        chunks or is larger / longer than the graphs were captured for."""
-        graphs = self.graphs
-        if graphs is None or any(len(c.token_ids) != 1 for c in chunks):
-            return None
-        tables = [c.block_table[: self._blocks_for(c)] for c in chunks]
-        width = max(map(len, tables))
-        if not graphs.fits(len(chunks), width):
-            return None
-        ids = [c.token_ids[0] for c in chunks]
-        slots = [c.slot_mapping[0] for c in chunks]
-        self._check_ranges(ids, slots, [b for t in tables for b in t])
-        size = graphs.padded_size(len(chunks))
-        packed, width = pack_decode_inputs(ids, [c.start_pos for c in chunks], slots, tables, size,
-                                           graphs.max_size)
-        return graphs.replay(self._to_device(packed), len(chunks), size, width)
-
-    # ---- step inputs ------------------------------------------------------------------------------------
-
-    def _prepare(self, chunks: list[SeqChunk]) -> StepBatch:
-        order = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
-        num_decode = len(order)
-        order += [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
-        ids, positions, slots, rows = [], [], [], [0] * len(chunks)
-        for i in order:
-            c = chunks[i]
-            ids += c.token_ids
-            positions += range(c.start_pos, c.start_pos + len(c.token_ids))
-            slots += c.slot_mapping
-            rows[i] = len(ids) - 1
-        # decode rows, then prefill chunks: each group's (padded) block tables and seq lens; the chunks' query
-        # start offsets, relative to the first prefill row
-        groups = ([chunks[i] for i in order[:num_decode]], [chunks[i] for i in order[num_decode:]])
-        tables, lens, widths = [], [], []
-        for group in groups:
-            group_tables = [list(c.block_table[: self._blocks_for(c)]) for c in group]
-            widths.append(max(map(len, group_tables), default=1))
-            tables.append([b for t in group_tables for b in t + [0] * (widths[-1] - len(t))])
-            lens.append([c.start_pos + len(c.token_ids) for c in group])
-        qsl = [0]
-        for c in groups[1]:
-            qsl.append(qsl[-1] + len(c.token_ids))
-        self._check_ranges(ids, slots, tables[0] + tables[1])
-        parts = [ids, positions, slots, lens[0], tables[0], lens[1], tables[1], qsl, rows]
-        dev = self._to_device([v for part in parts for v in part])
-        input_ids, pos_t, slot_t, lens_t, tables_t, p_lens_t, p_tables_t, qsl_t, rows_t = dev.split(
-            [len(p) for p in parts])
-        prefill = None
-        if groups[1]:
-            prefill = PrefillMetadata(p_tables_t.view(len(groups[1]), widths[1]), qsl_t, p_lens_t)
-        meta = AttentionMetadata(
-            slot_mapping=slot_t,
-            num_decode=num_decode,
-            block_tables=tables_t.view(num_decode, widths[0]),
-            seq_lens=lens_t,
-            prefill=prefill,
-        )
-        return StepBatch(input_ids, pos_t, rows_t, meta)
-
-    def _blocks_for(self, c: SeqChunk) -> int:
-        return -(-(c.start_pos + len(c.token_ids)) // self.block_size)
-
-    def _check_chunk(self, i: int, c: SeqChunk) -> None:
-        n = len(c.token_ids)
-        if n == 0 or len(c.slot_mapping) != n:
-            raise ValueError(f"chunk {i}: needs >= 1 token and one slot per token, got {n} and "
-                             f"{len(c.slot_mapping)}")
-        if len(c.block_table) < self._blocks_for(c):
-            raise ValueError(f"chunk {i}: block_table has {len(c.block_table)} blocks, "
-                             f"{c.start_pos + n} tokens need {self._blocks_for(c)}")
-
-    def _check_ranges(self, ids: list[int], slots: list[int], blocks: list[int]) -> None:
-        """Out-of-range ids or slots would be an illegal memory access on CUDA, fatal to the process."""
-        if min(ids) < 0 or max(ids) >= self.config.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), "
-                             f"got {min(ids)}..{max(ids)}")
-        if min(slots) < 0 or max(slots) >= self.num_blocks * self.block_size:
-            raise ValueError(f"slots must be in [0, {self.num_blocks * self.block_size}), "
-                             f"got {min(slots)}..{max(slots)}")
-        if blocks and (min(blocks) < 0 or max(blocks) >= self.num_blocks):
-            raise ValueError(f"block ids must be in [0, {self.num_blocks}), got {min(blocks)}..{max(blocks)}")
-
-    def _to_device(self, values: list[int]) -> torch.Tensor:
-        host = torch.tensor(values, dtype=torch.int32)
-        if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
 
     # ---- KV cache sizing ----------------------------------------------------------------------------------
 
@@ -271,11 +343,10 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         reserved_before = torch.cuda.memory_reserved(self.device)
-        chunks, blocks_needed = self._dummy_chunks()
+        step, tables, blocks_needed = self._dummy_step()
         self.kv = self._allocate_cache(blocks_needed)
         self.num_blocks = blocks_needed
-        self.execute(chunks)
-        torch.cuda.synchronize(self.device)
+        self.execute(step, tables.__getitem__).wait()
         cache_bytes = self.kv.data.numel() * self.kv.data.element_size()
         activations = torch.cuda.max_memory_allocated(self.device) - before - cache_bytes
         del self.kv
@@ -299,20 +370,25 @@ class ModelRunner:
             )
         return num_blocks
 
-    def _dummy_chunks(self) -> tuple[list[SeqChunk], int]:
-        """max_num_batched_tokens tokens over min(max_num_seqs, tokens) prefill chunks, in fresh blocks."""
+    def _dummy_step(self) -> tuple[SchedulerOutput, dict[int, list[int]], int]:
+        """max_num_batched_tokens tokens over min(max_num_seqs, tokens) prefill chunks in fresh blocks, each
+        sampling with top-p (the sampler's largest temporaries) -> (step, block tables, blocks needed)."""
         tokens = min(self.max_num_batched_tokens, self.config.max_position_embeddings)
         num_seqs = max(1, min(self.max_num_seqs, tokens))
         lengths = [tokens // num_seqs + (1 if i < tokens % num_seqs else 0) for i in range(num_seqs)]
-        chunks, next_block = [], 1
-        for n in lengths:
+        step, tables, next_block = SchedulerOutput(), {}, 1
+        params = SamplingParams(temperature=1.0, top_p=0.9)
+        for i, n in enumerate(lengths):
             nb = -(-n // self.block_size)
-            table = list(range(next_block, next_block + nb))
+            tables[i] = list(range(next_block, next_block + nb))
             next_block += nb
-            slots = [table[t // self.block_size] * self.block_size + t % self.block_size for t in range(n)]
-            chunks.append(SeqChunk([0] * n, 0, table, slots))
-        return chunks, next_block
-
+            seq = Seq(i, "profile", 0, [0] * n, params, row=i, num_computed_tokens=n)
+            step.prefills.append(ScheduledChunk(seq, 0, n, True))
+            step.new_rows.append(seq)
+            step.samples.append(seq)
+            step.sample_sources.append(i)
+            step.num_prefill_tokens += n
+        return step, tables, next_block
 
 SMALL_MODEL_PARAMS = 50_000_000
 

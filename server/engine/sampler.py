@@ -1,157 +1,188 @@
-"""Batched sampler: every step's rows are sampled together on the logits' device.
+"""Batched sampling on the logits' device, with no host sync.
 
-Order per row: penalties -> greedy argmax (temperature 0) or: temperature -> top-k/top-p -> min-p -> softmax
--> exponential-race sampling `argmax(p / q), q ~ Exp(1)`, which is an exact draw from p. Each seeded row
-draws its q from its own torch.Generator, so its tokens do not depend on its batch neighbours; unseeded rows
-share one batched draw. Logprobs are those of the model (raw logits), as OpenAI reports them.
+Every row's parameters live on the device in row space (one slot per batch row, written when a sequence
+takes the row), so a step hands the sampler only its rows. Order per row: penalties -> greedy argmax
+(temperature below GREEDY_TEMPERATURE) or: temperature -> top-k -> top-p -> min-p -> an inverse-CDF draw
+with one uniform per row. The uniform is a counter-based hash of (the row's seed key, its sample count), so
+a row's tokens depend on its own seed and history alone, never on its batch neighbours, and no
+torch.Generator is kept. Logprobs are those of the model (raw logits), as OpenAI reports them.
+Penalties read per-row output-token counts and a prompt-token mask on the device, kept incrementally.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from server.engine.sampling_params import SamplingParams
+from server.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+
+MASK32 = 0xFFFF_FFFF
+
+# SamplingParams.flags bits: what a step's rows need, OR-ed on the host to skip work nobody asked for
+SAMPLED, TOP, MIN_P, PENALTIES, LOGPROBS = 1, 2, 4, 8, 16
+FLOAT_FIELDS = 6  # temperature, top_p, min_p, presence, frequency, repetition
+INT_FIELDS = 3  # top_k, seed key, samples drawn so far
 
 
-class SamplingRow(Protocol):
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    generator: torch.Generator | None
+def step_flags(params: SamplingParams) -> int:
+    f = 0
+    if not params.greedy:
+        f |= SAMPLED
+        if params.top_k > 0 or params.top_p < 1.0:
+            f |= TOP
+        if params.min_p > 0.0:
+            f |= MIN_P
+    if params.has_penalties:
+        f |= PENALTIES
+    if params.logprobs is not None:
+        f |= LOGPROBS
+    return f
+
+
+def row_fields(params: SamplingParams, seed_key: int, num_sampled: int) -> tuple[list[float], list[int]]:
+    p = params
+    floats = [p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty]
+    return floats, [p.top_k, seed_key, num_sampled]
+
+
+def seed_key(seed: int, index: int) -> int:
+    """31-bit key of choice `index` of a request seeded with `seed` (choices get distinct streams)."""
+    return ((seed * 0x9E3779B1 + index * 0x85EBCA77) ^ (seed >> 31)) & 0x7FFF_FFFF
 
 
 @dataclass
-class SamplerOutput:
-    token_ids: list[int]  # (B,)
-    logprobs: list[float] | None = None  # (B,) logprob of the sampled token; None when no row asked
-    top_ids: list[list[int]] | None = None  # (B, k) best tokens, k = the largest logprobs asked in the batch
-    top_logprobs: list[list[float]] | None = None  # (B, k)
-
-
-def make_generator(seed: int, index: int, device: torch.device | str) -> torch.Generator:
-    """Generator of choice `index` of a request seeded with `seed` (choices get distinct streams)."""
-    mixed = (seed * 0x9E3779B1 + index * 0x85EBCA77) & 0x7FFF_FFFF_FFFF_FFFF
-    return torch.Generator(device=device).manual_seed(mixed)
+class SampleOutput:
+    token_ids: torch.Tensor  # (S,) int64 on the device
+    logprobs: torch.Tensor | None = None  # (S,) fp32 logprob of the sampled token; None when no row asked
+    top_ids: torch.Tensor | None = None  # (S, k) best tokens, k = the largest logprobs asked in the step
+    top_logprobs: torch.Tensor | None = None  # (S, k)
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
-        logits = logits.float()  # (B, V)
-        params = [r.params for r in rows]
-        processed = logits
-        if any(p.has_penalties for p in params):
-            processed = apply_penalties(logits, rows)
-        if all(p.greedy for p in params):
-            tokens = processed.argmax(dim=-1)  # (B,)
+    """Row-space sampling state (rows 0..max_rows, the last one padding) and the batched draw."""
+
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
+        n = max_rows + 1
+        self.vocab_size, self.device = vocab_size, device
+        self.floats = torch.zeros(n, FLOAT_FIELDS, device=device)  # (R, 6)
+        self.ints = torch.zeros(n, INT_FIELDS, dtype=torch.int64, device=device)  # (R, 3)
+        self.counts: torch.Tensor | None = None  # (R, V) int32 generated-token counts, once penalties appear
+        self.in_prompt: torch.Tensor | None = None  # (R, V) bool
+
+    # ---- row state --------------------------------------------------------------------------------
+    def init_rows(self, rows: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor) -> None:
+        """rows (N,), floats (N, 6) fp32, ints (N, 3): parameters of the sequences that took these rows."""
+        rows = rows.long()
+        self.floats.index_copy_(0, rows, floats)
+        self.ints.index_copy_(0, rows, ints.long())
+
+    def init_penalty_rows(self, rows: torch.Tensor, token_rows: torch.Tensor, token_ids: torch.Tensor,
+                          is_output: torch.Tensor) -> None:
+        """Reset the penalty state of `rows`, then count each (row, token): output tokens into the counts,
+        prompt tokens into the mask. Allocates the (R, V) state on first use."""
+        if self.counts is None:
+            n = self.floats.shape[0]
+            self.counts = torch.zeros(n, self.vocab_size, dtype=torch.int32, device=self.device)
+            self.in_prompt = torch.zeros(n, self.vocab_size, dtype=torch.bool, device=self.device)
+        rows, token_rows, token_ids = rows.long(), token_rows.long(), token_ids.long()
+        self.counts[rows] = 0
+        self.in_prompt[rows] = False
+        out = is_output.bool()
+        self.counts.index_put_((token_rows[out], token_ids[out]), torch.ones_like(token_ids[out],
+                               dtype=torch.int32), accumulate=True)
+        self.in_prompt[token_rows[~out], token_ids[~out]] = True
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def __call__(self, logits: torch.Tensor, rows: torch.Tensor, flags: int, num_logprobs: int = 0
+                 ) -> SampleOutput:
+        """logits (S, V), rows (S,) device -> SampleOutput; advances each row's sample count."""
+        rows = rows.long()
+        raw = logits.float()  # (S, V)
+        logits = raw
+        floats, ints = self.floats[rows], self.ints[rows]  # (S, 6), (S, 3)
+        if flags & PENALTIES and self.counts is not None:
+            logits = self._apply_penalties(logits, rows, floats)
+        if flags & SAMPLED:
+            tokens = self._sample(logits, floats, ints, flags)
         else:
-            tokens = _sample_or_argmax(processed, rows)
-        out = SamplerOutput(tokens.tolist())
-        ks = [p.logprobs for p in params if p.logprobs is not None]
-        if ks:
-            _add_logprobs(out, logits, tokens, max(ks))
+            tokens = logits.argmax(dim=-1)  # (S,)
+        self.ints[:, 2].index_add_(0, rows, torch.ones_like(rows))
+        if self.counts is not None:
+            self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+        out = SampleOutput(tokens)
+        if flags & LOGPROBS:
+            logprobs = raw.log_softmax(dim=-1)  # (S, V)
+            out.logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
+            top = logprobs.topk(min(num_logprobs, logprobs.shape[-1]), dim=-1)
+            out.top_ids, out.top_logprobs = top.indices, top.values
         return out
 
+    def _apply_penalties(self, logits: torch.Tensor, rows: torch.Tensor, floats: torch.Tensor) -> torch.Tensor:
+        counts = self.counts[rows].float()  # (S, V)
+        return apply_penalties(logits, counts, self.in_prompt[rows], floats[:, 3:6])
 
-def _sample_or_argmax(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """(B,) sampled tokens; argmax for rows whose temperature is 0 (in fp32)."""
-    knobs = torch.tensor([[r.params.temperature, r.params.top_p, r.params.min_p] for r in rows])  # (B, 3)
-    greedy = knobs[:, 0] == 0  # on the host: the flags below need no device sync
-    sampled = _sample(logits, knobs, greedy, rows)
-    if not bool(greedy.any()):
-        return sampled
-    return torch.where(greedy.to(logits.device), logits.argmax(dim=-1), sampled)
-
-
-def _sample(logits: torch.Tensor, knobs: torch.Tensor, greedy: torch.Tensor,
-            rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """knobs: (B, 3) host fp32 temperature, top_p, min_p; greedy rows are scaled by 1 (and overridden)."""
-    dev, V = logits.device, logits.shape[-1]
-    top_k = [min(r.params.top_k, V) for r in rows]  # any int: a huge one means all
-    use_top = any(k > 0 for k in top_k) or bool((knobs[:, 1] < 1).any())
-    use_min_p = bool((knobs[:, 2] > 0).any())
-    knobs[:, 0].masked_fill_(greedy, 1.0)  # greedy rows: divide by 1
-    temps, top_p, min_p = knobs.to(dev).unbind(1)  # one copy to the device
-    scaled = logits / temps[:, None]  # (B, V)
-    if use_top:
-        scaled = apply_top_k_top_p(scaled, torch.tensor(top_k, device=dev), top_p)
-    if use_min_p:
-        scaled = apply_min_p(scaled, min_p)
-    probs = scaled.softmax(dim=-1)  # (B, V)
-    q = exponential_noise(probs.shape, [r.generator for r in rows], dev)
-    return (probs / q).argmax(dim=-1)
+    def _sample(self, logits: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor, flags: int
+                ) -> torch.Tensor:
+        temperature, top_p, min_p = floats[:, 0], floats[:, 1], floats[:, 2]  # (S,)
+        greedy = temperature < GREEDY_TEMPERATURE
+        temp = torch.where(greedy, torch.ones_like(temperature), temperature)
+        finite = torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
+        scaled = (finite - finite.max(dim=-1, keepdim=True).values) / temp[:, None]  # (S, V), max 0
+        u = uniform(ints[:, 1], ints[:, 2])  # (S,) in (0, 1)
+        if flags & TOP:
+            sampled = _draw_sorted(scaled, ints[:, 0], top_p, min_p, u)
+        else:
+            probs = scaled.exp()  # (S, V), the best token has 1
+            if flags & MIN_P:
+                probs = probs.masked_fill(probs < min_p[:, None], 0.0)
+            sampled = _draw(probs, u)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
 
-def exponential_noise(shape: torch.Size, generators: Sequence[torch.Generator | None],
-                      device: torch.device) -> torch.Tensor:
-    """(B, V) Exp(1) draws; rows with a generator draw from it alone (batch-independent)."""
-    q = torch.empty(shape, device=device).exponential_()
-    for i, g in enumerate(generators):
-        if g is not None:
-            q[i].exponential_(generator=g)
-    return q.clamp_min_(1e-30)
-
-
-def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """presence/frequency (OpenAI, over generated tokens) and repetition (CTRL, over prompt + generated)."""
-    B, V = logits.shape
-    dev = logits.device
-    params = [r.params for r in rows]
-    counts = token_counts([r.output_token_ids for r in rows], V, dev)  # (B, V) generated-token counts
-    in_prompt = token_counts([r.prompt_token_ids for r in rows], V, dev) > 0  # (B, V)
-    rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]  # (B, 1)
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor,
+                    penalties: torch.Tensor) -> torch.Tensor:
+    """logits, counts (S, V) fp32, in_prompt (S, V) bool, penalties (S, 3) presence, frequency, repetition."""
+    pres, freq, rep = penalties[:, 0:1], penalties[:, 1:2], penalties[:, 2:3]  # (S, 1) each
     seen = in_prompt | (counts > 0)
     out = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
-    pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
     return out - freq * counts - pres * (counts > 0).float()
 
 
-def token_counts(token_lists: Sequence[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """(B, V) float counts of each token id per row, via one scatter_add over a padded id tensor."""
-    width = max((len(t) for t in token_lists), default=0)
-    ids = torch.full((len(token_lists), width + 1), vocab, dtype=torch.long)  # pad id = vocab (dropped)
-    for i, t in enumerate(token_lists):
-        ids[i, :len(t)] = torch.tensor(t, dtype=torch.long)
-    ids = ids.to(device)
-    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
-    return counts[:, :vocab]
+def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF: the first token whose cumulative (unnormalised) mass exceeds u * total. A token of zero
+    mass never is the first to exceed it."""
+    cdf = probs.cumsum(dim=-1)  # (S, V)
+    target = u[:, None] * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return idx.clamp_(max=probs.shape[-1] - 1)
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) all but each row's top_k (0 = all) tokens, then beyond its top_p probability mass.
-
-    The most likely token always survives."""
-    B, V = logits.shape
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
-    k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))  # (B,)
-    ranks = torch.arange(V, device=logits.device)[None, :]  # (1, V)
-    sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # (B, V) mass of strictly better tokens
-    beyond_p = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
-    sorted_logits = sorted_logits.masked_fill(beyond_p, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask tokens whose probability is below min_p times the row's best probability."""
-    probs = logits.softmax(dim=-1)  # (B, V)
-    threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-    return logits.masked_fill(probs < threshold, float("-inf"))
+def _draw_sorted(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                 u: torch.Tensor) -> torch.Tensor:
+    """top-k, then top-p over the renormalised top-k, then min-p, on the sorted row; the best token always
+    survives (so a top_p that underflows to 0 keeps exactly it)."""
+    V = scaled.shape[-1]
+    sorted_scaled, order = scaled.sort(dim=-1, descending=True)  # (S, V)
+    ranks = torch.arange(V, device=scaled.device)[None, :]  # (1, V)
+    k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))  # (S,)
+    probs = sorted_scaled.exp().masked_fill(ranks >= k[:, None], 0.0)  # unnormalised, best = 1
+    cdf = probs.cumsum(dim=-1)
+    beyond_p = (cdf - probs >= top_p[:, None] * cdf[:, -1:]) & (ranks > 0)
+    probs = probs.masked_fill(beyond_p | (probs < min_p[:, None]), 0.0)
+    return order.gather(1, _draw(probs, u)[:, None]).squeeze(1)
 
 
-def _add_logprobs(out: SamplerOutput, logits: torch.Tensor, tokens: torch.Tensor, k: int) -> None:
-    logprobs = logits.log_softmax(dim=-1)  # (B, V)
-    out.logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
-    if k > 0:
-        top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
-        out.top_ids = top.indices.tolist()
-        out.top_logprobs = top.values.tolist()
-    else:
-        out.top_ids = [[] for _ in out.token_ids]
-        out.top_logprobs = [[] for _ in out.token_ids]
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (xor-shift-multiply) on int64 values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & MASK32
+    return x ^ (x >> 16)
+
+
+def uniform(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """(S,) fp32 uniforms in (0, 1) from (key, counter): the counter-th draw of stream `key`."""
+    x = _mix32((keys & MASK32) ^ _mix32((counters * 0x9E3779B1 + 0x632BE59B) & MASK32))
+    return ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))

@@ -6,12 +6,13 @@ from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 MAX_N = 64
+GREEDY_TEMPERATURE = 1e-5  # below it a choice takes the argmax: dividing logits by it would overflow
 
 
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (anything below GREEDY_TEMPERATURE) = greedy
     top_p: float = 1.0  # nucleus mass kept, (0, 1]
     top_k: int = 0  # 0 (or -1) = disabled
     min_p: float = 0.0  # drop tokens with p < min_p * p_max
@@ -36,7 +37,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:

@@ -1,9 +1,14 @@
 """Continuous-batching scheduler: decodes first, then chunked prefills, then FCFS admission.
 
-Pure bookkeeping on ints: it asks the KVCacheManager for blocks and decides who runs which token range.
+Pure bookkeeping on ints: it asks the KVCacheManager for blocks, hands out batch rows and decides who runs
+which token range. It is the one place that advances a Sequence: `schedule` counts a scheduled chunk as
+computed (steps run in stream order) and a sampling chunk's token as pending; `postprocess` appends the
+sampled tokens when they reach the host. So the next step can be planned while the previous one still runs
+(asynchronous scheduling): a pending token is already that step's input, on the device.
+
 When a running sequence cannot get a block, the most recently admitted sequence is preempted by recompute:
-its blocks are freed and it goes back to the FRONT of the waiting queue; on resume its prompt + generated
-tokens are prefilled again (prefix caching usually makes that cheap).
+its blocks and row are freed and it goes back to the FRONT of the waiting queue; on resume its prompt +
+generated tokens are prefilled again (prefix caching usually makes that cheap).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ class ScheduledChunk:
     start: int  # tokens of seq already in the cache
     end: int  # run tokens [start, end)
     samples: bool  # the chunk reaches the sequence's last token: its logits give the next token
+    forked: list[Sequence] = field(default_factory=list)  # children forked off this chunk, sampling with it
 
     @property
     def num_tokens(self) -> int:
@@ -29,14 +35,26 @@ class ScheduledChunk:
 
 @dataclass
 class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)  # decodes first, then prefill chunks
+    decodes: list[Sequence] = field(default_factory=list)  # one token each, at decode_positions
+    decode_positions: list[int] = field(default_factory=list)
+    prefills: list[ScheduledChunk] = field(default_factory=list)  # chunks of > 1 token
+    samples: list[Sequence] = field(default_factory=list)  # who samples this step (forked children too)
+    sample_sources: list[int] = field(default_factory=list)  # per sample: its logits row (decodes first)
+    new_rows: list[Sequence] = field(default_factory=list)  # took a row this step: its state is (re)set
+    copies: list[tuple[int, int]] = field(default_factory=list)  # fork copy-on-write, after the forward
     preempted: list[Sequence] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks
+        return not (self.decodes or self.prefills)
+
+    @property
+    def chunks(self) -> list[ScheduledChunk]:
+        """Every chunk, decodes first (a view for tests and stats, built on demand)."""
+        return [ScheduledChunk(s, p, p + 1, True) for s, p in zip(self.decodes, self.decode_positions,
+                                                                    strict=True)] + self.prefills
 
 
 class Scheduler:
@@ -48,6 +66,7 @@ class Scheduler:
         self.usable_blocks = kv.usage().usable_blocks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order (admit_order increasing)
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out row 0 first
         self.num_preemptions = 0
         self._admit_counter = 0
 
@@ -66,10 +85,12 @@ class Scheduler:
         return sum(s.width for s in self.waiting)
 
     def finish(self, seq: Sequence) -> None:
-        """Drop a sequence (finished, aborted or failed) and release its blocks."""
+        """Drop a sequence (finished, aborted or failed) and release its blocks and row. A token it still
+        has in flight is discarded by postprocess."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
             self.kv.free(seq.seq_id)
+            self._release_row(seq)
         elif seq.status is SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         for child in seq.fork_children:
@@ -87,11 +108,16 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue
-            start, end = seq.num_computed_tokens, seq.num_tokens
-            if end - start != 1:
+            if seq.num_uncomputed != 1:
                 prefills.append(seq)
+            elif seq.num_output_tokens >= seq.params.max_tokens:
+                continue  # its last token is in flight: it finishes when that token arrives
             elif self._reserve_slots(seq, out):
-                out.chunks.append(ScheduledChunk(seq, start, end, True))
+                pos = seq.num_computed_tokens
+                seq.num_computed_tokens = pos + 1
+                seq.num_pending += 1
+                out.decodes.append(seq)
+                out.decode_positions.append(pos)
                 out.num_decode_tokens += 1
                 budget -= 1
         for seq in prefills:  # 2) running prefills (chunked), in admission order
@@ -101,77 +127,116 @@ class Scheduler:
                 budget -= self._add_prefill(seq, budget, out)
         while self.waiting and budget > 0 and not out.preempted:  # 3) FCFS admission
             seq = self.waiting[0]
-            if self.num_running_slots() + seq.width > self.max_num_seqs or not self._admit(seq):
+            if self.num_running_slots() + seq.width > self.max_num_seqs or not self._admit(seq, out):
                 break
             self.waiting.popleft()
             budget -= self._add_prefill(seq, budget, out)
+        self._list_samples(out)
         return out
 
-    def after_step(self, out: SchedulerOutput) -> None:
-        """The chunks' K/V are written: advance progress and let the prefix cache register full blocks."""
-        for chunk in out.chunks:
-            if chunk.seq.status is SeqStatus.RUNNING:
-                chunk.seq.num_computed_tokens = chunk.end
-                self.kv.mark_computed(chunk.seq.seq_id, chunk.end)
+    def postprocess(self, out: SchedulerOutput, tokens: list[int]) -> list[tuple[int, Sequence]]:
+        """Step `out` ran and its sampled `tokens` (one per out.samples) reached the host: register the
+        computed full blocks in the prefix cache and append each token to its sequence. Returns the
+        (sample index, sequence) pairs that took their token; a finished sequence's token is discarded."""
+        bs = self.block_size
+        for seq, pos in zip(out.decodes, out.decode_positions, strict=True):
+            if (pos + 1) % bs == 0 and seq.status is SeqStatus.RUNNING:  # a block just filled up
+                self._mark_computed(seq, pos + 1)
+        for c in out.prefills:
+            if c.seq.status is SeqStatus.RUNNING:
+                self._mark_computed(c.seq, c.end)
+        taken = []
+        for i, (seq, token) in enumerate(zip(out.samples, tokens, strict=True)):
+            if seq.status is SeqStatus.FINISHED:
+                continue
+            seq.num_pending -= 1
+            seq.token_ids.append(token)
+            taken.append((i, seq))
+        return taken
 
-    def fork_children(self, parent: Sequence) -> tuple[list[Sequence], list[tuple[int, int]]]:
-        """Parent finished its prefill: share its blocks with its n-1 siblings.
+    # ---- helpers ----------------------------------------------------------------------------------
+    def _mark_computed(self, seq: Sequence, end: int) -> None:
+        """Tokens [0, end) of seq are written; their ids are on the host by now."""
+        assert end <= len(seq.token_ids), "a computed token's id must be known before its block is hashed"
+        self.kv.mark_computed(seq.seq_id, end, seq.token_ids)
 
-        Returns the children now running (they sample from the parent's logits this step) and the
-        (src, dst) block copies the runner must do first. A child that cannot get a block re-queues at the
-        front and prefills on its own (hitting the prefix cache).
-        """
+    def _add_prefill(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+        n = min(seq.num_uncomputed, budget)
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        samples = end == seq.num_tokens
+        out.prefills.append(ScheduledChunk(seq, start, end, samples))
+        seq.num_computed_tokens = end
+        out.num_prefill_tokens += n
+        if samples:
+            seq.num_pending += 1
+            if seq.fork_children:  # n > 1: the siblings share this prefill and sample from its logits
+                self._fork_children(seq, out)
+        return n
+
+    @staticmethod
+    def _list_samples(out: SchedulerOutput) -> None:
+        """Who samples from which logits row: decodes (rows in order), then each sampling prefill chunk's
+        sequence and its forked children (the chunk's row; rows are numbered after the decodes)."""
+        out.samples = list(out.decodes)
+        out.sample_sources = list(range(len(out.decodes)))
+        row = len(out.decodes)
+        for c in out.prefills:
+            if c.samples:
+                out.samples += [c.seq, *c.forked]
+                out.sample_sources += [row] * (1 + len(c.forked))
+                row += 1
+
+    def _fork_children(self, parent: Sequence, out: SchedulerOutput) -> None:
+        """Parent's last prefill chunk is scheduled: share its blocks with its n-1 siblings, who sample from
+        its logits this step. The partial last block is copied after the forward writes it. A child that
+        cannot get a block re-queues at the front and prefills on its own (hitting the prefix cache)."""
         forked: list[Sequence] = []
-        copies: list[tuple[int, int]] = []
         for child in reversed(parent.fork_children):
             pairs = self.kv.fork(parent.seq_id, child.seq_id)
             if pairs is None:
                 child.status = SeqStatus.WAITING
                 self.waiting.appendleft(child)
                 continue
-            copies.extend(pairs)
+            out.copies.extend(pairs)
             child.num_computed_tokens = parent.num_computed_tokens
-            self._mark_running(child)
+            child.num_pending = 1
+            self._mark_running(child, out)
             forked.append(child)
         parent.fork_children = []
         forked.reverse()
-        return forked, copies
+        out.prefills[-1].forked = forked
 
-    # ---- helpers ----------------------------------------------------------------------------------
-    def _add_prefill(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
-        n = min(seq.num_uncomputed, budget)
-        start = seq.num_computed_tokens
-        out.chunks.append(ScheduledChunk(seq, start, start + n, start + n == seq.num_tokens))
-        out.num_prefill_tokens += n
-        return n
-
-    def _admit(self, seq: Sequence) -> bool:
-        tokens = seq.all_token_ids
+    def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        assert seq.num_pending == 0, "a sequence is admitted only once its tokens are all on the host"
+        tokens = seq.token_ids
         reserve = min(len(self.running), self.usable_blocks // 8) * self.block_size  # room for decodes
         if reserve and not self.kv.can_allocate(len(tokens) + reserve):
             return False
         if self.kv.allocate(seq.seq_id, tokens) is None:
             return False
         seq.num_computed_tokens = self.kv.num_cached_tokens(seq.seq_id)
-        self._mark_running(seq)
+        self._mark_running(seq, out)
         return True
 
-    def _mark_running(self, seq: Sequence) -> None:
+    def _mark_running(self, seq: Sequence, out: SchedulerOutput) -> None:
         seq.status = SeqStatus.RUNNING
         seq.admit_order = self._admit_counter
+        seq.row = self.free_rows.pop()
         self._admit_counter += 1
         self.running.append(seq)
+        out.new_rows.append(seq)
+
+    def _release_row(self, seq: Sequence) -> None:
+        self.free_rows.append(seq.row)
+        seq.row = -1
 
     def _reserve_slots(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Make the cache hold a slot for every token of seq, preempting from the back. False: seq itself
         was preempted."""
-        have = self.kv.num_tokens(seq.seq_id)
-        num_prompt = len(seq.prompt_token_ids)
-        need = num_prompt + len(seq.output_token_ids) - have
+        need = seq.num_tokens - self.kv.num_tokens(seq.seq_id)
         if need <= 0:
             return True
-        new_ids = seq.all_token_ids[have:] if have < num_prompt else seq.output_token_ids[have - num_prompt:]
-        while not self.kv.append_slots(seq.seq_id, need, new_ids):
+        while not self.kv.append_slots(seq.seq_id, need):
             victim = self.running[-1]
             self._preempt(victim, out)
             if victim is seq:
@@ -179,11 +244,34 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self._unschedule(seq, out)
         self.running.remove(seq)
         self.kv.free(seq.seq_id)
+        self._release_row(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
         out.preempted.append(seq)
+
+    def _unschedule(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """A victim already scheduled in this step leaves it (its row and blocks are about to be reused)."""
+        if seq in out.decodes:
+            i = out.decodes.index(seq)
+            del out.decodes[i], out.decode_positions[i]
+            out.num_decode_tokens -= 1
+            seq.num_pending -= 1
+            return
+        for c in out.prefills:
+            if c.seq is seq:
+                out.prefills.remove(c)
+                out.num_prefill_tokens -= c.num_tokens
+                seq.num_pending -= c.samples
+                return
+            if seq in c.forked:
+                c.forked.remove(seq)
+                seq.num_pending -= 1
+                own = set(self.kv.block_table(seq.seq_id))
+                out.copies = [(src, dst) for src, dst in out.copies if dst not in own]
+                return

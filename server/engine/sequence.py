@@ -1,22 +1,24 @@
-"""One choice of one request: its tokens, KV progress and sampling state."""
+"""One choice of one request: the single record of its progress (tokens, K/V computed, batch row).
+
+The scheduler advances it, and only the scheduler: `num_computed_tokens` when it schedules a chunk (the
+steps run in stream order, so a scheduled chunk counts as written for the next step's plan), `num_pending`
+and `token_ids` in `Scheduler.postprocess` when a sampled token reaches the host. With asynchronous
+scheduling a step is planned while the previous one still runs: its sampled token is then pending (on the
+device, already the next step's input) and counted in `num_tokens` but not yet in `token_ids`.
+"""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from functools import cached_property
 
 from server.engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    import torch
-
-    from server.engine.stop_checker import StopChecker
 
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # not holding KV blocks (new, or preempted)
-    RUNNING = "running"  # holds KV blocks, scheduled every step
+    RUNNING = "running"  # holds KV blocks and a batch row, scheduled every step
     FORK_PENDING = "fork_pending"  # n>1 child waiting for its parent's prefill to finish
     FINISHED = "finished"
 
@@ -28,25 +30,49 @@ class Sequence:
     index: int  # choice index
     prompt_token_ids: list[int]
     params: SamplingParams
-    output_token_ids: list[int] = field(default_factory=list)
+    seed_key: int = 0  # 31-bit key of this choice's sampling stream (counter-based on the device)
+    token_ids: list[int] = field(default_factory=list)  # prompt + generated tokens known on the host
     status: SeqStatus = SeqStatus.WAITING
-    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_computed_tokens: int = 0  # tokens whose K/V are written by the steps launched so far
+    num_pending: int = 0  # sampled by a launched step, not yet on the host
+    row: int = -1  # the persistent batch row it holds while RUNNING
     admit_order: int = -1  # larger = admitted later = first preemption victim
-    generator: torch.Generator | None = None  # per-choice seeded generator
-    stop_checker: StopChecker | None = None
     fork_children: list[Sequence] = field(default_factory=list)  # forked from this one after its prefill
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    last_token_time: float | None = None
     num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @cached_property
+    def sample_flags(self) -> int:
+        """What sampling this sequence needs (server.engine.sampler flags), OR-ed per step by the runner."""
+        from server.engine.sampler import step_flags  # the sampler imports torch; sequences need not
+
+        return step_flags(self.params)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Tokens the sequence has, the pending one included."""
+        return len(self.token_ids) + self.num_pending
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        return self.token_ids
 
     @property
     def num_uncomputed(self) -> int:
@@ -63,5 +89,5 @@ class Sequence:
 
     @property
     def width(self) -> int:
-        """Batch slots this sequence will occupy (itself + children it will fork)."""
+        """Batch rows this sequence will occupy (itself + children it will fork)."""
         return 1 + len(self.fork_children)

@@ -1,0 +1,105 @@
+"""Asynchronous scheduling (step N+1 planned and launched before step N is post-processed) gives exactly the
+tokens of one-step-at-a-time scheduling: greedy and seeded sampling, preemption, n > 1, stop tokens and
+aborts; a choice's token computed after it finished is never emitted. The core runs in-process."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from server.engine.engine import EngineConfig, build_core
+from server.engine.outputs import EngineRequest
+from server.engine.sampling_params import SamplingParams
+
+TINY = dict(model="tiny", dtype="float32", block_size=4, max_num_seqs=6, max_num_batched_tokens=48)
+
+
+def run_core(async_scheduling: bool, requests, device="cpu", abort_at: dict[str, int] | None = None, **cfg):
+    """-> ({(request id, index): tokens}, {(request id, index): finish reason}, core)."""
+    config = EngineConfig(**{**TINY, "device": device, "attention_backend": "auto" if device == "cuda" else "torch",
+                             **cfg}, async_scheduling=async_scheduling)
+    core, _ = build_core(config)
+    for rid, prompt, params in requests:
+        core.add_request(EngineRequest(rid, prompt, params, 0.0))
+    tokens: dict[tuple[str, int], list[int]] = {}
+    finish: dict[tuple[str, int], str] = {}
+    steps = 0
+    while core.has_work():
+        steps += 1
+        for rid, at in (abort_at or {}).items():
+            if at == steps:
+                for u in core.abort_request(rid):
+                    finish[(u.request_id, u.index)] = u.finish_reason
+        for u in core.step().updates:
+            key = (u.request_id, u.index)
+            assert key not in finish, f"{key} got a token after it finished"
+            tokens.setdefault(key, []).extend(u.new_token_ids)
+            if u.finish_reason is not None:
+                finish[key] = u.finish_reason
+        assert steps < 2000
+    assert core.kv.usage().used_blocks == 0 and sorted(core.scheduler.free_rows) == list(range(6))
+    return tokens, finish, core
+
+
+def workload(temperature: float = 0.0) -> list[tuple[str, list[int], SamplingParams]]:
+    gen = torch.Generator().manual_seed(0)
+    reqs = []
+    for i in range(9):
+        prompt = torch.randint(3, 250, (5 + 3 * i,), generator=gen).tolist()
+        params = SamplingParams(max_tokens=12 + i, temperature=temperature, top_p=0.9, seed=100 + i,
+                                n=3 if i % 4 == 1 else 1, ignore_eos=True)
+        reqs.append((f"r{i}", prompt, params))
+    return reqs
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_async_equals_sync_under_preemption_and_forks(temperature):
+    reqs = workload(temperature)
+    sync_tokens, sync_finish, sync_core = run_core(False, reqs, num_blocks=24)
+    async_tokens, async_finish, async_core = run_core(True, reqs, num_blocks=24)
+    assert sync_core.scheduler.num_preemptions > 0 and async_core.scheduler.num_preemptions > 0
+    assert async_tokens == sync_tokens and async_finish == sync_finish
+    for rid, _, params in reqs:
+        for i in range(params.n):
+            assert len(sync_tokens[(rid, i)]) == params.max_tokens and sync_finish[(rid, i)] == "length"
+
+
+def test_stop_token_ends_a_choice_and_the_wasted_token_is_never_emitted():
+    reqs = workload()
+    free_run, _, _ = run_core(False, reqs[:3], num_blocks=200)
+    stop = free_run[("r1", 0)][4]  # r1's 5th token: its choices stop there (or earlier on the same id)
+    reqs = [(rid, p, dataclasses.replace(params, stop_token_ids=[stop]))
+            for rid, p, params in reqs[:3]]
+    results = [run_core(a, reqs, num_blocks=200) for a in (False, True)]
+    assert results[0][0] == results[1][0] and results[0][1] == results[1][1]
+    tokens, finish, _ = results[1]
+    assert tokens[("r1", 0)][-1] == stop and finish[("r1", 0)] == "stop" and len(tokens[("r1", 0)]) <= 5
+
+
+def test_abort_while_a_step_is_in_flight():
+    reqs = workload()[:4]
+    tokens, finish, _ = run_core(True, reqs, num_blocks=200, abort_at={"r2": 5})
+    assert finish[("r2", 0)] == "abort" and 0 < len(tokens.get(("r2", 0), [])) < 14
+    sync_tokens, _, _ = run_core(False, [r for r in reqs if r[0] != "r2"], num_blocks=200)
+    assert {k: v for k, v in tokens.items() if k[0] != "r2"} == sync_tokens
+
+
+def test_no_async_scheduling_flag_reaches_the_engine_config():
+    from server.cli import build_parser, engine_config
+
+    parse = build_parser().parse_args
+    assert engine_config(parse(["serve", "--no-async-scheduling"])).async_scheduling is False
+    assert engine_config(parse(["serve"])).async_scheduling is True
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_async_equals_sync_on_cuda_with_graphs():
+    reqs = workload()
+    sync_tokens, _, sync_core = run_core(False, reqs, device="cuda", dtype="bfloat16", num_blocks=40)
+    async_tokens, _, async_core = run_core(True, reqs, device="cuda", dtype="bfloat16", num_blocks=40)
+    assert async_core.runner.graphs is not None and async_core.runner.graphs.num_replays > 0
+    assert sync_core.scheduler.num_preemptions > 0
+    assert async_tokens == sync_tokens
