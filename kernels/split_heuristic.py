@@ -95,6 +95,11 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, sms: int, blo
     return max(1, _cdiv(max_len, split_size(max_len, splits, block_n)))
 
 
+def decode_num_splits(batch: int, num_kv_heads: int, max_len: int, device) -> int:
+    """The heuristic's split count for a decode call on `device` (public: kernels.decode_num_splits)."""
+    return choose_num_splits(batch, num_kv_heads, max_len, num_sms(torch.device(device)))
+
+
 def choose_launch(device: torch.device, batch: int, num_kv_heads: int, max_len: int, head_dim: int,
                   elem_size: int, sms: int, num_splits: int | None = None,
                   config: KernelConfig | None = None) -> tuple[KernelConfig, int]:

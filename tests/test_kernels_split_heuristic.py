@@ -60,3 +60,10 @@ def test_choose_launch_takes_the_heuristic_for_what_the_caller_left_open():
     assert one_split == (choose_config(cuda, 128), 1)
     fixed = KernelConfig(32, 4, 2)
     assert choose_launch(cuda, 64, 8, 8192, 128, 2, 132, config=fixed) == (fixed, 1)
+
+
+def test_public_decode_num_splits_is_the_heuristic():
+    import kernels
+    cpu = torch.device("cpu")
+    assert kernels.decode_num_splits(1, 8, 131072, cpu) == choose_num_splits(1, 8, 131072, 4)
+    assert kernels.decode_num_splits(64, 8, 2048, cpu) == 1

@@ -74,6 +74,16 @@ class PagedAttention:
                                 sliding_window=self.sliding_window, backend=self.backend, out=out[nd:])
         return out
 
+    def _num_splits(self, batch: int, k_cache: torch.Tensor) -> int:
+        """The decode split count, always passed as a fixed count: the runner's tables are as wide as
+        max_model_len (a graph's launch config must hold for any length), so the kernel's heuristic mode,
+        which sizes splits from the table width, would leave every split but the first empty; a fixed count
+        sizes them from each sequence's own length. The count is the heuristic's for this batch."""
+        if self.decode_num_splits is not None:
+            return self.decode_num_splits
+        width = self.meta.block_tables.shape[1] * k_cache.shape[1]
+        return kernels.decode_num_splits(batch, k_cache.shape[2], width, k_cache.device)
+
     def _decode(self, q, k_cache, v_cache, out=None) -> torch.Tensor:
         ws = self.workspace  # sized for max_num_seqs; an eager batch beyond it merges in a second launch
         if ws is not None and q.shape[0] * k_cache.shape[2] > ws.capacity:
@@ -85,7 +95,7 @@ class PagedAttention:
             self.meta.block_tables,
             self.meta.seq_lens,
             sliding_window=self.sliding_window,
-            num_splits=self.decode_num_splits,
+            num_splits=self._num_splits(q.shape[0], k_cache),
             backend=self.backend,
             out=out,
             workspace=ws,
