@@ -130,9 +130,13 @@ def test_health_and_metrics_after_requests(engine):
     assert m.value("pagewalk_time_to_first_token_seconds_count") > 0
     assert m.value("pagewalk_inter_token_latency_seconds_count") > 0
     assert m.value("pagewalk_e2e_request_latency_seconds_count") > 0
-    assert m.value("pagewalk_request_success_total", {"finish_reason": "length"}) > 0
-    assert m.value("pagewalk_info", {"model": "tiny", "attention_backend": "torch", "device": "cpu",
+    assert m.value("pagewalk_request_success_total", {"finished_reason": "length"}) > 0
+    assert m.value("pagewalk_info", {"model_name": "tiny", "attention_backend": "torch", "device": "cpu",
                                      "dtype": "float32"}) == 1.0
+    for name in ("queue_time", "prefill_time", "decode_time", "inference_time"):
+        assert m.value(f"pagewalk_request_{name}_seconds_count") > 0
+    assert m.value("pagewalk_request_prompt_tokens_sum") > 0
+    assert m.value("pagewalk_request_generation_tokens_sum") > 0
 
 
 def test_prefix_cache_skips_the_shared_prefix_and_output_is_unchanged(engine):
@@ -145,4 +149,5 @@ def test_prefix_cache_skips_the_shared_prefix_and_output_is_unchanged(engine):
     computed = engine.num_prefill_tokens - before
     assert computed == len(prompt) - (len(prompt) - 1) // 16 * 16  # only the last, partial block reruns
     assert second == first
-    assert engine.metrics.value("pagewalk_prefix_cache_hit_rate") > 0
+    hits, queries = (engine.metrics.value(f"pagewalk_prefix_cache_{c}_total") for c in ("hits", "queries"))
+    assert 0 < hits < queries

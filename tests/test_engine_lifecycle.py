@@ -56,11 +56,11 @@ def test_closing_the_stream_aborts_and_frees_blocks(engine):
         assert engine.health()["kv_cache"]["used_blocks"] > 0
         await agen.aclose()
 
-    aborted = engine.metrics.value("pagewalk_request_success_total", {"finish_reason": "abort"})
+    aborted = engine.metrics.value("pagewalk_request_success_total", {"finished_reason": "abort"})
     asyncio.run(main())
     assert wait_until(lambda: engine.health()["kv_cache"]["used_blocks"] == 0)
     assert wait_until(lambda: engine.health()["running"] == 0)
-    assert engine.metrics.value("pagewalk_request_success_total", {"finish_reason": "abort"}) == aborted + 1
+    assert engine.metrics.value("pagewalk_request_success_total", {"finished_reason": "abort"}) == aborted + 1
 
 
 def test_explicit_abort_ends_the_stream_with_abort(engine):
@@ -181,11 +181,11 @@ def test_failed_step_fails_its_batch_and_the_engine_keeps_serving(engine, monkey
     execute = engine.client.core.runner.execute
     calls = {"n": 0}
 
-    def flaky(chunks):
+    def flaky(*args):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("device on fire")
-        return execute(chunks)
+        return execute(*args)
 
     monkeypatch.setattr(engine.client.core.runner, "execute", flaky)
     results = run_all(engine, [(f"flaky-{i}", [1, 20 + i, 30], greedy(10)) for i in range(3)])

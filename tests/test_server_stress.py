@@ -265,7 +265,7 @@ def test_closing_engine_streams_early_frees_everything(engine):
 
 
 def _num_aborted(engine: AsyncEngine) -> float:
-    return engine.metrics.value("pagewalk_request_success_total", {"finish_reason": "abort"})
+    return engine.metrics.value("pagewalk_request_success_total", {"finished_reason": "abort"})
 
 
 # ---- aborts at each lifecycle stage, driven step by step on the engine core (no thread) ----------------

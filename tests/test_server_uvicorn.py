@@ -80,7 +80,7 @@ def test_preemption_completes_every_request_exactly(server):
 
 
 def test_disconnect_aborts_and_frees_blocks(server):
-    aborted = server.metric("pagewalk_request_success_total", {"finish_reason": "abort"})
+    aborted = server.metric("pagewalk_request_success_total", {"finished_reason": "abort"})
     body = {"prompt": "disconnect me", "max_tokens": 340, **GREEDY}
 
     async def streaming_then_gone():
@@ -95,7 +95,7 @@ def test_disconnect_aborts_and_frees_blocks(server):
 
     asyncio.run(streaming_then_gone())
     server.wait_idle()
-    assert server.metric("pagewalk_request_success_total", {"finish_reason": "abort"}) == aborted + 1
+    assert server.metric("pagewalk_request_success_total", {"finished_reason": "abort"}) == aborted + 1
 
     async def non_streaming_then_gone():
         async with httpx.AsyncClient(base_url=server.url) as c:
@@ -108,7 +108,7 @@ def test_disconnect_aborts_and_frees_blocks(server):
 
     asyncio.run(non_streaming_then_gone())
     server.wait_idle()
-    assert server.metric("pagewalk_request_success_total", {"finish_reason": "abort"}) == aborted + 2
+    assert server.metric("pagewalk_request_success_total", {"finished_reason": "abort"}) == aborted + 2
 
 
 @pytest.mark.parametrize("core", ["process", "thread"])

@@ -55,6 +55,8 @@ class LiveRequest:
     arrival_time: float
     open_in_core: int  # choices the core has not ended yet (each ends there exactly once)
     last_token_time: list[float | None] = field(default_factory=list)
+    scheduled_time: float | None = None  # the core's first step that ran it (from its first update)
+    first_token_time: float | None = None  # of any choice
     error: str | None = None
     closed: bool = False  # the stream has its last output
 
@@ -77,6 +79,7 @@ class AsyncEngine:
         self._idle = threading.Condition(self._lock)  # notified when the last live request ends
         self._live: dict[str, LiveRequest] = {}
         self._stats = CoreStats(0, 0, info.num_blocks - 1, 0, 0, 0.0)
+        self._prefix_counts = (0, 0)  # the core's cumulative prefix-cache (queries, hits) last counted
         self._accepting = True
         self._started = self._closed = False
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
@@ -248,8 +251,10 @@ class AsyncEngine:
             m.num_preemptions.inc(s.num_preemptions)
         m.num_requests_running.set(s.running)
         m.num_requests_waiting.set(waiting)
-        m.kv_cache_usage_ratio.set(s.used_blocks / max(1, self.info.num_blocks - 1))
-        m.prefix_cache_hit_rate.set(s.prefix_hit_rate)
+        m.kv_cache_usage_perc.set(s.used_blocks / max(1, self.info.num_blocks - 1))
+        m.prefix_cache_queries.inc(s.prefix_queries - self._prefix_counts[0])  # cumulative in the core
+        m.prefix_cache_hits.inc(s.prefix_hits - self._prefix_counts[1])
+        self._prefix_counts = (s.prefix_queries, s.prefix_hits)
         for loop, items in batches.items():
             call_soon(loop, self._apply, items)
 
@@ -287,6 +292,9 @@ class AsyncEngine:
                 continue
             if abort:
                 self.client.send(Abort(live.request_id, u.index))
+            if u.scheduled_time is not None and live.scheduled_time is None:
+                live.scheduled_time = u.scheduled_time
+                m.request_queue_time.observe(max(0.0, u.scheduled_time - live.arrival_time))
             if delta.token_ids:
                 m.generation_tokens.inc(len(delta.token_ids))
                 last = live.last_token_time[u.index]
@@ -295,8 +303,12 @@ class AsyncEngine:
                 else:
                     m.inter_token_latency.observe(now - last)
                 live.last_token_time[u.index] = now
+                if live.first_token_time is None:
+                    live.first_token_time = now
+                    if live.scheduled_time is not None:
+                        m.request_prefill_time.observe(max(0.0, now - live.scheduled_time))
             if delta.finish_reason is not None:
-                m.request_success.labels(finish_reason=delta.finish_reason).inc()
+                m.finished(delta.finish_reason)
             if u.error is not None:
                 live.error = u.error
             outputs.setdefault(live, []).append(delta)
@@ -304,7 +316,7 @@ class AsyncEngine:
             finished = all(c.finished for c in live.choices)
             if finished:
                 live.closed = True
-                m.e2e_request_latency.observe(now - live.arrival_time)
+                self._observe_finished(live, now)
             live.channel.put(RequestOutput(live.request_id, live.prompt_token_ids, deltas, finished, live.error))
 
     def _fail(self, live: LiveRequest, error: str) -> None:
@@ -316,9 +328,19 @@ class AsyncEngine:
         for c in live.choices:
             if not c.finished:
                 c.finish_reason = "error"
-                self.metrics.request_success.labels(finish_reason="error").inc()
+                self.metrics.finished("error")
                 deltas.append(ChoiceDelta(c.index, "", [], None, "error", None))
         live.channel.put(RequestOutput(live.request_id, live.prompt_token_ids, deltas, True, error))
+
+    def _observe_finished(self, live: LiveRequest, now: float) -> None:
+        m = self.metrics
+        m.e2e_request_latency.observe(now - live.arrival_time)
+        m.request_prompt_tokens.observe(len(live.prompt_token_ids))
+        m.request_generation_tokens.observe(sum(c.num_tokens for c in live.choices))
+        if live.first_token_time is not None:
+            m.request_decode_time.observe(now - live.first_token_time)
+        if live.scheduled_time is not None:
+            m.request_inference_time.observe(max(0.0, now - live.scheduled_time))
 
     def _text_of(self, token: int) -> str:
         text = self._token_text.get(token)

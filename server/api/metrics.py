@@ -1,4 +1,9 @@
-"""Prometheus metrics of one engine, on its own CollectorRegistry (several engines never collide)."""
+"""Prometheus metrics of one engine, on its own CollectorRegistry (several engines never collide).
+
+Names, labels and meanings follow vLLM's (`vllm:x` is `pagewalk_x` here), every series labelled with
+`model_name`, so a vLLM dashboard carries over by renaming; docs/grafana/pagewalk.json is one. Rates
+(throughput, prefix-cache hit rate) are left to the dashboard over counters, so any window can be chosen.
+"""
 
 from __future__ import annotations
 
@@ -6,45 +11,78 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)
-_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+_REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+FINISHED_REASONS = ("stop", "length", "abort", "error")
 
 
 class EngineMetrics:
     def __init__(self, model: str, attention_backend: str, device: str, dtype: str):
-        self.registry = CollectorRegistry()
-        r = self.registry
+        self.model_name = model
+        self.registry = r = CollectorRegistry()
         self.info = Info("pagewalk", "Static facts about the serving engine", registry=r)
-        self.info.info({"model": model, "attention_backend": attention_backend, "device": device,
+        self.info.info({"model_name": model, "attention_backend": attention_backend, "device": device,
                         "dtype": dtype})
-        self.time_to_first_token = Histogram(
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(name, doc, ["model_name"], buckets=buckets, registry=r).labels(model)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, ["model_name"], registry=r).labels(model)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, ["model_name"], registry=r).labels(model)
+
+        # per token and per request (a request's n choices count as one request)
+        self.time_to_first_token = histogram(
             "pagewalk_time_to_first_token_seconds", "Arrival to first generated token, per choice",
-            buckets=_LATENCY_BUCKETS, registry=r)
-        self.inter_token_latency = Histogram(
+            _LATENCY_BUCKETS)
+        self.inter_token_latency = histogram(
             "pagewalk_inter_token_latency_seconds", "Time between consecutive tokens of one choice",
-            buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e_request_latency = Histogram(
-            "pagewalk_e2e_request_latency_seconds", "Arrival to the request's end",
-            buckets=_E2E_BUCKETS, registry=r)
-        self.num_requests_running = Gauge(
-            "pagewalk_num_requests_running", "Requests with a sequence holding KV blocks", registry=r)
-        self.num_requests_waiting = Gauge(
-            "pagewalk_num_requests_waiting", "Requests queued, none of their sequences running", registry=r)
-        self.kv_cache_usage_ratio = Gauge(
-            "pagewalk_kv_cache_usage_ratio", "Used KV blocks / usable KV blocks", registry=r)
-        self.prefix_cache_hit_rate = Gauge(
-            "pagewalk_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / looked up",
-            registry=r)
-        self.num_preemptions = Counter(
-            "pagewalk_num_preemptions", "Sequences preempted (recomputed later)", registry=r)
-        self.prompt_tokens = Counter(
-            "pagewalk_prompt_tokens", "Prompt tokens of accepted requests", registry=r)
-        self.generation_tokens = Counter(
-            "pagewalk_generation_tokens", "Generated tokens, all choices", registry=r)
-        self.request_success = Counter(
-            "pagewalk_request_success", "Finished choices by finish reason", ["finish_reason"], registry=r)
-        for reason in ("stop", "length", "abort", "error"):
-            self.request_success.labels(finish_reason=reason)
+            _LATENCY_BUCKETS)
+        self.e2e_request_latency = histogram(
+            "pagewalk_e2e_request_latency_seconds", "Arrival to the request's end", _REQUEST_BUCKETS)
+        self.request_queue_time = histogram(
+            "pagewalk_request_queue_time_seconds", "Arrival to the first engine step that ran the request",
+            _REQUEST_BUCKETS)
+        self.request_prefill_time = histogram(
+            "pagewalk_request_prefill_time_seconds", "First step that ran the request to its first token",
+            _REQUEST_BUCKETS)
+        self.request_decode_time = histogram(
+            "pagewalk_request_decode_time_seconds", "First token to the request's end", _REQUEST_BUCKETS)
+        self.request_inference_time = histogram(
+            "pagewalk_request_inference_time_seconds", "First step that ran the request to its end",
+            _REQUEST_BUCKETS)
+        self.request_prompt_tokens = histogram(
+            "pagewalk_request_prompt_tokens", "Prompt tokens of each finished request", _TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram(
+            "pagewalk_request_generation_tokens", "Generated tokens of each finished request, all choices",
+            _TOKEN_BUCKETS)
+        # the engine's state after each step
+        self.num_requests_running = gauge(
+            "pagewalk_num_requests_running", "Requests with a sequence holding KV blocks")
+        self.num_requests_waiting = gauge(
+            "pagewalk_num_requests_waiting", "Requests queued, none of their sequences running")
+        self.kv_cache_usage_perc = gauge(
+            "pagewalk_kv_cache_usage_perc", "Used KV blocks / usable KV blocks (a fraction, as vLLM's)")
+        # totals
+        self.prefix_cache_queries = counter(
+            "pagewalk_prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_cache_hits = counter(
+            "pagewalk_prefix_cache_hits", "Prompt tokens served from the prefix cache")
+        self.num_preemptions = counter("pagewalk_num_preemptions", "Sequences preempted (recomputed later)")
+        self.prompt_tokens = counter("pagewalk_prompt_tokens", "Prompt tokens of accepted requests")
+        self.generation_tokens = counter("pagewalk_generation_tokens", "Generated tokens, all choices")
+        self._request_success = Counter(
+            "pagewalk_request_success", "Finished choices by finished reason",
+            ["model_name", "finished_reason"], registry=r)
+        for reason in FINISHED_REASONS:
+            self._request_success.labels(model, reason)
+
+    def finished(self, reason: str) -> None:
+        """One choice ended with finish_reason `reason`."""
+        self._request_success.labels(self.model_name, reason).inc()
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float | None:
-        """Current value of one sample (for tests and health checks)."""
-        return self.registry.get_sample_value(name, labels or {})
+        """Current value of one sample of this model (for tests and health checks)."""
+        return self.registry.get_sample_value(name, {"model_name": self.model_name, **(labels or {})})

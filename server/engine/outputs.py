@@ -36,6 +36,9 @@ class SeqUpdate(msgspec.Struct, array_like=True):
     error: str | None = None  # finish "error": what failed
     # on a choice's first update when the request asked for prompt logprobs: one per prompt token, None first
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # on a choice's first update: time.monotonic() of the first step that ran the request (the clock is
+    # system-wide, so the API process compares it with its arrival time)
+    scheduled_time: float | None = None
 
 
 class CoreStats(msgspec.Struct, array_like=True):
@@ -50,6 +53,8 @@ class CoreStats(msgspec.Struct, array_like=True):
     num_prefill_tokens: int = 0  # prompt (and recomputed) tokens run this step
     num_decode_tokens: int = 0
     num_preemptions: int = 0
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache, all time
+    prefix_hits: int = 0  # of those, tokens served from it
 
 
 class StepUpdate(msgspec.Struct, tag="step"):

@@ -16,6 +16,7 @@ class Request:
     arrival_time: float
     seqs: list[Sequence] = field(default_factory=list)  # index order: seqs[i].index == i
     prompt_logprobs: list | None = None  # TokenLogprobs per prompt token (None first), when asked for
+    scheduled_time: float | None = None  # time.monotonic() of the first step that ran it
 
     @property
     def finished(self) -> bool:
