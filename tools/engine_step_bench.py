@@ -1,0 +1,176 @@
+"""The engine core's decode step without HTTP, with and without async scheduling: `python -m tools.engine_step_bench`.
+
+One EngineCore (`bench` preset on CUDA unless told otherwise), in this process. Per batch size (default
+1/16/64/256) and sampling mode, `batch` requests of ~512 random prompt tokens are added and prefilled; then
+full-batch decode steps are timed (the core's `step()` as the core loop calls it):
+- step ms: wall time of one step() call (with async scheduling: launch of N+1 and post-processing of N);
+- replay ms: device time of the decode CUDA graph (events around the replay; eager steps: 0);
+- host ms: step wall minus the time blocked waiting for the device (StepResult.wait): schedule + pack +
+  launch + post-processing, i.e. the CPU work per step; with async scheduling it overlaps the device;
+- schedule / execute / postprocess ms: the host parts (execute = packing and kernel launches);
+- tok/s: output tokens per second over the measured steps.
+Medians over the measured steps. Prints one table last; writes every step's timings as JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from server.engine import runner as runner_module
+from server.engine.engine import EngineConfig, build_core
+from server.engine.outputs import EngineRequest
+from server.engine.sampling_params import SamplingParams
+
+MODES = {"greedy": {"temperature": 0.0}, "sample": {"temperature": 0.8, "top_p": 0.95}}
+
+
+class Probe:
+    """Wall clocks of the core's host phases and device events around graph replays, per step."""
+
+    def __init__(self, core) -> None:
+        self.core = core
+        self.phases: dict[str, float] = {}
+        self.replays: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._wrap(core.scheduler, "schedule")
+        self._wrap(core.scheduler, "postprocess")
+        self._wrap(core.runner, "execute")
+        wait = runner_module.StepResult.wait
+        probe = self
+
+        def timed_wait(result):
+            t0 = time.perf_counter()
+            try:
+                return wait(result)
+            finally:
+                probe.phases["wait"] = probe.phases.get("wait", 0.0) + time.perf_counter() - t0
+
+        runner_module.StepResult.wait = timed_wait
+        graphs = core.runner.graphs
+        if graphs is not None:
+            replay = graphs.replay
+
+            def timed_replay(*args):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = replay(*args)
+                end.record()
+                self.replays.append((start, end))
+                return out
+
+            graphs.replay = timed_replay
+
+    def _wrap(self, obj, name: str) -> None:
+        inner = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t0
+
+        setattr(obj, name, timed)
+
+    def step(self) -> dict:
+        """One core.step() -> its timings (ms) and stats; replay times are read later (finish())."""
+        self.phases = {}
+        n_replays = len(self.replays)
+        t0 = time.perf_counter()
+        update = self.core.step()
+        wall = time.perf_counter() - t0
+        p = self.phases
+        return {"step_ms": wall * 1e3, "host_ms": (wall - p.get("wait", 0.0)) * 1e3,
+                "wait_ms": p.get("wait", 0.0) * 1e3, "schedule_ms": p.get("schedule", 0.0) * 1e3,
+                "execute_ms": p.get("execute", 0.0) * 1e3, "postprocess_ms": p.get("postprocess", 0.0) * 1e3,
+                "replays": list(range(n_replays, len(self.replays))),
+                "decode_tokens": update.stats.num_decode_tokens, "prefill_tokens": update.stats.num_prefill_tokens,
+                "new_tokens": sum(len(u.new_token_ids) for u in update.updates)}
+
+    def finish(self, steps: list[dict]) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        for s in steps:
+            s["replay_ms"] = sum(self.replays[i][0].elapsed_time(self.replays[i][1]) for i in s.pop("replays"))
+
+
+def run_batch(core, probe: Probe, batch: int, prompt_len: int, warmup: int, steps: int, mode: str,
+              gen: torch.Generator) -> dict:
+    vocab = core.runner.config.vocab_size
+    params = SamplingParams(max_tokens=warmup + steps + 4, ignore_eos=True, seed=1, **MODES[mode])
+    for i in range(batch):
+        prompt = torch.randint(3, vocab, (prompt_len,), generator=gen).tolist()
+        core.add_request(EngineRequest(f"b{batch}-{mode}-{i}", prompt, params, time.monotonic()))
+    measured, seen = [], 0
+    while core.has_work() and len(measured) < steps:
+        s = probe.step()
+        full = s["decode_tokens"] == batch and s["prefill_tokens"] == 0
+        seen = seen + 1 if full else 0
+        if full and seen > warmup:
+            measured.append(s)
+    for rid in list(core.requests):
+        core.abort_request(rid)
+    while core.has_work():  # the step in flight, if any
+        probe.step()
+    probe.finish(measured)
+    if len(measured) < steps:
+        raise RuntimeError(f"batch {batch}: only {len(measured)} full decode steps (cache too small?)")
+    med = {k: statistics.median(s[k] for s in measured) for k in
+           ("step_ms", "replay_ms", "host_ms", "wait_ms", "schedule_ms", "execute_ms", "postprocess_ms")}
+    total_s = sum(s["step_ms"] for s in measured) / 1e3
+    return {"batch": batch, "mode": mode, **med, "tok_s": batch * len(measured) / total_s, "steps": measured}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="bench")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--modes", nargs="+", default=["greedy", "sample"], choices=list(MODES))
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    ap.add_argument("--out", type=Path, default=Path("engine_step_bench.json"))
+    args = ap.parse_args()
+    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(args.batches),
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          max_model_len=args.prompt_len + args.warmup + args.steps + 64,
+                          gpu_memory_utilization=args.gpu_memory_utilization)
+    core, info = build_core(config)
+    probe = Probe(core)
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for async_scheduling in (False, True):
+        core.async_scheduling = async_scheduling  # the core is idle between runs
+        for mode in args.modes:
+            for batch in args.batches:
+                r = run_batch(core, probe, batch, args.prompt_len, args.warmup, args.steps, mode, gen)
+                r["async_scheduling"] = async_scheduling
+                results.append(r)
+                print(f"async={async_scheduling} {mode} batch {batch}: step {r['step_ms']:.3f} ms, "
+                      f"{r['tok_s']:.0f} tok/s", flush=True)
+    meta = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "model": info.model, "dtype": info.dtype,
+            "cuda_graphs": info.cuda_graphs, "num_blocks": info.num_blocks, "args": vars(args) | {"out": str(args.out)}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    cols = ("step_ms", "replay_ms", "host_ms", "schedule_ms", "execute_ms", "postprocess_ms", "tok_s")
+    print(f"\n{meta['gpu']}, {info.model} {info.dtype}, prompt {args.prompt_len}, medians over {args.steps} "
+          f"full-batch decode steps (ms; tok/s = output tokens per second)")
+    print(f"{'async':>5} {'mode':>6} {'batch':>5} " + " ".join(f"{c:>14}" for c in cols))
+    for r in results:
+        print(f"{str(r['async_scheduling']):>5} {r['mode']:>6} {r['batch']:>5} "
+              + " ".join(f"{r[c]:>14.3f}" if c != "tok_s" else f"{r[c]:>14.0f}" for c in cols))
+    print(f"JSON: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
