@@ -17,8 +17,8 @@ MAX_BLOCK_SIZE = 256
 def check_block_size(block_size: int) -> None:
     """ValueError unless block_size is a power of two from 1 to MAX_BLOCK_SIZE (the kernels index a token's
     block with a shift and mask, and a tile spans whole blocks or divides one)."""
-    if (not isinstance(block_size, int) or isinstance(block_size, bool) or not 1 <= block_size <= MAX_BLOCK_SIZE
-            or block_size & (block_size - 1)):
+    if (not isinstance(block_size, int) or isinstance(block_size, bool)
+            or not 1 <= block_size <= MAX_BLOCK_SIZE or block_size & (block_size - 1)):
         raise ValueError(f"block_size must be a power of two from 1 to {MAX_BLOCK_SIZE}, got {block_size!r}")
 
 

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch_cache import CachedLauncher
 from kernels.prefill_dispatch import check_prefill_inputs
 
 LOG2E = 1.4426950408889634
@@ -155,6 +156,11 @@ def _paged_prefill_kernel(
              o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
 
 
+# direct launches after the first call of a specialisation (kernels/launch_cache.py): the JIT's per-call
+# argument binding costs more host time than a small prefill kernel runs
+_prefill = CachedLauncher(_paged_prefill_kernel, num_tensors=7)
+
+
 @dataclass(frozen=True)
 class PrefillConfig:
     block_m: int     # rows of a tile: query positions x padded group heads (BLOCK_Q = block_m // GROUP_PAD)
@@ -196,8 +202,8 @@ def _launch(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, s
     block_m = max(cfg.block_m, group_pad, 16)                       # tl.dot needs >= 16 rows
     block_q = block_m // group_pad
     grid = (t // block_q + num_chunks, hkv)
-    _paged_prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+    _prefill(
+        grid, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         scale * LOG2E, 0 if sliding_window is None else int(sliding_window), num_chunks,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, HEAD_DIM=d,

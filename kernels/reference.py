@@ -6,8 +6,8 @@
   running sum l, unnormalised accumulator o, rescaled by exp(m_old - m_new) whenever the max grows.
 - `store_kv_reference`: write new tokens' K/V into their cache slots (slot < 0: skip).
 
-Layout (DESIGN.md kernel contract): q (B, Hq, D); caches (num_blocks, block_size, Hkv, D); block_tables
-(B, max_blocks) int; seq_lens (B,) int. Query head h reads KV head h // (Hq // Hkv).
+Layout (the kernel contract in docs/ARCHITECTURE.md): q (B, Hq, D); caches (num_blocks, block_size, Hkv, D);
+block_tables (B, max_blocks) int; seq_lens (B,) int. Query head h reads KV head h // (Hq // Hkv).
 """
 
 from __future__ import annotations

@@ -195,7 +195,8 @@ def run(label: str) -> dict:
         print(f"{label}: B={batch} L={ctx} bs={bs}: ours {rows[-1]['ours_us']:.1f} us, "
               f"SDPA {rows[-1]['sdpa_contig_us']:.1f} us", flush=True)
     return {"label": label, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "copy_TBps": copy, "sdpa_backend": sdpa_backend_seen(Shape(1, 64, 16)),
+            "triton": triton.__version__, "copy_TBps": copy,
+            "sdpa_backend": sdpa_backend_seen(Shape(1, 64, 16)),
             "rows": rows, "geomean_sdpa_over_ours": geomean(rows, "sdpa_contig_us", "ours_us"),
             "geomean_sdpa_over_ours_gpu_only": geomean(rows, "sdpa_gpu_us", "ours_gpu_us")}
 
