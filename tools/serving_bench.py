@@ -1,0 +1,224 @@
+"""Serving benchmark, one GPU call (not a test): `python -m tools.serving_bench --out DIR`.
+
+What it runs, in order, each beside the memory roofline computed from the copy bandwidth measured here:
+1. copy bandwidth (a 1 GiB device-to-device copy) -> roofline of a decode step at batch B with ~576-token
+   contexts: (weights + KV bytes read) / bandwidth, as output tokens/s;
+2. `pagewalk serve --model bench` (bf16, block 16, --max-num-seqs 256 --max-num-batched-tokens 8192) under
+   the project's loadtest: 512 prompt / 128 output tokens, greedy, ignore_eos, streaming, concurrency
+   1/16/64/256 (32 requests at 1, 256 at the others), plus sampled decoding (temperature 0.8,
+   top_p 0.95) at 64;
+   the load generator's own CPU use is in each report;
+3. the engine without HTTP at batch 1/16/64/256 (`tools.engine_step_bench`: step time and its breakdown,
+   overlap on and off);
+4. HF transformers `generate` with a static cache, one batch of 64, same shape (`tools.hf_baseline`).
+Writes serving_<gpu>.{json,md,png} under --out and prints the table last. Needs the FastAPI stack, pyzmq and
+msgspec importable (carried as wheels on the GPU host: tools/serving_gpu_run.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+PORT = 8011
+URL = f"http://127.0.0.1:{PORT}"
+IN_LEN, OUT_LEN = 512, 128
+LEVELS = (1, 16, 64, 256)
+HF_BATCH = 64
+
+
+def copy_tbps() -> float:
+    from triton.testing import do_bench
+    n = 1 << 30
+    src = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    return 2 * n / (ms * 1e-3) / 1e12
+
+
+def model_bytes() -> tuple[int, int]:
+    """(bytes of weights one decode step reads, KV bytes per token) of the `bench` preset in bf16: every
+    linear layer's weight and the lm_head (tied to the embedding, read whole once per step)."""
+    from server.model.config import preset
+    c = preset("bench")
+    qkv = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    o = c.num_heads * c.head_dim * c.hidden_size
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    layer = qkv + o + mlp + 2 * c.hidden_size
+    weights = 2 * (c.num_layers * layer + c.vocab_size * c.hidden_size + c.hidden_size)
+    kv_per_token = 2 * c.num_layers * 2 * c.num_kv_heads * c.head_dim
+    return weights, kv_per_token
+
+
+def roofline_tok_s(batch: int, tbps: float, ctx: int = IN_LEN + OUT_LEN // 2) -> float:
+    weights, kv_tok = model_bytes()
+    step_s = (weights + batch * ctx * kv_tok) / (tbps * 1e12)
+    return batch / step_s
+
+
+def run(cmd: list[str], log: Path, timeout: float) -> int:
+    print("$", " ".join(cmd), flush=True)
+    with log.open("w") as f:
+        try:
+            return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            print(f"  timed out after {timeout:.0f} s", flush=True)
+            return 124
+
+
+def start_server(out: Path, extra: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", "bench", "--device", "cuda", "--port",
+           str(PORT), "--max-num-seqs", "256", "--max-num-batched-tokens", "8192", *extra]
+    print("$", " ".join(cmd), flush=True)
+    proc = subprocess.Popen(cmd, stdout=(out / "server.log").open("w"), stderr=subprocess.STDOUT)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; see server.log")
+        try:
+            if httpx.get(f"{URL}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise RuntimeError("server did not become healthy in 300 s")
+
+
+def stop_server(proc: subprocess.Popen) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return -9
+
+
+def loadtest_supports(flag: str) -> bool:
+    res = subprocess.run([sys.executable, "-m", "loadtest", "--help"], capture_output=True, text=True)
+    return flag in res.stdout
+
+
+def loadtest(out: Path, name: str, concurrency: int, num_requests: int, extra: list[str]) -> dict | None:
+    path = out / f"loadtest_{name}.json"
+    cmd = [sys.executable, "-m", "loadtest", "--base-url", URL, "--input-len", str(IN_LEN), "--output-len",
+           str(OUT_LEN), "--num-requests", str(num_requests), "--concurrency", str(concurrency), "--warmup",
+           str(min(8, concurrency)), "--seed", "0", "--no-progress", "--out", str(path), *extra]
+    if loadtest_supports("--processes"):
+        cmd += ["--processes", str(max(1, min(8, concurrency // 32)))]
+    if run(cmd, out / f"loadtest_{name}.log", timeout=240) != 0 or not path.exists():
+        return None
+    rep = json.loads(path.read_text())
+    rep.pop("requests", None)
+    path.write_text(json.dumps(rep, indent=1))
+    return rep
+
+
+def serving(out: Path) -> dict:
+    proc = start_server(out, [])
+    try:
+        health = httpx.get(f"{URL}/health", timeout=5).json()
+        reports = {}
+        for c in LEVELS:
+            reports[f"c{c}"] = loadtest(out, f"c{c}", c, 32 if c == 1 else 256, [])
+        sampled = ["--temperature", "0.8"] + (["--top-p", "0.95"] if loadtest_supports("--top-p") else [])
+        reports["c64_sampled"] = loadtest(out, "c64_sampled", 64, 256, sampled)
+    finally:
+        code = stop_server(proc)
+    return {"health": health, "server_exit_code": code, "reports": reports,
+            "sampled_args": sampled}
+
+
+def offline(out: Path) -> dict | None:
+    path = out / "engine_step.json"
+    if not Path("tools/engine_step_bench.py").exists():
+        return None
+    run([sys.executable, "-m", "tools.engine_step_bench", "--out", str(path)], out / "engine_step.log", 300)
+    if not path.exists():
+        return None
+    res = json.loads(path.read_text())
+    for row in res["results"]:
+        row.pop("steps", None)                          # per-step samples: the medians are kept
+    path.write_text(json.dumps(res, indent=1))
+    return res
+
+
+def hf(out: Path) -> dict | None:
+    path = out / "hf_b64.json"
+    run([sys.executable, "-m", "tools.hf_baseline", "--model", "bench", "--device", "cuda", "--batch-size",
+         str(HF_BATCH), "--input-len", str(IN_LEN), "--output-len", str(OUT_LEN), "--iters", "2", "--out",
+         str(path)], out / "hf_b64.log", 300)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _pct(rep: dict | None, key: str, q: str = "p50") -> float | None:
+    if not rep or not isinstance(rep.get(key), dict):
+        return None
+    return rep[key].get(q)
+
+
+def _f(x, spec=",.0f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(res: dict) -> str:
+    tbps = res["copy_TBps"]
+    hf_tok_s = (res.get("hf") or {}).get("output_throughput")
+    lines = [f"{res['gpu']}, torch {res['torch']}, triton {res['triton']}; copy {tbps:.2f} TB/s; "
+             f"HF static generate batch {HF_BATCH}: {_f(hf_tok_s)} tok/s", "",
+             "| HTTP run | out tok/s | roofline tok/s | of roofline | TPOT p50 ms | TTFT p50 ms "
+             "| client CPU |",
+             "|---|---|---|---|---|---|---|"]
+    for name, rep in res["serving"]["reports"].items():
+        c = int(name[1:].split("_")[0])
+        roof = roofline_tok_s(c, tbps)
+        thr = rep.get("output_throughput") if rep else None
+        lines.append(f"| {name} | {_f(thr)} | {_f(roof)} | {_f(thr / roof if thr else None, '.0%')} | "
+                     f"{_f(_pct(rep, 'tpot_ms'), '.2f')} | {_f(_pct(rep, 'ttft_ms'), '.0f')} | "
+                     f"{_f((rep or {}).get('client_cpu_util'), '.0%')} |")
+    lines += ["", "| engine (no HTTP) | out tok/s | roofline tok/s | of roofline | step ms | replay ms "
+              "| host ms |",
+              "|---|---|---|---|---|---|---|"]
+    for row in (res.get("engine") or {}).get("results", []):
+        b = row["batch"]
+        roof = roofline_tok_s(b, tbps)
+        lines.append(f"| b{b} {row['mode']} async={row['async_scheduling']} | {_f(row['tok_s'])} | "
+                     f"{_f(roof)} | "
+                     f"{_f(row['tok_s'] / roof, '.0%')} | {_f(row['step_ms'], '.3f')} | "
+                     f"{_f(row.get('replay_ms'), '.3f')} | {_f(row.get('host_ms'), '.3f')} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/serving_bench"))
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: serving,engine,hf")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    skip = set(filter(None, args.skip.split(",")))
+    import triton
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "copy_TBps": copy_tbps(),
+           "workload": {"input_len": IN_LEN, "output_len": OUT_LEN, "levels": LEVELS},
+           "model_bytes": dict(zip(("weights", "kv_per_token"), model_bytes(), strict=True))}
+    res["serving"] = serving(out) if "serving" not in skip else {"reports": {}}
+    res["engine"] = offline(out) if "engine" not in skip else None
+    res["hf"] = hf(out) if "hf" not in skip else None
+    (out / "serving_h200.json").write_text(json.dumps(res, indent=1))
+    text = table(res)
+    (out / "serving_h200_table.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
