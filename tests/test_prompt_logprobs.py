@@ -97,3 +97,19 @@ def test_prompt_logprobs_is_validated():
     SamplingParams(prompt_logprobs=20).validate(259)
     with pytest.raises(ValueError, match="prompt_logprobs must be in"):
         SamplingParams(prompt_logprobs=21).validate(259)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype,tolerance", [("float32", 2e-3), ("bfloat16", 0.15)])
+def test_echo_logprobs_on_cuda_match_the_engines_sampled_logprobs(dtype, tolerance):
+    """The contiguous forward beside the paged, graph-captured decode of the engine core's process."""
+    with started_engine(model="tiny", device="cuda", dtype=dtype, in_process=False) as engine:
+        app = create_app(engine)
+        first = post(app, {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "logprobs": 1,
+                           "ignore_eos": True, "return_token_ids": True}).json()["choices"][0]
+        prompt_ids = first["prompt_token_ids"] + first["token_ids"]
+        echoed = post(app, {"prompt": prompt_ids, "max_tokens": 1, "temperature": 0, "logprobs": 1,
+                            "echo": True}).json()["choices"][0]["logprobs"]["token_logprobs"]
+        n = len(prompt_ids)
+        assert echoed[n - 8 : n] == pytest.approx(first["logprobs"]["token_logprobs"], abs=tolerance)
