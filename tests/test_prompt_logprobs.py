@@ -104,7 +104,7 @@ def test_prompt_logprobs_is_validated():
 @pytest.mark.parametrize("dtype,tolerance", [("float32", 2e-3), ("bfloat16", 0.15)])
 def test_echo_logprobs_on_cuda_match_the_engines_sampled_logprobs(dtype, tolerance):
     """The contiguous forward beside the paged, graph-captured decode of the engine core's process."""
-    with started_engine(model="tiny", device="cuda", dtype=dtype, in_process=False) as engine:
+    with started_engine(model="tiny", device="cuda", dtype=dtype, num_blocks=256, in_process=False) as engine:
         app = create_app(engine)
         first = post(app, {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "logprobs": 1,
                            "ignore_eos": True, "return_token_ids": True}).json()["choices"][0]
