@@ -86,6 +86,14 @@ def test_abort_while_a_step_is_in_flight():
     assert {k: v for k, v in tokens.items() if k[0] != "r2"} == sync_tokens
 
 
+def test_a_prompt_longer_than_the_step_budget_runs_steps_that_sample_nothing():
+    prompt = torch.randint(3, 250, (120,), generator=torch.Generator().manual_seed(1)).tolist()
+    reqs = [("long", prompt, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))]
+    sync_tokens, _, _ = run_core(False, reqs, num_blocks=64)  # 48 + 48 + 24 prompt tokens, then decodes
+    async_tokens, _, _ = run_core(True, reqs, num_blocks=64)
+    assert async_tokens == sync_tokens and len(sync_tokens[("long", 0)]) == 5
+
+
 def test_no_async_scheduling_flag_reaches_the_engine_config():
     from server.cli import build_parser, engine_config
 

@@ -130,6 +130,8 @@ class ModelRunner:
         """Launch `step` (inputs, forward, fork copies, sampling) and start copying its samples to the host;
         returns without waiting for the device."""
         logits, sample_rows, flags, num_logprobs = self.forward_step(step, table_of)
+        if not step.samples:  # a step of prefill chunks that all stop short of their prompt's end
+            return StepResult(torch.empty(0, 1, dtype=torch.int64), None, None)
         out = self.sampler(logits, sample_rows, flags, num_logprobs)
         self.state.record_samples(sample_rows, out.token_ids)
         return self._to_host(out)
@@ -138,7 +140,7 @@ class ModelRunner:
     def forward_step(self, step: SchedulerOutput, table_of: TableOf) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         """The step up to sampling: -> (S, V) fp32 logits each sample draws from, its rows (S,) on the device,
         the samples' sampler flags and logprobs width."""
-        assert not step.is_empty and step.samples, "a step runs some chunk and samples at least once"
+        assert not step.is_empty, "a step runs some chunk"
         graph_size = self._graph_size(step)
         sections, num_logprobs, flags = self._pack(step, table_of, graph_size)
         (dec, p_ids, p_pos, p_rows, p_qsl, p_lens, p_table_rows, logit_rows, writes, init_rows, init_floats,
@@ -159,6 +161,8 @@ class ModelRunner:
             input_ids, positions, meta = self._attention_metadata(dec.view(DECODE_FIELDS, num_decode), p_ids,
                                                                   p_pos, p_rows, p_qsl, p_lens, p_table_rows)
             hidden = self._forward(input_ids, positions, meta)  # (T, H)
+            if not step.samples:
+                return hidden[:0], sample_rows, flags, num_logprobs
             logits = self.model.compute_logits(hidden.index_select(0, logit_rows.long()))  # (L, V) fp32
         if copies.numel():
             self.kv.copy_blocks(copies.view(-1, 2))

@@ -43,7 +43,7 @@ def step_flags(params: SamplingParams) -> int:
 def row_fields(params: SamplingParams, seed_key: int, num_sampled: int) -> tuple[list[float], list[int]]:
     p = params
     floats = [p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty]
-    return floats, [p.top_k, seed_key, num_sampled]
+    return floats, [min(p.top_k, 2**31 - 1), seed_key, num_sampled]  # any top_k >= the vocab keeps all
 
 
 def seed_key(seed: int, index: int) -> int:
