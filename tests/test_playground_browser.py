@@ -1,6 +1,7 @@
 """The playground page in headless Chromium (the system's package, driven by Playwright) against a real
 `pagewalk serve` (uvicorn) of the tiny preset: it loads cleanly, streams a prompt, and its block map shows
-used blocks while a request runs, shared blocks for two requests with a common prefix, and none after.
+used blocks while a request runs, shared blocks for two requests with a common prefix (and for forked
+choices), none after, and preemptions when the cache is too small; a GPU-sized map is drawn aggregated.
 
 Skipped, with the reason, when Playwright or a Chromium binary is missing; `.ci/run` installs both.
 PLAYGROUND_SCREENSHOT=docs/playground.png writes the README's screenshot there (default: a temp dir).
@@ -10,19 +11,15 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
+from server_helpers import Server
 
 pytestmark = pytest.mark.timeout(180)
 
-REPO = Path(__file__).resolve().parents[1]
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 # As root, in a sandbox with no network: no sandboxing, no GPU, none of the background fetches
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -36,39 +33,11 @@ def find_browser() -> str | None:
     return found[0] if found else None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tmp_path_factory.mktemp("playground") / "server.log"
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--device", "cpu",
-           "--attention-backend", "torch", "--num-blocks", "160", "--max-num-seqs", "8"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"server exited early:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"server not healthy in 120 s:\n{log.read_text()}"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    srv = Server(tmp_path_factory.mktemp("playground"), "--num-blocks", "160", "--max-num-seqs", "8")
+    yield srv.url
+    srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -85,18 +54,28 @@ def browser():
         b.close()
 
 
-@pytest.fixture
-def page(browser, server):
+@contextmanager
+def open_page(browser, url: str):
+    """A fresh browser context on the playground at `url`, its stream live; `.problems` collects console
+    errors and uncaught exceptions."""
     context = browser.new_context(viewport={"width": 1280, "height": 860})
     pg = context.new_page()
     problems: list[str] = []
     pg.on("console", lambda m: problems.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
     pg.on("pageerror", lambda e: problems.append(f"page error: {e}"))
-    pg.goto(server)
+    pg.goto(url)
     pg.wait_for_selector("#kv-status:text-is('live')", timeout=15_000)
     pg.problems = problems
-    yield pg
-    context.close()
+    try:
+        yield pg
+    finally:
+        context.close()
+
+
+@pytest.fixture
+def page(browser, server):
+    with open_page(browser, server) as pg:
+        yield pg
 
 
 def count(pg, name: str) -> int:
@@ -199,9 +178,9 @@ def test_common_prefix_shares_blocks_then_everything_is_freed(page, tmp_path):
     box = page.locator("main").bounding_box()
     page.screenshot(path=str(shot), clip={"x": 0, "y": 0, "width": 1280, "height": box["y"] + box["height"]})
     assert shot.stat().st_size > 10_000
-    page.wait_for_function("document.querySelectorAll('.output.done').length >= 2", timeout=60_000)
+    page.click("#stop")
     wait_count(page, "used", "==", 0)
-    assert count(page, "cached") >= 4  # the finished requests' full blocks stay reusable
+    assert count(page, "cached") >= 4  # the ended requests' full blocks stay reusable
     assert blocks_in(page, "cached") and block_pixel(page, blocks_in(page, "cached")[0]) == (0x59, 0x6A, 0x80)
     assert page.problems == []
 
@@ -250,3 +229,21 @@ def test_a_gpu_sized_cache_aggregates_cells_and_says_so(page):
     wait_count(page, "total", "==", 160)
     assert page.inner_text("#kv-status") == "live" and page.inner_text("#kv-scale") == "1 cell = 1 block"
     assert page.problems == []
+
+
+def test_preemption_shows_when_the_cache_is_too_small(browser, tmp_path):
+    # 23 usable blocks of 16 (368 slots) cannot hold 6 x ~120 tokens at once: some sequences are preempted
+    srv = Server(tmp_path, "--num-blocks", "24", "--max-num-seqs", "8")
+    try:
+        with open_page(browser, srv.url) as pg:
+            set_controls(pg, max_tokens=90)
+            pg.locator("#prompts textarea").first.fill("prompt 0: the quick brown fox")
+            for i in range(1, 6):
+                pg.evaluate(f"window.playground.addPrompt('prompt {i}: the quick brown fox')")
+            pg.click("#run")
+            pg.wait_for_function("document.querySelectorAll('.output.done').length >= 6", timeout=60_000)
+            wait_count(pg, "used", "==", 0)
+            assert count(pg, "preemptions") == srv.metric("pagewalk_num_preemptions_total") > 0
+            assert pg.problems == []
+    finally:
+        srv.stop()

@@ -195,6 +195,7 @@ function showSnapshot(snap) {
   $("kv-block-size").textContent = snap.block_size;
   $("kv-running").textContent = snap.running ?? "?";
   $("kv-waiting").textContent = snap.waiting ?? "?";
+  $("kv-preemptions").textContent = snap.totals?.preemptions ?? "?";
   $("kv-scale").textContent = s.per === 1 ? "1 cell = 1 block" : `1 cell = ${s.per} blocks`;
   const seqs = $("kv-seqs");
   seqs.replaceChildren(...s.owners.map((o) => {
