@@ -10,8 +10,10 @@ records of the requests that had finished, with `interrupted=True`. Offsets coun
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -19,6 +21,8 @@ import httpx
 from loadtest.client import ClientConfig, RequestRecord, send_request
 from loadtest.cpu import LoadMeter, ProcessLoad
 from loadtest.workload import RequestSpec
+
+POOL_CONNECTIONS = 16
 
 
 @dataclass
@@ -49,8 +53,21 @@ def make_client(concurrency: int, timeout_s: float) -> httpx.AsyncClient:
     return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 30.0)))
 
 
+@contextlib.asynccontextmanager
+async def open_clients(concurrency: int, timeout_s: float) -> AsyncIterator[list[httpx.AsyncClient]]:
+    """Clients for `concurrency` slots, POOL_CONNECTIONS at most each (run_benchmark: slot s, client s % n).
+
+    httpcore's pool scans every connection (and, for each idle one, every connection again) whenever a
+    request starts or ends, so one pool of hundreds of connections costs more CPU than the streams it reads.
+    """
+    n = math.ceil(concurrency / POOL_CONNECTIONS)
+    async with contextlib.AsyncExitStack() as stack:
+        shares = [len(range(k, concurrency, n)) for k in range(n)]
+        yield [await stack.enter_async_context(make_client(share, timeout_s)) for share in shares]
+
+
 async def run_benchmark(
-    client: httpx.AsyncClient,
+    client: httpx.AsyncClient | list[httpx.AsyncClient],
     specs: list[RequestSpec],
     cfg: ClientConfig,
     concurrency: int,
@@ -62,12 +79,18 @@ async def run_benchmark(
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     run = BenchmarkRun(records=[], num_requested=len(specs), concurrency=concurrency)
-    slots = asyncio.Semaphore(concurrency)
+    clients = client if isinstance(client, list) else [client]
+    free_slots: asyncio.Queue[int] = asyncio.Queue()
+    for slot in range(concurrency):
+        free_slots.put_nowait(slot)
     tasks: list[asyncio.Task] = []
 
     async def one(spec: RequestSpec) -> None:
-        async with slots:
-            rec = await send_request(client, spec, cfg)
+        slot = await free_slots.get()
+        try:
+            rec = await send_request(clients[slot % len(clients)], spec, cfg)
+        finally:
+            free_slots.put_nowait(slot)
         run.records.append(rec)
         if on_record is not None:
             on_record(rec)
@@ -104,9 +127,9 @@ async def drive(
     stop: asyncio.Event | None = None,
     on_record: Callable[[RequestRecord], None] | None = None,
 ) -> BenchmarkRun:
-    """run_benchmark with a client of its own, recording this process's CPU over the run."""
-    async with make_client(concurrency, cfg.timeout_s) as client:
+    """run_benchmark with clients of its own, recording this process's CPU over the run."""
+    async with open_clients(concurrency, cfg.timeout_s) as clients:
         meter = LoadMeter("driver")
-        run = await run_benchmark(client, specs, cfg, concurrency, offsets, stop, on_record)
+        run = await run_benchmark(clients, specs, cfg, concurrency, offsets, stop, on_record)
         run.loads.append(meter.stop())
     return run

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
-from loadtest.benchmark import BenchmarkRun, drive, make_client, run_benchmark
+from loadtest.benchmark import BenchmarkRun, drive, open_clients, run_benchmark
 from loadtest.client import ClientConfig, RequestRecord
 from loadtest.cpu import LoadMeter
 from loadtest.workload import RequestSpec
@@ -185,7 +185,7 @@ def _worker_main(conn: Connection, specs, offsets, cfg: ClientConfig, concurrenc
 
 async def _worker(conn: Connection, specs, offsets, cfg, concurrency: int) -> BenchmarkRun | None:
     """Ready (loop and client built, so the first release is on time), wait for the start, run the share."""
-    async with make_client(concurrency, cfg.timeout_s) as client:
+    async with open_clients(concurrency, cfg.timeout_s) as clients:
         conn.send(("ready", time.perf_counter()))
         try:
             start_at = conn.recv()  # blocking is fine: nothing runs in this loop yet
@@ -202,7 +202,7 @@ async def _worker(conn: Connection, specs, offsets, cfg, concurrency: int) -> Be
         loop.add_reader(conn.fileno(), on_message)
         send = lambda rec: conn.send(("record", rec))
         try:
-            run = await run_benchmark(client, specs, cfg, concurrency, offsets, stop, send, start_at)
+            run = await run_benchmark(clients, specs, cfg, concurrency, offsets, stop, send, start_at)
         finally:
             loop.remove_reader(conn.fileno())
         run.loads.append(meter.stop())

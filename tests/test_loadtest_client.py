@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from loadtest.benchmark import make_client, run_benchmark
+from loadtest.benchmark import drive, make_client, open_clients, run_benchmark
 from loadtest.client import ClientConfig, calibrate_chat_overhead
 from loadtest.metrics import compute_metrics
 from loadtest.mock_server import MockScript, MockServer, free_port, serve_in_thread
@@ -151,3 +151,18 @@ def test_chunks_without_text_still_count_with_token_ids(return_ids, send_usage, 
     assert all(r.success for r in result.records)
     assert [len(r.chunk_times) for r in result.records] == [chunks, chunks]
     assert [r.output_tokens for r in result.records] == [tokens, tokens]
+
+
+def test_slots_share_small_connection_pools(timed_server):
+    async def pools():
+        async with open_clients(40, 10.0) as clients:
+            return [c._transport._pool._max_connections for c in clients]
+
+    assert asyncio.run(pools()) == [14, 13, 13]  # POOL_CONNECTIONS = 16 at most, slots dealt round-robin
+    specs = build_workload(40, LengthRange(4, 4), LengthRange(3, 3), 0)
+    cfg = ClientConfig(timed_server, "mock", timeout_s=10.0)
+    result = asyncio.run(drive(specs, cfg, 20, [0.0] * 40))
+    assert len(result.records) == 40 and all(r.success for r in result.records)
+    edges = sorted([(r.send_time, 1) for r in result.records] + [(r.end_time, -1) for r in result.records])
+    in_flight = [sum(step for _, step in edges[: i + 1]) for i in range(len(edges))]
+    assert max(in_flight) == 20  # the whole concurrency is used, across both clients, and never exceeded

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.benchmark import make_client, run_benchmark
+from loadtest.benchmark import drive as drive_benchmark
 from loadtest.client import ClientConfig
 from loadtest.mock_server import free_port
 from loadtest.workload import LengthRange, build_workload
@@ -46,12 +46,8 @@ def drive(url: str, num_requests: int, concurrency: int, output_len: int) -> dic
     specs = build_workload(num_requests, LengthRange(16, 16), LengthRange(output_len, output_len), 0)
     cfg = ClientConfig(url, "mock", timeout_s=60.0)
 
-    async def go():
-        async with make_client(concurrency, 60.0) as client:
-            return await run_benchmark(client, specs, cfg, concurrency, [0.0] * len(specs))
-
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    run = asyncio.run(go())
+    run = asyncio.run(drive_benchmark(specs, cfg, concurrency, [0.0] * len(specs)))
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     events = sum(len(r.chunk_times) for r in run.records)
     assert all(r.success for r in run.records), [r.error for r in run.records if not r.success][:3]
