@@ -137,6 +137,13 @@ class KVCacheManager:
         seq.num_tokens += n
         return True
 
+    def ensure_slots(self, seq_id: object, num_tokens: int) -> bool:
+        """Grow to ``num_tokens`` slots if it holds fewer (the owner's token count, one call per step);
+        False (and no change) if out of blocks."""
+        seq = self._seq(seq_id)
+        n = num_tokens - seq.num_tokens
+        return n <= 0 or self.append_slots(seq_id, n)
+
     def mark_computed(self, seq_id: object, num_tokens: int, token_ids: Sequence[int]) -> None:
         """K/V of tokens [0, num_tokens) are written; ``token_ids`` (the owner's list, at least that long)
         holds their ids: register the full blocks among them in the prefix cache.

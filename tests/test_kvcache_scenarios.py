@@ -408,3 +408,12 @@ def test_kvcache_imports_no_torch():
 
     code = "import sys, kvcache; assert 'torch' not in sys.modules and 'numpy' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_ensure_slots_grows_to_the_owners_count_only():
+    mgr = KVCacheManager(4, 2)  # usable 1..3
+    mgr.allocate("a", [1, 2, 3])  # [1, 2]
+    assert mgr.ensure_slots("a", 3) and mgr.block_table("a") == [1, 2]  # holds them already
+    assert mgr.ensure_slots("a", 5) and mgr.block_table("a") == [1, 2, 3] and mgr.num_tokens("a") == 5
+    assert not mgr.ensure_slots("a", 7) and mgr.num_tokens("a") == 5  # out of blocks: unchanged
+    assert mgr.ensure_slots("a", 2) and mgr.num_tokens("a") == 5  # never shrinks

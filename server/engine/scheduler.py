@@ -108,9 +108,10 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue
-            if seq.num_uncomputed != 1:
+            num_tokens = len(seq.token_ids) + seq.num_pending  # seq.num_tokens, inlined: once per row per step
+            if num_tokens - seq.num_computed_tokens != 1:
                 prefills.append(seq)
-            elif seq.num_output_tokens >= seq.params.max_tokens:
+            elif num_tokens - len(seq.prompt_token_ids) >= seq.params.max_tokens:
                 continue  # its last token is in flight: it finishes when that token arrives
             elif self._reserve_slots(seq, out):
                 pos = seq.num_computed_tokens
@@ -233,10 +234,7 @@ class Scheduler:
     def _reserve_slots(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Make the cache hold a slot for every token of seq, preempting from the back. False: seq itself
         was preempted."""
-        need = seq.num_tokens - self.kv.num_tokens(seq.seq_id)
-        if need <= 0:
-            return True
-        while not self.kv.append_slots(seq.seq_id, need):
+        while not self.kv.ensure_slots(seq.seq_id, seq.num_tokens):
             victim = self.running[-1]
             self._preempt(victim, out)
             if victim is seq:
