@@ -8,7 +8,9 @@ after the first token, then `data: [DONE]`, as servers report failures once the 
 Prompt tokens: token-id prompts count their ids; text counts one token per character (byte-level), plus
 `chat_template_tokens` for a chat request. Token ids are streamed when the request sets `return_token_ids`.
 
-`python -m loadtest.mock_server --port 8000` serves it for dry runs of the load generator.
+`python -m loadtest.mock_server --port 8000` serves it for dry runs of the load generator; with `--reuse-port`
+several such processes share one port, to stream faster than one load-generator process reads
+(tools/loadtest_capacity).
 """
 
 from __future__ import annotations
@@ -174,9 +176,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--first-token-ms", type=float, default=50.0)
     p.add_argument("--inter-token-ms", type=float, default=20.0)
+    p.add_argument("--reuse-port", action="store_true",
+                   help="bind with SO_REUSEPORT: several servers share the port (the kernel spreads them)")
     args = p.parse_args(argv)
     script = MockScript(args.first_token_ms / 1000.0, args.inter_token_ms / 1000.0)
-    uvicorn.run(MockServer(script), host="127.0.0.1", port=args.port, lifespan="off")
+    config = uvicorn.Config(MockServer(script), host="127.0.0.1", port=args.port, lifespan="off",
+                            log_level="warning", access_log=False)  # fmt: skip
+    sock = None
+    if args.reuse_port:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(("127.0.0.1", args.port))
+    uvicorn.Server(config).run(sockets=[sock] if sock else None)
 
 
 if __name__ == "__main__":

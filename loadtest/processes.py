@@ -17,9 +17,8 @@ Ctrl-C: workers ignore SIGINT (a terminal sends it to the whole process group); 
 them as a message and each returns the records that had finished. A worker that dies fails the run.
 
 `--processes auto` = min(ceil(C / 32), max(1, cpu_count // 2)): a process per 32 streams keeps each one well
-below full CPU at the token rates of the serving targets and keeps each httpx connection pool small (its
-bookkeeping scans every connection whenever a request starts or ends); half the cores stay for the server
-when it shares the host.
+below full CPU at the token rates of the serving targets (a few hundred tokens a second per stream); half
+the cores stay for the server when it shares the host.
 """
 
 from __future__ import annotations

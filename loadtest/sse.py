@@ -6,13 +6,18 @@ from httpx's line decoder), the clock is read once per network read (the events 
 together), and each `data:` payload is decoded by msgspec into a schema holding only the fields the count
 needs (unknown fields are skipped without building objects). What is counted is unchanged: see client.py.
 
-One process on the CPU test machine (2 cores, shared), `python -m tools.loadtest_capacity` against the
-mock server streaming without delay, 128 requests x 256 tokens, events per CPU second of the client:
+Events one process takes per CPU second (the best of 4 runs; 2-core shared CPU VM, Python 3.11, httpx
+0.28; `python -m tools.loadtest_capacity --processes 1`: one mock server streaming without delay, 256
+requests x 256 tokens, the server the slower side so each network read carries one event):
 
-| concurrency | before (json.loads of `aiter_lines`) | after |
+| concurrency | before: `aiter_lines` + json.loads, one client | after: this path, clients of <= 16 connections |
 |---|---|---|
-| 16 | 32,500 | see the report |
-| 64 | 23,400 | see the report |
+| 16 | 26,900 | 33,400 |
+| 64 | 16,300 | 37,800 |
+| 256 | 14,300 | 27,700 |
+
+At 16 streams (one client either way) the gain is this module's; above it most of it is benchmark.py's
+split of the slots over small connection pools. What remains is mostly httpx/httpcore/h11 per read.
 """
 
 from __future__ import annotations
