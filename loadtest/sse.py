@@ -10,7 +10,7 @@ Events one process takes per CPU second (the best of 4 runs; 2-core shared CPU V
 0.28; `python -m tools.loadtest_capacity --processes 1`: one mock server streaming without delay, 256
 requests x 256 tokens, the server the slower side so each network read carries one event):
 
-| concurrency | before: `aiter_lines` + json.loads, one client | after: this path, clients of <= 16 connections |
+| concurrency | before: `aiter_lines` + json.loads, one client | after: this path, <= 16 connections/client |
 |---|---|---|
 | 16 | 26,900 | 33,400 |
 | 64 | 16,300 | 37,800 |
