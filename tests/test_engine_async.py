@@ -66,6 +66,22 @@ def test_async_equals_sync_under_preemption_and_forks(temperature):
             assert len(sync_tokens[(rid, i)]) == params.max_tokens and sync_finish[(rid, i)] == "length"
 
 
+def test_greedy_core_equals_a_dense_recompute_across_blocks_and_preemption():
+    """The persistent device tables (synced only when a row's token starts a new block), slots and positions
+    derived on the device: the tokens equal recomputing each whole sequence with no cache at all."""
+    reqs = [(rid, p, dataclasses.replace(params, n=1)) for rid, p, params in workload()[:6]]
+    tokens, _, core = run_core(True, reqs, num_blocks=20)
+    assert core.scheduler.num_preemptions > 0
+    model = core.runner.model
+    with torch.inference_mode():
+        for rid, prompt, params in reqs:
+            seq = list(prompt)
+            for _ in range(params.max_tokens):
+                logits = model.compute_logits(model(torch.tensor(seq), torch.arange(len(seq)))[-1:])
+                seq.append(int(logits.argmax()))
+            assert tokens[(rid, 0)] == seq[len(prompt):], rid
+
+
 def test_stop_token_ends_a_choice_and_the_wasted_token_is_never_emitted():
     reqs = workload()
     free_run, _, _ = run_core(False, reqs[:3], num_blocks=200)

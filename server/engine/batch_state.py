@@ -30,10 +30,11 @@ class BatchState:
         self.block_tables = torch.zeros(max_rows + 1, max_blocks, dtype=torch.int32, device=device)  # (R+1, W)
         self.last_token = torch.zeros(max_rows + 1, dtype=torch.int32, device=device)  # (R+1,)
         self._synced = [0] * (max_rows + 1)  # blocks of each row's table already on the device
+        self.synced_tokens = [0] * (max_rows + 1)  # tokens those blocks cover: a decode below it needs no sync
 
     def reset_row(self, row: int) -> None:
         """A new sequence took `row`: its whole table is written at the next sync."""
-        self._synced[row] = 0
+        self._synced[row] = self.synced_tokens[row] = 0
 
     def table_writes(self, row: int, table: Sequence[int], out: list[int]) -> None:
         """Append (row, col, block) triples for the entries of `table` the device lacks."""
@@ -43,6 +44,7 @@ class BatchState:
             for col in range(done, len(table)):
                 out += (row, col, table[col])
             self._synced[row] = len(table)
+            self.synced_tokens[row] = len(table) * self.block_size
 
     def apply_table_writes(self, writes: torch.Tensor) -> None:
         """writes: (3K,) int32 device triples from table_writes."""

@@ -214,10 +214,12 @@ class ModelRunner:
             state.reset_row(seq.row)
         writes: list[int] = []
         rows, ids = [], []
+        covered, bs = state.synced_tokens, self.block_size
         for seq, pos in zip(step.decodes, step.decode_positions, strict=True):
             rows.append(seq.row)
             ids.append(seq.token_ids[pos] if pos < len(seq.token_ids) else -1)  # -1: pending, on the device
-            state.table_writes(seq.row, table_of(seq.seq_id), writes)
+            if pos >= covered[seq.row]:  # the row's token starts a block the device table lacks
+                state.table_writes(seq.row, table_of(seq.seq_id), writes)
         positions = list(step.decode_positions)
         if graph_size is not None:
             pad = graph_size - len(rows)
