@@ -334,13 +334,13 @@ def test_abort_child_requeued_by_a_failed_fork(core):
 
 
 def test_abort_while_preempted(core):
-    first = add(core, "a", 240, max_tokens=60)
-    second = add(core, "b", 240, max_tokens=60)
+    first = add(core, "a", 200, max_tokens=50)  # 2 x 16 blocks > 31 usable; 250 <= max_model_len
+    second = add(core, "b", 200, max_tokens=50)
     step_until(core, lambda: second.seqs[0].num_preemptions > 0)
     assert second.seqs[0].status is SeqStatus.WAITING
     abort(core, second)
     step_until(core, lambda: first.request_id not in core.requests)
-    assert first.seqs[0].finish_reason == "length" and len(first.seqs[0].output_token_ids) == 60
+    assert first.seqs[0].finish_reason == "length" and len(first.seqs[0].output_token_ids) == 50
 
 
 def test_abort_after_finish_is_a_no_op(core):
