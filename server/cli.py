@@ -105,6 +105,8 @@ def add_engine_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of prompt prefixes seen before")
     s.add_argument("--enforce-eager", action="store_true", help="no CUDA-graph decode (eager kernels only)")
+    s.add_argument("--no-async-scheduling", action="store_true",
+                   help="post-process each engine step before planning the next (no CPU/GPU overlap)")
     s.add_argument("--engine-in-process", action="store_true",
                    help="run the engine core on a thread of the API process instead of its own process")
 
@@ -168,7 +170,8 @@ def engine_config(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting=args.max_waiting, max_model_len=args.max_model_len,
         attention_backend=args.attention_backend, enable_prefix_caching=args.enable_prefix_caching,
-        enforce_eager=args.enforce_eager, tokenizer=args.tokenizer, chat_template=args.chat_template,
+        enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
+        tokenizer=args.tokenizer, chat_template=args.chat_template,
         served_model_name=tuple(args.served_model_name or ()), seed=args.seed)
 
 
