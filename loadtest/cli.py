@@ -1,8 +1,8 @@
 """`python -m loadtest` / `pagewalk loadtest`: measure a server; `... compare A.json B.json`: diff two runs.
 
 Exit status: 0 when the run finished and at least one request succeeded, 1 when none did (or on a usage
-problem such as an unreachable server during chat calibration), 130 when interrupted (Ctrl-C prints and
-saves the partial results first).
+problem such as an unreachable server during chat calibration, or when a `--processes` worker died), 130
+when interrupted (Ctrl-C prints and saves the partial results first).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from rich.console import Console
 
 from loadtest.metrics import SLO
 from loadtest.plot import plot_run, plot_sweep
+from loadtest.processes import WorkerError
 from loadtest.report import load_report, print_compare, print_report, save_report
 from loadtest.session import RunSettings, discover, measure, warm_up
 from loadtest.sweep import parse_levels, run_sweep, sweep_table, sweep_warnings
@@ -107,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(_run(settings, levels, args.out, args.plot))
     except KeyboardInterrupt:
         return 130
+    except WorkerError as e:
+        Console(stderr=True).print(f"[red]load generator failed:[/] {e}")
+        return 1
 
 
 async def _run(settings: RunSettings, levels: list[int] | None, out: str | None, plot: str | None) -> int:

@@ -42,6 +42,10 @@ START_MARGIN_S = 0.2  # from handing out the start time to the first release: ev
 CLOCK_SKEW_LIMIT_S = 10.0  # a worker's clock reading, received by the parent, is at most this old
 
 
+class WorkerError(RuntimeError):
+    """A worker process failed, so the run's records are incomplete."""
+
+
 def auto_processes(concurrency: int) -> int:
     cap = max(1, (os.cpu_count() or 1) // 2)
     return max(1, min(math.ceil(concurrency / STREAMS_PER_PROCESS), cap))
@@ -110,7 +114,7 @@ async def _supervise(workers, stop: asyncio.Event | None, on_record) -> Benchmar
                 return run
             _check(workers, w, msg, "ready")
             if not 0.0 <= time.perf_counter() - msg[1] < CLOCK_SKEW_LIMIT_S:
-                raise RuntimeError("perf_counter is not one clock across processes here: use --processes 1")
+                raise WorkerError("perf_counter is not one clock across processes here: use --processes 1")
             ready += 1
         start_at = time.perf_counter() + START_MARGIN_S
         meter = LoadMeter("parent", start_at)
@@ -163,7 +167,7 @@ def _check(workers, w: int, msg: tuple, expected: str) -> None:
     if msg[0] != expected:
         proc, _ = workers[w]
         proc.join(timeout=1.0)
-        raise RuntimeError(f"load generator worker {w} exited (code {proc.exitcode}) before '{expected}'")
+        raise WorkerError(f"load generator worker {w} exited (code {proc.exitcode}) before '{expected}'")
 
 
 def _send_stop(workers) -> None:
@@ -176,9 +180,12 @@ def _send_stop(workers) -> None:
 
 def _worker_main(conn: Connection, specs, offsets, cfg: ClientConfig, concurrency: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
-    run = asyncio.run(_worker(conn, specs, offsets, cfg, concurrency))
-    if run is not None:
-        conn.send(("done", run.interrupted, run.loads[0]))
+    try:
+        run = asyncio.run(_worker(conn, specs, offsets, cfg, concurrency))
+        if run is not None:
+            conn.send(("done", run.interrupted, run.loads[0]))
+    except (BrokenPipeError, EOFError):
+        pass  # the parent has gone (or stopped during startup): nothing left to report to
     conn.close()
 
 

@@ -16,7 +16,7 @@ from loadtest.cli import main
 from loadtest.client import ClientConfig
 from loadtest.cpu import ProcessLoad, busy_warning, load_fields
 from loadtest.mock_server import MockScript, MockServer, serve_in_thread
-from loadtest.processes import auto_processes, run_workload, split_work
+from loadtest.processes import WorkerError, auto_processes, run_workload, split_work
 from loadtest.workload import LengthRange, arrival_offsets, build_workload
 
 pytestmark = pytest.mark.timeout(90)
@@ -157,6 +157,6 @@ def test_a_worker_that_dies_fails_the_run(mock_url):
         os.kill(multiprocessing.active_children()[0].pid, signal.SIGKILL)
         return await task
 
-    with pytest.raises(RuntimeError, match="load generator worker . exited"):
+    with pytest.raises(WorkerError, match="load generator worker . exited"):
         asyncio.run(go())
     assert multiprocessing.active_children() == []
