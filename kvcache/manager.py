@@ -210,17 +210,13 @@ class KVCacheManager:
     def num_cached_tokens(self, seq_id: object) -> int:
         return self._seq(seq_id).num_cached_tokens
 
-    def chunk_view(self, seq_id: object, start: int, end: int) -> tuple[list[int], list[int]]:
-        """``(block_table(seq_id), slot_mapping(seq_id, start, end))`` with one lookup: a step's chunk."""
+    def slot_mapping(self, seq_id: object, start: int, end: int) -> list[int]:
+        """Physical slot ``block_id * block_size + offset`` of each token in [start, end)."""
         seq = self._seq(seq_id)
         if not 0 <= start <= end <= seq.num_tokens:
             raise ValueError(f"slot_mapping: [{start}, {end}) outside [0, {seq.num_tokens}]")
         bs, table = self._block_size, seq.block_table
-        return list(table), [table[t // bs] * bs + t % bs for t in range(start, end)]
-
-    def slot_mapping(self, seq_id: object, start: int, end: int) -> list[int]:
-        """Physical slot ``block_id * block_size + offset`` of each token in [start, end)."""
-        return self.chunk_view(seq_id, start, end)[1]
+        return [table[t // bs] * bs + t % bs for t in range(start, end)]
 
     def usage(self) -> KVCacheUsage:
         q, h = self._prefix_queries, self._prefix_hits

@@ -92,19 +92,15 @@ def test_slot_mapping_non_contiguous_and_bounds():
     for bad in [(-1, 1), (2, 1), (0, 4)]:
         with pytest.raises(ValueError):
             mgr.slot_mapping("a", *bad)
-        with pytest.raises(ValueError):
-            mgr.chunk_view("a", *bad)
 
 
-def test_chunk_view_is_a_copy_of_the_table_and_the_slots():
+def test_block_table_is_a_copy_and_table_view_is_live():
     mgr = OwnedKV(8, 2)
     mgr.allocate("a", [1, 2, 3])  # [1, 2]
-    table, slots = mgr.chunk_view("a", 2, 3)
-    assert (table, slots) == ([1, 2], [4])
+    table, live = mgr.block_table("a"), mgr.table_view("a")
     table.append(7)  # the caller's copy
     assert mgr.block_table("a") == [1, 2]
-    whole = mgr.chunk_view("a", 0, 3)
-    assert whole == (mgr.block_table("a"), mgr.slot_mapping("a", 0, 3)) == ([1, 2], [2, 3, 4])
+    assert mgr.append_slots("a", 2) and list(live) == [1, 2, 3]  # the runner syncs its device copy from it
 
 
 def test_free_in_reverse_order():
