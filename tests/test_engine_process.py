@@ -60,6 +60,27 @@ def test_greedy_tokens_equal_in_process_and_across_processes(engine):
     assert engine.health()["engine_core"] == "process" and engine.health()["waiting"] == 0
 
 
+def test_sampled_choices_with_logprobs_cross_the_wire_unchanged(engine):
+    """Every SeqUpdate field msgpack carries (logprobs, top lists, seeded sampling, penalties, n > 1)."""
+    params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7, n=2, logprobs=3,
+                            presence_penalty=0.5, ignore_eos=True)
+    prompt = engine.tokenizer.encode("sample me")
+    (remote,) = run_all(engine, [("s-remote", prompt, params)])
+    local_engine = make_engine(in_process=True, num_blocks=24, max_num_batched_tokens=64)
+    try:
+        (local,) = run_all(local_engine, [("s-local", prompt, params)])
+    finally:
+        local_engine.shutdown(timeout=5)
+    assert remote.error is None and sorted(remote.choices) == [0, 1]
+    for i, c in remote.choices.items():
+        ref = local.choices[i]
+        assert c.token_ids == ref.token_ids and c.text == ref.text
+        assert [(lp.token_id, lp.token, len(lp.top)) for lp in c.logprobs] == \
+            [(lp.token_id, lp.token, len(lp.top)) for lp in ref.logprobs]
+        assert all(len(lp.top) == 3 for lp in c.logprobs)
+        assert [lp.logprob for lp in c.logprobs] == pytest.approx([lp.logprob for lp in ref.logprobs], abs=1e-5)
+
+
 def test_stop_string_ends_the_choice_and_aborts_it_in_the_core(engine):
     prompt = engine.tokenizer.encode("stop here")
     (full,) = run_all(engine, [("full", prompt, greedy(60))])

@@ -278,6 +278,7 @@ class AsyncEngine:
         outputs: dict[LiveRequest, list[ChoiceDelta]] = {}
         now = time.monotonic()
         m = self.metrics
+        num_tokens = 0
         for live, u in items:
             if live.closed:
                 continue
@@ -296,7 +297,7 @@ class AsyncEngine:
                 live.scheduled_time = u.scheduled_time
                 m.request_queue_time.observe(max(0.0, u.scheduled_time - live.arrival_time))
             if delta.token_ids:
-                m.generation_tokens.inc(len(delta.token_ids))
+                num_tokens += len(delta.token_ids)
                 last = live.last_token_time[u.index]
                 if last is None:
                     m.time_to_first_token.observe(now - live.arrival_time)
@@ -312,6 +313,8 @@ class AsyncEngine:
             if u.error is not None:
                 live.error = u.error
             outputs.setdefault(live, []).append(delta)
+        if num_tokens:
+            m.generation_tokens.inc(num_tokens)
         for live, deltas in outputs.items():
             finished = all(c.finished for c in live.choices)
             if finished:
