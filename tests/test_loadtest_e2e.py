@@ -86,3 +86,10 @@ def test_chat_end_to_end_calibrates_prompt_length(pagewalk_url, tmp_path):
     assert (r["completed"], r["failed"]) == (N, 0)
     assert r["total_input_tokens"] == N * 48  # chat template tokens measured and subtracted
     assert r["total_output_tokens"] == N * OUTPUT_LEN
+
+
+def test_two_processes_end_to_end(pagewalk_url, tmp_path):
+    r = run_loadtest(pagewalk_url, tmp_path / "p2.json", "--processes", "2")
+    assert (r["completed"], r["failed"]) == (N, 0)
+    assert r["total_output_tokens"] == N * OUTPUT_LEN  # chunks may carry several tokens when the server lags
+    assert r["client_processes"] == 2 and 0 < r["client_cpu_util"] <= 1.05

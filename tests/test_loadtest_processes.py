@@ -11,12 +11,14 @@ import time
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from loadtest.cli import main
 from loadtest.client import ClientConfig
 from loadtest.cpu import ProcessLoad, busy_warning, load_fields
 from loadtest.mock_server import MockScript, MockServer, serve_in_thread
 from loadtest.processes import WorkerError, auto_processes, run_workload, split_work
+from loadtest.report import print_report
 from loadtest.workload import LengthRange, arrival_offsets, build_workload
 
 pytestmark = pytest.mark.timeout(90)
@@ -160,3 +162,13 @@ def test_a_worker_that_dies_fails_the_run(mock_url):
     with pytest.raises(WorkerError, match="load generator worker . exited"):
         asyncio.run(go())
     assert multiprocessing.active_children() == []
+
+
+def test_printed_report_warns_when_the_generator_is_busy(capsys):
+    base = {"config": {}, "num_requested": 1, "client_processes": 1, "client_cpu_s": 1.9,
+            "client_cpu_util": 0.95}  # fmt: skip
+    print_report(base | {"client_busy_max": 0.95}, Console(width=160))
+    out = capsys.readouterr().out
+    assert "client_cpu_util" in out and "may be the bottleneck" in out
+    print_report(base | {"client_busy_max": 0.5}, Console(width=160))
+    assert "bottleneck" not in capsys.readouterr().out
