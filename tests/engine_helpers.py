@@ -16,7 +16,6 @@ from server.engine.engine import EngineConfig
 from server.engine.outputs import SeqUpdate
 from server.engine.sampling_params import SamplingParams
 
-
 TINY = dict(model="tiny", device="cpu", dtype="float32", block_size=16, num_blocks=256, max_num_seqs=16,
             max_num_batched_tokens=256, attention_backend="torch")
 

@@ -78,7 +78,8 @@ def test_sampled_choices_with_logprobs_cross_the_wire_unchanged(engine):
         assert [(lp.token_id, lp.token, len(lp.top)) for lp in c.logprobs] == \
             [(lp.token_id, lp.token, len(lp.top)) for lp in ref.logprobs]
         assert all(len(lp.top) == 3 for lp in c.logprobs)
-        assert [lp.logprob for lp in c.logprobs] == pytest.approx([lp.logprob for lp in ref.logprobs], abs=1e-5)
+        ref_lps = [lp.logprob for lp in ref.logprobs]
+        assert [lp.logprob for lp in c.logprobs] == pytest.approx(ref_lps, abs=1e-5)
 
 
 def test_stop_string_ends_the_choice_and_aborts_it_in_the_core(engine):
@@ -91,7 +92,8 @@ def test_stop_string_ends_the_choice_and_aborts_it_in_the_core(engine):
     c = cut.choices[0]
     assert (c.text, c.finish_reason, c.stop_reason) == (text[:20], "stop", stop)
     assert len(c.token_ids) < 60
-    assert wait_until(lambda: engine.health()["kv_cache"]["used_blocks"] == 0 and engine.health()["running"] == 0)
+    idle = lambda: engine.health()["kv_cache"]["used_blocks"] == 0 and engine.health()["running"] == 0
+    assert wait_until(idle)
 
 
 def test_kv_snapshot_and_stats_come_from_the_core_process(engine):

@@ -65,7 +65,8 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, in_process: bool = False, log_level: str = "info"):
         self.config = config
         self.tokenizer = load_tokenizer(config.model, config.tokenizer, config.chat_template)
-        self.client: CoreClient = ThreadCoreClient(config) if in_process else ProcessCoreClient(config, log_level)
+        self.client: CoreClient = (ThreadCoreClient(config) if in_process
+                                   else ProcessCoreClient(config, log_level))
         info = self.info = self.client.info
         self.model_name, self.device, self.dtype = info.model, info.device, info.dtype
         self.model_name = (config.served_model_name or (info.model,))[0]
@@ -320,7 +321,8 @@ class AsyncEngine:
             if finished:
                 live.closed = True
                 self._observe_finished(live, now)
-            live.channel.put(RequestOutput(live.request_id, live.prompt_token_ids, deltas, finished, live.error))
+            live.channel.put(RequestOutput(live.request_id, live.prompt_token_ids, deltas, finished,
+                                           live.error))
 
     def _fail(self, live: LiveRequest, error: str) -> None:
         """End every choice still open with finish_reason "error"."""

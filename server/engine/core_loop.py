@@ -52,7 +52,8 @@ class CoreLoop:
                 return
             if core.has_work():
                 step = self._step()
-                stalled = not step.updates and step.stats.num_prefill_tokens + step.stats.num_decode_tokens == 0
+                ran = step.stats.num_prefill_tokens + step.stats.num_decode_tokens
+                stalled = not step.updates and ran == 0
                 updates += step.updates
                 self.send(StepUpdate(updates, step.stats))
             elif updates or any(not isinstance(m, Query) for m in messages):
@@ -74,7 +75,8 @@ class CoreLoop:
             logger.exception("engine step crashed")
             error = f"{type(e).__name__}: {e}"
             core = self.core
-            updates = [u for rid in list(core.requests) for u in core.abort_request(rid, None, "error", error)]
+            updates = [u for rid in list(core.requests)
+                       for u in core.abort_request(rid, None, "error", error)]
             return StepUpdate(updates, core.stats())
 
     def _query(self, name: str) -> dict:

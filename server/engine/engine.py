@@ -49,7 +49,8 @@ def build_core(config: EngineConfig) -> tuple[EngineCore, CoreInfo]:
                                   config.chat_template)
     max_model_len = config.max_model_len or model.config.max_position_embeddings
     runner = ModelRunner(model, block_size=config.block_size, num_blocks=config.num_blocks,
-                         gpu_memory_utilization=config.gpu_memory_utilization, attention_backend=config.attention_backend,
+                         gpu_memory_utilization=config.gpu_memory_utilization,
+                         attention_backend=config.attention_backend,
                          max_num_batched_tokens=config.max_num_batched_tokens,
                          max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
                          enforce_eager=config.enforce_eager)
