@@ -43,8 +43,11 @@ def build_report(
         **dataclasses.asdict(metrics),
         **load_fields(run.loads),
         "server_health": health,
-        "client": {"python": platform.python_version(), "host": platform.node(),
-                   "loads": [dataclasses.asdict(x) for x in run.loads]},  # fmt: skip
+        "client": {
+            "python": platform.python_version(),
+            "host": platform.node(),
+            "loads": [dataclasses.asdict(x) for x in run.loads],  # one per process: role, cpu_s, wall_s
+        },
         "requests": [_request_row(r, run.start_time, detailed) for r in run.records],
     }
     return report
