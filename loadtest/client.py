@@ -1,7 +1,7 @@
 """One request against an OpenAI-compatible server, timed per streamed chunk.
 
 Times are `time.perf_counter()` seconds. `send_time` is taken just before the request goes out (after the
-concurrency slot is acquired), each content chunk is stamped when the network read carrying it returns
+concurrency slot is acquired), each content chunk is stamped when the piece of body carrying it is read
 (sse.py), `end_time` when the stream ends. A content chunk is one whose choice carries non-empty text
 (completions) or delta content (chat), as in vLLM's `bench serve`, or non-empty `token_ids`: streaming
 requests ask for them (`return_token_ids`, which pagewalk and vLLM honour and other servers ignore), so a

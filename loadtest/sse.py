@@ -2,13 +2,14 @@
 
 At tens of thousands of streamed tokens a second every SSE event passes through here, so the path is kept
 short: the body is read as bytes (`aiter_bytes`, no text decoding of the stream and no per-line strings
-from httpx's line decoder), the clock is read once per network read (the events of one read arrived
-together), and each `data:` payload is decoded by msgspec into a schema holding only the fields the count
-needs (unknown fields are skipped without building objects). What is counted is unchanged: see client.py.
+from httpx's line decoder), the clock is read once per piece of body httpx hands over (one HTTP chunk,
+which servers write per event; the events of one piece arrived together), and each `data:` payload is
+decoded by msgspec into a schema holding only the fields the count needs (unknown fields are skipped
+without building objects). What is counted is unchanged: see client.py.
 
 Events one process takes per CPU second (the best of 4 runs; 2-core shared CPU VM, Python 3.11, httpx
 0.28; `python -m tools.loadtest_capacity --processes 1`: one mock server streaming without delay, 256
-requests x 256 tokens, the server the slower side so each network read carries one event):
+requests x 256 tokens, the server the slower side so each read carries one event):
 
 | concurrency | before: `aiter_lines` + json.loads, one client | after: this path, <= 16 connections/client |
 |---|---|---|
