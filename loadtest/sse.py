@@ -97,9 +97,12 @@ class StreamReader:
         if chunk.error is not _NO_ERROR:
             self.failure = ("stream_error", bytes(chunk.error).decode(errors="replace"))
             return False
-        if chunk.usage is not None:
-            self.completion_tokens = chunk.usage.completion_tokens
-            self.prompt_tokens = chunk.usage.prompt_tokens
+        usage = chunk.usage
+        if usage is not None:  # a later usage block wins, field by field
+            if usage.completion_tokens is not None:
+                self.completion_tokens = usage.completion_tokens
+            if usage.prompt_tokens is not None:
+                self.prompt_tokens = usage.prompt_tokens
         if chunk.choices:
             ids = 0
             text = False
