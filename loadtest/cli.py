@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no-progress", action="store_true")
     a("--processes", type=parse_processes, default=1, metavar="N|auto",
       help="worker processes sharing the requests and the concurrency (default 1: this process); auto = "
-      "min(ceil(concurrency / 32), cpu_count // 2) at each level")
+      "min(ceil(concurrency / 32), CPUs // 2) at each level")
     return p
 
 

@@ -16,7 +16,7 @@ has one free; with requests of equal length the shares drain together.
 Ctrl-C: workers ignore SIGINT (a terminal sends it to the whole process group); the parent's stop reaches
 them as a message and each returns the records that had finished. A worker that dies fails the run.
 
-`--processes auto` = min(ceil(C / 32), max(1, cpu_count // 2)): a process per 32 streams keeps each one well
+`--processes auto` = max(1, min(ceil(C / 32), usable CPUs // 2)): a process per 32 streams keeps each one well
 below full CPU at the token rates of the serving targets (a few hundred tokens a second per stream); half
 the cores stay for the server when it shares the host.
 """
@@ -46,9 +46,11 @@ class WorkerError(RuntimeError):
     """A worker process failed, so the run's records are incomplete."""
 
 
-def auto_processes(concurrency: int) -> int:
-    cap = max(1, (os.cpu_count() or 1) // 2)
-    return max(1, min(math.ceil(concurrency / STREAMS_PER_PROCESS), cap))
+def auto_processes(concurrency: int, cpus: int | None = None) -> int:
+    """`--processes auto`; `cpus` defaults to the CPUs this process may run on (a container's affinity)."""
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(math.ceil(concurrency / STREAMS_PER_PROCESS), cpus // 2))
 
 
 def split_work(num_requests: int, concurrency: int, processes: int) -> list[tuple[list[int], int]]:

@@ -37,11 +37,10 @@ def test_split_interleaves_requests_by_concurrency_slot():
         assert sorted(i for idx, _ in shares for i in idx) == list(range(n))
 
 
-def test_auto_processes_rule(monkeypatch):
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
-    assert [auto_processes(c) for c in (1, 16, 32, 33, 64, 256, 1024)] == [1, 1, 1, 2, 2, 8, 8]
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    assert auto_processes(256) == 1
+def test_auto_processes_rule():
+    assert [auto_processes(c, cpus=16) for c in (1, 16, 32, 33, 64, 256, 1024)] == [1, 1, 1, 2, 2, 8, 8]
+    assert auto_processes(256, cpus=2) == 1 and auto_processes(256, cpus=1) == 1
+    assert 1 <= auto_processes(256) <= max(1, (os.cpu_count() or 1) // 2)
 
 
 def test_load_fields_and_warning():
