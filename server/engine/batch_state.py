@@ -28,7 +28,7 @@ class BatchState:
         self.max_rows, self.max_blocks, self.block_size = max_rows, max_blocks, block_size
         self.pad_row = max_rows
         self.block_tables = torch.zeros(max_rows + 1, max_blocks, dtype=torch.int32, device=device)  # (R+1, W)
-        self.last_token = torch.zeros(max_rows + 1, dtype=torch.int32, device=device)  # (R+1,)
+        self.last_token = torch.zeros(max_rows + 1, dtype=torch.int64, device=device)  # (R+1,), the sampler's dtype
         self._synced = [0] * (max_rows + 1)  # blocks of each row's table already on the device
         self.synced_tokens = [0] * (max_rows + 1)  # tokens those blocks cover: a decode below it needs no sync
 
@@ -54,13 +54,13 @@ class BatchState:
 
     def record_samples(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """rows (S,), tokens (S,): the next decode step of each row reads its token from here."""
-        self.last_token.index_copy_(0, rows.long(), tokens.int())
+        self.last_token.index_copy_(0, rows.long(), tokens)
 
     def decode_inputs(self, dec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """dec: (3, B) device int32 [rows | positions (-1: padding) | token ids (-1: last sampled)]
         -> input_ids (B,), positions (B,), decode-only AttentionMetadata. Pure device ops (graph-capturable)."""
         rows, pos, ids = dec.long().unbind(0)  # (B,) each
-        input_ids = torch.where(ids >= 0, ids, self.last_token[rows].long())
+        input_ids = torch.where(ids >= 0, ids, self.last_token[rows])
         tables = self.block_tables.index_select(0, rows)  # (B, W)
         valid = pos >= 0
         pos = pos.clamp(min=0)

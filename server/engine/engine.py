@@ -35,7 +35,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # True: no CUDA-graph decode
-    async_scheduling: bool = True  # plan step N+1 while the device runs step N (False: one step at a time)
+    # plan step N+1 while the device runs step N; None: where the device runs asynchronously (CUDA). On CPU a
+    # step's forward runs inside the launch, so overlap would only hold each step's tokens back by one step.
+    async_scheduling: bool | None = None
     tokenizer: str | None = None  # a tokenizer directory overriding the model's own
     chat_template: str | None = None  # a template file or text overriding the tokenizer's
     served_model_name: tuple[str, ...] = ()  # the model ids clients use; () -> the model's own name
@@ -55,8 +57,11 @@ def build_core(config: EngineConfig) -> tuple[EngineCore, CoreInfo]:
                          max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
                          enforce_eager=config.enforce_eager)
     kv = KVCacheManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
+    async_scheduling = config.async_scheduling
+    if async_scheduling is None:
+        async_scheduling = runner.device.type == "cuda"
     core = EngineCore(runner, kv, set(tokenizer.eos_token_ids), config.max_num_seqs,
-                      config.max_num_batched_tokens, config.async_scheduling)
+                      config.max_num_batched_tokens, async_scheduling)
     param = next(model.parameters())
     info = CoreInfo(model=model.config.name, device=str(param.device),
                     dtype=str(param.dtype).removeprefix("torch."), attention_backend=runner.attention_backend,

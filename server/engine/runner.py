@@ -147,6 +147,7 @@ class ModelRunner:
          init_ints, pen_rows, pen_token_rows, pen_tokens, pen_is_output, sample_rows, sample_sources,
          copies) = self.packer.send(sections)
         self.state.apply_table_writes(writes)
+        sample_rows = sample_rows.long()  # once: the sampler and the batch state index with it
         if init_rows.numel():
             n = init_rows.numel()
             self.sampler.init_rows(init_rows, init_floats.view(torch.float32).view(n, FLOAT_FIELDS),

@@ -100,7 +100,8 @@ class Sampler:
         rows = rows.long()
         raw = logits.float()  # (S, V)
         logits = raw
-        floats, ints = self.floats[rows], self.ints[rows]  # (S, 6), (S, 3)
+        if flags & (PENALTIES | SAMPLED):  # an all-greedy step without penalties reads no parameters
+            floats, ints = self.floats[rows], self.ints[rows]  # (S, 6), (S, 3)
         if flags & PENALTIES and self.counts is not None:
             logits = self._apply_penalties(logits, rows, floats)
         if flags & SAMPLED:
