@@ -24,12 +24,13 @@ the cores stay for the server when it shares the host.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import multiprocessing as mp
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 
 from loadtest.benchmark import BenchmarkRun, drive, open_clients, run_benchmark
@@ -83,7 +84,8 @@ async def run_workload(
             conn, child = ctx.Pipe()
             args = (child, [specs[i] for i in indices], [offsets[i] for i in indices], cfg, share)
             proc = ctx.Process(target=_worker_main, args=args, daemon=True, name="loadtest-worker")
-            proc.start()
+            with _sigint_ignored():
+                proc.start()
             child.close()
             workers.append((proc, conn))
         run = await _supervise(workers, stop, on_record)
@@ -145,6 +147,20 @@ async def _supervise(workers, stop: asyncio.Event | None, on_record) -> Benchmar
             stopper.cancel()
 
 
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """An ignored signal stays ignored across exec: a worker starts immune to a Ctrl-C sent to the group."""
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: the signal goes to the main thread's handler anyway
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _forward(conn: Connection, w: int, inbox: asyncio.Queue) -> None:
     try:
         inbox.put_nowait((w, conn.recv()))
@@ -181,7 +197,7 @@ def _send_stop(workers) -> None:
 
 
 def _worker_main(conn: Connection, specs, offsets, cfg: ClientConfig, concurrency: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop (inherited, made sure)
     try:
         run = asyncio.run(_worker(conn, specs, offsets, cfg, concurrency))
         if run is not None:

@@ -132,11 +132,12 @@ def test_ctrl_c_stops_every_worker(tmp_path):
         cmd = [sys.executable, "-m", "loadtest", "--base-url", url, "--input-len", "8", "--output-len", "20",
                "--num-requests", "6", "--concurrency", "2", "--processes", "2", "--no-progress",
                "--out", str(out)]  # fmt: skip
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)  # fmt: skip
         deadline = time.monotonic() + 60
         while server.requests_started < 4 and time.monotonic() < deadline:  # the first pair has finished
             time.sleep(0.02)
-        proc.send_signal(signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: to the parent and every worker
         stdout, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 130, stderr
     assert "INTERRUPTED" in stdout and "Traceback" not in stderr
