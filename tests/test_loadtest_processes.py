@@ -19,6 +19,7 @@ from loadtest.cpu import ProcessLoad, busy_warning, load_fields
 from loadtest.mock_server import MockScript, MockServer, serve_in_thread
 from loadtest.processes import WorkerError, auto_processes, run_workload, split_work
 from loadtest.report import print_report
+from loadtest.sweep import sweep_warnings
 from loadtest.workload import LengthRange, arrival_offsets, build_workload
 
 pytestmark = pytest.mark.timeout(90)
@@ -172,3 +173,10 @@ def test_printed_report_warns_when_the_generator_is_busy(capsys):
     assert "client_cpu_util" in out and "may be the bottleneck" in out
     print_report(base | {"client_busy_max": 0.5}, Console(width=160))
     assert "bottleneck" not in capsys.readouterr().out
+
+
+def test_sweep_warns_per_level():
+    levels = [{"config": {"concurrency": c}, "client_processes": 1, "client_busy_max": b}
+              for c, b in ((16, 0.4), (256, 0.97))]  # fmt: skip
+    (line,) = sweep_warnings(levels)
+    assert line.startswith("concurrency 256: load generator: a process was 97% busy")
