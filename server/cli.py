@@ -106,7 +106,8 @@ def add_engine_flags(s: argparse.ArgumentParser) -> None:
                    help="reuse the KV blocks of prompt prefixes seen before")
     s.add_argument("--enforce-eager", action="store_true", help="no CUDA-graph decode (eager kernels only)")
     s.add_argument("--no-async-scheduling", action="store_true",
-                   help="post-process each engine step before planning the next (no CPU/GPU overlap)")
+                   help="post-process each engine step before planning the next (no CPU/GPU overlap; "
+                        "overlap is on where the device runs asynchronously, i.e. CUDA)")
     s.add_argument("--engine-in-process", action="store_true",
                    help="run the engine core on a thread of the API process instead of its own process")
 
@@ -120,9 +121,53 @@ def add_server_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--max-body-bytes", type=int, default=None,
                    help="request body limit, 413 above it (default: 8 MiB)")
     s.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="seconds in-flight requests may take to finish on SIGTERM before they are aborted")
+                   help="seconds in-flight requests may take to finish on SIGTERM/SIGINT before they are "
+                        "aborted; the process exits (0) at most ~2 s later whatever the clients do")
+    add_limit_flags(s)
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log verbosity; debug also prints the traceback of a start-up error")
+
+
+def add_limit_flags(s: argparse.ArgumentParser) -> None:
+    """Bounds on one request's work and on connections (README "Reliability")."""
+    from server.api.admission import RequestLimits
+    from server.api import connections as c
+
+    d = RequestLimits()
+    g = s.add_argument_group("request limits (each refusal is a 400 naming the field and the limit)")
+    g.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="stop strings per request")
+    g.add_argument("--max-stop-string-length", type=int, default=d.max_stop_string_length,
+                   help="characters of one stop string")
+    g.add_argument("--max-prompts", type=int, default=d.max_prompts, help="prompts of one /v1/completions request")
+    g.add_argument("--max-choices", type=int, default=d.max_choices, help="prompts x n of one request")
+    g.add_argument("--max-logprob-entries", type=int, default=d.max_logprob_entries,
+                   help="choices x tokens x (1 + logprobs) of one request (prompt logprobs of echo included)")
+    g.add_argument("--max-request-tokens", type=int, default=d.max_request_tokens,
+                   help="n x (prompt + max_tokens) over all prompts of one request (also never more than "
+                        "the whole KV cache)")
+    g.add_argument("--max-seqs-per-request", type=int, default=None,
+                   help="choices one request has in the engine at once; its other prompts wait for them, so "
+                        "a request of many prompts cannot starve small ones (default: max-num-seqs / 4)")
+    g = s.add_argument_group("connections")
+    g.add_argument("--header-timeout", type=float, default=c.DEFAULT_HEADER_TIMEOUT_S,
+                   help="seconds a client has to send a request's headers (408 and close after)")
+    g.add_argument("--timeout-keep-alive", type=int, default=c.DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+                   help="seconds an idle keep-alive connection stays open (uvicorn's)")
+    g.add_argument("--max-connections", type=int, default=c.DEFAULT_MAX_CONNECTIONS,
+                   help="open connections; one more gets a 503 and is closed")
+    g.add_argument("--client-stall-timeout", type=float, default=c.DEFAULT_STALL_TIMEOUT_S,
+                   help="seconds a client may read nothing of its response before it is disconnected "
+                        "(its requests aborted, their KV blocks freed)")
+
+
+def request_limits(args: argparse.Namespace):
+    from server.api.admission import RequestLimits
+
+    return RequestLimits(
+        max_stop_strings=args.max_stop_strings, max_stop_string_length=args.max_stop_string_length,
+        max_prompts=args.max_prompts, max_choices=args.max_choices,
+        max_logprob_entries=args.max_logprob_entries, max_request_tokens=args.max_request_tokens,
+        max_seqs_per_request=args.max_seqs_per_request)
 
 
 def parse_serve_args(argv: list[str]) -> argparse.Namespace:
@@ -170,7 +215,7 @@ def engine_config(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting=args.max_waiting, max_model_len=args.max_model_len,
         attention_backend=args.attention_backend, enable_prefix_caching=args.enable_prefix_caching,
-        enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
+        enforce_eager=args.enforce_eager, async_scheduling=False if args.no_async_scheduling else None,
         tokenizer=args.tokenizer, chat_template=args.chat_template,
         served_model_name=tuple(args.served_model_name or ()), seed=args.seed)
 
@@ -190,6 +235,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from server.api.app import create_app, stop_engine
     from server.api.async_engine import AsyncEngine
+    from server.api.connections import guarded_protocol
     from server.api.limits import DEFAULT_MAX_BODY_BYTES
     from server.engine.core_client import CoreStartupError
 
@@ -207,12 +253,16 @@ def serve(args: argparse.Namespace) -> int:
         return startup_failed(e)
     max_body_bytes = args.max_body_bytes or DEFAULT_MAX_BODY_BYTES
     app = create_app(engine, api_key=args.api_key, max_body_bytes=max_body_bytes,
-                     shutdown_timeout_s=args.shutdown_timeout)
+                     shutdown_timeout_s=args.shutdown_timeout, limits=request_limits(args))
     logger.info(startup_line(engine, f"http://{args.host}:{args.port}"))
     logger.info("prefix caching %s; bearer-token auth on /v1/* %s",
                 "on" if args.enable_prefix_caching else "off", "required" if args.api_key else "off")
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=int(args.shutdown_timeout) + 5, access_log=False)
+    # the engine has drained (or aborted what was left) before uvicorn's own graceful shutdown starts, and
+    # GuardedH11Protocol drops clients that are not reading: what remains finishes in a second or is cut
+    protocol = guarded_protocol(args.header_timeout, args.client_stall_timeout, args.max_connections)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, http=protocol,
+                            timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=1,
+                            access_log=False)
     # uvicorn re-raises the signal it shut down on once it is done; a graceful stop is a clean exit (0)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)

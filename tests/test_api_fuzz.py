@@ -71,16 +71,21 @@ NASTY = [
     (CMPL, b'{"prompt": "hi", "max_tokens": 2, "top_p": Infinity}', 400),
     (CMPL, b'{"prompt": "hi", "max_tokens": 1e999}', 400),
     (CMPL, cmpl(temperature=1e-300, logprobs=5), 200),
-    (CMPL, cmpl(temperature=1e300, repetition_penalty=1e300, top_p=1e-300), 200),
-    (CMPL, cmpl(repetition_penalty=1e-300, min_p=1.0, top_k=1), 200),
+    (CMPL, cmpl(temperature=1e300, repetition_penalty=1e300, top_p=1e-300), 400),  # overflows float32
+    (CMPL, cmpl(temperature=1e30, repetition_penalty=1e30, top_p=1e-300), 200),
+    (CMPL, cmpl(repetition_penalty=1e-300, min_p=1.0, top_k=1), 400),  # 0 in float32
+    (CMPL, cmpl(repetition_penalty=1e-30, min_p=1.0, top_k=1), 200),
     (CMPL, cmpl(prompt="\u0000\uffff\U0010ffff\u202e", echo=True, stop=["\u0000"]), 200),
-    (CMPL, cmpl(stop=[f"stop{i}" for i in range(10_000)], max_tokens=20, ignore_eos=True), 200),
-    (CMPL, cmpl(stop=["x" * 100_000], max_tokens=20, ignore_eos=True, stream=True), 200),
+    (CMPL, cmpl(stop=[f"stop{i}" for i in range(64)], max_tokens=20, ignore_eos=True), 200),
+    (CMPL, cmpl(stop=[f"stop{i}" for i in range(10_000)], max_tokens=20, ignore_eos=True), 400),  # limits
+    (CMPL, cmpl(stop=["x" * 256], max_tokens=20, ignore_eos=True, stream=True), 200),
+    (CMPL, cmpl(stop=["x" * 100_000], max_tokens=20, ignore_eos=True, stream=True), 400),
     (CMPL, cmpl(stop=[""]), 400),
     (CMPL, cmpl(stop=[None]), 400),
     (CMPL, cmpl(max_tokens=400, n=4), 400),  # n x (prompt + max_tokens) beyond the whole KV cache
     (CMPL, cmpl(max_tokens=5, n=64), 400),  # n beyond max_num_seqs
-    (CMPL, cmpl(prompt=[[5]] * 300, max_tokens=1), 200),
+    (CMPL, cmpl(prompt=[[5]] * 128, max_tokens=1), 200),
+    (CMPL, cmpl(prompt=[[5]] * 300, max_tokens=1), 400),  # max_prompts
     (CMPL, cmpl(prompt=[[5]] * 5000, max_tokens=1), 400),  # more prompts than max_waiting: never a 429
     (CMPL, cmpl(prompt="hi", stream_options={"include_usage": "yes"}), 400),
     (CHAT, chat(content=[{"type": "text", "text": "a"}] * 200), 200),

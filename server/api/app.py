@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from server.api import chat, completions, debug, models, monitoring, playground, tokenize
+from server.api.admission import AdmissionGate, RequestLimits
 from server.api.auth import BearerAuthMiddleware
 from server.api.errors import CatchAllMiddleware, install_error_handlers
 from server.api.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimitMiddleware
@@ -20,7 +21,8 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
 
 
 def create_app(engine, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> FastAPI:
+               shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+               limits: RequestLimits | None = None) -> FastAPI:
     """The lifespan starts the engine and shuts it down (finishing or aborting in-flight requests).
     Tests that drive the app through httpx's ASGITransport start and stop the engine themselves."""
 
@@ -37,13 +39,16 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = DEFAULT
     app.state.created = int(time.time())
     app.state.shutdown_timeout_s = shutdown_timeout_s
     app.state.engine_stopped = False
+    app.state.limits = limits or RequestLimits()
+    app.state.admission = AdmissionGate(engine)
     install_error_handlers(app)
     app.state.api_key = api_key  # /debug/* checks it itself (the middleware guards /v1/* only)
     for module in (completions, chat, models, monitoring, debug, playground, tokenize):
         app.include_router(module.router)
+    # the last added runs first: auth (401) before the body size (413), both inside the catch-all
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(BearerAuthMiddleware, api_key=api_key)
-    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
     app.add_middleware(CatchAllMiddleware)
     return app
 

@@ -44,6 +44,7 @@ from server.api.streaming import (
 )
 from server.api.outputs import ChoiceDelta
 from server.engine.sampling_params import SamplingParams
+from server.api.admission import Reservation
 
 router = APIRouter()
 
@@ -58,6 +59,8 @@ class ChatJob:
     created: int
     prompt: list[int]
     params: SamplingParams
+    reservation: Reservation | None = None  # its queue places (admit)
+    max_seqs: int | None = None  # choices in the engine at once
 
     @property
     def num_top(self) -> int:
@@ -100,8 +103,10 @@ async def create_chat_completion(request: Request) -> Response:
     req = await parse_body(request, ChatCompletionRequest)
     check_model(engine, req.model)
     job = _job(engine, req)
-    admit(engine, [job.prompt], job.params)
-    return await job_response(request, req.stream, lambda: _stream(job), lambda: _complete(job))
+    job.reservation = admit(request, [job.prompt], job.params,
+                            "top_logprobs" if req.top_logprobs else "logprobs")
+    return await job_response(request, req.stream, lambda: _stream(job), lambda: _complete(job),
+                              job.reservation)
 
 
 def _job(engine, req: ChatCompletionRequest) -> ChatJob:
@@ -128,7 +133,7 @@ def _room_left(engine, num_prompt_tokens: int, n: int) -> int:
 
 async def _complete(job: ChatJob) -> bytes:
     states = [ChoiceState() for _ in range(job.params.n)]
-    await collect_choices(job.engine, job.request_id, [job.prompt], job.params, states)
+    await collect_choices(job.engine, job.request_id, [job.prompt], job.params, states, job.reservation)
     choices = [
         ChatChoice(index=i, message=ChatResponseMessage(content=st.text),
                    logprobs=chat_logprobs(st.logprobs, job.num_top) if job.req.logprobs else None,
@@ -147,7 +152,8 @@ async def _stream(job: ChatJob) -> AsyncIterator[str]:
     for i in range(job.params.n):
         role = ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
         yield sse_event(job.chunk([role], first=(i == 0)))
-    async with aclosing(merged_outputs(job.engine, job.request_id, [job.prompt], job.params)) as outs:
+    async with aclosing(merged_outputs(job.engine, job.request_id, [job.prompt], job.params,
+                                       job.reservation)) as outs:
         async for _, out in outs:
             if out.error:
                 raise engine_error(out)

@@ -28,6 +28,7 @@ from server.api.sampling import DEFAULT_COMPLETION_MAX_TOKENS, check_token_ids, 
 from server.api.streaming import CHUNK_TAIL, chunk_head, job_response, json_member, sse_event
 from server.api.outputs import ChoiceDelta
 from server.engine.sampling_params import SamplingParams
+from server.api.admission import Reservation
 
 router = APIRouter()
 
@@ -43,6 +44,8 @@ class CompletionJob:
     prompts: list[list[int]]
     prompt_texts: list[str]
     params: SamplingParams
+    reservation: Reservation | None = None  # its queue places (admit)
+    max_seqs: int | None = None  # choices in the engine at once
 
     def new_states(self) -> list[ChoiceState]:
         n = self.params.n
@@ -102,8 +105,10 @@ async def create_completion(request: Request) -> Response:
     req = await parse_body(request, CompletionRequest)
     check_model(engine, req.model)
     job = _job(engine, req)
-    admit(engine, job.prompts, job.params)
-    return await job_response(request, req.stream, lambda: _stream(job), lambda: _complete(job))
+    job.reservation = admit(request, job.prompts, job.params)
+    job.max_seqs = request.app.state.limits.seqs_per_request(engine.config.max_num_seqs)
+    return await job_response(request, req.stream, lambda: _stream(job), lambda: _complete(job),
+                              job.reservation)
 
 
 def _job(engine, req: CompletionRequest) -> CompletionJob:
@@ -126,7 +131,8 @@ def _job(engine, req: CompletionRequest) -> CompletionJob:
 
 
 async def _complete(job: CompletionJob) -> bytes:
-    states = await collect_choices(job.engine, job.request_id, job.prompts, job.params, job.new_states())
+    states = await collect_choices(job.engine, job.request_id, job.prompts, job.params, job.new_states(),
+                                  job.reservation, job.max_seqs)
     n = job.params.n
     choices = []
     for index, st in enumerate(states):
@@ -150,7 +156,8 @@ async def _stream(job: CompletionJob) -> AsyncIterator[str]:
         for index, st in enumerate(states):
             started[index] = True
             yield sse_event(job.response([job.choice(index, st.text, None, 0, [], True)]))
-    async with aclosing(merged_outputs(job.engine, job.request_id, job.prompts, job.params)) as outs:
+    async with aclosing(merged_outputs(job.engine, job.request_id, job.prompts, job.params,
+                                       job.reservation, job.max_seqs)) as outs:
         async for i, out in outs:
             if out.error:
                 raise engine_error(out)

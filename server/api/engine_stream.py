@@ -1,4 +1,5 @@
-"""Running one OpenAI request on the engine: admission, one engine request per prompt, merged outputs.
+"""Running one OpenAI request on the engine: admission, one engine request per prompt (a window of them
+at a time), merged outputs.
 
 Closing the merged iterator (client gone, server stopping) closes every engine iterator, which aborts
 those requests and frees their KV blocks.
@@ -14,6 +15,7 @@ from typing import TypeVar
 
 from fastapi import Request
 
+from server.api.admission import Reservation, check_limits, rejected
 from server.api.errors import APIError
 from server.api.protocol import Usage
 from server.api.async_engine import RequestRejected
@@ -50,39 +52,42 @@ class ChoiceState:
 
 
 def rejected_to_api_error(e: RequestRejected) -> APIError:
-    headers = {"Retry-After": "1"} if e.status == 429 else None
-    return APIError(e.status, e.message, e.param, headers=headers)
+    return rejected(e)
 
 
-def admit(engine, prompts: list[list[int]], params: SamplingParams) -> None:
-    """Raises the engine's rejection (400 too long, 429 queue full, 503 stopping) as an APIError; more
-    prompts than the whole waiting queue holds is a 400 (a retry would never succeed)."""
-    limit = engine.config.max_waiting
-    if len(prompts) > max(1, limit):
-        raise APIError(400, f"{len(prompts)} prompts in one request exceed the waiting queue "
-                            f"(max_waiting={limit}); send at most {limit}.", "prompt")
-    try:
-        for ids in prompts:
-            engine.check_admissible(len(ids), params)
-    except RequestRejected as e:
-        raise rejected_to_api_error(e) from None
+def admit(request: Request, prompts: list[list[int]], params: SamplingParams,
+          logprobs_param: str = "logprobs") -> Reservation:
+    """The request's bounds (400 naming the field), then its queue places (429 queue full, 503 stopping),
+    all before the status line. The caller hands the reservation to merged_outputs and releases it when
+    the response ends."""
+    state = request.app.state
+    check_limits(state.limits, state.engine, prompts, params, logprobs_param)
+    return state.admission.reserve(prompts, params)
 
 
-async def merged_outputs(engine, request_id: str, prompts: list[list[int]],
-                         params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Yields (prompt index, output) from one engine request per prompt, in arrival order."""
+async def merged_outputs(engine, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                         reservation: Reservation | None = None,
+                         max_seqs: int | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yields (prompt index, output) from one engine request per prompt, in arrival order. At most
+    `max_seqs` choices (at least one prompt) are in the engine at once, so one request of many prompts
+    queues behind its own window and cannot hold the whole queue ahead of smaller requests."""
+    take = reservation.take if reservation is not None else _nothing
     if len(prompts) == 1:
+        take()  # the same turn as generate's registration: no await in between
         async with aclosing(engine.generate(request_id, prompts[0], params)) as gen:
             async for out in gen:
                 yield 0, out
         return
     queue: asyncio.Queue = asyncio.Queue()
+    window = asyncio.Semaphore(max(1, (max_seqs or len(prompts) * params.n) // params.n))
 
     async def pump(i: int, ids: list[int]) -> None:
         try:
-            async with aclosing(engine.generate(f"{request_id}-{i}", ids, params)) as gen:
-                async for out in gen:
-                    queue.put_nowait((i, out))
+            async with window:
+                take()
+                async with aclosing(engine.generate(f"{request_id}-{i}", ids, params)) as gen:
+                    async for out in gen:
+                        queue.put_nowait((i, out))
         except Exception as e:  # handed to the consumer, which raises it
             queue.put_nowait((i, e))
         finally:
@@ -105,13 +110,19 @@ async def merged_outputs(engine, request_id: str, prompts: list[list[int]],
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _nothing() -> None:
+    pass
+
+
 async def collect_choices(engine, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                          states: list[ChoiceState]) -> list[ChoiceState]:
+                          states: list[ChoiceState], reservation: Reservation | None = None,
+                          max_seqs: int | None = None) -> list[ChoiceState]:
     """Run a non-streaming request to the end: choice j of prompt i accumulates into states[i * n + j].
     Engine failures become a 500 APIError, refusals their 4xx."""
     n = params.n
     try:
-        async with aclosing(merged_outputs(engine, request_id, prompts, params)) as outs:
+        async with aclosing(merged_outputs(engine, request_id, prompts, params, reservation,
+                                           max_seqs)) as outs:
             async for i, out in outs:
                 if out.error:
                     raise engine_error(out)

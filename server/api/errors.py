@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger("pagewalk.api")
@@ -138,7 +139,7 @@ class CatchAllMiddleware:
         try:
             await self.app(scope, receive, tracking_send)
         except Exception as exc:
-            if client_gone:  # nobody to answer; not a server error
+            if client_gone or isinstance(exc, ClientDisconnect):  # nobody to answer; not a server error
                 logger.info("client went away during %s %s", scope.get("method"), scope.get("path"))
                 return
             if isinstance(exc, APIError):

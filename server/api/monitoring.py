@@ -1,4 +1,4 @@
-"""GET /health (engine.health(); 503 unless ok) and GET /metrics (Prometheus text)."""
+"""GET|HEAD /health (engine.health(); 503 unless ok) and GET /metrics (Prometheus text)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 router = APIRouter()
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])
 async def health(request: Request) -> JSONResponse:
     info = request.app.state.engine.health()
     return JSONResponse(info, status_code=200 if info.get("status") == "ok" else 503)

@@ -23,6 +23,10 @@ from pydantic import (
 )
 
 NonNegInt = Annotated[int, Field(ge=0)]
+# the sampler computes in float32: a larger temperature or penalty is inf there, a smaller positive penalty 0,
+# and either turns a masked (-inf) logit into NaN
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38
 OmitIfNone = dict(default=None, exclude_if=lambda v: v is None)
 
 
@@ -38,6 +42,18 @@ def refused_unless(*no_ops: object) -> AfterValidator:
     return AfterValidator(check)
 
 
+def _float32_finite(v: float | None) -> float | None:
+    if v is not None and v > FLOAT32_MAX:
+        raise ValueError(f"must be at most {FLOAT32_MAX:.4g} (float32), got {v:g}")
+    return v
+
+
+def _float32_normal(v: float | None) -> float | None:
+    if v is not None and not FLOAT32_TINY <= v <= FLOAT32_MAX:
+        raise ValueError(f"must be in [{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}] (float32), got {v:g}")
+    return v
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
@@ -51,7 +67,7 @@ class _SamplingRequest(_Request):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0)
+    temperature: Annotated[float | None, AfterValidator(_float32_finite)] = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -62,7 +78,7 @@ class _SamplingRequest(_Request):
     n: int | None = Field(1, ge=1)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    repetition_penalty: Annotated[float | None, AfterValidator(_float32_normal)] = Field(None, gt=0.0)
     stream: bool | None = False
     stream_options: StreamOptions | None = None  # declared after `stream`: its validator reads it
     return_token_ids: bool | None = False

@@ -1,52 +1,103 @@
-"""Stop strings over a stream of text deltas, in O(new text) per delta.
+"""Stop strings over a stream of text deltas, in O(new text) per delta whatever the number of stop strings.
 
-A stop string is never emitted: the text is cut before the first one. A tail of the text that could still
-grow into a stop string (a proper prefix of one) is held back until later text decides it. Only that held
-tail, shorter than the longest stop string, is scanned again with the new text: any match starts inside
-it, since a longer suffix of the text that prefixed a stop string would have been held already.
+A stop string is never emitted: the text is cut before the first one (the one that starts
+earliest; of two that start there, the one that ends first). A tail of the text that could still grow into a stop string is held back until
+later text decides it.
+
+One Aho-Corasick automaton over all the stop strings of a request (built once per distinct list, shared by
+its choices) walks each new character once. Its state after a character is the longest suffix of the text
+that is a prefix of some stop string, so the state's depth is exactly the tail to hold back, and a stop
+string ends at a character when the state (or one of its suffix states) is a whole stop string.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from functools import lru_cache
+
+
+class StopAutomaton:
+    """goto[state]: char -> state; fail[state]: the state of its longest proper suffix in the trie;
+    match[state]: the longest stop string that is a suffix of the state's text ("" if none)."""
+
+    __slots__ = ("goto", "fail", "depth", "match")
+
+    def __init__(self, stops: tuple[str, ...]):
+        assert stops and all(stops), "stop strings are non-empty"
+        self.goto: list[dict[str, int]] = [{}]
+        self.depth = [0]
+        ends: dict[int, str] = {}
+        for stop in stops:
+            state = 0
+            for ch in stop:
+                nxt = self.goto[state].get(ch)
+                if nxt is None:
+                    nxt = len(self.goto)
+                    self.goto[state][ch] = nxt
+                    self.goto.append({})
+                    self.depth.append(self.depth[state] + 1)
+                state = nxt
+            ends[state] = stop
+        self.fail = [0] * len(self.goto)
+        self.match = [""] * len(self.goto)
+        queue = deque(self.goto[0].values())
+        while queue:  # breadth first: a state's suffix states are shallower, so already final
+            state = queue.popleft()
+            self.match[state] = ends.get(state) or self.match[self.fail[state]]
+            for ch, nxt in self.goto[state].items():
+                self.fail[nxt] = self.step(self.fail[state], ch) if state else 0
+                queue.append(nxt)
+
+    def step(self, state: int, ch: str) -> int:
+        goto, fail = self.goto, self.fail
+        while True:
+            nxt = goto[state].get(ch)
+            if nxt is not None:
+                return nxt
+            if state == 0:
+                return 0
+            state = fail[state]
+
+
+@lru_cache(maxsize=256)
+def compiled(stops: tuple[str, ...]) -> StopAutomaton:
+    """The automaton of a stop list; the n choices (and repeated requests) of one list share it."""
+    return StopAutomaton(stops)
+
 
 class StopStrings:
+    """One choice's matcher: the automaton's state and the text held back (the state's depth)."""
+
+    __slots__ = ("automaton", "state", "held")
+
     def __init__(self, stops: list[str]):
-        assert stops and all(stops), "stop strings are non-empty"
-        self.stops = stops
-        self.max_len = max(len(s) for s in stops)
-        self.firsts = {s[0] for s in stops}  # a held tail starts with one of these
+        self.automaton = compiled(tuple(stops))
+        self.state = 0
         self.held = ""  # text not yet emitted: a proper prefix of some stop string
 
     def feed(self, text: str) -> tuple[str, str | None]:
         """New text -> (text safe to emit now, the stop string that ends the choice or None)."""
+        a = self.automaton
         s = self.held + text
-        hit = self._earliest(s)
+        base = len(self.held)  # the held text is already walked: the state covers it
+        state, depth, match = self.state, a.depth, a.match
+        hit: tuple[int, str] | None = None
+        for i in range(base, len(s)):
+            state = a.step(state, s[i])
+            if hit is not None and i + 1 - depth[state] >= hit[0]:
+                break  # every live prefix starts at or after the hit: none can start earlier
+            stop = match[state]
+            if stop and (hit is None or i + 1 - len(stop) < hit[0]):
+                hit = (i + 1 - len(stop), stop)
         if hit is not None:
-            pos, stop = hit
-            self.held = ""
-            return s[:pos], stop
-        k = self._held_len(s)
-        self.held = s[len(s) - k:]
-        return s[:len(s) - k], None
+            self.state, self.held = 0, ""
+            return s[:hit[0]], hit[1]
+        self.state = state
+        keep = depth[state]
+        self.held = s[len(s) - keep:] if keep else ""
+        return s[:len(s) - keep], None
 
     def release(self) -> str:
         """The choice ends without a stop string: the held tail is ordinary text."""
-        held, self.held = self.held, ""
+        held, self.held, self.state = self.held, "", 0
         return held
-
-    def _earliest(self, s: str) -> tuple[int, str] | None:
-        best: tuple[int, str] | None = None
-        for stop in self.stops:
-            pos = s.find(stop)
-            if pos >= 0 and (best is None or pos < best[0]):
-                best = (pos, stop)
-        return best
-
-    def _held_len(self, s: str) -> int:
-        """Length of the longest suffix of s that is a proper prefix of some stop string."""
-        for k in range(min(self.max_len - 1, len(s)), 0, -1):
-            if s[-k] in self.firsts:
-                tail = s[-k:]
-                if any(stop.startswith(tail) for stop in self.stops):
-                    return k
-        return 0

@@ -12,6 +12,7 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from server.api.admission import Reservation
 from server.api.engine_stream import ClientDisconnected, rejected_to_api_error, unless_disconnected
 from server.api.errors import APIError, error_body
 from server.api.protocol import dump
@@ -75,24 +76,32 @@ class EventStreamResponse(StreamingResponse):
     """An SSE response whose event iterator is always closed when the response ends, however it ends
     (client disconnect cancels the send loop; closing the iterator aborts the engine requests)."""
 
-    def __init__(self, events: AsyncIterator[str]):
+    def __init__(self, events: AsyncIterator[str], reservation: Reservation | None = None):
         super().__init__(with_error_events(events), media_type="text/event-stream", headers=SSE_HEADERS)
+        self.reservation = reservation
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+            if self.reservation is not None:  # places of prompts that never reached the engine
+                self.reservation.release()
 
 
 async def job_response(request: Request, stream: bool, events: Callable[[], AsyncIterator[str]],
-                       body: Callable[[], Awaitable[str]]) -> Response:
+                       body: Callable[[], Awaitable[str]], reservation: Reservation | None = None) -> Response:
     """The answer to an admitted request: an SSE stream of `events()`, or the JSON `body()`, awaited while
-    watching the client (gone before it is ready: 499, and the engine requests are aborted)."""
+    watching the client (gone before it is ready: 499, and the engine requests are aborted). The
+    reservation's places left are released when the answer ends."""
     if stream:
-        return EventStreamResponse(events())
+        return EventStreamResponse(events(), reservation)
     try:
         content = await unless_disconnected(request, body())
     except ClientDisconnected:
+        logger.info("client went away before its answer was ready (%s)", request.url.path)
         return Response(status_code=499)
+    finally:
+        if reservation is not None:
+            reservation.release()
     return Response(content=content, media_type="application/json")

@@ -1,0 +1,125 @@
+"""Admission of one OpenAI request, before its status line: bounded work, then a place in the queue.
+
+RequestLimits bounds what one request may ask for (each refusal a 400 naming the field and the limit);
+AdmissionGate reserves the request's queue places at once, so a request that cannot be queued gets its 429
+(with Retry-After) or 503 before any byte of a 200, streaming or not. A reservation is taken back one
+engine request at a time, in the same turn of the event loop as that request's registration in the engine
+(so the engine's own count and the gate's never both miss it), and what is left of it is released when the
+response ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from server.api.async_engine import RequestRejected
+from server.api.errors import APIError
+from server.engine.sampling_params import SamplingParams
+
+RETRY_AFTER_S = 1
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Per-request bounds; each has a `pagewalk serve` flag of the same name (README "Reliability")."""
+
+    max_stop_strings: int = 64
+    max_stop_string_length: int = 256  # characters
+    max_prompts: int = 128  # prompts of one /v1/completions request
+    max_choices: int = 256  # prompts x n
+    max_logprob_entries: int = 1 << 20  # choices x tokens x (1 + logprobs): the response's logprob records
+    max_request_tokens: int = 1 << 20  # choices x (prompt + max_tokens), summed over prompts
+    max_seqs_per_request: int | None = None  # choices one request has in the engine at once; None: a
+    #                                          quarter of max_num_seqs (fair admission)
+
+    def seqs_per_request(self, max_num_seqs: int) -> int:
+        return self.max_seqs_per_request or max(1, max_num_seqs // 4)
+
+
+def check_limits(limits: RequestLimits, engine, prompts: list[list[int]], params: SamplingParams,
+                 logprobs_param: str = "logprobs") -> None:
+    """400 for a request whose work exceeds a limit or the whole KV cache."""
+    if len(params.stop) > limits.max_stop_strings:
+        _refuse("stop", f"{len(params.stop)} stop strings", f"max_stop_strings={limits.max_stop_strings}")
+    longest_stop = max((len(s) for s in params.stop), default=0)
+    if longest_stop > limits.max_stop_string_length:
+        _refuse("stop", f"a stop string of {longest_stop} characters",
+                f"max_stop_string_length={limits.max_stop_string_length}")
+    if len(prompts) > limits.max_prompts:
+        _refuse("prompt", f"{len(prompts)} prompts", f"max_prompts={limits.max_prompts}")
+    choices = len(prompts) * params.n
+    if choices > limits.max_choices:
+        _refuse("n", f"{len(prompts)} prompts x n={params.n} = {choices} choices",
+                f"max_choices={limits.max_choices}")
+    prompt_tokens = sum(len(p) for p in prompts)
+    entries = 0
+    if params.logprobs is not None:
+        entries += choices * params.max_tokens * (1 + params.logprobs)
+    if params.prompt_logprobs is not None:
+        entries += params.n * prompt_tokens * (1 + params.prompt_logprobs)
+    if entries > limits.max_logprob_entries:
+        _refuse(logprobs_param, f"{entries} logprob entries (choices x tokens x (1 + logprobs))",
+                f"max_logprob_entries={limits.max_logprob_entries}; lower max_tokens, n or logprobs")
+    total = params.n * (prompt_tokens + len(prompts) * params.max_tokens)
+    what = f"{total} tokens (n x (prompt + max_tokens), over all prompts)"
+    if total > engine.capacity_tokens:
+        _refuse("max_tokens", what, f"the KV cache capacity of {engine.capacity_tokens} tokens")
+    if total > limits.max_request_tokens:
+        _refuse("max_tokens", what, f"max_request_tokens={limits.max_request_tokens}")
+
+
+def _refuse(param: str, what: str, limit: str) -> None:
+    raise APIError(400, f"This request asks for {what}, over the limit of {limit}.", param,
+                   "request_too_large")
+
+
+class Reservation:
+    """Queue places held for one request's engine requests that are not in the engine yet."""
+
+    __slots__ = ("gate", "left")
+
+    def __init__(self, gate: AdmissionGate, count: int):
+        self.gate, self.left = gate, count
+
+    def take(self) -> None:
+        """One engine request is being registered now (call in the same turn as engine.generate's start)."""
+        if self.left:
+            self.left -= 1
+            self.gate.pending -= 1
+
+    def release(self) -> None:
+        self.gate.pending -= self.left
+        self.left = 0
+
+
+class AdmissionGate:
+    """The engine counts the requests it holds; the gate adds those admitted here and not handed over yet
+    (a streamed request's prompts reach the engine after its status line; later prompts of a request
+    wait for a place in its window)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.pending = 0
+
+    def reserve(self, prompts: list[list[int]], params: SamplingParams) -> Reservation:
+        engine = self.engine
+        try:
+            for ids in prompts:  # 503 stopping or dead, 400 a prompt too long for the cache
+                engine.check_admissible(len(ids), params)
+        except RequestRejected as e:
+            raise rejected(e) from None
+        limit = engine.config.max_waiting
+        if len(prompts) > max(1, limit):
+            raise APIError(400, f"{len(prompts)} prompts in one request exceed the waiting queue "
+                                f"(max_waiting={limit}); send at most {limit}.", "prompt")
+        waiting = engine.health()["waiting"] + self.pending
+        if waiting + len(prompts) > limit:
+            raise rejected(RequestRejected(429, f"too many requests waiting ({waiting}, max_waiting="
+                                                f"{limit}); retry later"))
+        self.pending += len(prompts)
+        return Reservation(self, len(prompts))
+
+
+def rejected(e: RequestRejected) -> APIError:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
+    return APIError(e.status, e.message, e.param, headers=headers)

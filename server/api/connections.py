@@ -1,0 +1,139 @@
+"""Connection-level guards: uvicorn's h11 protocol plus the limits uvicorn does not have.
+
+uvicorn (0.3x) times out idle keep-alive connections (`timeout_keep_alive`) but has no deadline for reading
+a request's headers, no cap on open connections (`limit_concurrency` answers 503 to new *requests* and keeps
+every connection open), answers its own protocol errors with a plain-text 400, and keeps a connection whose
+client stopped reading a response for as long as the response lasts. GuardedH11Protocol adds, per
+connection:
+- a header deadline: a request's headers must be complete `header_timeout_s` after its first byte (or after
+  the connection opened); otherwise the connection gets a 408 and is closed (slowloris);
+- a cap: a connection over `max_connections` open ones gets a 503 and is closed at once;
+- a write-stall deadline: a client that reads nothing of a response for `stall_timeout_s` (the socket's
+  send buffer stays full) is disconnected; the app sees the disconnect, which aborts its engine requests
+  and frees their KV blocks. While the buffer is full the response's sender waits, so what a stream holds
+  is bounded by the time it may stall;
+- at shutdown, a connection whose client is not reading is disconnected at once (the engine has drained
+  by then), so a stalled client cannot hold the exit;
+- the OpenAI error body on every answer it writes itself (400, 408, 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from server.api.errors import error_body
+
+logger = logging.getLogger("pagewalk.api")
+
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_STALL_TIMEOUT_S = 30.0
+DEFAULT_MAX_CONNECTIONS = 1024
+DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5
+
+
+def raw_error(status: int, reason: str, message: str, code: str | None = None) -> bytes:
+    """A complete HTTP/1.1 error response (Connection: close) with the OpenAI error body."""
+    body = json.dumps(error_body(status, message, None, code)).encode()
+    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
+    return head.encode() + body
+
+
+class GuardedH11Protocol(H11Protocol):
+    header_timeout_s = DEFAULT_HEADER_TIMEOUT_S
+    stall_timeout_s = DEFAULT_STALL_TIMEOUT_S
+    max_connections = DEFAULT_MAX_CONNECTIONS
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self.header_timer: asyncio.TimerHandle | None = None
+        self.stall_timer: asyncio.TimerHandle | None = None
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            logger.warning("connection refused: %d open connections (max_connections=%d)",
+                           len(self.connections) - 1, self.max_connections)
+            transport.write(raw_error(503, "Service Unavailable", "Too many open connections; retry later.",
+                                      "too_many_connections"))
+            transport.close()
+            return
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_timers()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self._arm_header_timer()  # bytes of a request whose headers are not complete yet
+        elif self.header_timer is not None:
+            self.header_timer.cancel()
+            self.header_timer = None
+
+    def send_400_response(self, msg: str) -> None:
+        self.transport.write(raw_error(400, "Bad Request", f"{msg} (malformed HTTP)", "invalid_http"))
+        self.transport.close()
+
+    # ---- deadlines --------------------------------------------------------------------------------
+    def _arm_header_timer(self) -> None:
+        if self.header_timer is None:
+            self.header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout)
+
+    def _header_timeout(self) -> None:
+        self.header_timer = None
+        if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            return  # a response is still being written (pipelined bytes wait for it)
+        logger.info("closing a connection from %s: headers not complete in %.0f s", _peer(self),
+                    self.header_timeout_s)
+        self.transport.write(raw_error(408, "Request Timeout", "Request headers not received in time.",
+                                       "request_timeout"))
+        self.transport.close()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self.stall_timer is None:
+            self.stall_timer = self.loop.call_later(self.stall_timeout_s, self._stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self.stall_timer is not None:
+            self.stall_timer.cancel()
+            self.stall_timer = None
+
+    def _stalled(self) -> None:
+        self.stall_timer = None
+        logger.info("disconnecting %s: it read nothing for %.0f s (its requests are aborted)", _peer(self),
+                    self.stall_timeout_s)
+        self.transport.abort()  # close() would wait for the full buffer to drain
+
+    def shutdown(self) -> None:
+        if self.flow is not None and self.flow.write_paused:
+            logger.info("disconnecting %s at shutdown: it is not reading its response", _peer(self))
+            self.transport.abort()
+            return
+        super().shutdown()
+
+    def _cancel_timers(self) -> None:
+        for timer in (self.header_timer, self.stall_timer):
+            if timer is not None:
+                timer.cancel()
+        self.header_timer = self.stall_timer = None
+
+
+def _peer(protocol: H11Protocol) -> str:
+    return "%s:%d" % protocol.client if protocol.client else "a client"
+
+
+def guarded_protocol(header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+                     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+                     max_connections: int = DEFAULT_MAX_CONNECTIONS) -> type[GuardedH11Protocol]:
+    """The protocol class for uvicorn.Config(http=...), with these settings."""
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {
+        "header_timeout_s": header_timeout_s, "stall_timeout_s": stall_timeout_s,
+        "max_connections": max_connections})
