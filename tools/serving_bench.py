@@ -114,7 +114,7 @@ def loadtest(out: Path, name: str, concurrency: int, num_requests: int, extra: l
            str(OUT_LEN), "--num-requests", str(num_requests), "--concurrency", str(concurrency), "--warmup",
            str(min(8, concurrency)), "--seed", "0", "--no-progress", "--out", str(path), *extra]
     if loadtest_supports("--processes"):
-        cmd += ["--processes", str(max(1, min(8, concurrency // 32)))]
+        cmd += ["--processes", "auto"]
     if run(cmd, out / f"loadtest_{name}.log", timeout=240) != 0 or not path.exists():
         return None
     rep = json.loads(path.read_text())
