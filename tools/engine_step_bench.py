@@ -9,12 +9,15 @@ full-batch decode steps are timed (the core's `step()` as the core loop calls it
   launch + post-processing, i.e. the CPU work per step; with async scheduling it overlaps the device;
 - schedule / execute / postprocess ms: the host parts (execute = packing and kernel launches);
 - tok/s: output tokens per second over the measured steps.
-Medians over the measured steps. Prints one table last; writes every step's timings as JSON to --out.
+Medians over the measured steps. The prompts of a (batch, mode) are the same with and without async
+scheduling, so their tokens must be too (greedy and seeded sampling): the last column checks it. Prints one
+table last; writes every step's timings as JSON to --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import time
@@ -35,6 +38,7 @@ class Probe:
 
     def __init__(self, core) -> None:
         self.core = core
+        self.tokens: dict[str, list[int]] = {}  # request id -> tokens emitted
         self.phases: dict[str, float] = {}
         self.replays: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._wrap(core.scheduler, "schedule")
@@ -85,6 +89,8 @@ class Probe:
         update = self.core.step()
         wall = time.perf_counter() - t0
         p = self.phases
+        for u in update.updates:
+            self.tokens.setdefault(u.request_id, []).extend(u.new_token_ids)
         return {"step_ms": wall * 1e3, "host_ms": (wall - p.get("wait", 0.0)) * 1e3,
                 "wait_ms": p.get("wait", 0.0) * 1e3, "schedule_ms": p.get("schedule", 0.0) * 1e3,
                 "execute_ms": p.get("execute", 0.0) * 1e3, "postprocess_ms": p.get("postprocess", 0.0) * 1e3,
@@ -99,9 +105,10 @@ class Probe:
             s["replay_ms"] = sum(self.replays[i][0].elapsed_time(self.replays[i][1]) for i in s.pop("replays"))
 
 
-def run_batch(core, probe: Probe, batch: int, prompt_len: int, warmup: int, steps: int, mode: str,
-              gen: torch.Generator) -> dict:
+def run_batch(core, probe: Probe, batch: int, prompt_len: int, warmup: int, steps: int, mode: str) -> dict:
     vocab = core.runner.config.vocab_size
+    gen = torch.Generator().manual_seed(batch)  # the same prompts with and without async scheduling
+    probe.tokens = {}
     params = SamplingParams(max_tokens=warmup + steps + 4, ignore_eos=True, seed=1, **MODES[mode])
     for i in range(batch):
         prompt = torch.randint(3, vocab, (prompt_len,), generator=gen).tolist()
@@ -123,7 +130,11 @@ def run_batch(core, probe: Probe, batch: int, prompt_len: int, warmup: int, step
     med = {k: statistics.median(s[k] for s in measured) for k in
            ("step_ms", "replay_ms", "host_ms", "wait_ms", "schedule_ms", "execute_ms", "postprocess_ms")}
     total_s = sum(s["step_ms"] for s in measured) / 1e3
-    return {"batch": batch, "mode": mode, **med, "tok_s": batch * len(measured) / total_s, "steps": measured}
+    # every request emitted at least warmup + steps - 1 tokens in both modes (async holds one step back)
+    head = [probe.tokens.get(f"b{batch}-{mode}-{i}", [])[:warmup + steps - 1] for i in range(batch)]
+    digest = hashlib.sha256(json.dumps(head).encode()).hexdigest()[:16]
+    return {"batch": batch, "mode": mode, **med, "tok_s": batch * len(measured) / total_s, "tokens": digest,
+            "steps": measured}
 
 
 def main() -> None:
@@ -146,13 +157,12 @@ def main() -> None:
                           gpu_memory_utilization=args.gpu_memory_utilization)
     core, info = build_core(config)
     probe = Probe(core)
-    gen = torch.Generator().manual_seed(0)
     results = []
     for async_scheduling in (False, True):
         core.async_scheduling = async_scheduling  # the core is idle between runs
         for mode in args.modes:
             for batch in args.batches:
-                r = run_batch(core, probe, batch, args.prompt_len, args.warmup, args.steps, mode, gen)
+                r = run_batch(core, probe, batch, args.prompt_len, args.warmup, args.steps, mode)
                 r["async_scheduling"] = async_scheduling
                 results.append(r)
                 print(f"async={async_scheduling} {mode} batch {batch}: step {r['step_ms']:.3f} ms, "
@@ -165,10 +175,12 @@ def main() -> None:
     cols = ("step_ms", "replay_ms", "host_ms", "schedule_ms", "execute_ms", "postprocess_ms", "tok_s")
     print(f"\n{meta['gpu']}, {info.model} {info.dtype}, prompt {args.prompt_len}, medians over {args.steps} "
           f"full-batch decode steps (ms; tok/s = output tokens per second)")
-    print(f"{'async':>5} {'mode':>6} {'batch':>5} " + " ".join(f"{c:>14}" for c in cols))
+    sync_digest = {(r["mode"], r["batch"]): r["tokens"] for r in results if not r["async_scheduling"]}
+    print(f"{'async':>5} {'mode':>6} {'batch':>5} " + " ".join(f"{c:>14}" for c in cols) + "  tokens==sync")
     for r in results:
+        same = r["tokens"] == sync_digest[(r["mode"], r["batch"])]
         print(f"{str(r['async_scheduling']):>5} {r['mode']:>6} {r['batch']:>5} "
-              + " ".join(f"{r[c]:>14.3f}" if c != "tok_s" else f"{r[c]:>14.0f}" for c in cols))
+              + " ".join(f"{r[c]:>14.3f}" if c != "tok_s" else f"{r[c]:>14.0f}" for c in cols) + f"  {same}")
     print(f"JSON: {args.out}")
 
 
