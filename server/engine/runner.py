@@ -60,10 +60,9 @@ class StepResult:
     def wait(self) -> HostSamples:
         if self._event is not None:
             self._event.synchronize()
-        ints = self._ints.tolist()
         if self._floats is None:
-            return HostSamples([r[0] for r in ints])
-        floats = self._floats.tolist()
+            return HostSamples(self._ints.view(-1).tolist())
+        ints, floats = self._ints.tolist(), self._floats.tolist()
         return HostSamples([r[0] for r in ints], [r[0] for r in floats], [r[1:] for r in ints],
                            [r[1:] for r in floats])
 
