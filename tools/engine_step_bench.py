@@ -149,11 +149,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="default: the model's, as `pagewalk serve` (the decode tables are that wide)")
     ap.add_argument("--out", type=Path, default=Path("engine_step_bench.json"))
     args = ap.parse_args()
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(args.batches),
                           max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_model_len=args.prompt_len + args.warmup + args.steps + 64,
+                          max_model_len=args.max_model_len,
                           gpu_memory_utilization=args.gpu_memory_utilization)
     core, info = build_core(config)
     probe = Probe(core)
