@@ -80,8 +80,12 @@ def load_hf_model(name: str, device: torch.device, dtype: torch.dtype):
     ours, _ = load_model(name, device, dtype)
     with torch.device(device):
         model = LlamaForCausalLM(hf_config(ours.config)).to(dtype)
-    missing, unexpected = model.load_state_dict(hf_state_dict(ours.state_dict(), ours.config), strict=False)
-    missing = [m for m in missing if not (m == "lm_head.weight" and ours.config.tie_word_embeddings)]
+    state = hf_state_dict(ours.state_dict(), ours.config)
+    if "lm_head.bias" in state:  # the presets' printable-id mask (-inf logits); transformers' Llama has none
+        model.lm_head.bias = torch.nn.Parameter(state.pop("lm_head.bias"), requires_grad=False)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if m != "lm_head.bias"
+               and not (m == "lm_head.weight" and ours.config.tie_word_embeddings)]
     if missing or unexpected:
         raise RuntimeError(f"weight conversion mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
     del ours
