@@ -9,8 +9,8 @@ connection:
   the connection opened); otherwise the connection gets a 408 and is closed (slowloris);
 - a cap: a connection over `max_connections` open ones gets a 503 and is closed at once;
 - a write-stall deadline: a client that reads nothing of a response for `stall_timeout_s` (the socket's
-  send buffer stays full) is disconnected; the app sees the disconnect, which aborts its engine requests
-  and frees their KV blocks. While the buffer is full the response's sender waits, so what a stream holds
+  send buffer, capped at SEND_BUFFER_BYTES, stays full) is disconnected; the app sees the disconnect,
+  which aborts its engine requests and frees their KV blocks. While the buffer is full the response's sender waits, so what a stream holds
   is bounded by the time it may stall;
 - at shutdown, a connection whose client is not reading is disconnected at once (the engine has drained
   by then), so a stalled client cannot hold the exit;
@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -34,6 +35,10 @@ DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_STALL_TIMEOUT_S = 30.0
 DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5
+# the kernel's share of what a connection may hold unsent (Linux doubles it); autotuning would let a
+# client that reads nothing absorb up to tcp_wmem's maximum (megabytes) before the stall deadline starts.
+# A token stream needs a small fraction of this per round trip.
+SEND_BUFFER_BYTES = 256 * 1024
 
 
 def raw_error(status: int, reason: str, message: str, code: str | None = None) -> bytes:
@@ -53,6 +58,9 @@ class GuardedH11Protocol(H11Protocol):
         self.header_timer: asyncio.TimerHandle | None = None
         self.stall_timer: asyncio.TimerHandle | None = None
         super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         if len(self.connections) > self.max_connections:
             logger.warning("connection refused: %d open connections (max_connections=%d)",
                            len(self.connections) - 1, self.max_connections)

@@ -1,0 +1,58 @@
+"""Finding 3 of issue 17: a streaming request that cannot be queued gets its 429 (with Retry-After) or 503
+as the HTTP status, exactly as a non-streaming one, never a 200 with an error event inside."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from server.api.app import create_app
+from server.engine.sampling_params import SamplingParams
+from tests.engine_helpers import started_engine
+
+pytestmark = pytest.mark.timeout(120)
+
+CFG = dict(model="tiny", device="cpu", attention_backend="torch", num_blocks=64, max_num_seqs=1,
+           max_waiting=2)
+
+
+def test_a_burst_over_the_queue_is_refused_before_the_status_line():
+    with started_engine(**CFG) as engine:
+        app = create_app(engine)
+        prompt = engine.tokenizer.encode("hold the only row")
+        hold = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+
+        async def go():
+            holder = engine.generate("holder", prompt, hold)
+            await anext(holder)  # it runs: the one row is taken, the queue is empty
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                body = {"prompt": "hi", "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+                burst = [c.post("/v1/completions", json={**body, "stream": i % 2 == 0}, timeout=60)
+                         for i in range(6)]
+                responses = await asyncio.gather(*burst)
+            await holder.aclose()
+            return responses
+
+        responses = asyncio.run(go())
+    codes = sorted(r.status_code for r in responses)
+    assert codes == [200, 200, 429, 429, 429, 429], [(r.status_code, r.text[:200]) for r in responses]
+    for r in responses:
+        if r.status_code == 429:
+            assert r.json()["error"]["type"] == "rate_limit_error" and r.headers["retry-after"] == "1"
+        else:
+            assert "error" not in r.text, r.text  # the two admitted ones were served, not refused inside
+
+
+def test_streaming_while_shutting_down_is_503():
+    with started_engine(**CFG) as engine:
+        app = create_app(engine)
+        engine.shutdown(timeout=5)
+
+        async def go():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                return await c.post("/v1/completions", json={"prompt": "hi", "stream": True}, timeout=30)
+
+        r = asyncio.run(go())
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error", r.text

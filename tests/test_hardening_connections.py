@@ -1,0 +1,134 @@
+"""Findings 2, 5, 6 and 9 of issue 17 against a real uvicorn (raw sockets): slowloris connections are closed
+at the header deadline, connections over the cap get a 503, a client that stops reading is disconnected and
+its request aborted, uvicorn's own 400 carries the OpenAI error body, a client gone mid-body is one info
+line (no traceback), HEAD /health works."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+from server_helpers import Server
+
+pytestmark = pytest.mark.timeout(120)
+
+HEADER_TIMEOUT_S = 1.5
+STALL_TIMEOUT_S = 1.0
+MAX_CONNECTIONS = 12
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("conn"), "--num-blocks", "1024", "--header-timeout",
+                 str(HEADER_TIMEOUT_S), "--client-stall-timeout", str(STALL_TIMEOUT_S),
+                 "--max-connections", str(MAX_CONNECTIONS))
+    yield srv
+    srv.stop()
+
+
+def connect(server: Server, rcvbuf: int | None = None) -> socket.socket:
+    s = socket.socket()
+    if rcvbuf is not None:  # set before connecting: the advertised window stays this small
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.connect(("127.0.0.1", server.port))
+    s.settimeout(10)
+    return s
+
+
+def read_all(s: socket.socket) -> bytes:
+    chunks = []
+    while chunk := s.recv(65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def json_body(raw: bytes) -> dict:
+    return json.loads(raw.partition(b"\r\n\r\n")[2])
+
+
+def test_slowloris_connections_are_closed_at_the_header_deadline(server):
+    socks = [connect(server) for _ in range(6)]
+    start = time.monotonic()
+    for s in socks:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    deadline = start + HEADER_TIMEOUT_S + 3
+    for i in range(40):  # a header line's byte every 0.1 s: never complete
+        if time.monotonic() > HEADER_TIMEOUT_S + start + 0.5:
+            break
+        for s in socks:
+            try:
+                s.sendall(b"X" if i % 2 else b"-")
+            except OSError:
+                pass
+        time.sleep(0.1)
+    for s in socks:
+        s.settimeout(max(0.1, deadline - time.monotonic()))
+        raw = read_all(s)  # an uncut connection raises TimeoutError here
+        assert raw.startswith(b"HTTP/1.1 408"), raw
+        assert json_body(raw)["error"]["code"] == "request_timeout"
+        s.close()
+    assert time.monotonic() - start < HEADER_TIMEOUT_S + 2
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_connections_over_the_cap_get_503(server):
+    held = [connect(server) for _ in range(MAX_CONNECTIONS)]
+    time.sleep(0.2)
+    extra = connect(server)
+    raw = read_all(extra)
+    assert raw.startswith(b"HTTP/1.1 503") and json_body(raw)["error"]["code"] == "too_many_connections", raw
+    for s in held + [extra]:
+        s.close()
+    time.sleep(0.2)
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_uvicorn_400_is_an_openai_error_body(server):
+    s = connect(server)
+    s.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+    raw = read_all(s)
+    assert raw.startswith(b"HTTP/1.1 400"), raw
+    err = json_body(raw)["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == "invalid_http"
+
+
+def test_head_health_is_200(server):
+    r = httpx.head(f"{server.url}/health")
+    assert r.status_code == 200 and r.content == b""
+
+
+def test_client_gone_mid_body_is_one_info_line(server):
+    before = server.log.read_text()
+    s = connect(server)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 1000\r\n\r\n{\"prompt\": \"he")
+    time.sleep(0.2)
+    s.close()
+    time.sleep(0.5)
+    new = server.log.read_text()[len(before):]
+    assert "Traceback" not in new and "ERROR" not in new, new
+    assert new.count("client went away") == 1, new
+
+
+def test_a_client_that_stops_reading_is_disconnected_and_aborted(server):
+    before = server.log.read_text()
+    aborted = server.metric("pagewalk_request_success_total", {"finished_reason": "abort"})
+    body = json.dumps({"prompt": "hi", "max_tokens": 1500, "n": 4, "logprobs": 20, "stream": True,
+                       "ignore_eos": True}).encode()
+    s = connect(server, rcvbuf=4096)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    # read nothing: the server's buffers fill, it waits STALL_TIMEOUT_S, then drops the connection
+    deadline = time.monotonic() + 30
+    while "read nothing" not in server.log.read_text()[len(before):]:
+        assert time.monotonic() < deadline, server.log.read_text()[len(before):]
+        time.sleep(0.1)
+    server.wait_idle()  # the request is aborted in the engine and its blocks are free
+    after = server.metric("pagewalk_request_success_total", {"finished_reason": "abort"})
+    assert after - aborted == 4  # every choice aborted, none ran to its 1500 tokens
+    new = server.log.read_text()[len(before):]
+    assert "Traceback" not in new and new.count("read nothing") == 1, new
+    s.close()
