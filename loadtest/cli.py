@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--vocab-range", default="32,126", metavar="LOW,HIGH",
       help="token ids for completions prompts (default: printable ASCII of byte-level tokenizers)")
     a("--temperature", type=float, default=0.0)
+    a("--top-p", type=float, default=1.0, help="nucleus mass kept (sampled decoding)")
     a("--request-timeout", type=float, default=600.0, metavar="S")
     a("--no-return-token-ids", action="store_true",
       help="do not ask for per-chunk token_ids (for servers that reject unknown fields)")
@@ -84,7 +85,8 @@ def settings_from_args(args: argparse.Namespace, argv: list[str]) -> RunSettings
         output_lens=LengthRange.parse(args.output_len_range or str(args.output_len)),
         seed=args.seed, stream=not args.no_stream, api_key=args.api_key,
         slo=SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms), warmup=args.warmup,
-        vocab_range=(vocab.low, vocab.high), temperature=args.temperature, timeout_s=args.request_timeout,
+        vocab_range=(vocab.low, vocab.high), temperature=args.temperature, top_p=args.top_p,
+        timeout_s=args.request_timeout,
         return_token_ids=not args.no_return_token_ids, detailed=args.save_detailed,
         progress=not args.no_progress, processes=args.processes,
         command=shlex.join(["python", "-m", "loadtest", *argv]),

@@ -36,6 +36,7 @@ class ClientConfig:
     stream: bool = True
     api_key: str | None = None
     temperature: float = 0.0
+    top_p: float = 1.0
     timeout_s: float = 600.0
     return_token_ids: bool = True
 
@@ -90,6 +91,7 @@ def build_payload(spec: RequestSpec, cfg: ClientConfig) -> dict:
         "model": cfg.model,
         "max_tokens": spec.output_len,
         "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
         "ignore_eos": True,
         "stream": cfg.stream,
     }

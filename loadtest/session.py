@@ -36,6 +36,7 @@ class RunSettings:
     warmup: int = 0
     vocab_range: tuple[int, int] = (32, 126)
     temperature: float = 0.0
+    top_p: float = 1.0
     timeout_s: float = 600.0
     return_token_ids: bool = True
     detailed: bool = False
@@ -54,7 +55,7 @@ class RunSettings:
             "request_rate": "inf" if math.isinf(self.request_rate) else self.request_rate,
             "burstiness": self.burstiness, "input_len": lens(self.input_lens),
             "output_len": lens(self.output_lens), "seed": self.seed, "stream": self.stream,
-            "warmup": self.warmup, "temperature": self.temperature,
+            "warmup": self.warmup, "temperature": self.temperature, "top_p": self.top_p,
             "processes": "auto" if self.processes is None else self.processes,
         }  # fmt: skip
 
@@ -85,7 +86,8 @@ async def discover(settings: RunSettings) -> Server:
 def client_config(settings: RunSettings, model: str) -> ClientConfig:
     return ClientConfig(
         base_url=settings.base_url, model=model, endpoint=settings.endpoint, stream=settings.stream,
-        api_key=settings.api_key, temperature=settings.temperature, timeout_s=settings.timeout_s,
+        api_key=settings.api_key, temperature=settings.temperature, top_p=settings.top_p,
+        timeout_s=settings.timeout_s,
         return_token_ids=settings.return_token_ids,
     )  # fmt: skip
 

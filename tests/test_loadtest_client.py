@@ -166,3 +166,11 @@ def test_slots_share_small_connection_pools(timed_server):
     edges = sorted([(r.send_time, 1) for r in result.records] + [(r.end_time, -1) for r in result.records])
     in_flight = [sum(step for _, step in edges[: i + 1]) for i in range(len(edges))]
     assert max(in_flight) == 20  # the whole concurrency is used, across both clients, and never exceeded
+
+
+def test_payload_carries_the_sampling_settings():
+    from loadtest.client import ClientConfig, build_payload
+    from loadtest.workload import RequestSpec
+    spec = RequestSpec(index=0, prompt=[5, 6], input_len=2, output_len=4)
+    payload = build_payload(spec, ClientConfig(base_url="http://x", model="m", temperature=0.8, top_p=0.95))
+    assert payload["temperature"] == 0.8 and payload["top_p"] == 0.95 and payload["max_tokens"] == 4
