@@ -147,7 +147,7 @@ def add_limit_flags(s: argparse.ArgumentParser) -> None:
                         "the whole KV cache)")
     g.add_argument("--max-seqs-per-request", type=int, default=None,
                    help="choices one request has in the engine at once; its other prompts wait for them, so "
-                        "a request of many prompts cannot starve small ones (default: max-num-seqs / 4)")
+                        "a request of many prompts cannot starve small ones (default: max-num-seqs / 2)")
     g = s.add_argument_group("connections")
     g.add_argument("--header-timeout", type=float, default=c.DEFAULT_HEADER_TIMEOUT_S,
                    help="seconds a client has to send a request's headers (408 and close after)")

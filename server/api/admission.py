@@ -29,11 +29,11 @@ class RequestLimits:
     max_choices: int = 256  # prompts x n
     max_logprob_entries: int = 1 << 20  # choices x tokens x (1 + logprobs): the response's logprob records
     max_request_tokens: int = 1 << 20  # choices x (prompt + max_tokens), summed over prompts
-    max_seqs_per_request: int | None = None  # choices one request has in the engine at once; None: a
-    #                                          quarter of max_num_seqs (fair admission)
+    max_seqs_per_request: int | None = None  # choices one request has in the engine at once; None: half
+    #                                          of max_num_seqs (fair admission)
 
     def seqs_per_request(self, max_num_seqs: int) -> int:
-        return self.max_seqs_per_request or max(1, max_num_seqs // 4)
+        return self.max_seqs_per_request or max(1, max_num_seqs // 2)
 
 
 def check_limits(limits: RequestLimits, engine, prompts: list[list[int]], params: SamplingParams,

@@ -1,0 +1,79 @@
+"""Faults (issue 17): an out-of-memory error in a device step fails that step's requests and the engine goes
+on; the engine core dying under load (many streams and plain requests in flight) fails them all quickly."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from server_helpers import GREEDY, Server
+
+from server.engine.sampling_params import SamplingParams
+from tests.engine_helpers import collect, started_engine, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+CFG = dict(model="tiny", device="cpu", attention_backend="torch", num_blocks=64, max_num_seqs=8)
+
+
+def test_out_of_memory_in_a_step_fails_that_step_and_the_engine_goes_on(monkeypatch):
+    with started_engine(**CFG) as engine:
+        runner = engine.client.core.runner
+        execute, calls = runner.execute, {"n": 0}
+
+        def flaky(step, table_of):
+            calls["n"] += 1
+            if calls["n"] == 3:  # mid-decode of the first batch
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return execute(step, table_of)
+
+        monkeypatch.setattr(runner, "execute", flaky)
+        prompt = engine.tokenizer.encode("hello")
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+        async def go():
+            first = await asyncio.gather(*(collect(engine, f"a{i}", prompt, params) for i in range(3)))
+            after = await collect(engine, "b", prompt, params)
+            return first, after
+
+        first, after = asyncio.run(go())
+        assert all(r.error and "OutOfMemoryError" in r.error for r in first), [r.error for r in first]
+        assert after.error is None and len(after.choices[0].token_ids) == 12
+        assert wait_until(lambda: engine.health()["kv_cache"]["used_blocks"] == 0)
+
+
+def test_core_death_under_load_fails_every_request_quickly(tmp_path):
+    srv = Server(tmp_path, "--num-blocks", "512", "--max-num-seqs", "8")
+    try:
+        ends: list[tuple[int | str, float]] = []
+        body = {"prompt": "keep going", "max_tokens": 1000, **GREEDY}
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{srv.url}/v1/completions", json={**body, "stream": True},
+                              timeout=30) as r:
+                last = [line for line in r.iter_lines() if line.startswith("data: ")][-2:]
+            ends.append(("engine_error" if "engine core died" in last[0] else last[0], time.monotonic()))
+
+        def plain() -> None:
+            r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=30)
+            ends.append((r.status_code, time.monotonic()))
+
+        threads = [threading.Thread(target=f) for f in [stream, plain] * 8]  # 16: half of them queued
+        for t in threads:
+            t.start()
+        assert wait_until(lambda: srv.health()["running"] == 8 and srv.health()["waiting"] == 8, timeout=20)
+        os.kill(srv.core_pid(), signal.SIGKILL)
+        killed = time.monotonic()
+        for t in threads:
+            t.join(30)
+        assert sorted(str(e[0]) for e in ends) == ["500"] * 8 + ["engine_error"] * 8, ends
+        assert max(e[1] for e in ends) - killed < 2.0
+        assert srv.proc.wait(timeout=30) != 0
+    finally:
+        srv.stop()

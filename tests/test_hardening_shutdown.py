@@ -1,0 +1,61 @@
+"""Finding 7 of issue 17: SIGTERM and SIGINT exit 0 within --shutdown-timeout + 2 s whatever the clients do:
+one reads its stream, one stopped reading (its buffers full), one never finished its headers."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from server_helpers import Server
+
+pytestmark = pytest.mark.timeout(120)
+
+SHUTDOWN_TIMEOUT_S = 1.0
+
+
+def stream_body(**fields) -> bytes:
+    body = json.dumps({"prompt": "hi", "max_tokens": 1500, "stream": True, "ignore_eos": True, **fields}).encode()
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+
+
+@pytest.mark.parametrize("sig, core", [(signal.SIGTERM, "process"), (signal.SIGINT, "thread")])
+def test_signal_exits_0_in_time_whatever_the_clients_do(tmp_path, sig, core):
+    args = ["--num-blocks", "1024", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
+    srv = Server(tmp_path, *args, *(["--engine-in-process"] if core == "thread" else []))
+    try:
+        stalled = socket.socket()
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.connect(("127.0.0.1", srv.port))
+        stalled.sendall(stream_body(n=4, logprobs=20))  # and never reads
+        half = socket.create_connection(("127.0.0.1", srv.port))
+        half.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # never completes its headers
+
+        def reader() -> None:
+            try:
+                with httpx.stream("POST", f"{srv.url}/v1/completions", timeout=30,
+                                  json={"prompt": "x", "max_tokens": 1500, "stream": True,
+                                        "ignore_eos": True}) as r:
+                    for _ in r.iter_lines():
+                        pass
+            except httpx.HTTPError:
+                pass
+
+        threading.Thread(target=reader, daemon=True).start()
+        time.sleep(1.5)  # everyone is in flight; the stalled client's buffers are full
+        start = time.monotonic()
+        srv.proc.send_signal(sig)
+        code = srv.proc.wait(timeout=30)
+        elapsed = time.monotonic() - start
+        assert code == 0, srv.log.read_text()[-3000:]
+        assert elapsed < SHUTDOWN_TIMEOUT_S + 2, (elapsed, srv.log.read_text()[-3000:])
+        assert "Traceback" not in srv.log.read_text()
+        stalled.close()
+        half.close()
+    finally:
+        srv.stop()
