@@ -109,7 +109,9 @@ def run_batch(core, probe: Probe, batch: int, prompt_len: int, warmup: int, step
     vocab = core.runner.config.vocab_size
     gen = torch.Generator().manual_seed(batch)  # the same prompts with and without async scheduling
     probe.tokens = {}
-    params = SamplingParams(max_tokens=warmup + steps + 4, ignore_eos=True, seed=1, **MODES[mode])
+    # the prompts prefill over several steps, so the first ones decode that many steps ahead of the last
+    margin = 4 + -(-batch * prompt_len // 2048)
+    params = SamplingParams(max_tokens=warmup + steps + margin, ignore_eos=True, seed=1, **MODES[mode])
     for i in range(batch):
         prompt = torch.randint(3, vocab, (prompt_len,), generator=gen).tolist()
         core.add_request(EngineRequest(f"b{batch}-{mode}-{i}", prompt, params, time.monotonic()))
