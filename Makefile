@@ -8,7 +8,7 @@ HOST    ?= 127.0.0.1
 PORT    ?= 8000
 MODEL   ?= tiny
 
-.PHONY: setup test test-gpu serve bench bench-kernel lint clean
+.PHONY: setup test test-gpu serve bench bench-kernel lint clean soak
 
 # With CUDA the venv sees the system's (user's) torch and pip never replaces it (torch>=2.4 is satisfied);
 # without CUDA we install the CPU build first (torch 2.13.0 lies on this machine's disk).
@@ -34,6 +34,11 @@ bench: bench-kernel
 
 bench-kernel: $(STAMP)
 	$(VPY) -m tools.kernel_bench
+
+# a bounded mixed workload with hang-ups against the CPU server (tiny preset); SOAK_S seconds (default 300)
+SOAK_S ?= 300
+soak: $(STAMP)
+	$(VPY) -m tools.soak --duration $(SOAK_S)
 
 lint: $(STAMP)
 	$(VPY) -m pip install -q ruff && $(VENV)/bin/ruff check .

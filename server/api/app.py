@@ -10,11 +10,12 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from server.api import chat, completions, debug, models, monitoring, playground, tokenize
+from server.api import chat, completions, debug, models, monitoring, openapi_bodies, playground, tokenize
 from server.api.admission import AdmissionGate, RequestLimits
 from server.api.auth import BearerAuthMiddleware
 from server.api.errors import CatchAllMiddleware, install_error_handlers
 from server.api.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimitMiddleware
+from server.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 logger = logging.getLogger("pagewalk.api")
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
@@ -45,6 +46,7 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = DEFAULT
     app.state.api_key = api_key  # /debug/* checks it itself (the middleware guards /v1/* only)
     for module in (completions, chat, models, monitoring, debug, playground, tokenize):
         app.include_router(module.router)
+    openapi_bodies.install(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
     # the last added runs first: auth (401) before the body size (413), both inside the catch-all
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
     if api_key:

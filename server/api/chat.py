@@ -22,6 +22,7 @@ from server.api.engine_stream import (
 )
 from server.api.errors import APIError
 from server.api.logprobs import chat_logprobs
+from server.api.openapi_bodies import request_body
 from server.api.parsing import check_model, parse_body
 from server.api.prompts import chat_prompt_ids, check_context_length
 from server.api.protocol import (
@@ -97,7 +98,7 @@ class ChatJob:
         return "".join(parts)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
 async def create_chat_completion(request: Request) -> Response:
     engine = request.app.state.engine
     req = await parse_body(request, ChatCompletionRequest)

@@ -21,6 +21,7 @@ from server.api.engine_stream import (
     usage,
 )
 from server.api.logprobs import completion_logprobs, echo_logprobs, joined
+from server.api.openapi_bodies import request_body
 from server.api.parsing import check_model, parse_body
 from server.api.prompts import check_context_length
 from server.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
@@ -99,7 +100,7 @@ class CompletionJob:
         return "".join(parts)
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
 async def create_completion(request: Request) -> Response:
     engine = request.app.state.engine
     req = await parse_body(request, CompletionRequest)

@@ -9,7 +9,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 router = APIRouter()
 
 
-@router.api_route("/health", methods=["GET", "HEAD"])
+@router.get("/health")
+@router.head("/health", include_in_schema=False)
 async def health(request: Request) -> JSONResponse:
     info = request.app.state.engine.health()
     return JSONResponse(info, status_code=200 if info.get("status") == "ok" else 503)

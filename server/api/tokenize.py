@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from server.api.openapi_bodies import request_body
 from server.api.parsing import check_model, parse_body
 from server.api.prompts import chat_prompt_ids
 from server.api.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
@@ -13,7 +14,7 @@ from server.api.sampling import check_token_ids
 router = APIRouter()
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
 async def tokenize(request: Request) -> dict:
     engine = request.app.state.engine
     req = await parse_body(request, TokenizeRequest)
@@ -27,7 +28,7 @@ async def tokenize(request: Request) -> dict:
     return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids).model_dump()
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
 async def detokenize(request: Request) -> dict:
     engine = request.app.state.engine
     req = await parse_body(request, DetokenizeRequest)
