@@ -80,7 +80,8 @@ def _softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.con
     return m_new, l_i, acc
 
 
-@triton.jit
+# sizes that change between calls of one plan shape are not specialised on (see kernels/paged_prefill.py)
+@triton.jit(do_not_specialize=["window", "num_splits", "table_split_tokens", "table_tokens"])
 def _paged_decode_stage1(
     Q, K, V, BLOCK_TABLES, SEQ_LENS, O_PART, LSE_PART, OUT, TICKETS,
     qk_scale, window, num_splits, table_split_tokens, table_tokens,

@@ -26,6 +26,9 @@ from kernels.launch_cache import CachedLauncher
 from kernels.prefill_dispatch import check_prefill_inputs
 
 LOG2E = 1.4426950408889634
+# the chunk-offset vector each program searches is padded to at least this many entries, so one compiled
+# variant serves any step of up to MIN_CHUNKS_PAD - 1 chunks
+MIN_CHUNKS_PAD = 512
 
 
 @triton.jit
@@ -69,7 +72,9 @@ def _kv_tiles(k_base, v_base, table_row, start, hi, offs_n, offs_d, d_mask, stri
     return key_pos, k, v
 
 
-@triton.jit
+# window and num_chunks change from step to step: not specialised on (Triton would compile a variant for 1
+# and for multiples of 16, each a stall of every stream when it first appears mid-serving)
+@triton.jit(do_not_specialize=["window", "num_chunks"])
 def _paged_prefill_kernel(
     Q, K, V, BLOCK_TABLES, QUERY_START_LOC, SEQ_LENS, OUT,
     qk_scale, window, num_chunks,
@@ -208,7 +213,7 @@ def _launch(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, s
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, HEAD_DIM=d,
         HEAD_DIM_PAD=triton.next_power_of_2(d), BLOCK_SIZE=block_size,
-        CHUNKS_PAD=triton.next_power_of_2(num_chunks + 1), WINDOW=sliding_window is not None,
+        CHUNKS_PAD=max(MIN_CHUNKS_PAD, triton.next_power_of_2(num_chunks + 1)), WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

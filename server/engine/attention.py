@@ -100,3 +100,30 @@ class PagedAttention:
             out=out,
             workspace=ws,
         )
+
+
+def warm_up_attention(kv: KVCacheTensors, sliding_window: int | None, max_num_seqs: int, max_blocks: int,
+                      num_q_heads: int, decode_num_splits: int | None,
+                      workspace: kernels.DecodeWorkspace | None) -> int:
+    """Compiles, before the first request, every attention kernel variant an eager step can launch: the
+    decode kernel at each split count PagedAttention picks for 1..max_num_seqs rows, and the prefill kernel.
+    A Triton compile mid-serving stalls every stream for about a second. The calls read nothing (seq_len 0,
+    or the null block). Returns the number of decode variants."""
+    k_cache, v_cache = kv.layer(0)
+    hkv, d, device = k_cache.shape[2], k_cache.shape[3], k_cache.device
+    first_batch: dict[int, int] = {}
+    for batch in range(1, max_num_seqs + 1):
+        splits = decode_num_splits or kernels.decode_num_splits(batch, hkv, max_blocks * k_cache.shape[1],
+                                                                device)
+        first_batch.setdefault(splits, batch)
+    for splits, batch in first_batch.items():
+        q = torch.zeros(batch, num_q_heads, d, dtype=k_cache.dtype, device=device)      # (B, Hq, D)
+        tables = torch.zeros(batch, max_blocks, dtype=torch.int32, device=device)
+        lens = torch.zeros(batch, dtype=torch.int32, device=device)
+        kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, sliding_window=sliding_window,
+                                       num_splits=splits, workspace=workspace)
+    q = torch.zeros(1, num_q_heads, d, dtype=k_cache.dtype, device=device)              # (T=1, Hq, D)
+    tables = torch.zeros(1, max_blocks, dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    paged_prefill_attention(q, k_cache, v_cache, tables, qsl, qsl[1:], sliding_window=sliding_window)
+    return len(first_batch)

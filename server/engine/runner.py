@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
-from server.engine.attention import AttentionMetadata, PagedAttention, PrefillMetadata
+from server.engine.attention import AttentionMetadata, PagedAttention, PrefillMetadata, warm_up_attention
 from server.engine.batch_state import DECODE_FIELDS, BatchState, StepPacker, floats_as_int32
 from server.engine.cuda_graphs import GRAPH_MEMORY_MARGIN, DecodeGraphs, capture_sizes
 from server.engine.kv_cache_tensors import KVCacheTensors
@@ -116,6 +116,11 @@ class ModelRunner:
             self.attention_backend, num_blocks, block_size,
             self.kv.data.numel() * self.kv.data.element_size() / 2**20, self.device, self.dtype,
         )
+        if self.attention_backend == "triton" and self.device.type == "cuda":
+            variants = warm_up_attention(self.kv, self.sliding_window, self.max_num_seqs,
+                                         self.state.block_tables.shape[1], self.config.num_heads,
+                                         self.decode_num_splits, self.decode_workspace)
+            log.info("runner: %d decode attention variants and the prefill kernel compiled", variants)
         if self.cuda_graphs:
             self._capture_graphs()
         else:
