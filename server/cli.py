@@ -235,15 +235,17 @@ def serve(args: argparse.Namespace) -> int:
 
     from server.api.app import create_app, stop_engine
     from server.api.async_engine import AsyncEngine
-    from server.api.connections import guarded_protocol
+    from server.api.connections import drop_stalled, guarded_protocol
     from server.api.limits import DEFAULT_MAX_BODY_BYTES
     from server.engine.core_client import CoreStartupError
 
     class GracefulServer(uvicorn.Server):
-        """On SIGTERM/SIGINT the engine drains first (in-flight requests finish, or are aborted with
-        finish_reason "abort" after --shutdown-timeout), then uvicorn closes connections and exits."""
+        """On SIGTERM/SIGINT clients that are not reading are dropped (their requests abort), the engine
+        drains (in-flight requests finish, or are aborted with finish_reason "abort" after
+        --shutdown-timeout), then uvicorn closes connections and exits."""
 
         async def shutdown(self, sockets=None) -> None:
+            drop_stalled(self.server_state.connections)
             await stop_engine(self.config.app)
             await super().shutdown(sockets)
 
@@ -261,7 +263,7 @@ def serve(args: argparse.Namespace) -> int:
     # GuardedH11Protocol drops clients that are not reading: what remains finishes in a second or is cut
     protocol = guarded_protocol(args.header_timeout, args.client_stall_timeout, args.max_connections)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, http=protocol,
-                            timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=1,
+                            timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=0.5,
                             access_log=False)
     # uvicorn re-raises the signal it shut down on once it is done; a graceful stop is a clean exit (0)
     for sig in (signal.SIGTERM, signal.SIGINT):

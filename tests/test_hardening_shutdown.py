@@ -32,7 +32,8 @@ def test_signal_exits_0_in_time_whatever_the_clients_do(tmp_path, sig, core):
         stalled = socket.socket()
         stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         stalled.connect(("127.0.0.1", srv.port))
-        stalled.sendall(stream_body(n=4, logprobs=20))  # and never reads
+        # and never reads: the echoed prompt's logprobs (~3 MB at once) fill even autotuned socket buffers
+        stalled.sendall(stream_body(prompt="a" * 1500, echo=True, n=4, logprobs=20, max_tokens=400))
         half = socket.create_connection(("127.0.0.1", srv.port))
         half.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # never completes its headers
 

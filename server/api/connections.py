@@ -120,18 +120,29 @@ class GuardedH11Protocol(H11Protocol):
                     self.stall_timeout_s)
         self.transport.abort()  # close() would wait for the full buffer to drain
 
+    def drop_if_stalled(self) -> bool:
+        if self.flow is None or not self.flow.write_paused or self.transport.is_closing():
+            return False
+        logger.info("disconnecting %s at shutdown: it is not reading its response", _peer(self))
+        self.transport.abort()
+        return True
+
     def shutdown(self) -> None:
-        if self.flow is not None and self.flow.write_paused:
-            logger.info("disconnecting %s at shutdown: it is not reading its response", _peer(self))
-            self.transport.abort()
-            return
-        super().shutdown()
+        if not self.drop_if_stalled():
+            super().shutdown()
 
     def _cancel_timers(self) -> None:
         for timer in (self.header_timer, self.stall_timer):
             if timer is not None:
                 timer.cancel()
         self.header_timer = self.stall_timer = None
+
+
+def drop_stalled(connections) -> None:
+    """At shutdown, before the engine drains: a client not reading would only hold the drain."""
+    for connection in list(connections):
+        if isinstance(connection, GuardedH11Protocol):
+            connection.drop_if_stalled()
 
 
 def _peer(protocol: H11Protocol) -> str:
