@@ -98,3 +98,17 @@ def test_max_stop_strings_cannot_stall_a_concurrent_stream(engine):
     alone, together = asyncio.run(go())
     # loose: the heavy request adds 16 decode rows to each step; what must not happen is a stall per token
     assert together < 4 * alone + 0.02, (alone, together)
+
+
+def test_chat_default_max_tokens_stays_within_the_limits(engine):
+    app = create_app(engine, limits=RequestLimits(max_request_tokens=400, max_logprob_entries=2_000))
+    body = {"messages": [{"role": "user", "content": "hi"}], "n": 2, "logprobs": True, "top_logprobs": 20,
+            **GREEDY}  # no max_tokens: OpenAI's default is whatever room is left
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post("/v1/chat/completions", json=body, timeout=60)
+
+    r = asyncio.run(go())
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2 * (2_000 // (2 * 21))

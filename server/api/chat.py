@@ -45,7 +45,7 @@ from server.api.streaming import (
 )
 from server.api.outputs import ChoiceDelta
 from server.engine.sampling_params import SamplingParams
-from server.api.admission import Reservation
+from server.api.admission import RequestLimits, Reservation
 
 router = APIRouter()
 
@@ -103,21 +103,22 @@ async def create_chat_completion(request: Request) -> Response:
     engine = request.app.state.engine
     req = await parse_body(request, ChatCompletionRequest)
     check_model(engine, req.model)
-    job = _job(engine, req)
+    job = _job(engine, req, request.app.state.limits)
     job.reservation = admit(request, [job.prompt], job.params,
                             "top_logprobs" if req.top_logprobs else "logprobs")
     return await job_response(request, req.stream, lambda: _stream(job), lambda: _complete(job),
                               job.reservation)
 
 
-def _job(engine, req: ChatCompletionRequest) -> ChatJob:
+def _job(engine, req: ChatCompletionRequest, limits: RequestLimits | None = None) -> ChatJob:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true.", "top_logprobs")
     prompt = chat_prompt_ids(engine.tokenizer, req.messages, True, req.add_special_tokens,
                              req.chat_template_kwargs)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
-        max_tokens = _room_left(engine, len(prompt), req.n or 1)
+        max_tokens = _room_left(engine, len(prompt), req.n or 1, limits or RequestLimits(),
+                                (req.top_logprobs or 0) if req.logprobs else None)
     limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     check_context_length(engine, [prompt], max_tokens, "messages", limit_param)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -125,11 +126,15 @@ def _job(engine, req: ChatCompletionRequest) -> ChatJob:
     return ChatJob(engine, req, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), prompt, params)
 
 
-def _room_left(engine, num_prompt_tokens: int, n: int) -> int:
-    """OpenAI's default max_tokens: as much as the context (and the KV cache, for n choices) leaves."""
+def _room_left(engine, num_prompt_tokens: int, n: int, limits: RequestLimits, logprobs: int | None) -> int:
+    """OpenAI's default max_tokens: as much as the context, the KV cache and the request limits (total
+    tokens, logprob entries; for n choices) leave."""
     kv = engine.health()["kv_cache"]
-    kv_tokens = (kv["free_blocks"] + kv["used_blocks"]) * kv["block_size"] // n
-    return max(1, min(engine.max_model_len, kv_tokens) - num_prompt_tokens)
+    kv_tokens = (kv["free_blocks"] + kv["used_blocks"]) * kv["block_size"]
+    room = min(engine.max_model_len, kv_tokens // n, limits.max_request_tokens // n) - num_prompt_tokens
+    if logprobs is not None:
+        room = min(room, limits.max_logprob_entries // (n * (1 + logprobs)))
+    return max(1, room)
 
 
 async def _complete(job: ChatJob) -> bytes:
