@@ -56,6 +56,8 @@ def paged_logits(runner: ModelRunner, seqs: list[list[int]], prompt_lens: list[i
     out = [[row] for row in run_chunks(runner, [chunk(i, 0, n) for i, n in enumerate(prompt_lens)])]
     for pos in range(min(prompt_lens), max(map(len, seqs)) - 1):
         live = [i for i, n in enumerate(prompt_lens) if n <= pos < len(seqs[i]) - 1]
+        if not live:  # every sequence still in its prompt at this position: no step
+            continue
         for i, row in zip(live, run_chunks(runner, [chunk(i, pos, pos + 1) for i in live]), strict=True):
             out[i].append(row)
     return out
