@@ -28,7 +28,7 @@ pytestmark = pytest.mark.timeout(120)
 CFG = dict(model="tiny", device="cpu", dtype="float32", block_size=16, num_blocks=32, max_num_seqs=8,
            max_num_batched_tokens=64, max_model_len=256, attention_backend="torch")
 PREFIXES = ["The quick brown fox jumps over the lazy dog. " * 2, "Once upon a time, in a paged cache, "]
-STOPS = ["e", "zz", "th", "x" * 300]
+STOPS = ["e", "zz", "th", "x" * 256]  # the longest a stop string may be (RequestLimits)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,8 @@ def _prompts(body: dict, tokenizer) -> list[list[int]]:
 
 def _fits(body: dict, engine: AsyncEngine) -> bool:
     totals = [len(p) + body["max_tokens"] for p in _prompts(body, engine.tokenizer)]
-    return all(t <= engine.max_model_len and t * body["n"] <= engine.capacity_tokens for t in totals)
+    # the KV check adds up every prompt of the request (RequestLimits / check_limits)
+    return all(t <= engine.max_model_len for t in totals) and sum(totals) * body["n"] <= engine.capacity_tokens
 
 
 async def call_asgi(app, path: str, body: dict, disconnect_after: float | None,

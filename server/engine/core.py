@@ -181,6 +181,10 @@ class EngineCore:
             reason = "length"
         if reason is not None:
             seq.finish_reason, seq.stop_reason = reason, stop_token
+            for child in reversed(seq.fork_children):  # never forked off it: each prefills on its own
+                child.status = SeqStatus.WAITING
+                self.scheduler.waiting.appendleft(child)
+            seq.fork_children = []
             self.scheduler.finish(seq)
             self._forget_if_finished(self.requests[seq.request_id])
         return SeqUpdate(seq.request_id, seq.index, [token], logprobs, reason, stop_token,
