@@ -130,15 +130,17 @@ def add_server_flags(s: argparse.ArgumentParser) -> None:
 
 def add_limit_flags(s: argparse.ArgumentParser) -> None:
     """Bounds on one request's work and on connections (README "Reliability")."""
-    from server.api.admission import RequestLimits
     from server.api import connections as c
+    from server.api.admission import RequestLimits
 
     d = RequestLimits()
     g = s.add_argument_group("request limits (each refusal is a 400 naming the field and the limit)")
-    g.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="stop strings per request")
+    g.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings,
+                   help="stop strings per request")
     g.add_argument("--max-stop-string-length", type=int, default=d.max_stop_string_length,
                    help="characters of one stop string")
-    g.add_argument("--max-prompts", type=int, default=d.max_prompts, help="prompts of one /v1/completions request")
+    g.add_argument("--max-prompts", type=int, default=d.max_prompts,
+                   help="prompts of one /v1/completions request")
     g.add_argument("--max-choices", type=int, default=d.max_choices, help="prompts x n of one request")
     g.add_argument("--max-logprob-entries", type=int, default=d.max_logprob_entries,
                    help="choices x tokens x (1 + logprobs) of one request (prompt logprobs of echo included)")

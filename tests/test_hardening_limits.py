@@ -53,7 +53,8 @@ def test_each_limit_is_a_400_naming_field_and_limit(engine):
     refused(post(app, {**base, "prompt": [[5]] * 8, "n": 8, "logprobs": 20, "max_tokens": 80}),
             "logprobs", "max_logprob_entries=100000")
     # the capacity check adds up every prompt: 10 x 60 tokens fit one at a time, not together
-    refused(post(app, {**base, "prompt": [[5] * 40] * 30, "max_tokens": 20}), "max_tokens", "KV cache capacity")
+    refused(post(app, {**base, "prompt": [[5] * 40] * 30, "max_tokens": 20}), "max_tokens",
+            "KV cache capacity")
     refused(post(app, {**base, "prompt": [[5] * 20] * 10, "max_tokens": 41}), "max_tokens",
             "max_request_tokens=600")
     ok = post(app, {**base, "prompt": [[5] * 20] * 10, "max_tokens": 40, "stop": ["x" * 256] * 64})
@@ -84,7 +85,7 @@ def test_max_stop_strings_cannot_stall_a_concurrent_stream(engine):
         stamps = []
         async for out in engine.generate(request_id, prompt, small):
             stamps.extend(time.perf_counter() for d in out.deltas if d.token_ids)
-        return statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
+        return statistics.median(b - a for a, b in zip(stamps, stamps[1:], strict=False))
 
     async def drain(request_id: str) -> None:
         async for _ in engine.generate(request_id, prompt, heavy):

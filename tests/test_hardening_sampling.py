@@ -77,7 +77,8 @@ def test_sampler_rows_with_extreme_values_give_finite_tokens():
     logits[:, V - 8:] = float("-inf")  # masked ids, as the presets have
     cases = [SamplingParams(temperature=1e-40), SamplingParams(temperature=1.0, top_p=1e-46),
              SamplingParams(temperature=3e38), SamplingParams(temperature=1.0, min_p=1.0),
-             SamplingParams(temperature=1e-5, top_k=3), SamplingParams(temperature=1.0, repetition_penalty=1e-30)]
+             SamplingParams(temperature=1e-5, top_k=3),
+             SamplingParams(temperature=1.0, repetition_penalty=1e-30)]
     for p in cases:
         sampler = Sampler(6, V, torch.device("cpu"))
         floats, ints = zip(*(row_fields(p, 7 + r, 0) for r in range(6)), strict=True)

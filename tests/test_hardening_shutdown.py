@@ -19,7 +19,8 @@ SHUTDOWN_TIMEOUT_S = 1.0
 
 
 def stream_body(**fields) -> bytes:
-    body = json.dumps({"prompt": "hi", "max_tokens": 1500, "stream": True, "ignore_eos": True, **fields}).encode()
+    fields = {"prompt": "hi", "max_tokens": 1500, "stream": True, "ignore_eos": True, **fields}
+    body = json.dumps(fields).encode()
     return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
 

@@ -3,10 +3,11 @@
     python -m tools.soak [--duration 300] [--concurrency 8] [--out DIR] [--url URL]
 
 Without --url it starts the server itself (the engine core in its own process) and stops it with SIGTERM at
-the end. Workers loop over: completions and chat, plain and streamed, several prompts with n > 1, stop strings,
-logprobs, a refused (400) request, and hang-ups (a stream dropped after its first events, a plain request
-dropped before its answer). At the end the server must be idle (no KV block used) and exit 0. Prints requests
-served, errors by kind, p50/p99 latency and the server's RSS at start and end; --out gets soak.json.
+the end. Workers loop over: completions and chat, plain and streamed, several prompts with n > 1, stop
+strings, logprobs, a refused (400) request, and hang-ups (a stream dropped after its first events, a plain
+request dropped before its answer). At the end the server must be idle (no KV block used) and exit 0. Prints
+requests served, errors by kind, p50/p99 latency and the server's RSS at start and end; --out gets
+soak.json.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ def workload(rng: random.Random) -> tuple[str, str, dict]:
                        "hangup_stream", "hangup_plain"])
     max_tokens = rng.randint(4, 48)
     if kind in ("chat", "chat_stream"):
-        return kind, "/v1/chat/completions", {"messages": [{"role": "user", "content": f"say {rng.random()}"}],
-                                              "max_tokens": max_tokens, "stream": kind == "chat_stream"}
+        messages = [{"role": "user", "content": f"say {rng.random()}"}]
+        return kind, "/v1/chat/completions", {"messages": messages, "max_tokens": max_tokens,
+                                              "stream": kind == "chat_stream"}
     body = {"prompt": f"soak {rng.randint(0, 50)}", "max_tokens": max_tokens, **GREEDY}
     if kind == "multi":
         body.update(prompt=[f"p{i}" for i in range(rng.randint(2, 6))], n=rng.randint(1, 3), temperature=0.8)

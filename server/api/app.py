@@ -46,7 +46,8 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = DEFAULT
     app.state.api_key = api_key  # /debug/* checks it itself (the middleware guards /v1/* only)
     for module in (completions, chat, models, monitoring, debug, playground, tokenize):
         app.include_router(module.router)
-    openapi_bodies.install(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
+    openapi_bodies.install(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest,
+                                 DetokenizeRequest])
     # the last added runs first: auth (401) before the body size (413), both inside the catch-all
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
     if api_key:

@@ -12,6 +12,7 @@ from functools import cached_property
 
 from fastapi import APIRouter, Request, Response
 
+from server.api.admission import RequestLimits, Reservation
 from server.api.engine_stream import (
     ChoiceState,
     admit,
@@ -23,6 +24,7 @@ from server.api.engine_stream import (
 from server.api.errors import APIError
 from server.api.logprobs import chat_logprobs
 from server.api.openapi_bodies import request_body
+from server.api.outputs import ChoiceDelta
 from server.api.parsing import check_model, parse_body
 from server.api.prompts import chat_prompt_ids, check_context_length
 from server.api.protocol import (
@@ -43,9 +45,7 @@ from server.api.streaming import (
     json_text,
     sse_event,
 )
-from server.api.outputs import ChoiceDelta
 from server.engine.sampling_params import SamplingParams
-from server.api.admission import RequestLimits, Reservation
 
 router = APIRouter()
 

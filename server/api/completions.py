@@ -12,6 +12,7 @@ from functools import cached_property
 
 from fastapi import APIRouter, Request, Response
 
+from server.api.admission import Reservation
 from server.api.engine_stream import (
     ChoiceState,
     admit,
@@ -22,14 +23,13 @@ from server.api.engine_stream import (
 )
 from server.api.logprobs import completion_logprobs, echo_logprobs, joined
 from server.api.openapi_bodies import request_body
+from server.api.outputs import ChoiceDelta
 from server.api.parsing import check_model, parse_body
 from server.api.prompts import check_context_length
 from server.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from server.api.sampling import DEFAULT_COMPLETION_MAX_TOKENS, check_token_ids, sampling_params
 from server.api.streaming import CHUNK_TAIL, chunk_head, job_response, json_member, sse_event
-from server.api.outputs import ChoiceDelta
 from server.engine.sampling_params import SamplingParams
-from server.api.admission import Reservation
 
 router = APIRouter()
 

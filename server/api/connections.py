@@ -8,12 +8,12 @@ connection:
 - a header deadline: a request's headers must be complete `header_timeout_s` after its first byte (or after
   the connection opened); otherwise the connection gets a 408 and is closed (slowloris);
 - a cap: a connection over `max_connections` open ones gets a 503 and is closed at once;
-- a write-stall deadline: a client that reads nothing of a response for `stall_timeout_s` (the socket's
-  send buffer, capped at SEND_BUFFER_BYTES, stays full) is disconnected; the app sees the disconnect,
-  which aborts its engine requests and frees their KV blocks. While the buffer is full the response's sender waits, so what a stream holds
-  is bounded by the time it may stall;
-- at shutdown, a connection whose client is not reading is disconnected at once (the engine has drained
-  by then), so a stalled client cannot hold the exit;
+- a write-stall deadline: a client that reads nothing of a response for `stall_timeout_s` (the socket's send
+  buffer, capped at SEND_BUFFER_BYTES, stays full) is disconnected; the app sees the disconnect, which aborts
+  its engine requests and frees their KV blocks. While the buffer is full the response's sender waits, so what
+  a stream holds is bounded by the time it may stall;
+- at shutdown, a connection whose client is not reading is disconnected at once (before the engine drains,
+  and again when uvicorn closes connections), so a stalled client cannot hold the exit;
 - the OpenAI error body on every answer it writes itself (400, 408, 503).
 """
 
@@ -146,7 +146,7 @@ def drop_stalled(connections) -> None:
 
 
 def _peer(protocol: H11Protocol) -> str:
-    return "%s:%d" % protocol.client if protocol.client else "a client"
+    return f"{protocol.client[0]}:{protocol.client[1]}" if protocol.client else "a client"
 
 
 def guarded_protocol(header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,

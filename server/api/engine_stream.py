@@ -16,10 +16,10 @@ from typing import TypeVar
 from fastapi import Request
 
 from server.api.admission import Reservation, check_limits, rejected
-from server.api.errors import APIError
-from server.api.protocol import Usage
 from server.api.async_engine import RequestRejected
+from server.api.errors import APIError
 from server.api.outputs import ChoiceDelta, RequestOutput, TokenLogprob
+from server.api.protocol import Usage
 from server.engine.sampling_params import SamplingParams
 
 T = TypeVar("T")

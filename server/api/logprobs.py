@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from server.api.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 from server.api.outputs import TokenLogprob
+from server.api.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 
 def completion_logprobs(tokens: list[TokenLogprob], text_offset: int) -> CompletionLogprobs:

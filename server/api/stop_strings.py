@@ -1,8 +1,8 @@
 """Stop strings over a stream of text deltas, in O(new text) per delta whatever the number of stop strings.
 
-A stop string is never emitted: the text is cut before the first one (the one that starts
-earliest; of two that start there, the one that ends first). A tail of the text that could still grow into a stop string is held back until
-later text decides it.
+A stop string is never emitted: the text is cut before the first one (the one that starts earliest; of two
+that start there, the one that ends first). A tail of the text that could still grow into a stop string is
+held back until later text decides it.
 
 One Aho-Corasick automaton over all the stop strings of a request (built once per distinct list, shared by
 its choices) walks each new character once. Its state after a character is the longest suffix of the text

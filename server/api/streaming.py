@@ -13,10 +13,10 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from server.api.admission import Reservation
+from server.api.async_engine import RequestRejected
 from server.api.engine_stream import ClientDisconnected, rejected_to_api_error, unless_disconnected
 from server.api.errors import APIError, error_body
 from server.api.protocol import dump
-from server.api.async_engine import RequestRejected
 
 logger = logging.getLogger("pagewalk.api")
 
@@ -90,7 +90,8 @@ class EventStreamResponse(StreamingResponse):
 
 
 async def job_response(request: Request, stream: bool, events: Callable[[], AsyncIterator[str]],
-                       body: Callable[[], Awaitable[str]], reservation: Reservation | None = None) -> Response:
+                       body: Callable[[], Awaitable[str]],
+                       reservation: Reservation | None = None) -> Response:
     """The answer to an admitted request: an SSE stream of `events()`, or the JSON `body()`, awaited while
     watching the client (gone before it is ready: 499, and the engine requests are aborted). The
     reservation's places left are released when the answer ends."""
