@@ -213,7 +213,8 @@ def _launch(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, s
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, HEAD_DIM=d,
         HEAD_DIM_PAD=triton.next_power_of_2(d), BLOCK_SIZE=block_size,
-        CHUNKS_PAD=max(MIN_CHUNKS_PAD, triton.next_power_of_2(num_chunks + 1)), WINDOW=sliding_window is not None,
+        CHUNKS_PAD=max(MIN_CHUNKS_PAD, triton.next_power_of_2(num_chunks + 1)),
+        WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -32,7 +32,8 @@ from kvcache.usage import KVCacheUsage
 class _Seq:
     __slots__ = ("block_table", "num_tokens", "num_cached_tokens", "num_hashed_blocks")
 
-    def __init__(self, block_table: list[int], num_tokens: int, num_cached_tokens: int, num_hashed_blocks: int):
+    def __init__(self, block_table: list[int], num_tokens: int, num_cached_tokens: int,
+                 num_hashed_blocks: int):
         self.block_table = block_table
         self.num_tokens = num_tokens  # slots reserved
         self.num_cached_tokens = num_cached_tokens  # prefix-cache hit found at allocate
@@ -152,7 +153,8 @@ class KVCacheManager:
         """
         seq = self._seq(seq_id)
         if not 0 <= num_tokens <= min(seq.num_tokens, len(token_ids)):
-            raise ValueError(f"mark_computed: {num_tokens} outside [0, {min(seq.num_tokens, len(token_ids))}]")
+            raise ValueError(
+                f"mark_computed: {num_tokens} outside [0, {min(seq.num_tokens, len(token_ids))}]")
         if not self.pool.enable_caching:
             return
         bs, table = self._block_size, seq.block_table

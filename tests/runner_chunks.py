@@ -27,7 +27,8 @@ class Chunk:
         if self.slot_mapping is None:
             return
         t, bs = self.block_table, block_size
-        implied = [t[p // bs] * bs + p % bs for p in range(self.start_pos, self.start_pos + len(self.token_ids))]
+        implied = [t[p // bs] * bs + p % bs
+                   for p in range(self.start_pos, self.start_pos + len(self.token_ids))]
         assert self.slot_mapping == implied, "the runner derives slots from the block table"
 
 

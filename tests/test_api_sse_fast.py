@@ -9,9 +9,9 @@ import pytest
 from server.api.chat import ChatJob
 from server.api.completions import CompletionJob
 from server.api.logprobs import chat_logprobs
+from server.api.outputs import ChoiceDelta, TokenLogprob
 from server.api.protocol import ChatChunkChoice, ChatCompletionRequest, ChatDelta, CompletionRequest
 from server.api.streaming import sse_event
-from server.api.outputs import ChoiceDelta, TokenLogprob
 from server.engine.sampling_params import SamplingParams
 
 ENGINE = SimpleNamespace(model_name='tiny "model" é')

@@ -18,7 +18,8 @@ TINY = dict(model="tiny", dtype="float32", block_size=4, max_num_seqs=6, max_num
 
 def run_core(async_scheduling: bool, requests, device="cpu", abort_at: dict[str, int] | None = None, **cfg):
     """-> ({(request id, index): tokens}, {(request id, index): finish reason}, core)."""
-    config = EngineConfig(**{**TINY, "device": device, "attention_backend": "auto" if device == "cuda" else "torch",
+    config = EngineConfig(**{**TINY, "device": device,
+                             "attention_backend": "auto" if device == "cuda" else "torch",
                              **cfg}, async_scheduling=async_scheduling)
     core, _ = build_core(config)
     for rid, prompt, params in requests:

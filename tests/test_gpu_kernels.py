@@ -3,10 +3,10 @@ large batches, every head_dim and block size, batch invariance, store_kv. Poison
 
 import pytest
 import torch
+from kernel_cases import TOLERANCE, make_paged_case, reference_fp64, rel_error
 
 import kernels
 from kernels import reference
-from kernel_cases import TOLERANCE, make_paged_case, reference_fp64, rel_error
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from kernel_cases import make_paged_case, reference_fp64, rel_error
 
 import kernels
-from kernel_cases import make_paged_case, reference_fp64, rel_error
 
 
 def test_resolve_auto_by_device():

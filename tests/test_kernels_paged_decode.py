@@ -8,10 +8,10 @@ import os
 
 import pytest
 import torch
+from kernel_cases import TOLERANCE, make_paged_case, reference_fp64, rel_error
 
 import kernels
 from kernels.split_heuristic import KernelConfig
-from kernel_cases import TOLERANCE, make_paged_case, reference_fp64, rel_error
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="the Triton kernel runs on CPU only under TRITON_INTERPRET=1")

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from kvcache_owner import OwnedKV
 
 from kvcache import BlockPool, KVCacheManager, default_block_hash, prefix_hash
-from kvcache_owner import OwnedKV
 
 
 def const_hash(parent, tokens):

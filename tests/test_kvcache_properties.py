@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import hypothesis.strategies as st
 from hypothesis import given, settings
-
-from kvcache import KVCacheManager
 from kvcache_owner import OwnedKV
 
 prompts_st = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=20), min_size=1, max_size=8)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from kvcache_owner import OwnedKV
 
 from kvcache import KVCacheManager, KVCacheUsage
-from kvcache_owner import OwnedKV
 
 
 def refs(mgr: KVCacheManager, *block_ids: int) -> list[int]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import random
 
-from kvcache import KVCacheManager
 from kvcache_owner import OwnedKV
+
 from kvcache.snapshot import block_map, from_runs, per_block, to_runs
 
 

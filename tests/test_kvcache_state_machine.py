@@ -16,9 +16,9 @@ import itertools
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from kvcache_owner import OwnedKV
 
 from kvcache import KVCacheManager
-from kvcache_owner import OwnedKV
 
 HASHES = {
     "default": None,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
+from model_fixtures import hf_config, write_hf_checkpoint
 from runner_chunks import Chunk, run_chunks
+
 from server.engine.runner import ModelRunner
 from server.model import load_model
-from model_fixtures import hf_config, write_hf_checkpoint
 
 pytest.importorskip("transformers")
 

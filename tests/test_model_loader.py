@@ -6,13 +6,13 @@ import json
 
 import pytest
 import torch
+from model_fixtures import hf_config, write_hf_checkpoint
+from runner_chunks import Chunk, run_chunks
 from safetensors.torch import load_file, save_file
 
-from runner_chunks import Chunk, run_chunks
 from server.engine.runner import ModelRunner
 from server.model import PRESETS, ModelConfig, load_model
 from server.model.llama import LlamaForCausalLM
-from model_fixtures import hf_config, write_hf_checkpoint
 from server.model.tokenizer import ByteTokenizer
 
 pytest.importorskip("transformers")

@@ -4,9 +4,9 @@ import math
 
 import pytest
 import torch
+from kernel_cases import make_paged_case
 
 from kernels import reference
-from kernel_cases import make_paged_case
 
 CASES = [  # (seq_lens, Hq, Hkv, D, block_size, sliding_window)
     ([1, 7, 33, 64], 8, 2, 32, 4, None),

@@ -9,10 +9,10 @@ import random
 
 import pytest
 import torch
+from runner_chunks import Chunk, run_chunks
 
 import kernels
 from server.cli import build_parser, engine_config
-from runner_chunks import Chunk, run_chunks
 from server.engine.batch_state import BatchState
 from server.engine.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
 from server.engine.engine import EngineConfig, build_core

@@ -5,8 +5,8 @@ import os
 
 import pytest
 import torch
-
 from runner_chunks import Chunk, run_chunks
+
 from server.engine.runner import ModelRunner
 from server.model import load_model
 

@@ -8,10 +8,10 @@ from functools import cache
 
 import pytest
 import torch
+from runner_chunks import Chunk, run_chunks
 
 import kernels
 from kvcache import KVCacheManager
-from runner_chunks import Chunk, run_chunks
 from server.engine.runner import ModelRunner
 from server.model import load_model
 
@@ -201,7 +201,8 @@ def test_triton_interpreter_backend_matches_torch(tiny):
         seqs = {"a": tok.encode(PROMPTS[0]), "b": tok.encode(PROMPTS[1])}
         logits = run_chunks(runner, [blocks.chunk(n, s, 0) for n, s in seqs.items()])
         decode_together(runner, blocks, seqs, logits, steps=3)
-        results.append((seqs, run_chunks(runner, [blocks.chunk(n, s[-1:], len(s) - 1) for n, s in seqs.items()])))
+        results.append((seqs, run_chunks(runner, [blocks.chunk(n, s[-1:], len(s) - 1)
+                                                  for n, s in seqs.items()])))
         assert runner.decode_workspace is None or runner.decode_workspace.idle()
     for seqs, logits in results[1:]:
         assert seqs == results[0][0]

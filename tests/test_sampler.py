@@ -23,7 +23,8 @@ CPU = torch.device("cpu")
 
 
 def sampler_for(params: list[SamplingParams], keys: list[int] | None = None, vocab: int = 4) -> Sampler:
-    """A sampler whose rows 0..n-1 hold `params` (seed keys 0..n-1 unless given), as the runner writes them."""
+    """A sampler whose rows 0..n-1 hold `params` (seed keys 0..n-1 unless given), as the runner
+    writes them."""
     n = len(params)
     keys = list(range(n)) if keys is None else keys
     s = Sampler(n, vocab, CPU)

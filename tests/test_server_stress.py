@@ -121,7 +121,8 @@ def _prompts(body: dict, tokenizer) -> list[list[int]]:
 def _fits(body: dict, engine: AsyncEngine) -> bool:
     totals = [len(p) + body["max_tokens"] for p in _prompts(body, engine.tokenizer)]
     # the KV check adds up every prompt of the request (RequestLimits / check_limits)
-    return all(t <= engine.max_model_len for t in totals) and sum(totals) * body["n"] <= engine.capacity_tokens
+    return all(t <= engine.max_model_len for t in totals) \
+        and sum(totals) * body["n"] <= engine.capacity_tokens
 
 
 async def call_asgi(app, path: str, body: dict, disconnect_after: float | None,

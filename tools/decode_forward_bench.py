@@ -27,8 +27,8 @@ import torch
 import triton
 
 from server.engine.runner import ModelRunner
-from tests.runner_chunks import Chunk, run_chunks
 from server.model import load_model
+from tests.runner_chunks import Chunk, run_chunks
 
 TARGETS_MS = {1: 0.75, 64: 1.15, 256: 2.4}  # issue 16, decode forward including logits
 OPS = ("torch", "fused")
@@ -87,7 +87,7 @@ class Contexts:
         self.context, self.block_size = context, block_size
 
     def chunks(self, batch: int) -> list[Chunk]:
-        t, bs = self.context, self.block_size
+        t = self.context
         return [Chunk([self.tokens[i]], t, self.tables[i]) for i in range(batch)]
 
 

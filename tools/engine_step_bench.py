@@ -1,4 +1,5 @@
-"""The engine core's decode step without HTTP, with and without async scheduling: `python -m tools.engine_step_bench`.
+"""The engine core's decode step without HTTP, with and without async scheduling: \
+`python -m tools.engine_step_bench`.
 
 One EngineCore (`bench` preset on CUDA unless told otherwise), in this process. Per batch size (default
 1/16/64/256) and sampling mode, `batch` requests of ~512 random prompt tokens are added and prefilled; then
@@ -95,14 +96,16 @@ class Probe:
                 "wait_ms": p.get("wait", 0.0) * 1e3, "schedule_ms": p.get("schedule", 0.0) * 1e3,
                 "execute_ms": p.get("execute", 0.0) * 1e3, "postprocess_ms": p.get("postprocess", 0.0) * 1e3,
                 "replays": list(range(n_replays, len(self.replays))),
-                "decode_tokens": update.stats.num_decode_tokens, "prefill_tokens": update.stats.num_prefill_tokens,
+                "decode_tokens": update.stats.num_decode_tokens,
+                "prefill_tokens": update.stats.num_prefill_tokens,
                 "new_tokens": sum(len(u.new_token_ids) for u in update.updates)}
 
     def finish(self, steps: list[dict]) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         for s in steps:
-            s["replay_ms"] = sum(self.replays[i][0].elapsed_time(self.replays[i][1]) for i in s.pop("replays"))
+            s["replay_ms"] = sum(self.replays[i][0].elapsed_time(self.replays[i][1])
+                                 for i in s.pop("replays"))
 
 
 def run_batch(core, probe: Probe, batch: int, prompt_len: int, warmup: int, steps: int, mode: str) -> dict:
@@ -155,7 +158,8 @@ def main() -> None:
                     help="default: the model's, as `pagewalk serve` (the decode tables are that wide)")
     ap.add_argument("--out", type=Path, default=Path("engine_step_bench.json"))
     args = ap.parse_args()
-    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(args.batches),
+    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                          max_num_seqs=max(args.batches),
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len,
                           gpu_memory_utilization=args.gpu_memory_utilization)
@@ -173,7 +177,8 @@ def main() -> None:
                       f"{r['tok_s']:.0f} tok/s", flush=True)
     meta = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "model": info.model, "dtype": info.dtype,
-            "cuda_graphs": info.cuda_graphs, "num_blocks": info.num_blocks, "args": vars(args) | {"out": str(args.out)}}
+            "cuda_graphs": info.cuda_graphs, "num_blocks": info.num_blocks,
+            "args": vars(args) | {"out": str(args.out)}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     cols = ("step_ms", "replay_ms", "host_ms", "schedule_ms", "execute_ms", "postprocess_ms", "tok_s")

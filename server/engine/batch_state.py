@@ -27,10 +27,13 @@ class BatchState:
     def __init__(self, max_rows: int, max_blocks: int, block_size: int, device: torch.device) -> None:
         self.max_rows, self.max_blocks, self.block_size = max_rows, max_blocks, block_size
         self.pad_row = max_rows
-        self.block_tables = torch.zeros(max_rows + 1, max_blocks, dtype=torch.int32, device=device)  # (R+1, W)
-        self.last_token = torch.zeros(max_rows + 1, dtype=torch.int64, device=device)  # (R+1,), the sampler's dtype
+        # (R+1, W)
+        self.block_tables = torch.zeros(max_rows + 1, max_blocks, dtype=torch.int32, device=device)
+        # (R+1,), the sampler's dtype
+        self.last_token = torch.zeros(max_rows + 1, dtype=torch.int64, device=device)
         self._synced = [0] * (max_rows + 1)  # blocks of each row's table already on the device
-        self.synced_tokens = [0] * (max_rows + 1)  # tokens those blocks cover: a decode below it needs no sync
+        # tokens those blocks cover: a decode below it needs no sync
+        self.synced_tokens = [0] * (max_rows + 1)
 
     def reset_row(self, row: int) -> None:
         """A new sequence took `row`: its whole table is written at the next sync."""
@@ -58,7 +61,8 @@ class BatchState:
 
     def decode_inputs(self, dec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """dec: (3, B) device int32 [rows | positions (-1: padding) | token ids (-1: last sampled)]
-        -> input_ids (B,), positions (B,), decode-only AttentionMetadata. Pure device ops (graph-capturable)."""
+        -> input_ids (B,), positions (B,), decode-only AttentionMetadata. Pure device ops
+        (graph-capturable)."""
         rows, pos, ids = dec.long().unbind(0)  # (B,) each
         input_ids = torch.where(ids >= 0, ids, self.last_token[rows])
         tables = self.block_tables.index_select(0, rows)  # (B, W)

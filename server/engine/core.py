@@ -1,4 +1,5 @@
-"""The engine step: schedule -> launch (runner: forward, fork copies, sampling) -> finish checks -> SeqUpdates.
+"""The engine step: schedule -> launch (runner: forward, fork copies, sampling) -> finish checks \
+-> SeqUpdates.
 
 With asynchronous scheduling (the default) a step launches step N+1 before it post-processes step N: the
 host schedules and packs N+1 while the device still runs N, N's sampled ids feed N+1 on the device, and
@@ -167,8 +168,8 @@ class EngineCore:
         """seq just took sampled token r (Scheduler.postprocess): does it end here?"""
         token = seq.token_ids[-1]
         p = seq.params
-        logprobs = [self._logprobs(seq, samples, r)] if samples.logprobs is not None and p.logprobs is not None \
-            else None
+        logprobs = [self._logprobs(seq, samples, r)] \
+            if samples.logprobs is not None and p.logprobs is not None else None
         first = len(seq.token_ids) - seq.num_prompt_tokens == 1
         req = self.requests[seq.request_id]
         prompt_lps = req.prompt_logprobs if first else None

@@ -141,7 +141,8 @@ class ModelRunner:
         return self._to_host(out)
 
     @torch.inference_mode()
-    def forward_step(self, step: SchedulerOutput, table_of: TableOf) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    def forward_step(self, step: SchedulerOutput,
+                     table_of: TableOf) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         """The step up to sampling: -> (S, V) fp32 logits each sample draws from, its rows (S,) on the device,
         the samples' sampler flags and logprobs width."""
         assert not step.is_empty, "a step runs some chunk"
@@ -161,7 +162,8 @@ class ModelRunner:
         num_decode = len(step.decodes)
         if graph_size is not None:
             logits = self.graphs.replay(dec.view(DECODE_FIELDS, graph_size), num_decode, graph_size)
-            logits = logits.to(torch.float32, copy=True)  # fresh: the next replay overwrites the static output
+            # fresh: the next replay overwrites the static output
+            logits = logits.to(torch.float32, copy=True)
         else:
             input_ids, positions, meta = self._attention_metadata(dec.view(DECODE_FIELDS, num_decode), p_ids,
                                                                   p_pos, p_rows, p_qsl, p_lens, p_table_rows)
@@ -219,7 +221,7 @@ class ModelRunner:
             state.reset_row(seq.row)
         writes: list[int] = []
         rows, ids = [], []
-        covered, bs = state.synced_tokens, self.block_size
+        covered = state.synced_tokens
         for seq, pos in zip(step.decodes, step.decode_positions, strict=True):
             rows.append(seq.row)
             ids.append(seq.token_ids[pos] if pos < len(seq.token_ids) else -1)  # -1: pending, on the device
@@ -280,7 +282,8 @@ class ModelRunner:
 
     def _attention_metadata(self, dec: torch.Tensor, p_ids: torch.Tensor, p_pos: torch.Tensor,
                             p_rows: torch.Tensor, p_qsl: torch.Tensor, p_lens: torch.Tensor,
-                            p_table_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+                            p_table_rows: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """An eager step's flat batch: decode rows (DECODE_FIELDS, D), then prefill tokens (P,) of chunks
         with query offsets p_qsl (C + 1,), lengths p_lens (C,) and rows p_table_rows (C,) ->
         input_ids (T,), positions (T,), AttentionMetadata."""
@@ -302,7 +305,8 @@ class ModelRunner:
 
     def _new_batch_state(self) -> BatchState:
         """Rows for max_num_seqs sequences, tables for max_model_len tokens (or one profiling chunk)."""
-        tokens = max(self.max_model_len, min(self.max_num_batched_tokens, self.config.max_position_embeddings))
+        tokens = max(self.max_model_len,
+                     min(self.max_num_batched_tokens, self.config.max_position_embeddings))
         return BatchState(self.max_num_seqs, -(-tokens // self.block_size), self.block_size, self.device)
 
     def _decode_graphs(self, use_cuda_graphs: bool) -> DecodeGraphs:
@@ -339,7 +343,8 @@ class ModelRunner:
         if self.device.type != "cuda":
             by_memory = CPU_CACHE_MAX_BYTES // self._bytes_per_block()
             return max(2, min(CPU_CACHE_TOKENS // self.block_size, by_memory))
-        fraction = DEFAULT_GPU_MEMORY_UTILIZATION if gpu_memory_utilization is None else gpu_memory_utilization
+        fraction = DEFAULT_GPU_MEMORY_UTILIZATION if gpu_memory_utilization is None \
+            else gpu_memory_utilization
         if not 0.0 < fraction <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {fraction}")
         return self._profile_num_blocks(fraction)
@@ -372,11 +377,13 @@ class ModelRunner:
         num_blocks = int(budget // self._bytes_per_block())
         log.info("runner: %.0f%% of %.2f GiB; %.2f GiB in use after weights, activations %.2f GiB, other "
                  "%.2f GiB, CUDA graphs %.2f GiB -> %d KV blocks", fraction * 100, total / 2**30,
-                 (total - free) / 2**30, activations / 2**30, non_torch / 2**30, graph_pool / 2**30, num_blocks)
+                 (total - free) / 2**30, activations / 2**30, non_torch / 2**30, graph_pool / 2**30,
+                 num_blocks)
         if num_blocks < 2:
             raise RuntimeError(
                 f"not enough GPU memory for the KV cache: {fraction:.0%} of {total / 2**30:.2f} GiB allowed, "
-                f"{(total - free) / 2**30:.2f} GiB in use after weights, {activations / 2**30:.2f} GiB activation "
+                f"{(total - free) / 2**30:.2f} GiB in use after weights, "
+                f"{activations / 2**30:.2f} GiB activation "
                 f"peak; raise gpu_memory_utilization or use a smaller model"
             )
         return num_blocks

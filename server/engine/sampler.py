@@ -110,7 +110,8 @@ class Sampler:
             tokens = logits.argmax(dim=-1)  # (S,)
         self.ints[:, 2].index_add_(0, rows, torch.ones_like(rows))
         if self.counts is not None:
-            self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+            self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32),
+                                   accumulate=True)
         out = SampleOutput(tokens)
         if flags & LOGPROBS:
             logprobs = raw.log_softmax(dim=-1)  # (S, V)
@@ -119,7 +120,8 @@ class Sampler:
             out.top_ids, out.top_logprobs = top.indices, top.values
         return out
 
-    def _apply_penalties(self, logits: torch.Tensor, rows: torch.Tensor, floats: torch.Tensor) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, rows: torch.Tensor,
+                         floats: torch.Tensor) -> torch.Tensor:
         counts = self.counts[rows].float()  # (S, V)
         return apply_penalties(logits, counts, self.in_prompt[rows], floats[:, 3:6])
 

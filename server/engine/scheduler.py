@@ -108,7 +108,8 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue
-            num_tokens = len(seq.token_ids) + seq.num_pending  # seq.num_tokens, inlined: once per row per step
+            # seq.num_tokens, inlined: once per row per step
+            num_tokens = len(seq.token_ids) + seq.num_pending
             if num_tokens - seq.num_computed_tokens != 1:
                 prefills.append(seq)
             elif num_tokens - len(seq.prompt_token_ids) >= seq.params.max_tokens:
