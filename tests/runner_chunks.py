@@ -4,6 +4,7 @@ in chunk order, their tables written whole), so the tests exercise the runner's 
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -59,3 +60,29 @@ def run_chunks(runner: ModelRunner, chunks: list[Chunk]) -> torch.Tensor:
     step, tables, index = step_of(chunks)
     logits = runner.forward_step(step, tables.__getitem__)[0]
     return logits[torch.tensor(index, device=logits.device)]
+
+
+class RaggedBatch:
+    """Sequences of random tokens with ragged lengths in shuffled physical blocks, fed one token per step."""
+
+    def __init__(self, lengths: list[int], block_size: int, num_blocks: int, seed: int = 0) -> None:
+        self.rng = random.Random(seed)
+        self.free = list(range(1, num_blocks))
+        self.rng.shuffle(self.free)
+        self.block_size = block_size
+        self.seqs = [[self.rng.randrange(3, 259) for _ in range(n)] for n in lengths]
+        self.tables: list[list[int]] = [[] for _ in lengths]
+
+    def _chunk(self, i: int, start: int) -> Chunk:
+        seq, table, bs = self.seqs[i], self.tables[i], self.block_size
+        while len(table) * bs < len(seq):
+            table.append(self.free.pop())
+        return Chunk(seq[start:], start, list(table))
+
+    def prefill(self) -> list[Chunk]:
+        return [self._chunk(i, 0) for i in range(len(self.seqs))]
+
+    def decode(self) -> list[Chunk]:
+        for seq in self.seqs:
+            seq.append(self.rng.randrange(3, 259))
+        return [self._chunk(i, len(s) - 1) for i, s in enumerate(self.seqs)]

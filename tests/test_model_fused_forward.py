@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 
 import pytest
 import torch
-from runner_chunks import Chunk, run_chunks
+from runner_chunks import Chunk, RaggedBatch, run_chunks
 
 from server.engine.runner import ModelRunner
 from server.model import load_model
@@ -22,34 +21,6 @@ def tiny():
     return model
 
 
-class TeacherForced:
-    """Ragged random sequences in shuffled blocks: one prefill step, then one fixed token per decode step (the
-    same chunks for every runner, so logits and caches are comparable step by step)."""
-
-    def __init__(self, lengths: list[int], block_size: int, num_blocks: int, seed: int) -> None:
-        rng = random.Random(seed)
-        free = list(range(1, num_blocks))
-        rng.shuffle(free)
-        self.block_size, self.rng, self.free = block_size, rng, free
-        self.seqs = [[rng.randrange(3, 259) for _ in range(n)] for n in lengths]
-        self.tables: list[list[int]] = [[] for _ in lengths]
-
-    def _chunk(self, i: int, start: int) -> Chunk:
-        seq, table, bs = self.seqs[i], self.tables[i], self.block_size
-        while len(table) * bs < len(seq):
-            table.append(self.free.pop())
-        slots = [table[t // bs] * bs + t % bs for t in range(start, len(seq))]
-        return Chunk(seq[start:], start, list(table), slots)
-
-    def prefill(self) -> list[Chunk]:
-        return [self._chunk(i, 0) for i in range(len(self.seqs))]
-
-    def decode(self) -> list[Chunk]:
-        for seq in self.seqs:
-            seq.append(self.rng.randrange(3, 259))
-        return [self._chunk(i, len(s) - 1) for i, s in enumerate(self.seqs)]
-
-
 def run_steps(model, runner: ModelRunner, ops: str, batches: list[list[Chunk]]) -> list[torch.Tensor]:
     model.set_decoder_ops(ops)
     try:
@@ -59,7 +30,7 @@ def run_steps(model, runner: ModelRunner, ops: str, batches: list[list[Chunk]]) 
 
 
 def teacher_forced_batches(lengths, block_size, num_blocks, steps, seed=0) -> list[list[Chunk]]:
-    tf = TeacherForced(lengths, block_size, num_blocks, seed)
+    tf = RaggedBatch(lengths, block_size, num_blocks, seed)
     return [tf.prefill()] + [tf.decode() for _ in range(steps)]
 
 

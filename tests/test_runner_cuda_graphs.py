@@ -5,11 +5,9 @@ same comparison with real graphs."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-from runner_chunks import Chunk, run_chunks
+from runner_chunks import Chunk, RaggedBatch, run_chunks
 
 import kernels
 from server.cli import build_parser, engine_config
@@ -65,32 +63,6 @@ def test_decode_graphs_rejects_unsorted_sizes(tiny):
 
 
 # ---- the static-buffer replay path vs eager ---------------------------------------------------------------
-
-
-class RaggedBatch:
-    """Sequences of random tokens with ragged lengths in shuffled physical blocks, fed one token per step."""
-
-    def __init__(self, lengths: list[int], block_size: int, num_blocks: int, seed: int = 0) -> None:
-        self.rng = random.Random(seed)
-        self.free = list(range(1, num_blocks))
-        self.rng.shuffle(self.free)
-        self.block_size = block_size
-        self.seqs = [[self.rng.randrange(3, 259) for _ in range(n)] for n in lengths]
-        self.tables: list[list[int]] = [[] for _ in lengths]
-
-    def _chunk(self, i: int, start: int) -> Chunk:
-        seq, table, bs = self.seqs[i], self.tables[i], self.block_size
-        while len(table) * bs < len(seq):
-            table.append(self.free.pop())
-        return Chunk(seq[start:], start, list(table))
-
-    def prefill(self) -> list[Chunk]:
-        return [self._chunk(i, 0) for i in range(len(self.seqs))]
-
-    def decode(self) -> list[Chunk]:
-        for seq in self.seqs:
-            seq.append(self.rng.randrange(3, 259))
-        return [self._chunk(i, len(s) - 1) for i, s in enumerate(self.seqs)]
 
 
 def run_eager(runner: ModelRunner, chunks: list[Chunk]) -> torch.Tensor:
