@@ -74,16 +74,6 @@ class PagedAttention:
                                 sliding_window=self.sliding_window, backend=self.backend, out=out[nd:])
         return out
 
-    def _num_splits(self, batch: int, k_cache: torch.Tensor) -> int:
-        """The decode split count, always passed as a fixed count: the runner's tables are as wide as
-        max_model_len (a graph's launch config must hold for any length), so the kernel's heuristic mode,
-        which sizes splits from the table width, would leave every split but the first empty; a fixed count
-        sizes them from each sequence's own length. The count is the heuristic's for this batch."""
-        if self.decode_num_splits is not None:
-            return self.decode_num_splits
-        width = self.meta.block_tables.shape[1] * k_cache.shape[1]
-        return kernels.decode_num_splits(batch, k_cache.shape[2], width, k_cache.device)
-
     def _decode(self, q, k_cache, v_cache, out=None) -> torch.Tensor:
         ws = self.workspace  # sized for max_num_seqs; an eager batch beyond it merges in a second launch
         if ws is not None and q.shape[0] * k_cache.shape[2] > ws.capacity:
@@ -95,11 +85,23 @@ class PagedAttention:
             self.meta.block_tables,
             self.meta.seq_lens,
             sliding_window=self.sliding_window,
-            num_splits=self._num_splits(q.shape[0], k_cache),
+            num_splits=decode_splits(q.shape[0], k_cache, self.meta.block_tables.shape[1],
+                                     self.decode_num_splits),
             backend=self.backend,
             out=out,
             workspace=ws,
         )
+
+
+def decode_splits(batch: int, k_cache: torch.Tensor, max_blocks: int, fixed: int | None) -> int:
+    """The decode split count, always passed as a fixed count: the runner's tables are as wide as
+    max_model_len (a graph's launch config must hold for any length), so the kernel's heuristic mode,
+    which sizes splits from the table width, would leave every split but the first empty; a fixed count
+    sizes them from each sequence's own length. `fixed` (the runner's decode_num_splits) wins; else the
+    heuristic's count for this batch and table width."""
+    if fixed is not None:
+        return fixed
+    return kernels.decode_num_splits(batch, k_cache.shape[2], max_blocks * k_cache.shape[1], k_cache.device)
 
 
 def warm_up_attention(kv: KVCacheTensors, sliding_window: int | None, max_num_seqs: int, max_blocks: int,
@@ -110,12 +112,10 @@ def warm_up_attention(kv: KVCacheTensors, sliding_window: int | None, max_num_se
     A Triton compile mid-serving stalls every stream for about a second. The calls read nothing (seq_len 0,
     or the null block). Returns the number of decode variants."""
     k_cache, v_cache = kv.layer(0)
-    hkv, d, device = k_cache.shape[2], k_cache.shape[3], k_cache.device
+    d, device = k_cache.shape[3], k_cache.device
     first_batch: dict[int, int] = {}
     for batch in range(1, max_num_seqs + 1):
-        splits = decode_num_splits or kernels.decode_num_splits(batch, hkv, max_blocks * k_cache.shape[1],
-                                                                device)
-        first_batch.setdefault(splits, batch)
+        first_batch.setdefault(decode_splits(batch, k_cache, max_blocks, decode_num_splits), batch)
     for splits, batch in first_batch.items():
         q = torch.zeros(batch, num_q_heads, d, dtype=k_cache.dtype, device=device)      # (B, Hq, D)
         tables = torch.zeros(batch, max_blocks, dtype=torch.int32, device=device)
