@@ -34,29 +34,35 @@ def check_supported(backend: str, dtype: torch.dtype, head_dim: int, block_size:
     check_block_size(int(block_size))
 
 
-def check_decode_inputs(backend: str, q, k_cache, v_cache, block_tables, seq_lens, out) -> None:
-    """What every backend needs of a decode call: a supported dtype, head_dim and block size; one dtype for
-    q and both caches; q (B, Hq, D), caches (N, bs, Hkv, D) with Hq % Hkv == 0; block_tables (B, nb) and
-    seq_lens (B,) of int32/int64 on q's device; `out` (if given) shaped, typed and placed like q."""
+def check_attention_inputs(backend: str, q, k_cache, v_cache, index_tensors, out) -> None:
+    """What every attention call needs, decode or prefill: a supported dtype, head_dim and block size; one
+    dtype for q and both caches; q (rows, Hq, D), caches (N, bs, Hkv, D) with Hq % Hkv == 0; the index
+    tensors on q's device; `out` (if given) shaped, typed and placed like q."""
     check_supported(backend, q.dtype, q.shape[-1], k_cache.shape[1])
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"q, k_cache, v_cache must share a dtype; got {q.dtype}, {k_cache.dtype}, "
                          f"{v_cache.dtype}")
     if q.dim() != 3 or k_cache.dim() != 4:
-        raise ValueError(f"q must be (B, Hq, D) and k_cache (N, block_size, Hkv, D); got {tuple(q.shape)}, "
-                         f"{tuple(k_cache.shape)}")
-    bsz, hq, d = q.shape
+        raise ValueError(f"q must be (rows, Hq, D) and k_cache (N, block_size, Hkv, D); got "
+                         f"{tuple(q.shape)}, {tuple(k_cache.shape)}")
+    hq, d = q.shape[1], q.shape[2]
     hkv, dk = k_cache.shape[2], k_cache.shape[3]
     if hq % hkv or dk != d or v_cache.shape != k_cache.shape:
         raise ValueError(f"bad shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
                          f"v_cache {tuple(v_cache.shape)} (need Hq % Hkv == 0, same head_dim)")
+    devices = {t.device for t in (q, k_cache, v_cache, *index_tensors)}
+    if len(devices) != 1:
+        raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}")
+
+
+def check_decode_inputs(backend: str, q, k_cache, v_cache, block_tables, seq_lens, out) -> None:
+    """check_attention_inputs, plus block_tables (B, nb) and seq_lens (B,) of int32/int64."""
+    check_attention_inputs(backend, q, k_cache, v_cache, (block_tables, seq_lens), out)
+    bsz = q.shape[0]
     if block_tables.dim() != 2 or block_tables.shape[0] != bsz or seq_lens.shape != (bsz,):
         raise ValueError("block_tables must be (B, max_blocks) and seq_lens (B,)")
     ints = (torch.int32, torch.int64)
     if block_tables.dtype not in ints or seq_lens.dtype not in ints:
         raise ValueError("block_tables and seq_lens must be int32 or int64")
-    devices = {t.device for t in (q, k_cache, v_cache, block_tables, seq_lens)}
-    if len(devices) != 1:
-        raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
-    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from kernels import reference
-from kernels.checks import check_supported
+from kernels.checks import check_attention_inputs
 from kernels.dispatch import resolve_backend
 
 _paged_prefill_triton = None
@@ -34,21 +34,11 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, 
 
 def check_prefill_inputs(backend, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
                          sliding_window) -> None:
-    """ValueError unless `backend` takes this call: supported dtype/head_dim/block size, one dtype for q and
-    the caches, q (T, Hq, D) and caches (N, bs, Hkv, D) with Hq % Hkv == 0, C chunks described by int32
-    block_tables (C, nb), query_start_loc (C + 1,) and seq_lens (C,), one device, `out` like q.
+    """ValueError unless `backend` takes this call: kernels.checks.check_attention_inputs, plus C chunks
+    described by int32 block_tables (C, nb), query_start_loc (C + 1,) and seq_lens (C,).
     The chunks' contents (n_i <= seq_lens[i], query_start_loc[C] == T) are the caller's contract: checking
     them would cost a device sync."""
-    check_supported(backend, q.dtype, q.shape[-1], k_cache.shape[1])
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"q, k_cache, v_cache must share a dtype; got {q.dtype}, {k_cache.dtype}, "
-                         f"{v_cache.dtype}")
-    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"q must be (T, Hq, D) and caches (N, block_size, Hkv, D); got {tuple(q.shape)}, "
-                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    if q.shape[1] % k_cache.shape[2] or k_cache.shape[3] != q.shape[2]:
-        raise ValueError(f"need Hq % Hkv == 0 and one head_dim: q {tuple(q.shape)}, k_cache "
-                         f"{tuple(k_cache.shape)}")
+    check_attention_inputs(backend, q, k_cache, v_cache, (block_tables, query_start_loc, seq_lens), out)
     num_chunks = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     if (num_chunks < 0 or query_start_loc.shape != (num_chunks + 1,) or block_tables.dim() != 2
             or block_tables.shape[0] != num_chunks):
@@ -61,11 +51,6 @@ def check_prefill_inputs(backend, q, k_cache, v_cache, block_tables, query_start
             raise ValueError(f"{name} must be int32, got {t.dtype}")
     if not (query_start_loc.is_contiguous() and seq_lens.is_contiguous()):
         raise ValueError("query_start_loc and seq_lens must be contiguous")
-    devices = {t.device for t in (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)}
-    if len(devices) != 1:
-        raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
-    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}")
     if sliding_window is not None and int(sliding_window) < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
 
