@@ -103,18 +103,12 @@ def stop_server(proc: subprocess.Popen) -> int:
         return -9
 
 
-def loadtest_supports(flag: str) -> bool:
-    res = subprocess.run([sys.executable, "-m", "loadtest", "--help"], capture_output=True, text=True)
-    return flag in res.stdout
-
-
 def loadtest(out: Path, name: str, concurrency: int, num_requests: int, extra: list[str]) -> dict | None:
     path = out / f"loadtest_{name}.json"
     cmd = [sys.executable, "-m", "loadtest", "--base-url", URL, "--input-len", str(IN_LEN), "--output-len",
            str(OUT_LEN), "--num-requests", str(num_requests), "--concurrency", str(concurrency), "--warmup",
-           str(min(8, concurrency)), "--seed", "0", "--no-progress", "--out", str(path), *extra]
-    if loadtest_supports("--processes"):
-        cmd += ["--processes", "auto"]
+           str(min(8, concurrency)), "--seed", "0", "--no-progress", "--processes", "auto", "--out", str(path),
+           *extra]
     if run(cmd, out / f"loadtest_{name}.log", timeout=240) != 0 or not path.exists():
         return None
     rep = json.loads(path.read_text())
@@ -130,7 +124,7 @@ def serving(out: Path) -> dict:
         reports = {}
         for c in LEVELS:
             reports[f"c{c}"] = loadtest(out, f"c{c}", c, 32 if c == 1 else 256, [])
-        sampled = ["--temperature", "0.8"] + (["--top-p", "0.95"] if loadtest_supports("--top-p") else [])
+        sampled = ["--temperature", "0.8", "--top-p", "0.95"]
         reports["c64_sampled"] = loadtest(out, "c64_sampled", 64, 256, sampled)
     finally:
         code = stop_server(proc)
