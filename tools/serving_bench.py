@@ -107,8 +107,8 @@ def loadtest(out: Path, name: str, concurrency: int, num_requests: int, extra: l
     path = out / f"loadtest_{name}.json"
     cmd = [sys.executable, "-m", "loadtest", "--base-url", URL, "--input-len", str(IN_LEN), "--output-len",
            str(OUT_LEN), "--num-requests", str(num_requests), "--concurrency", str(concurrency), "--warmup",
-           str(min(8, concurrency)), "--seed", "0", "--no-progress", "--processes", "auto", "--out", str(path),
-           *extra]
+           str(min(8, concurrency)), "--seed", "0", "--no-progress", "--processes", "auto",
+           "--out", str(path), *extra]
     if run(cmd, out / f"loadtest_{name}.log", timeout=240) != 0 or not path.exists():
         return None
     rep = json.loads(path.read_text())
