@@ -6,7 +6,10 @@ What it runs, in order, each beside the memory roofline computed from the copy b
 2. `pagewalk serve --model bench` (bf16, block 16, --max-num-seqs 256 --max-num-batched-tokens 8192) under
    the project's loadtest: 512 prompt / 128 output tokens, greedy, ignore_eos, streaming, concurrency
    1/16/64/256 (32 requests at 1, 256 at the others), plus sampled decoding (temperature 0.8,
-   top_p 0.95) at 64;
+   top_p 0.95) at 64; `--levels`, `--num-requests` and `--budgets` (--max-num-batched-tokens values, one
+   server each; reports of a budget other than the first are named c<C>_b<budget>) widen the sweep, and
+   `--long` adds each level again with 4x the requests (c<C>_long): 256 requests at concurrency 256 are one
+   wave (all prefill, then all decode), the long run shows the steady state;
    the load generator's own CPU use is in each report;
 3. the engine without HTTP at batch 1/16/64/256 (`tools.engine_step_bench`: step time and its breakdown,
    overlap on and off);
@@ -77,7 +80,7 @@ def run(cmd: list[str], log: Path, timeout: float) -> int:
 
 def start_server(out: Path, extra: list[str]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", "bench", "--device", "cuda", "--port",
-           str(PORT), "--max-num-seqs", "256", "--max-num-batched-tokens", "8192", *extra]
+           str(PORT), "--max-num-seqs", "256", *extra]
     print("$", " ".join(cmd), flush=True)
     proc = subprocess.Popen(cmd, stdout=(out / "server.log").open("w"), stderr=subprocess.STDOUT)
     deadline = time.time() + 300
@@ -117,19 +120,29 @@ def loadtest(out: Path, name: str, concurrency: int, num_requests: int, extra: l
     return rep
 
 
-def serving(out: Path) -> dict:
-    proc = start_server(out, [])
-    try:
-        health = httpx.get(f"{URL}/health", timeout=5).json()
-        reports = {}
-        for c in LEVELS:
-            reports[f"c{c}"] = loadtest(out, f"c{c}", c, 32 if c == 1 else 256, [])
-        sampled = ["--temperature", "0.8", "--top-p", "0.95"]
-        reports["c64_sampled"] = loadtest(out, "c64_sampled", 64, 256, sampled)
-    finally:
-        code = stop_server(proc)
-    return {"health": health, "server_exit_code": code, "reports": reports,
-            "sampled_args": sampled}
+SAMPLED = ["--temperature", "0.8", "--top-p", "0.95"]
+
+
+def serving(out: Path, levels: list[int], num_requests: int, budgets: list[int], long: bool,
+            sampled: bool) -> dict:
+    reports, health, codes = {}, {}, {}
+    for budget in budgets:
+        suffix = "" if budget == budgets[0] else f"_b{budget}"
+        proc = start_server(out, ["--max-num-batched-tokens", str(budget)])
+        try:
+            health[budget] = httpx.get(f"{URL}/health", timeout=5).json()
+            for c in levels:
+                n = 32 if c == 1 else num_requests
+                reports[f"c{c}{suffix}"] = loadtest(out, f"c{c}{suffix}", c, n, [])
+                if long and c > 1:
+                    reports[f"c{c}{suffix}_long"] = loadtest(out, f"c{c}{suffix}_long", c, 4 * n, [])
+            if sampled and 64 in levels:
+                reports[f"c64{suffix}_sampled"] = loadtest(out, f"c64{suffix}_sampled", 64, num_requests,
+                                                           SAMPLED)
+        finally:
+            codes[budget] = stop_server(proc)
+    return {"health": health, "server_exit_codes": codes, "reports": reports, "sampled_args": SAMPLED,
+            "budgets": budgets}
 
 
 def offline(out: Path) -> dict | None:
@@ -196,6 +209,11 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/serving_bench"))
     ap.add_argument("--skip", default="", help="comma list of parts to skip: serving,engine,hf")
+    ap.add_argument("--levels", type=int, nargs="+", default=list(LEVELS))
+    ap.add_argument("--num-requests", type=int, default=256, help="per level (32 at concurrency 1)")
+    ap.add_argument("--budgets", type=int, nargs="+", default=[8192], help="--max-num-batched-tokens")
+    ap.add_argument("--long", action="store_true", help="each level again with 4x the requests")
+    ap.add_argument("--no-sampled", action="store_true", help="skip the sampled run at 64")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -203,9 +221,11 @@ def main(argv=None) -> None:
     import triton
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "copy_TBps": copy_tbps(),
-           "workload": {"input_len": IN_LEN, "output_len": OUT_LEN, "levels": LEVELS},
+           "workload": {"input_len": IN_LEN, "output_len": OUT_LEN, "levels": args.levels,
+                        "num_requests": args.num_requests},
            "model_bytes": dict(zip(("weights", "kv_per_token"), model_bytes(), strict=True))}
-    res["serving"] = serving(out) if "serving" not in skip else {"reports": {}}
+    res["serving"] = (serving(out, args.levels, args.num_requests, args.budgets, args.long,
+                              not args.no_sampled) if "serving" not in skip else {"reports": {}})
     res["engine"] = offline(out) if "engine" not in skip else None
     res["hf"] = hf(out) if "hf" not in skip else None
     (out / "serving_h200.json").write_text(json.dumps(res, indent=1))

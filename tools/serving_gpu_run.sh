@@ -1,15 +1,32 @@
 #!/usr/bin/env bash
 # One GPU call for the serving issues (run from the repo root on the GPU machine with .whl carried):
-# install the carried wheels (FastAPI stack, pyzmq, msgspec), the runner/engine GPU tests, then
-# tools/serving_bench (server under loadtest at concurrency 1/16/64/256, the engine offline, HF generate).
-# Usage: OUT=/some/dir [SKIP_TESTS=1] bash tools/serving_gpu_run.sh
+# install the carried wheels (FastAPI stack, pyzmq, msgspec), then the parts named in PARTS (default: all):
+#   tests    the runner/engine GPU tests
+#   hazards  tools/step_hazards (Triton compiles after start-up, host-device syncs, under random traffic)
+#   prefill  tools/prefill_step_bench (prefill and mixed decode+prefill steps: wall, device busy, TFLOP/s)
+#   serving  tools/serving_bench (server under loadtest at concurrency 1/16/64/256, the engine offline,
+#            HF generate); SERVING_ARGS are passed to it
+# Usage: OUT=/some/dir [PARTS=hazards,prefill] [SERVING_ARGS="--long"] bash tools/serving_gpu_run.sh
 set -u
 OUT=${OUT:-/tmp/serving_gpu_run}; mkdir -p "$OUT"
+PARTS=${PARTS:-tests,hazards,prefill,serving}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-if [ -z "${SKIP_TESTS:-}" ]; then
+has() { [[ ",$PARTS," == *",$1,"* ]]; }
+if has tests; then
   timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_runner_gpu.py tests/test_runner_cuda_graphs.py \
-    tests/test_engine_process.py 2>&1 | tail -n 12 | tee "$OUT/gpu_tests.txt"
+    tests/test_engine_process.py tests/test_model_fused_forward.py 2>&1 | tail -n 12 | tee "$OUT/gpu_tests.txt"
 fi
-python3 -m tools.serving_bench --out "$OUT" 2>&1 | tail -n 30
+if has hazards; then
+  timeout 300 python3 -m tools.step_hazards --out "$OUT/step_hazards.json" > "$OUT/step_hazards.log" 2>&1
+  tail -n 25 "$OUT/step_hazards.log"
+fi
+if has prefill; then
+  timeout 300 python3 -m tools.prefill_step_bench --out "$OUT/prefill_step.json" > "$OUT/prefill_step.log" 2>&1
+  tail -n 14 "$OUT/prefill_step.log"
+fi
+if has serving; then
+  # shellcheck disable=SC2086
+  python3 -m tools.serving_bench --out "$OUT" ${SERVING_ARGS:-} 2>&1 | tail -n 40
+fi

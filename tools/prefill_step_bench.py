@@ -1,0 +1,175 @@
+"""The engine core's prefill and mixed (decode + prefill chunk) steps without HTTP: \
+`python -m tools.prefill_step_bench`.
+
+One EngineCore (`bench` preset on CUDA unless told otherwise), in this process, async scheduling off so a
+step()'s wall time is the step's. Two kinds of step:
+- prefill: R requests of L random prompt tokens admitted together and prefilled in one step (R x L tokens);
+- mixed: B requests decoding while one long prompt prefills in chunks of P tokens (budget B + P), so every
+  measured step runs B decode tokens and P prefill tokens.
+Per case: wall ms of one step (median), the device's busy time (the sum of the kernels' durations, from
+torch.profiler), the share of the wall the device was busy, and the dense-matmul TFLOP/s of the step
+(2 x decoder weights x tokens + 2 x lm_head x sampled rows + causal attention). A busy share well under
+100% means the step is host-bound (eager launches); TFLOP/s against the GPU's dense peak says how far a
+compute-bound step is from the limit. Prints one table last; writes the cases and the top kernels of each as
+JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from server.engine.engine import EngineConfig, build_core
+from server.engine.outputs import EngineRequest
+from server.engine.sampling_params import SamplingParams
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+class Case:
+    def __init__(self, core, name: str):
+        self.core, self.name = core, name
+        self.walls: list[float] = []
+        self.kernels: dict[str, float] = {}  # kernel name -> device µs over the profiled steps
+        self.profiled = 0
+
+    def step(self, profiled: bool) -> object:
+        if not profiled:
+            t0 = time.perf_counter()
+            update = self.core.step()
+            self.walls.append((time.perf_counter() - t0) * 1e3)
+            return update
+        activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
+        with profile(activities=[activity]) as prof:
+            update = self.core.step()
+        for e in prof.key_averages():
+            us = e.self_device_time_total if activity is ProfilerActivity.CUDA else 0.0
+            if us > 0:
+                self.kernels[e.key] = self.kernels.get(e.key, 0.0) + us
+        self.profiled += 1
+        return update
+
+    def result(self, flops: float) -> dict:
+        wall = statistics.median(self.walls)
+        busy = sum(self.kernels.values()) / max(1, self.profiled) / 1e3
+        top = sorted(self.kernels.items(), key=lambda kv: -kv[1])[:12]
+        return {"case": self.name, "wall_ms": wall, "busy_ms": busy, "busy_share": busy / wall,
+                "tflops": flops / (wall / 1e3) / 1e12, "steps": len(self.walls),
+                "top_kernels_us_per_step": {k: v / max(1, self.profiled) for k, v in top}}
+
+
+def prompt(vocab: int, n: int, gen: torch.Generator) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=gen).tolist()
+
+
+def flops(model, tokens: int, samples: int, attn_pairs: int) -> float:
+    """Dense matmul FLOPs of a step: decoder weights over every token, the lm_head over sampled rows,
+    QK^T and PV over `attn_pairs` (query, key) pairs."""
+    cfg = model.config
+    decoder = sum(p.numel() for n, p in model.named_parameters() if "layers" in n and p.dim() == 2)
+    head = cfg.vocab_size * cfg.hidden_size
+    attn = 4 * cfg.num_heads * cfg.head_dim * attn_pairs * cfg.num_layers
+    return 2 * decoder * tokens + 2 * head * samples + attn
+
+
+def drain(core) -> None:
+    for rid in list(core.requests):
+        core.abort_request(rid)
+    while core.has_work():
+        core.step()
+
+
+def prefill_case(core, requests: int, length: int, repeats: int, gen) -> dict:
+    core.scheduler.max_num_batched_tokens = requests * length
+    case = Case(core, f"prefill {requests}x{length}")
+    vocab = core.runner.config.vocab_size
+    for r in range(repeats + 2):  # two warm-ups (the first also compiles), the last one profiled
+        for i in range(requests):
+            core.add_request(EngineRequest(f"p{requests}x{length}-{r}-{i}", prompt(vocab, length, gen),
+                                           SamplingParams(max_tokens=1, **GREEDY), time.monotonic()))
+        update = case.step(profiled=r == repeats + 1)
+        assert update.stats.num_prefill_tokens == requests * length, update.stats
+        if r < 2:
+            case.walls.clear()
+        drain(core)
+    pairs = requests * length * (length + 1) // 2
+    return case.result(flops(core.runner.model, requests * length, requests, pairs))
+
+
+def mixed_case(core, batch: int, chunk: int, ctx: int, steps: int, gen) -> dict:
+    vocab = core.runner.config.vocab_size
+    core.scheduler.max_num_batched_tokens = 8192
+    params = SamplingParams(max_tokens=10_000, **GREEDY)
+    for i in range(batch):
+        core.add_request(EngineRequest(f"d{batch}-{chunk}-{i}", prompt(vocab, ctx, gen), params,
+                                       time.monotonic()))
+    while core.step().stats.num_decode_tokens < batch:  # until every one decodes
+        pass
+    core.scheduler.max_num_batched_tokens = batch + chunk
+    case = Case(core, f"mixed {batch} decode + {chunk} prefill")
+    long_len = chunk * (steps + 3)
+    core.add_request(EngineRequest(f"long{batch}-{chunk}", prompt(vocab, long_len, gen),
+                                   SamplingParams(max_tokens=1, **GREEDY), time.monotonic()))
+    for i in range(steps + 2):
+        update = case.step(profiled=i == steps + 1)
+        s = update.stats
+        assert (s.num_decode_tokens, s.num_prefill_tokens) == (batch, chunk), s
+        if i == 0:
+            case.walls.clear()  # the first chunk (admission) warms up
+    drain(core)
+    # the chunk's queries attend to the long prompt's earlier chunks; the decodes to ~ctx keys each
+    mid = long_len // 2
+    pairs = chunk * mid + batch * ctx
+    return case.result(flops(core.runner.model, batch + chunk, batch, pairs))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="bench")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--prefills", default="1x512,4x512,16x512", help="RxL list")
+    ap.add_argument("--decode-batch", type=int, default=64)
+    ap.add_argument("--chunks", type=int, nargs="+", default=[0, 128, 256, 512, 1024, 2048])
+    ap.add_argument("--context", type=int, default=512, help="prompt tokens of each decoding request")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    ap.add_argument("--out", type=Path, default=Path("prefill_step_bench.json"))
+    args = ap.parse_args()
+    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=512,
+                          max_num_batched_tokens=8192, gpu_memory_utilization=args.gpu_memory_utilization)
+    core, info = build_core(config)
+    core.async_scheduling = False
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for spec in args.prefills.split(","):
+        r, length = map(int, spec.split("x"))
+        results.append(prefill_case(core, r, length, args.repeats, gen))
+        print(results[-1]["case"], f"{results[-1]['wall_ms']:.2f} ms", flush=True)
+    for chunk in args.chunks:
+        if chunk == 0:
+            continue
+        results.append(mixed_case(core, args.decode_batch, chunk, args.context, args.repeats, gen))
+        print(results[-1]["case"], f"{results[-1]['wall_ms']:.2f} ms", flush=True)
+    meta = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "model": info.model, "dtype": info.dtype,
+            "cuda_graphs": info.cuda_graphs, "args": vars(args) | {"out": str(args.out)}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    print(f"\n{meta['gpu']}, torch {meta['torch']}, {info.model} {info.dtype}; medians over "
+          f"{args.repeats} steps")
+    print(f"{'case':>32} {'wall ms':>9} {'busy ms':>9} {'busy':>6} {'TFLOP/s':>8}")
+    for r in results:
+        print(f"{r['case']:>32} {r['wall_ms']:>9.3f} {r['busy_ms']:>9.3f} {r['busy_share']:>6.0%} "
+              f"{r['tflops']:>8.1f}")
+    print(f"JSON: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
