@@ -192,3 +192,21 @@ def test_rows_are_addressed_by_batch_row_not_position():
     out = sample(s, logits, [params[2], params[0]], rows=[2, 0])
     assert out.token_ids.tolist() == [1, 0]
     assert s.ints[:, 2].tolist()[:3] == [1, 0, 1]  # sample counts advanced for rows 2 and 0 only
+
+
+def test_penalty_rows_count_outputs_and_mask_prompts_with_repeats_and_resets():
+    """A token in both the prompt and the output of one row, repeated: the counts hold the output
+    occurrences only, the mask the prompt ones only; taking a row again clears what it held."""
+    s = Sampler(2, 5, torch.device("cpu"))  # rows 0..2 (the last one padding)
+    rows = torch.tensor([0, 2])
+    token_rows = torch.tensor([0, 0, 0, 0, 2, 2, 2])
+    token_ids = torch.tensor([3, 3, 3, 1, 4, 4, 0])
+    is_output = torch.tensor([0, 1, 1, 0, 1, 0, 0])
+    for _ in range(2):  # the second init of the same rows must give the same state, not twice the counts
+        s.init_penalty_rows(rows, token_rows, token_ids, is_output)
+        assert s.counts.tolist() == [[0, 0, 0, 2, 0], [0] * 5, [0, 0, 0, 0, 1]]
+        assert s.in_prompt.tolist() == [[False, True, False, True, False], [False] * 5,
+                                        [True, False, False, False, True]]
+    s.init_penalty_rows(torch.tensor([0]), torch.tensor([0]), torch.tensor([2]), torch.tensor([1]))
+    assert s.counts[0].tolist() == [0, 0, 1, 0, 0] and not s.in_prompt[0].any()
+    assert s.counts[2].tolist() == [0, 0, 0, 0, 1]  # rows not re-taken keep their state

@@ -68,7 +68,8 @@ class Sampler:
         self.floats = torch.zeros(n, FLOAT_FIELDS, device=device)  # (R, 6)
         self.ints = torch.zeros(n, INT_FIELDS, dtype=torch.int64, device=device)  # (R, 3)
         self.counts: torch.Tensor | None = None  # (R, V) int32 generated-token counts, once penalties appear
-        self.in_prompt: torch.Tensor | None = None  # (R, V) bool
+        self._prompt_mask: torch.Tensor | None = None  # (R, V + 1) bool; column V absorbs output tokens
+        self.in_prompt: torch.Tensor | None = None  # (R, V) bool view of _prompt_mask
 
     # ---- row state --------------------------------------------------------------------------------
     def init_rows(self, rows: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor) -> None:
@@ -80,18 +81,24 @@ class Sampler:
     def init_penalty_rows(self, rows: torch.Tensor, token_rows: torch.Tensor, token_ids: torch.Tensor,
                           is_output: torch.Tensor) -> None:
         """Reset the penalty state of `rows`, then count each (row, token): output tokens into the counts,
-        prompt tokens into the mask. Allocates the (R, V) state on first use."""
+        prompt tokens into the mask. Allocates the (R, V) state on first use.
+
+        No host sync (this runs whenever a penalised sequence takes a row, between async steps): no boolean
+        indexing (its nonzero syncs) and no Python scalars written through an index (their copy syncs).
+        Prompt tokens count 0 in the counts; output tokens set column V of the mask, which nobody reads."""
+        V = self.vocab_size
         if self.counts is None:
             n = self.floats.shape[0]
-            self.counts = torch.zeros(n, self.vocab_size, dtype=torch.int32, device=self.device)
-            self.in_prompt = torch.zeros(n, self.vocab_size, dtype=torch.bool, device=self.device)
+            self.counts = torch.zeros(n, V, dtype=torch.int32, device=self.device)
+            self._prompt_mask = torch.zeros(n, V + 1, dtype=torch.bool, device=self.device)
+            self.in_prompt = self._prompt_mask[:, :V]  # (R, V) view
         rows, token_rows, token_ids = rows.long(), token_rows.long(), token_ids.long()
-        self.counts[rows] = 0
-        self.in_prompt[rows] = False
+        self.counts.index_fill_(0, rows, 0)
+        self._prompt_mask.index_fill_(0, rows, False)
         out = is_output.bool()
-        self.counts.index_put_((token_rows[out], token_ids[out]), torch.ones_like(token_ids[out],
-                               dtype=torch.int32), accumulate=True)
-        self.in_prompt[token_rows[~out], token_ids[~out]] = True
+        self.counts.index_put_((token_rows, token_ids), out.int(), accumulate=True)
+        columns = torch.where(out, V, token_ids)
+        self._prompt_mask.index_put_((token_rows, columns), torch.ones_like(out))
 
     # ---- one step ---------------------------------------------------------------------------------
     def __call__(self, logits: torch.Tensor, rows: torch.Tensor, flags: int, num_logprobs: int = 0
