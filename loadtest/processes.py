@@ -1,7 +1,7 @@
 """`--processes N`: a run's requests split over N worker processes, each an asyncio loop with its own client.
 
-One asyncio process reads a few tens of thousands of SSE events a second at full CPU (httpx's HTTP/1.1
-stack costs most of it, see sse.py), below the token rates of a fast server, so the work is spread:
+One asyncio process reads about 15K SSE events a second at full CPU (httpx's HTTP/1.1 stack costs most of
+it, see sse.py), below the token rates of a fast server, so the work is spread:
 - request j takes concurrency slot j % C and slot s belongs to worker s % N: each worker holds its slots'
   share of the concurrency (the shares sum to C) and of the requests, interleaved in order;
 - every worker releases its requests at their global arrival offsets from one start time the parent hands
@@ -16,9 +16,11 @@ has one free; with requests of equal length the shares drain together.
 Ctrl-C: workers ignore SIGINT (a terminal sends it to the whole process group); the parent's stop reaches
 them as a message and each returns the records that had finished. A worker that dies fails the run.
 
-`--processes auto` = max(1, min(ceil(C / 32), usable CPUs // 2)): a process per 32 streams keeps each one well
-below full CPU at the token rates of the serving targets (a few hundred tokens a second per stream); half
-the cores stay for the server when it shares the host.
+`--processes auto` = max(1, min(ceil(C / 8), usable CPUs // 2)): one process reads about 12K SSE events a
+second at 80% of a core (measured on the H200 host, 2026-12-01: 1 process at 16 streams x 620 tok/s was
+78-84% busy, 2 processes at 64 streams x 420 tok/s 84%), so a process per 8 streams stays near a third of a
+core at the serving targets' rates (up to ~600 tokens a second per stream); half the cores stay for the
+server when it shares the host.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from loadtest.client import ClientConfig, RequestRecord
 from loadtest.cpu import LoadMeter
 from loadtest.workload import RequestSpec
 
-STREAMS_PER_PROCESS = 32
+STREAMS_PER_PROCESS = 8
 START_MARGIN_S = 0.2  # from handing out the start time to the first release: every worker is waiting
 CLOCK_SKEW_LIMIT_S = 10.0  # a worker's clock reading, received by the parent, is at most this old
 

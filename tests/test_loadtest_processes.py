@@ -39,7 +39,7 @@ def test_split_interleaves_requests_by_concurrency_slot():
 
 
 def test_auto_processes_rule():
-    assert [auto_processes(c, cpus=16) for c in (1, 16, 32, 33, 64, 256, 1024)] == [1, 1, 1, 2, 2, 8, 8]
+    assert [auto_processes(c, cpus=16) for c in (1, 8, 9, 16, 33, 64, 256)] == [1, 1, 2, 2, 5, 8, 8]
     assert auto_processes(256, cpus=2) == 1 and auto_processes(256, cpus=1) == 1
     assert 1 <= auto_processes(256) <= max(1, (os.cpu_count() or 1) // 2)
 

@@ -14,8 +14,9 @@ What it runs, in order, each beside the memory roofline computed from the copy b
 3. the engine without HTTP at batch 1/16/64/256 (`tools.engine_step_bench`: step time and its breakdown,
    overlap on and off);
 4. HF transformers `generate` with a static cache, one batch of 64, same shape (`tools.hf_baseline`).
-Writes serving_<gpu>.{json,md,png} under --out and prints the table last. Needs the FastAPI stack, pyzmq and
-msgspec importable (carried as wheels on the GPU host: tools/serving_gpu_run.sh).
+Writes serving_h200.{json,png} and serving_h200_table.md under --out (`--replot JSON` redraws them) and
+prints the table last. Needs the FastAPI stack, pyzmq and msgspec importable (carried as wheels on the GPU
+host: tools/serving_gpu_run.sh).
 """
 
 from __future__ import annotations
@@ -205,6 +206,37 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(res: dict, path: Path) -> None:
+    """Output tok/s against concurrency, one line per run kind (budget, long), beside the roofline."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[tuple[int, float]]] = {}
+    for name, rep in res["serving"]["reports"].items():
+        if not rep or "sampled" in name:
+            continue
+        c, _, kind = name[1:].partition("_")
+        budget = kind.split("_")[0][1:] if kind.startswith("b") else str(res["serving"]["budgets"][0])
+        label = f"budget {budget}, {'4x' if kind.endswith('long') else '1x'} requests"
+        series.setdefault(label, []).append((int(c), rep["output_throughput"]))
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for kind, points in series.items():
+        points.sort()
+        ax.plot([c for c, _ in points], [t for _, t in points], marker="o", label=f"HTTP {kind}")
+    levels = sorted({c for points in series.values() for c, _ in points})
+    ax.plot(levels, [roofline_tok_s(c, res["copy_TBps"]) for c in levels], "k--", label="memory roofline")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("output tok/s")
+    ax.set_title(f"pagewalk serve, bench preset, {IN_LEN} in / {OUT_LEN} out ({res['gpu']})", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/serving_bench"))
@@ -214,7 +246,13 @@ def main(argv=None) -> None:
     ap.add_argument("--budgets", type=int, nargs="+", default=[8192], help="--max-num-batched-tokens")
     ap.add_argument("--long", action="store_true", help="each level again with 4x the requests")
     ap.add_argument("--no-sampled", action="store_true", help="skip the sampled run at 64")
+    ap.add_argument("--replot", type=Path, help="only redraw the PNG (and table) of a saved JSON")
     args = ap.parse_args(argv)
+    if args.replot:
+        res = json.loads(args.replot.read_text())
+        plot(res, args.replot.with_suffix(".png"))
+        print(table(res))
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
@@ -229,6 +267,7 @@ def main(argv=None) -> None:
     res["engine"] = offline(out) if "engine" not in skip else None
     res["hf"] = hf(out) if "hf" not in skip else None
     (out / "serving_h200.json").write_text(json.dumps(res, indent=1))
+    plot(res, out / "serving_h200.png")
     text = table(res)
     (out / "serving_h200_table.md").write_text(text + "\n")
     print(text)
