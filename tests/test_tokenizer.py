@@ -11,15 +11,19 @@ from model_fixtures import CHAT_TEMPLATE, byte_bpe_tokenizer
 
 from server.model import IncrementalDetokenizer
 from server.model.chat_template import ChatTemplate
+from server.model.detokenizer import Utf8Detokenizer, detokenizer_for
 from server.model.tokenizer import ByteTokenizer, HFTokenizer
 
 TEXTS = ["", "hello", "héllo wörld", "東京 🙂 \n\t tabs", "\x00\x7f control"]
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
 
 
-def stream(tokenizer, ids: list[int]) -> list[str]:
-    detok = IncrementalDetokenizer(tokenizer)
+def stream(tokenizer, ids: list[int], detokenizer=IncrementalDetokenizer) -> list[str]:
+    detok = detokenizer(tokenizer)
     return [detok.push(i) for i in ids] + [detok.flush()]
+
+
+BYTE_DETOKENIZERS = pytest.mark.parametrize("detokenizer", [IncrementalDetokenizer, Utf8Detokenizer])
 
 
 @pytest.fixture(scope="module")
@@ -57,34 +61,42 @@ def test_simple_chat_template():
     assert ByteTokenizer().apply_chat_template(parts, add_generation_prompt=False) == "user: ab\n"
 
 
+@BYTE_DETOKENIZERS
 @settings(max_examples=200, deadline=None)
-@given(st.binary(max_size=64), st.lists(st.sampled_from([0, 1, 2]), max_size=4), st.randoms())
-def test_byte_detokenizer_concat_equals_decode(data, specials, rnd):
-    tok = ByteTokenizer()
+@given(st.binary(max_size=64), st.lists(st.sampled_from([0, 1, 2, 300]), max_size=4), st.randoms())
+def test_byte_detokenizer_concat_equals_decode(detokenizer, data, specials, rnd):
+    tok = ByteTokenizer(vocab_size=512)
     ids = [b + 3 for b in data]
     for special in specials:
         ids.insert(rnd.randint(0, len(ids)), special)
-    deltas = stream(tok, ids)
+    deltas = stream(tok, ids, detokenizer)
     assert "".join(deltas) == tok.decode(ids)
 
 
+@BYTE_DETOKENIZERS
 @settings(max_examples=200, deadline=None)
 @given(st.text(max_size=40))
-def test_byte_detokenizer_never_emits_half_a_character(text):
+def test_byte_detokenizer_never_emits_half_a_character(detokenizer, text):
     tok = ByteTokenizer()
-    deltas = stream(tok, tok.encode(text))
+    deltas = stream(tok, tok.encode(text), detokenizer)
     assert "".join(deltas) == text
     assert all("\ufffd" not in d for d in deltas if "\ufffd" not in text)
     assert deltas[-1] == ""  # nothing left to flush after valid UTF-8
 
 
-def test_detokenizer_holds_incomplete_bytes_until_completed():
+@BYTE_DETOKENIZERS
+def test_detokenizer_holds_incomplete_bytes_until_completed(detokenizer):
     tok = ByteTokenizer()
     ids = tok.encode("a€", add_bos=False)  # € is 3 bytes
-    detok = IncrementalDetokenizer(tok)
+    detok = detokenizer(tok)
     assert [detok.push(i) for i in ids] == ["a", "", "", "€"]
     detok.push(0xE2 + 3)  # a dangling lead byte is released only by flush
     assert detok.flush() == "\ufffd"
+
+
+def test_detokenizer_for_picks_the_byte_table_where_there_is_one(hf_tok):
+    assert isinstance(detokenizer_for(ByteTokenizer()), Utf8Detokenizer)
+    assert isinstance(detokenizer_for(hf_tok), IncrementalDetokenizer)
 
 
 def test_hf_tokenizer_bos_eos_and_round_trip(hf_tok):

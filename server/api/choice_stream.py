@@ -13,7 +13,7 @@ from server.api.outputs import ChoiceDelta, TokenLogprob
 from server.api.stop_strings import StopStrings
 from server.engine.outputs import SeqUpdate
 from server.engine.sampling_params import SamplingParams
-from server.model.detokenizer import IncrementalDetokenizer
+from server.model.detokenizer import detokenizer_for
 
 
 class ChoiceStream:
@@ -21,7 +21,7 @@ class ChoiceStream:
 
     def __init__(self, index: int, params: SamplingParams, tokenizer, text_of: Callable[[int], str]):
         self.index = index
-        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.detokenizer = detokenizer_for(tokenizer)
         self.stops = StopStrings(params.stop) if params.stop else None
         self.text_of = text_of  # token id -> its text alone (logprob entries)
         self.want_logprobs = params.logprobs is not None

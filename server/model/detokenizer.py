@@ -4,10 +4,15 @@ The window trick (as in vLLM / TGI): decode a short window of ids ending at the 
 same window plus the new ids; the delta is the difference. A trailing U+FFFD means an incomplete byte
 sequence, so the text is held back until later ids complete it (or `flush()` at the end of the stream).
 Concatenating every delta and `flush()` gives exactly `tokenizer.decode(all_ids)`.
+
+A tokenizer whose ids are bytes (ByteTokenizer, the presets') has a cheaper exact way: `token_bytes` maps each
+id to its bytes and the stdlib's incremental UTF-8 decoder holds an incomplete character until it completes,
+with the same result as decoding the whole stream. `detokenizer_for` picks it.
 """
 
 from __future__ import annotations
 
+import codecs
 from typing import Protocol
 
 REPLACEMENT = "\ufffd"
@@ -47,3 +52,28 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
         return new_text[len(prefix_text) :]
+
+
+class Utf8Detokenizer:
+    """push/flush as IncrementalDetokenizer, for tokenizers with a `token_bytes` table (id -> bytes): one
+    lookup and one incremental decode per id instead of two window decodes (tools/api_bench: the API
+    process's cost per streamed token, docs/benchmarks/api_cpu.md)."""
+
+    __slots__ = ("token_bytes", "decoder")
+
+    def __init__(self, tokenizer) -> None:
+        self.token_bytes: list[bytes] = tokenizer.token_bytes
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        table = self.token_bytes
+        return self.decoder.decode(table[token_id]) if 0 <= token_id < len(table) else ""
+
+    def flush(self) -> str:
+        return self.decoder.decode(b"", final=True)
+
+
+def detokenizer_for(tokenizer) -> IncrementalDetokenizer | Utf8Detokenizer:
+    if hasattr(tokenizer, "token_bytes"):
+        return Utf8Detokenizer(tokenizer)
+    return IncrementalDetokenizer(tokenizer)

@@ -41,6 +41,8 @@ class ByteTokenizer:
         if vocab_size < self.NUM_IDS:
             raise ValueError(f"ByteTokenizer needs vocab_size >= {self.NUM_IDS}, got {vocab_size}")
         self.vocab_size = vocab_size
+        # id -> its bytes (specials and unused ids: none), for streaming detokenization
+        self.token_bytes = [b""] * self.OFFSET + [bytes([b]) for b in range(256)]
         self.bos_token_id = self.BOS
         self.pad_token_id = self.PAD
         self.eos_token_ids = {self.EOS}

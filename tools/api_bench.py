@@ -1,0 +1,209 @@
+"""The API process's own CPU cost per streamed token, against a synthetic engine core: \
+`python -m tools.api_bench`.
+
+`pagewalk serve --model tiny` runs as it ships (uvicorn, FastAPI, the AsyncEngine, the ZeroMQ link to a
+core process) except for what the core process builds: a SyntheticCore that runs no model. Every
+`--step-ms` it gives each running choice one token (printable ids of the tiny tokenizer, so the
+detokenizer, the SSE encoding and the client do their real work) and ends it at max_tokens; it answers
+stats queries and aborts as the real core does. The device is out of the picture, so what is timed is the
+API process: its CPU seconds (every thread, from /proc) over a loadtest run at each concurrency, divided
+by the tokens streamed, gives its cost per token and the token rate one API process can carry at 100% of a
+core. The load generator runs in its own processes (`--processes`); on a small machine it can be the
+bottleneck, which lowers tokens/s but not the cost per token.
+
+Prints one table last; writes the reports as JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from server.engine.outputs import CoreStats, EngineRequest, SeqUpdate, StepUpdate
+from server.engine.wire import CoreInfo
+
+STEP_ENV = "PAGEWALK_API_BENCH_STEP_MS"
+
+
+class SyntheticCore:
+    """The EngineCore interface CoreLoop uses, with a fixed step time and no model."""
+
+    def __init__(self, token_ids: list[int], step_s: float):
+        self.token_ids, self.step_s = token_ids, step_s
+        self.requests: dict[str, tuple[EngineRequest, list[int]]] = {}  # id -> (request, tokens per choice)
+        self.next_step = time.monotonic()
+        self.steps = 0
+
+    def add_request(self, er: EngineRequest) -> None:
+        if er.request_id in self.requests:
+            raise ValueError(f"request id {er.request_id!r} is already in the engine")
+        self.requests[er.request_id] = (er, [0] * er.params.n)
+
+    def abort_request(self, request_id: str, index: int | None = None, reason: str = "abort",
+                      error: str | None = None) -> list[SeqUpdate]:
+        entry = self.requests.get(request_id)
+        if entry is None:
+            return []
+        er, counts = entry
+        indices = range(er.params.n) if index is None else [index]
+        updates = [SeqUpdate(request_id, i, [], None, reason, None, error) for i in indices if counts[i] >= 0]
+        for i in indices:
+            counts[i] = -1
+        if all(c < 0 for c in counts):
+            del self.requests[request_id]
+        return updates
+
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> StepUpdate:
+        delay = self.next_step - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        self.next_step = max(self.next_step, time.monotonic() - self.step_s) + self.step_s
+        now, updates, tokens = time.monotonic(), [], 0
+        for rid, (er, counts) in list(self.requests.items()):
+            for i, done in enumerate(counts):
+                if done < 0:
+                    continue
+                tok = self.token_ids[(self.steps + i + done) % len(self.token_ids)]
+                counts[i] = done + 1
+                finished = counts[i] >= er.params.max_tokens
+                updates.append(SeqUpdate(rid, i, [tok], None, "length" if finished else None,
+                                         scheduled_time=now if done == 0 else None))
+                tokens += 1
+                if finished:
+                    counts[i] = -1
+            if all(c < 0 for c in counts):
+                del self.requests[rid]
+        self.steps += 1
+        return StepUpdate(updates, self.stats(num_decode_tokens=tokens))
+
+    def stats(self, num_prefill_tokens: int = 0, num_decode_tokens: int = 0) -> CoreStats:
+        return CoreStats(len(self.requests), 0, 1 << 20, 0, 0, 0.0, num_prefill_tokens, num_decode_tokens)
+
+    def kv_snapshot(self) -> dict:
+        return {"blocks": []}
+
+
+def synthetic_build_core(config):
+    from server.model.loader import load_tokenizer
+
+    tok = load_tokenizer(config.model, config.tokenizer, config.chat_template)
+    vocab = 259 if config.model == "tiny" else tok.vocab_size
+    printable = [i for i in range(vocab) if len(s := tok.decode([i])) == 1 and s.isprintable()]
+    core = SyntheticCore(printable, float(os.environ.get(STEP_ENV, "1.5")) / 1e3)
+    info = CoreInfo(model=config.model, device="synthetic", dtype="none", attention_backend="none",
+                    cuda_graphs=False, block_size=16, num_blocks=1 << 20, capacity_tokens=16 << 20,
+                    max_model_len=config.max_model_len or 4096, vocab_size=vocab)
+    return core, info
+
+
+def synthetic_core_process(config, to_core: str, from_core: str, log_level: str) -> None:
+    """The core process's own entry (server.engine.core_process), building a SyntheticCore instead."""
+    from server.engine import core_process
+
+    core_process.build_core = synthetic_build_core
+    core_process.run_core_process(config, to_core, from_core, log_level)
+
+
+def serve(argv: list[str], profile: str | None) -> None:
+    """The API process: `pagewalk serve` with the synthetic core process; `profile`: write the event
+    loop's cProfile stats there at exit."""
+    from server import cli
+    from server.engine import core_client
+
+    core_client.run_core_process = synthetic_core_process
+    if profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        exit_now = cli.exit_now
+
+        def dump_and_exit(code: int):
+            profiler.disable()
+            profiler.dump_stats(profile)
+            exit_now(code)
+
+        cli.exit_now = dump_and_exit
+        profiler.enable()
+    sys.exit(cli.main(argv))
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, all threads
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--levels", type=int, nargs="+", default=[16, 64, 256])
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--step-ms", type=float, default=1.5, help="the synthetic core's step time")
+    ap.add_argument("--processes", default="auto", help="load-generator processes (loadtest --processes)")
+    ap.add_argument("--port", type=int, default=8017)
+    ap.add_argument("--out", type=Path, default=Path("api_bench.json"))
+    ap.add_argument("--profile", help="write the API event loop's cProfile stats to this file")
+    args = ap.parse_args()
+    os.environ[STEP_ENV] = str(args.step_ms)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    url = f"http://127.0.0.1:{args.port}"
+    ctx = multiprocessing.get_context("spawn")
+    server = ctx.Process(target=serve, args=(["serve", "--model", "tiny", "--port", str(args.port),
+                                              "--max-num-seqs", "1024", "--log-level", "warning"],
+                                             args.profile))
+    server.start()
+    results = []
+    try:
+        for _ in range(120):
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        for c in args.levels:
+            path = args.out.with_name(f"{args.out.stem}_c{c}.json")
+            cmd = [sys.executable, "-m", "loadtest", "--base-url", url, "--input-len", "16", "--output-len",
+                   str(args.output_len), "--num-requests", str(args.num_requests), "--concurrency", str(c),
+                   "--warmup", str(min(8, c)), "--seed", "0", "--no-progress", "--processes",
+                   args.processes, "--out", str(path)]
+            cpu0, t0 = cpu_seconds(server.pid), time.perf_counter()
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            cpu, wall = cpu_seconds(server.pid) - cpu0, time.perf_counter() - t0
+            rep = json.loads(path.read_text())
+            path.unlink()
+            tokens = rep["total_output_tokens"] + min(8, c) * args.output_len  # the warm-up streamed too
+            results.append({"concurrency": c, "output_tok_s": rep["output_throughput"],
+                            "tpot_p50_ms": rep["tpot_ms"]["p50"], "api_cpu_s": cpu, "wall_s": wall,
+                            "api_busy": cpu / wall, "api_us_per_token": cpu / tokens * 1e6,
+                            "api_tok_s_per_core": tokens / cpu, "client_busy_max": rep.get("client_busy_max"),
+                            "completed": rep["completed"], "failed": rep["failed"]})
+    finally:
+        if server.pid is not None:
+            os.kill(server.pid, 15)
+        server.join(30)
+    meta = {"cpus": os.cpu_count(), "step_ms": args.step_ms, "output_len": args.output_len,
+            "num_requests": args.num_requests, "processes": args.processes}
+    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    print(f"\nAPI process against a synthetic core ({args.step_ms} ms steps), tiny tokenizer, "
+          f"{args.output_len} tokens per request, {os.cpu_count()} CPUs")
+    print(f"{'conc':>5} {'tok/s':>9} {'TPOT p50':>9} {'API busy':>9} {'API us/tok':>11} {'tok/s/core':>11} "
+          f"{'client busy':>12}")
+    for r in results:
+        print(f"{r['concurrency']:>5} {r['output_tok_s']:>9.0f} {r['tpot_p50_ms']:>9.2f} "
+              f"{r['api_busy']:>9.0%} {r['api_us_per_token']:>11.1f} {r['api_tok_s_per_core']:>11.0f} "
+              f"{(r['client_busy_max'] or 0):>12.0%}")
+    print(f"JSON: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
