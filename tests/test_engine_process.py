@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import threading
@@ -34,8 +35,17 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
 def engine():
     e = make_engine(in_process=False, num_blocks=24, max_num_batched_tokens=64)
     yield e
-    e.shutdown(timeout=5)
-    assert not e.client.process.is_alive()
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = warnings.append
+    logging.getLogger("pagewalk.engine").addHandler(handler)
+    try:
+        e.shutdown(timeout=5)
+    finally:
+        logging.getLogger("pagewalk.engine").removeHandler(handler)
+    # the core ends on Shutdown, by itself: exit code 0, never "did not stop ...; terminating it"
+    assert not e.client.process.is_alive() and e.client.process.exitcode == 0
+    assert not warnings, [r.getMessage() for r in warnings]
 
 
 def jobs(tok) -> list[tuple[str, list[int], SamplingParams]]:

@@ -160,9 +160,9 @@ class ProcessCoreClient:
                 self._push.send(data, copy=False)
 
     def close(self, timeout: float) -> None:
+        self._closing = True  # first: the receiver must not take the exit that follows for a death
         if self.process.is_alive():
             self.send(Shutdown())
-        self._closing = True
         self._stop_process(timeout)
         if self._receiver is not None:
             self._receiver.join(timeout)
@@ -178,8 +178,8 @@ class ProcessCoreClient:
                 self._drain(on_message)
             elif self.process.sentinel in ready:
                 self._drain(on_message)  # whatever it sent before it ended
-                self.process.join()
-                if not self._closing:
+                if not self._closing:  # closing: close() reaps it (two threads reaping race on waitpid)
+                    self.process.join()
                     logger.error("engine core process died (exit code %s)", self.process.exitcode)
                     on_death(f"exit code {self.process.exitcode}")
                 return
