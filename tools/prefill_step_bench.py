@@ -4,8 +4,11 @@
 One EngineCore (`bench` preset on CUDA unless told otherwise), in this process, async scheduling off so a
 step()'s wall time is the step's. Two kinds of step:
 - prefill: R requests of L random prompt tokens admitted together and prefilled in one step (R x L tokens);
-- mixed: B requests decoding while one long prompt prefills in chunks of P tokens (budget B + P), so every
+- mixed: B requests decoding while fresh prompts of the same length (--context) prefill, P tokens a step
+  (budget B + P: a chunk of one prompt when P is shorter, P / context whole prompts otherwise), so every
   measured step runs B decode tokens and P prefill tokens.
+- prefix hits: C requests sharing a cached prefix of K tokens, each with N new ones, prefilled in one step
+  (C chunks x N tokens, each attending to K + N keys through its block table; issue 20's 32 x 16 over 496).
 Per case: wall ms of one step (median), the device's busy time (the sum of the kernels' durations, from
 torch.profiler), the share of the wall the device was busy, and the dense-matmul TFLOP/s of the step
 (2 x decoder weights x tokens + 2 x lm_head x sampled rows + causal attention). A busy share well under
@@ -102,6 +105,29 @@ def prefill_case(core, requests: int, length: int, repeats: int, gen) -> dict:
     return case.result(flops(core.runner.model, requests * length, requests, pairs))
 
 
+def prefix_case(core, chunks: int, new: int, cached: int, repeats: int, gen) -> dict:
+    vocab = core.runner.config.vocab_size
+    core.scheduler.max_num_batched_tokens = 8192
+    case = Case(core, f"prefix hits {chunks}x{new} over {cached}")
+    params = SamplingParams(max_tokens=1, **GREEDY)
+    for r in range(repeats + 2):
+        shared = prompt(vocab, cached, gen)
+        core.add_request(EngineRequest(f"px{r}", shared + prompt(vocab, new, gen), params, time.monotonic()))
+        first = core.step()  # the prefix is computed and registered in the cache
+        assert first.stats.num_prefill_tokens == cached + new, first.stats
+        drain(core)
+        for i in range(chunks):
+            core.add_request(EngineRequest(f"px{r}-{i}", shared + prompt(vocab, new, gen), params,
+                                           time.monotonic()))
+        update = case.step(profiled=r == repeats + 1)
+        assert update.stats.num_prefill_tokens == chunks * new, update.stats  # the prefix came from the cache
+        if r < 2:
+            case.walls.clear()
+        drain(core)
+    pairs = chunks * new * (cached + new // 2)
+    return case.result(flops(core.runner.model, chunks * new, chunks, pairs))
+
+
 def mixed_case(core, batch: int, chunk: int, ctx: int, steps: int, gen) -> dict:
     vocab = core.runner.config.vocab_size
     core.scheduler.max_num_batched_tokens = 8192
@@ -113,9 +139,9 @@ def mixed_case(core, batch: int, chunk: int, ctx: int, steps: int, gen) -> dict:
         pass
     core.scheduler.max_num_batched_tokens = batch + chunk
     case = Case(core, f"mixed {batch} decode + {chunk} prefill")
-    long_len = chunk * (steps + 3)
-    core.add_request(EngineRequest(f"long{batch}-{chunk}", prompt(vocab, long_len, gen),
-                                   SamplingParams(max_tokens=1, **GREEDY), time.monotonic()))
+    for j in range(-(-(steps + 3) * chunk // ctx) + 1):  # more prompt tokens than the steps take
+        core.add_request(EngineRequest(f"new{batch}-{chunk}-{j}", prompt(vocab, ctx, gen),
+                                       SamplingParams(max_tokens=1, **GREEDY), time.monotonic()))
     for i in range(steps + 2):
         update = case.step(profiled=i == steps + 1)
         s = update.stats
@@ -123,9 +149,8 @@ def mixed_case(core, batch: int, chunk: int, ctx: int, steps: int, gen) -> dict:
         if i == 0:
             case.walls.clear()  # the first chunk (admission) warms up
     drain(core)
-    # the chunk's queries attend to the long prompt's earlier chunks; the decodes to ~ctx keys each
-    mid = long_len // 2
-    pairs = chunk * mid + batch * ctx
+    # a prompt token attends to ~ctx / 2 keys on average (its own prompt's), a decode token to ~ctx
+    pairs = chunk * ctx // 2 + batch * ctx
     return case.result(flops(core.runner.model, batch + chunk, batch, pairs))
 
 
@@ -135,6 +160,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--prefills", default="1x512,4x512,16x512", help="RxL list")
+    ap.add_argument("--prefix-hits", default="32x16x496", help="CxNxK list: C chunks of N new tokens over "
+                    "a cached prefix of K")
     ap.add_argument("--decode-batch", type=int, default=64)
     ap.add_argument("--chunks", type=int, nargs="+", default=[0, 128, 256, 512, 1024, 2048])
     ap.add_argument("--context", type=int, default=512, help="prompt tokens of each decoding request")
@@ -151,6 +178,10 @@ def main() -> None:
     for spec in args.prefills.split(","):
         r, length = map(int, spec.split("x"))
         results.append(prefill_case(core, r, length, args.repeats, gen))
+        print(results[-1]["case"], f"{results[-1]['wall_ms']:.2f} ms", flush=True)
+    for spec in args.prefix_hits.split(","):
+        c, n, k = map(int, spec.split("x"))
+        results.append(prefix_case(core, c, n, k, args.repeats, gen))
         print(results[-1]["case"], f"{results[-1]['wall_ms']:.2f} ms", flush=True)
     for chunk in args.chunks:
         if chunk == 0:
