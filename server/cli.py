@@ -263,7 +263,7 @@ def serve(args: argparse.Namespace) -> int:
     logger.info("prefix caching %s; bearer-token auth on /v1/* %s",
                 "on" if args.enable_prefix_caching else "off", "required" if args.api_key else "off")
     # the engine has drained (or aborted what was left) before uvicorn's own graceful shutdown starts, and
-    # GuardedH11Protocol drops clients that are not reading: what remains finishes in a second or is cut
+    # GuardedHttpProtocol drops clients that are not reading: what remains finishes in a second or is cut
     protocol = guarded_protocol(args.header_timeout, args.client_stall_timeout, args.max_connections)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, http=protocol,
                             timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=0.5,

@@ -13,6 +13,8 @@ import httpx
 import pytest
 from server_helpers import Server
 
+from server.api.connections import MAX_HEADER_BYTES
+
 pytestmark = pytest.mark.timeout(120)
 
 HEADER_TIMEOUT_S = 1.5
@@ -93,6 +95,45 @@ def test_uvicorn_400_is_an_openai_error_body(server):
     assert raw.startswith(b"HTTP/1.1 400"), raw
     err = json_body(raw)["error"]
     assert err["type"] == "invalid_request_error" and err["code"] == "invalid_http"
+
+
+@pytest.mark.parametrize("where", ["url", "one header", "many headers"])
+def test_oversized_request_headers_get_431(server, where):
+    """The request line and headers are bounded (MAX_HEADER_BYTES) however they are split; the server
+    answers 431 with the OpenAI body, closes the connection, and keeps serving."""
+    big = MAX_HEADER_BYTES + 1024
+    if where == "url":
+        head = b"GET /health?" + b"a" * big + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+    elif where == "one header":
+        head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * big + b"\r\n\r\n"
+    else:
+        head = b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-H: aaaaaaaaaaaaaaaa\r\n" * (big // 20) + b"\r\n"
+    s = connect(server)
+    try:
+        s.sendall(head)
+    except OSError:  # closed while we were still sending
+        pass
+    raw = read_all(s)
+    assert raw.startswith(b"HTTP/1.1 431"), raw[:200]
+    assert json_body(raw)["error"]["code"] == "headers_too_large"
+    s.close()
+    assert httpx.get(f"{server.url}/health", headers={"X-Fine": "a" * 4096}).status_code == 200
+
+
+def test_the_header_deadline_applies_to_each_request_of_a_keep_alive_connection(server):
+    s = connect(server)
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    first = b""
+    while b"\r\n\r\n" not in first or not first.rstrip().endswith(b"}"):
+        first += s.recv(65536)
+    assert first.startswith(b"HTTP/1.1 200"), first
+    time.sleep(HEADER_TIMEOUT_S + 0.5)  # idle between requests: the keep-alive timeout's business
+    start = time.monotonic()
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # never completes its headers
+    raw = read_all(s)
+    assert raw.startswith(b"HTTP/1.1 408"), raw
+    assert HEADER_TIMEOUT_S - 0.3 < time.monotonic() - start < HEADER_TIMEOUT_S + 2
+    s.close()
 
 
 def test_head_health_is_200(server):

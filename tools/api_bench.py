@@ -8,8 +8,10 @@ detokenizer, the SSE encoding and the client do their real work) and ends it at 
 stats queries and aborts as the real core does. The device is out of the picture, so what is timed is the
 API process: its CPU seconds (every thread, from /proc) over a loadtest run at each concurrency, divided
 by the tokens streamed, gives its cost per token and the token rate one API process can carry at 100% of a
-core. The load generator runs in its own processes (`--processes`); on a small machine it can be the
-bottleneck, which lowers tokens/s but not the cost per token.
+core. The client is a lean raw-socket one in this process (about a tenth of the API process's cost per
+event), so that on a small machine the API process, not the client, sets the pace; how many tokens one SSE
+event carries then depends on the API process alone (it merges what arrived while it was busy), and the
+table gives the cost per event as well as per token.
 
 Prints one table last; writes the reports as JSON to --out.
 """
@@ -17,10 +19,10 @@ Prints one table last; writes the reports as JSON to --out.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import multiprocessing
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -138,6 +140,48 @@ def serve(argv: list[str], profile: str | None) -> None:
     sys.exit(cli.main(argv))
 
 
+async def stream_one(port: int, body: bytes) -> int:
+    """One streamed completion over its own connection -> the number of SSE data events (the [DONE] one
+    excluded). Counts `data: ` across read boundaries without parsing the chunked framing."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    events, tail = 0, b""
+    while data := await reader.read(1 << 16):
+        window = tail + data
+        events += window.count(b"data: ") - tail.count(b"data: ")
+        if b"data: [DONE]" in window:
+            break
+        tail = window[-16:]
+    writer.close()
+    return events - 1
+
+
+async def drive(port: int, concurrency: int, num_requests: int, output_len: int) -> int:
+    body = json.dumps({"prompt": "hello", "max_tokens": output_len, "stream": True,
+                       "ignore_eos": True}).encode()
+    left = iter(range(num_requests))
+
+    async def worker() -> int:
+        return sum([await stream_one(port, body) for _ in iter(lambda: next(left, None), None)])
+
+    return sum(await asyncio.gather(*(worker() for _ in range(concurrency))))
+
+
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds per thread name of process `pid` (utime + stime)."""
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            text = (task / "stat").read_text()
+        except OSError:  # the thread ended
+            continue
+        name = text[text.index("(") + 1:text.rindex(")")]
+        fields = text.rsplit(")", 1)[1].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, all threads
@@ -149,7 +193,6 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--step-ms", type=float, default=1.5, help="the synthetic core's step time")
-    ap.add_argument("--processes", default="auto", help="load-generator processes (loadtest --processes)")
     ap.add_argument("--port", type=int, default=8017)
     ap.add_argument("--out", type=Path, default=Path("api_bench.json"))
     ap.add_argument("--profile", help="write the API event loop's cProfile stats to this file")
@@ -171,37 +214,33 @@ def main() -> None:
             except httpx.HTTPError:
                 time.sleep(0.5)
         for c in args.levels:
-            path = args.out.with_name(f"{args.out.stem}_c{c}.json")
-            cmd = [sys.executable, "-m", "loadtest", "--base-url", url, "--input-len", "16", "--output-len",
-                   str(args.output_len), "--num-requests", str(args.num_requests), "--concurrency", str(c),
-                   "--warmup", str(min(8, c)), "--seed", "0", "--no-progress", "--processes",
-                   args.processes, "--out", str(path)]
-            cpu0, t0 = cpu_seconds(server.pid), time.perf_counter()
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            asyncio.run(drive(args.port, c, min(8, c), args.output_len))  # warm-up
+            cpu0, threads0, t0 = cpu_seconds(server.pid), thread_cpu_seconds(server.pid), time.perf_counter()
+            events = asyncio.run(drive(args.port, c, args.num_requests, args.output_len))
             cpu, wall = cpu_seconds(server.pid) - cpu0, time.perf_counter() - t0
-            rep = json.loads(path.read_text())
-            path.unlink()
-            tokens = rep["total_output_tokens"] + min(8, c) * args.output_len  # the warm-up streamed too
-            results.append({"concurrency": c, "output_tok_s": rep["output_throughput"],
-                            "tpot_p50_ms": rep["tpot_ms"]["p50"], "api_cpu_s": cpu, "wall_s": wall,
+            threads = {k: v - threads0.get(k, 0.0) for k, v in thread_cpu_seconds(server.pid).items()}
+            tokens = args.num_requests * args.output_len
+            results.append({"concurrency": c, "output_tok_s": tokens / wall, "events": events,
+                            "tokens_per_event": tokens / events, "api_cpu_s": cpu, "wall_s": wall,
                             "api_busy": cpu / wall, "api_us_per_token": cpu / tokens * 1e6,
-                            "api_tok_s_per_core": tokens / cpu, "client_busy_max": rep.get("client_busy_max"),
-                            "completed": rep["completed"], "failed": rep["failed"]})
+                            "api_us_per_event": cpu / events * 1e6, "api_tok_s_per_core": tokens / cpu,
+                            "api_cpu_s_by_thread": {k: round(v, 3) for k, v in threads.items() if v > 0}})
     finally:
         if server.pid is not None:
             os.kill(server.pid, 15)
         server.join(30)
     meta = {"cpus": os.cpu_count(), "step_ms": args.step_ms, "output_len": args.output_len,
-            "num_requests": args.num_requests, "processes": args.processes}
+            "num_requests": args.num_requests}
     args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(f"\nAPI process against a synthetic core ({args.step_ms} ms steps), tiny tokenizer, "
           f"{args.output_len} tokens per request, {os.cpu_count()} CPUs")
-    print(f"{'conc':>5} {'tok/s':>9} {'TPOT p50':>9} {'API busy':>9} {'API us/tok':>11} {'tok/s/core':>11} "
-          f"{'client busy':>12}")
+    print(f"{'conc':>5} {'tok/s':>9} {'tok/event':>10} {'API busy':>9} {'API us/event':>13} "
+          f"{'API us/tok':>11} "
+          f"{'tok/s/core':>11}")
     for r in results:
-        print(f"{r['concurrency']:>5} {r['output_tok_s']:>9.0f} {r['tpot_p50_ms']:>9.2f} "
-              f"{r['api_busy']:>9.0%} {r['api_us_per_token']:>11.1f} {r['api_tok_s_per_core']:>11.0f} "
-              f"{(r['client_busy_max'] or 0):>12.0%}")
+        print(f"{r['concurrency']:>5} {r['output_tok_s']:>9.0f} {r['tokens_per_event']:>10.2f} "
+              f"{r['api_busy']:>9.0%} {r['api_us_per_event']:>13.1f} {r['api_us_per_token']:>11.1f} "
+              f"{r['api_tok_s_per_core']:>11.0f}")
     print(f"JSON: {args.out}")
 
 

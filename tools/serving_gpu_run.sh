@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call for the serving issues (run from the repo root on the GPU machine with .whl carried):
-# install the carried wheels (FastAPI stack, pyzmq, msgspec), then the parts named in PARTS (default: all):
+# install the carried wheels (`../shared/tools/device-wheels pyzmq msgspec jinja2 markupsafe httptools`: the
+# FastAPI stack and those), then the parts named in PARTS (default: all):
 #   tests    the runner/engine GPU tests
 #   hazards  tools/step_hazards (Triton compiles after start-up, host-device syncs, under random traffic)
 #   prefill  tools/prefill_step_bench (prefill and mixed decode+prefill steps: wall, device busy, TFLOP/s)

@@ -1,12 +1,14 @@
-"""Connection-level guards: uvicorn's h11 protocol plus the limits uvicorn does not have.
+"""Connection-level guards: uvicorn's httptools protocol plus the limits uvicorn does not have.
 
 uvicorn (0.3x) times out idle keep-alive connections (`timeout_keep_alive`) but has no deadline for reading
 a request's headers, no cap on open connections (`limit_concurrency` answers 503 to new *requests* and keeps
-every connection open), answers its own protocol errors with a plain-text 400, and keeps a connection whose
-client stopped reading a response for as long as the response lasts. GuardedH11Protocol adds, per
-connection:
+every connection open), no bound on the size of a request's headers with httptools, answers its own protocol
+errors with a plain-text 400, and keeps a connection whose client stopped reading a response for as long as
+the response lasts. GuardedHttpProtocol adds, per connection:
 - a header deadline: a request's headers must be complete `header_timeout_s` after its first byte (or after
   the connection opened); otherwise the connection gets a 408 and is closed (slowloris);
+- a header size bound: a request line plus headers over MAX_HEADER_BYTES get a 431 and the connection is
+  closed (what h11 bounds by itself; llhttp hands uvicorn every fragment);
 - a cap: a connection over `max_connections` open ones gets a 503 and is closed at once;
 - a write-stall deadline: a client that reads nothing of a response for `stall_timeout_s` (the socket's send
   buffer, capped at SEND_BUFFER_BYTES, stays full) is disconnected; the app sees the disconnect, which aborts
@@ -14,7 +16,11 @@ connection:
   a stream holds is bounded by the time it may stall;
 - at shutdown, a connection whose client is not reading is disconnected at once (before the engine drains,
   and again when uvicorn closes connections), so a stalled client cannot hold the exit;
-- the OpenAI error body on every answer it writes itself (400, 408, 503).
+- the OpenAI error body on every answer it writes itself (400, 408, 431, 503).
+
+httptools (llhttp) rather than h11: the API process streams every token of every stream through this
+protocol, and its per-event cost is most of the API process's time at high concurrency (tools/api_bench,
+docs/benchmarks/api_cpu.md: -11% CPU per SSE event against the h11 protocol).
 """
 
 from __future__ import annotations
@@ -24,8 +30,7 @@ import json
 import logging
 import socket
 
-import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from server.api.errors import error_body
 
@@ -35,6 +40,7 @@ DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_STALL_TIMEOUT_S = 30.0
 DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5
+MAX_HEADER_BYTES = 64 * 1024  # request line + headers; h11's default bound is 16 KiB, nginx's 8-32 KiB
 # the kernel's share of what a connection may hold unsent (Linux doubles it); autotuning would let a
 # client that reads nothing absorb up to tcp_wmem's maximum (megabytes) before the stall deadline starts.
 # A token stream needs a small fraction of this per round trip.
@@ -49,7 +55,11 @@ def raw_error(status: int, reason: str, message: str, code: str | None = None) -
     return head.encode() + body
 
 
-class GuardedH11Protocol(H11Protocol):
+class HeadersTooLarge(Exception):
+    """A request's line and headers passed MAX_HEADER_BYTES (raised from a parser callback)."""
+
+
+class GuardedHttpProtocol(HttpToolsProtocol):
     header_timeout_s = DEFAULT_HEADER_TIMEOUT_S
     stall_timeout_s = DEFAULT_STALL_TIMEOUT_S
     max_connections = DEFAULT_MAX_CONNECTIONS
@@ -57,6 +67,8 @@ class GuardedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self.header_timer: asyncio.TimerHandle | None = None
         self.stall_timer: asyncio.TimerHandle | None = None
+        self.awaiting_headers = True  # the next request's headers are not complete yet
+        self.header_bytes = 0  # of the request being read: its line and headers so far
         super().connection_made(transport)
         sock = transport.get_extra_info("socket")
         if sock is not None:
@@ -74,16 +86,43 @@ class GuardedH11Protocol(H11Protocol):
         self._cancel_timers()
         super().connection_lost(exc)
 
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            self._arm_header_timer()  # bytes of a request whose headers are not complete yet
-        elif self.header_timer is not None:
+    # ---- parser callbacks: the header deadline and size bound -----------------------------------
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.awaiting_headers, self.header_bytes = True, 0
+        self._arm_header_timer()  # from the request's first byte
+
+    def on_url(self, url: bytes) -> None:
+        self._count_header_bytes(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_header_bytes(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self.awaiting_headers = False
+        if self.header_timer is not None:
             self.header_timer.cancel()
             self.header_timer = None
+        super().on_headers_complete()
+
+    def _count_header_bytes(self, n: int) -> None:
+        self.header_bytes += n
+        if self.header_bytes > MAX_HEADER_BYTES:
+            # the parser turns a callback's exception into a parse error: uvicorn stops feeding it and
+            # calls send_400_response, which answers 431 for this one
+            raise HeadersTooLarge
 
     def send_400_response(self, msg: str) -> None:
-        self.transport.write(raw_error(400, "Bad Request", f"{msg} (malformed HTTP)", "invalid_http"))
+        if self.header_bytes > MAX_HEADER_BYTES:
+            logger.info("closing a connection from %s: request line and headers over %d bytes", _peer(self),
+                        MAX_HEADER_BYTES)
+            self.transport.write(raw_error(431, "Request Header Fields Too Large",
+                                           f"Request line and headers exceed {MAX_HEADER_BYTES} bytes.",
+                                           "headers_too_large"))
+        else:
+            self.transport.write(raw_error(400, "Bad Request", f"{msg} (malformed HTTP)", "invalid_http"))
         self.transport.close()
 
     # ---- deadlines --------------------------------------------------------------------------------
@@ -93,7 +132,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def _header_timeout(self) -> None:
         self.header_timer = None
-        if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
+        if not self.awaiting_headers or self.transport.is_closing():
             return
         if self.cycle is not None and not self.cycle.response_complete:
             return  # a response is still being written (pipelined bytes wait for it)
@@ -141,18 +180,18 @@ class GuardedH11Protocol(H11Protocol):
 def drop_stalled(connections) -> None:
     """At shutdown, before the engine drains: a client not reading would only hold the drain."""
     for connection in list(connections):
-        if isinstance(connection, GuardedH11Protocol):
+        if isinstance(connection, GuardedHttpProtocol):
             connection.drop_if_stalled()
 
 
-def _peer(protocol: H11Protocol) -> str:
+def _peer(protocol: HttpToolsProtocol) -> str:
     return f"{protocol.client[0]}:{protocol.client[1]}" if protocol.client else "a client"
 
 
 def guarded_protocol(header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
                      stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
-                     max_connections: int = DEFAULT_MAX_CONNECTIONS) -> type[GuardedH11Protocol]:
+                     max_connections: int = DEFAULT_MAX_CONNECTIONS) -> type[GuardedHttpProtocol]:
     """The protocol class for uvicorn.Config(http=...), with these settings."""
-    return type("GuardedH11Protocol", (GuardedH11Protocol,), {
+    return type("GuardedHttpProtocol", (GuardedHttpProtocol,), {
         "header_timeout_s": header_timeout_s, "stall_timeout_s": stall_timeout_s,
         "max_connections": max_connections})

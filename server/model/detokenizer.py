@@ -16,6 +16,7 @@ import codecs
 from typing import Protocol
 
 REPLACEMENT = "\ufffd"
+UTF8_DECODER = codecs.getincrementaldecoder("utf-8")  # looked up once: a lookup per stream costs more
 
 
 class Decoder(Protocol):
@@ -63,7 +64,7 @@ class Utf8Detokenizer:
 
     def __init__(self, tokenizer) -> None:
         self.token_bytes: list[bytes] = tokenizer.token_bytes
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.decoder = UTF8_DECODER(errors="replace")
 
     def push(self, token_id: int) -> str:
         table = self.token_bytes
