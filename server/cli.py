@@ -264,7 +264,8 @@ def serve(args: argparse.Namespace) -> int:
                 "on" if args.enable_prefix_caching else "off", "required" if args.api_key else "off")
     # the engine has drained (or aborted what was left) before uvicorn's own graceful shutdown starts, and
     # GuardedHttpProtocol drops clients that are not reading: what remains finishes in a second or is cut
-    protocol = guarded_protocol(args.header_timeout, args.client_stall_timeout, args.max_connections)
+    protocol = guarded_protocol(args.header_timeout, args.client_stall_timeout, args.max_connections,
+                                max_body_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, http=protocol,
                             timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=0.5,
                             access_log=False)

@@ -13,20 +13,21 @@ import httpx
 import pytest
 from server_helpers import Server
 
-from server.api.connections import MAX_HEADER_BYTES
+from server.api.connections import MAX_HEADER_BYTES, MIN_BODY_RATE
 
 pytestmark = pytest.mark.timeout(120)
 
 HEADER_TIMEOUT_S = 1.5
 STALL_TIMEOUT_S = 1.0
 MAX_CONNECTIONS = 12
+MAX_BODY_BYTES = 32 * 1024  # a chunked body's deadline: HEADER_TIMEOUT_S + 0.5 s
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     srv = Server(tmp_path_factory.mktemp("conn"), "--num-blocks", "1024", "--header-timeout",
                  str(HEADER_TIMEOUT_S), "--client-stall-timeout", str(STALL_TIMEOUT_S),
-                 "--max-connections", str(MAX_CONNECTIONS))
+                 "--max-connections", str(MAX_CONNECTIONS), "--max-body-bytes", str(MAX_BODY_BYTES))
     yield srv
     srv.stop()
 
@@ -134,6 +135,34 @@ def test_the_header_deadline_applies_to_each_request_of_a_keep_alive_connection(
     assert raw.startswith(b"HTTP/1.1 408"), raw
     assert HEADER_TIMEOUT_S - 0.3 < time.monotonic() - start < HEADER_TIMEOUT_S + 2
     s.close()
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_a_body_that_trickles_is_cut_at_its_deadline(server, framing):
+    """Headers complete, then the body comes a byte every 0.2 s: the bytes do not extend the deadline
+    (header timeout + length / MIN_BODY_RATE; a chunked body counts as the body limit), so the connection
+    gets a 408 and is closed when it passes; the server keeps serving. The client stops sending just before
+    the deadline (bytes sent to a closed socket would reset the connection and lose the 408)."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    if framing == "content-length":
+        head += b"Content-Length: 1000\r\n\r\n{"
+        limit, byte = HEADER_TIMEOUT_S + 1000 / MIN_BODY_RATE, b" "
+    else:
+        head += b"Transfer-Encoding: chunked\r\n\r\n1\r\n{\r\n"
+        limit, byte = HEADER_TIMEOUT_S + MAX_BODY_BYTES / MIN_BODY_RATE, b"1\r\n \r\n"
+    s = connect(server)
+    start = time.monotonic()
+    s.sendall(head)
+    while time.monotonic() - start < limit - 0.4:
+        s.sendall(byte)
+        time.sleep(0.2)
+    raw = read_all(s)
+    elapsed = time.monotonic() - start
+    assert raw.startswith(b"HTTP/1.1 408"), raw
+    assert json_body(raw)["error"]["code"] == "request_timeout"
+    assert limit - 0.3 < elapsed < limit + 2
+    s.close()
+    assert httpx.get(f"{server.url}/health").status_code == 200
 
 
 def test_head_health_is_200(server):

@@ -9,6 +9,9 @@ the response lasts. GuardedHttpProtocol adds, per connection:
   the connection opened); otherwise the connection gets a 408 and is closed (slowloris);
 - a header size bound: a request line plus headers over MAX_HEADER_BYTES get a 431 and the connection is
   closed (what h11 bounds by itself; llhttp hands uvicorn every fragment);
+- a body deadline: once its headers are in, a request's body must be complete within `header_timeout_s` plus
+  its length (a chunked body: the server's body limit) at MIN_BODY_RATE; otherwise a 408 and the
+  connection is closed (a body that trickles in would otherwise hold a connection slot forever);
 - a cap: a connection over `max_connections` open ones gets a 503 and is closed at once;
 - a write-stall deadline: a client that reads nothing of a response for `stall_timeout_s` (the socket's send
   buffer, capped at SEND_BUFFER_BYTES, stays full) is disconnected; the app sees the disconnect, which aborts
@@ -33,6 +36,7 @@ import socket
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from server.api.errors import error_body
+from server.api.limits import DEFAULT_MAX_BODY_BYTES
 
 logger = logging.getLogger("pagewalk.api")
 
@@ -41,6 +45,7 @@ DEFAULT_STALL_TIMEOUT_S = 30.0
 DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_TIMEOUT_KEEP_ALIVE_S = 5
 MAX_HEADER_BYTES = 64 * 1024  # request line + headers; h11's default bound is 16 KiB, nginx's 8-32 KiB
+MIN_BODY_RATE = 64 * 1024  # bytes/s a request body must average after its headers (a 1 MiB body: 16 s more)
 # the kernel's share of what a connection may hold unsent (Linux doubles it); autotuning would let a
 # client that reads nothing absorb up to tcp_wmem's maximum (megabytes) before the stall deadline starts.
 # A token stream needs a small fraction of this per round trip.
@@ -63,9 +68,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     header_timeout_s = DEFAULT_HEADER_TIMEOUT_S
     stall_timeout_s = DEFAULT_STALL_TIMEOUT_S
     max_connections = DEFAULT_MAX_CONNECTIONS
+    max_body_bytes = DEFAULT_MAX_BODY_BYTES
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self.header_timer: asyncio.TimerHandle | None = None
+        self.body_timer: asyncio.TimerHandle | None = None
         self.stall_timer: asyncio.TimerHandle | None = None
         self.awaiting_headers = True  # the next request's headers are not complete yet
         self.header_bytes = 0  # of the request being read: its line and headers so far
@@ -105,7 +112,17 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self.header_timer is not None:
             self.header_timer.cancel()
             self.header_timer = None
+        length = _body_length(self.headers, self.max_body_bytes)
+        if length:
+            self.body_timer = self.loop.call_later(self.header_timeout_s + length / MIN_BODY_RATE,
+                                                   self._body_timeout)
         super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        if self.body_timer is not None:
+            self.body_timer.cancel()
+            self.body_timer = None
+        super().on_message_complete()
 
     def _count_header_bytes(self, n: int) -> None:
         self.header_bytes += n
@@ -142,6 +159,16 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                                        "request_timeout"))
         self.transport.close()
 
+    def _body_timeout(self) -> None:
+        self.body_timer = None
+        if self.transport.is_closing():
+            return
+        logger.info("closing a connection from %s: request body not received in time", _peer(self))
+        if self.cycle is None or not self.cycle.response_started:
+            self.transport.write(raw_error(408, "Request Timeout", "Request body not received in time.",
+                                           "request_timeout"))
+        self.transport.close()
+
     def pause_writing(self) -> None:
         super().pause_writing()
         if self.stall_timer is None:
@@ -171,10 +198,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             super().shutdown()
 
     def _cancel_timers(self) -> None:
-        for timer in (self.header_timer, self.stall_timer):
+        for timer in (self.header_timer, self.body_timer, self.stall_timer):
             if timer is not None:
                 timer.cancel()
-        self.header_timer = self.stall_timer = None
+        self.header_timer = self.body_timer = self.stall_timer = None
 
 
 def drop_stalled(connections) -> None:
@@ -184,14 +211,26 @@ def drop_stalled(connections) -> None:
             connection.drop_if_stalled()
 
 
+def _body_length(headers: list[tuple[bytes, bytes]], max_body_bytes: int) -> int:
+    """The body length a request's headers announce, at most `max_body_bytes` (a longer one gets a 413
+    from the app at once); a chunked body counts as `max_body_bytes`, no body as 0."""
+    for name, value in headers:
+        if name == b"content-length":
+            return min(int(value), max_body_bytes) if value.strip().isdigit() else 0  # bad: the parser's
+        if name == b"transfer-encoding" and b"chunked" in value.lower():
+            return max_body_bytes
+    return 0
+
+
 def _peer(protocol: HttpToolsProtocol) -> str:
     return f"{protocol.client[0]}:{protocol.client[1]}" if protocol.client else "a client"
 
 
 def guarded_protocol(header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
                      stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
-                     max_connections: int = DEFAULT_MAX_CONNECTIONS) -> type[GuardedHttpProtocol]:
+                     max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> type[GuardedHttpProtocol]:
     """The protocol class for uvicorn.Config(http=...), with these settings."""
     return type("GuardedHttpProtocol", (GuardedHttpProtocol,), {
         "header_timeout_s": header_timeout_s, "stall_timeout_s": stall_timeout_s,
-        "max_connections": max_connections})
+        "max_connections": max_connections, "max_body_bytes": max_body_bytes})
