@@ -6,7 +6,7 @@ core process) except for what the core process builds: a SyntheticCore that runs
 `--step-ms` it gives each running choice one token (printable ids of the tiny tokenizer, so the
 detokenizer, the SSE encoding and the client do their real work) and ends it at max_tokens; it answers
 stats queries and aborts as the real core does. The device is out of the picture, so what is timed is the
-API process: its CPU seconds (every thread, from /proc) over a loadtest run at each concurrency, divided
+API process: its CPU seconds (every thread, from /proc) over a run at each concurrency, divided
 by the tokens streamed, gives its cost per token and the token rate one API process can carry at 100% of a
 core. The client is a lean raw-socket one in this process (about a tenth of the API process's cost per
 event), so that on a small machine the API process, not the client, sets the pace; how many tokens one SSE
@@ -168,20 +168,6 @@ async def drive(port: int, concurrency: int, num_requests: int, output_len: int)
     return sum(await asyncio.gather(*(worker() for _ in range(concurrency))))
 
 
-def thread_cpu_seconds(pid: int) -> dict[str, float]:
-    """CPU seconds per thread name of process `pid` (utime + stime)."""
-    out: dict[str, float] = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            text = (task / "stat").read_text()
-        except OSError:  # the thread ended
-            continue
-        name = text[text.index("(") + 1:text.rindex(")")]
-        fields = text.rsplit(")", 1)[1].split()
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return out
-
-
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, all threads
@@ -215,16 +201,14 @@ def main() -> None:
                 time.sleep(0.5)
         for c in args.levels:
             asyncio.run(drive(args.port, c, min(8, c), args.output_len))  # warm-up
-            cpu0, threads0, t0 = cpu_seconds(server.pid), thread_cpu_seconds(server.pid), time.perf_counter()
+            cpu0, t0 = cpu_seconds(server.pid), time.perf_counter()
             events = asyncio.run(drive(args.port, c, args.num_requests, args.output_len))
             cpu, wall = cpu_seconds(server.pid) - cpu0, time.perf_counter() - t0
-            threads = {k: v - threads0.get(k, 0.0) for k, v in thread_cpu_seconds(server.pid).items()}
             tokens = args.num_requests * args.output_len
             results.append({"concurrency": c, "output_tok_s": tokens / wall, "events": events,
                             "tokens_per_event": tokens / events, "api_cpu_s": cpu, "wall_s": wall,
                             "api_busy": cpu / wall, "api_us_per_token": cpu / tokens * 1e6,
-                            "api_us_per_event": cpu / events * 1e6, "api_tok_s_per_core": tokens / cpu,
-                            "api_cpu_s_by_thread": {k: round(v, 3) for k, v in threads.items() if v > 0}})
+                            "api_us_per_event": cpu / events * 1e6, "api_tok_s_per_core": tokens / cpu})
     finally:
         if server.pid is not None:
             os.kill(server.pid, 15)
