@@ -8,8 +8,8 @@ detokenizer, the SSE encoding and the client do their real work) and ends it at 
 stats queries and aborts as the real core does. The device is out of the picture, so what is timed is the
 API process: its CPU seconds (every thread, from /proc) over a run at each concurrency, divided
 by the tokens streamed, gives its cost per token and the token rate one API process can carry at 100% of a
-core. The client is a lean raw-socket one in this process (about a tenth of the API process's cost per
-event), so that on a small machine the API process, not the client, sets the pace; how many tokens one SSE
+core. The client is a lean raw-socket one in this process (it counts `data: ` and parses nothing), so that on
+a small machine the API process, not the client, sets the pace; how many tokens one SSE
 event carries then depends on the API process alone (it merges what arrived while it was busy), and the
 table gives the cost per event as well as per token.
 
