@@ -27,10 +27,9 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
 from server.engine.outputs import CoreStats, EngineRequest, SeqUpdate, StepUpdate
 from server.engine.wire import CoreInfo
+from tools.server_wait import wait_healthy
 
 STEP_ENV = "PAGEWALK_API_BENCH_STEP_MS"
 
@@ -193,12 +192,7 @@ def main() -> None:
     server.start()
     results = []
     try:
-        for _ in range(120):
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+        wait_healthy(url, server.is_alive, 120)
         for c in args.levels:
             asyncio.run(drive(args.port, c, min(8, c), args.output_len))  # warm-up
             cpu0, t0 = cpu_seconds(server.pid), time.perf_counter()

@@ -24,12 +24,11 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
 from loadtest.client import ClientConfig
 from loadtest.mock_server import free_port
 from loadtest.processes import run_workload
 from loadtest.workload import LengthRange, build_workload
+from tools.server_wait import ServerNotHealthy, wait_healthy
 
 
 def start_mocks(port: int, count: int) -> list[subprocess.Popen]:
@@ -37,16 +36,13 @@ def start_mocks(port: int, count: int) -> list[subprocess.Popen]:
            "--first-token-ms", "0", "--inter-token-ms", "0"]  # fmt: skip
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     procs = [subprocess.Popen(cmd, **quiet) for _ in range(count)]
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                time.sleep(1.0)  # the other copies bind too
-                return procs
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    stop_mocks(procs)
-    raise RuntimeError("mock server did not start")
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", lambda: all(p.poll() is None for p in procs), 30, poll_s=0.1)
+    except ServerNotHealthy as e:
+        stop_mocks(procs)
+        raise RuntimeError(f"mock server did not start: {e}") from None
+    time.sleep(1.0)  # the other copies bind too
+    return procs
 
 
 def stop_mocks(procs: list[subprocess.Popen]) -> None:

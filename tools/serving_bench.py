@@ -27,11 +27,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import torch
+
+from tools.server_wait import ServerNotHealthy, wait_healthy
 
 PORT = 8011
 URL = f"http://127.0.0.1:{PORT}"
@@ -84,18 +85,12 @@ def start_server(out: Path, extra: list[str]) -> subprocess.Popen:
            str(PORT), "--max-num-seqs", "256", *extra]
     print("$", " ".join(cmd), flush=True)
     proc = subprocess.Popen(cmd, stdout=(out / "server.log").open("w"), stderr=subprocess.STDOUT)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; see server.log")
-        try:
-            if httpx.get(f"{URL}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise RuntimeError("server did not become healthy in 300 s")
+    try:
+        wait_healthy(URL, lambda: proc.poll() is None, 300, poll_s=1)
+    except ServerNotHealthy as e:
+        proc.kill()
+        raise RuntimeError(f"{e} (exit code {proc.poll()}); see server.log") from None
+    return proc
 
 
 def stop_server(proc: subprocess.Popen) -> int:

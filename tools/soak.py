@@ -26,6 +26,8 @@ from pathlib import Path
 
 import httpx
 
+from tools.server_wait import ServerNotHealthy, wait_healthy
+
 REPO = Path(__file__).resolve().parents[1]
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -131,17 +133,12 @@ def start_server(log_path: Path) -> tuple[subprocess.Popen, str]:
            "--shutdown-timeout", "2"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited early:\n{log_path.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("server not healthy in 120 s")
+    try:
+        wait_healthy(url, lambda: proc.poll() is None, 120)
+    except ServerNotHealthy as e:
+        proc.kill()
+        raise SystemExit(f"{e}:\n{log_path.read_text()}") from None
+    return proc, url
 
 
 def wait_idle(url: str, timeout: float = 20) -> dict:
