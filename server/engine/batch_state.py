@@ -13,7 +13,6 @@ pinned memory on CUDA; two pinned buffers alternate, each reused only after its 
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -110,9 +109,10 @@ class StepPacker:
     def send(self, sections: Sequence[Sequence[int] | np.ndarray]) -> list[torch.Tensor]:
         """Copy the sections to the device in one transfer -> one int32 device tensor per section."""
         sizes = [len(s) for s in sections]
-        a = self.ALIGN
-        starts = list(itertools.accumulate((-(-n // a) * a for n in sizes[:-1]), initial=0))[:len(sizes)]
-        total = starts[-1] + sizes[-1] if sizes else 0
+        starts, total = [], 0
+        for n in sizes:
+            starts.append(-(-total // self.ALIGN) * self.ALIGN)  # the next 16-byte boundary
+            total = starts[-1] + n
         if total > self.capacity:
             if self.pinned:
                 torch.cuda.current_stream(self.device).synchronize()  # the old buffers may be in flight
