@@ -1,10 +1,12 @@
 """Triton paged prefill attention: varlen causal flash attention of many chunks over the block-table KV cache.
 
-One launch, grid (query tile, KV head). Chunk i owns query rows [qsl[i], qsl[i+1]) of q and the tiles
-[qsl[i] // BLOCK_Q + i, qsl[i+1] // BLOCK_Q + i + 1): a key strictly increasing in i, so a program finds its
-chunk by counting the keys <= its id, on the device, without a host sync; the grid is T // BLOCK_Q +
-num_chunks programs, at most one idle per chunk. A tile's BLOCK_M rows are (query position, query head of
-the KV head's group) pairs, so every K/V tile load serves all heads of the group (GQA without expanding K/V).
+One launch, grid (query tile, KV head). Chunk i owns query rows [qsl[i], qsl[i+1]) of q and the tiles [qsl[i]
+// BLOCK_Q + i, qsl[i+1] // BLOCK_Q + i + 1): a key strictly increasing in i, so a program finds its chunk by
+counting the keys <= its id, on the device, without a host sync; the grid is T // BLOCK_Q + num_chunks
+programs, at most one idle per chunk. qsl[0] may be above 0: the runner passes its whole flat batch, decode
+rows first; the rows before qsl[0] are not written (their programs return at once). A tile's BLOCK_M rows are
+(query position, query head of the KV head's group) pairs, so every K/V tile load serves all heads of the
+group (GQA without expanding K/V).
 
 Each program walks its chunk's keys in tiles of BLOCK_N token positions looked up through the block table
 (independent of block_size), with online softmax in fp32 and exp2. The key range is cut into three phases:
@@ -95,12 +97,13 @@ def _paged_prefill_kernel(
     # ---- which chunk and which of its query tiles: count the chunks whose first tile is <= pid
     offs_c = tl.arange(0, CHUNKS_PAD)
     starts = tl.load(QUERY_START_LOC + offs_c, mask=offs_c < num_chunks, other=1 << 30)
-    chunk = tl.sum((starts // BLOCK_Q + offs_c <= pid).to(tl.int32), 0) - 1
+    # (a program below chunk 0's first tile, over rows of q before qsl[0], takes chunk 0 at a negative tile)
+    chunk = tl.maximum(tl.sum((starts // BLOCK_Q + offs_c <= pid).to(tl.int32), 0) - 1, 0)
     q_lo = tl.load(QUERY_START_LOC + chunk)
     n = tl.load(QUERY_START_LOC + chunk + 1) - q_lo
     tile_q0 = (pid - (q_lo // BLOCK_Q + chunk)) * BLOCK_Q             # first query of the tile, in the chunk
-    if tile_q0 >= n:
-        return                                                      # a spare tile, or an empty chunk
+    if (tile_q0 < 0) | (tile_q0 >= n):
+        return                                  # a row before qsl[0], a spare tile, or an empty chunk
     seq_len = tl.load(SEQ_LENS + chunk)
     ctx = seq_len - n                                               # tokens cached before this chunk
 

@@ -156,6 +156,7 @@ def paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, query_s
 
     q (T, Hq, D): chunk i is rows [qsl[i], qsl[i+1]); its n_i queries sit at positions seq_lens[i] - n_i + j
     and see keys 0..position (and, with a window W, only keys > position - W). Their K/V are in the cache.
+    Rows of `out` outside [qsl[0], qsl[C]) are not written (qsl[0] may be above 0).
     """
     if q.dim() != 3 or k_cache.dim() != 4 or q.shape[1] % k_cache.shape[2] or q.shape[2] != k_cache.shape[3]:
         raise ValueError(f"q must be (T, Hq, D) and caches (N, block_size, Hkv, D) with Hq % Hkv == 0; got "
@@ -190,4 +191,8 @@ def paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, query_s
         p = torch.softmax(s.masked_fill(~vis, float("-inf")), dim=-1)
         o = torch.einsum("kgnl,lkd->nkgd", p, v)                                # (n, Hkv, G, D)
         res[lo:hi] = o.reshape(n, hq, d)
-    return _finish(res, q, out)
+    if out is None:
+        return res.to(q.dtype)
+    lo, hi = qsl[0], qsl[num_chunks]  # rows outside the chunks stay as they are, as in the kernel
+    out[lo:hi].copy_(res[lo:hi])
+    return out

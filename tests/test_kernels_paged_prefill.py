@@ -91,6 +91,25 @@ def test_empty_inputs_launch_nothing():
     assert out.shape == (0, 4, 32)
 
 
+@pytest.mark.parametrize("backend", [
+    pytest.param("triton", marks=interpreter_only),
+    "torch",
+])
+def test_chunks_offset_into_a_larger_batch_leave_other_rows_alone(backend):
+    """The runner's flat batch: 5 decode rows first (qsl[0] = 5), the chunks, then padding rows and spare
+    empty chunks; only the chunks' rows are written (the decode and padding rows keep their NaN)."""
+    case, q, qsl = make_prefill_case([30, 9, 0, 0], [12, 9, 0, 0], 8, 2, 64, 16, seed=11)
+    lead, tail = 5, 7
+    big_q = torch.randn(lead + q.shape[0] + tail, 8, 64)
+    big_q[lead:lead + q.shape[0]] = q
+    out = torch.full_like(big_q, float("nan"))
+    paged_prefill_attention(big_q, case.k_cache, case.v_cache, case.block_tables, qsl + lead, case.seq_lens,
+                            backend=backend, out=out)
+    assert out[:lead].isnan().all() and out[lead + q.shape[0]:].isnan().all()
+    ref = reference_fp64(case, q, qsl)
+    assert rel_error(out[lead:lead + q.shape[0]], ref) <= 1e-5
+
+
 def test_reference_matches_sdpa_on_contiguous_kv():
     """The reference against SDPA over each chunk's K/V laid out contiguously with an explicit mask."""
     lens, new, win = [19, 7], [6, 7], 4

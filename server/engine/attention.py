@@ -3,6 +3,9 @@
 Rows [0, num_decode) of the flat batch are single-token chunks: one batched `paged_decode_attention` call.
 The rows after them are the prefill chunks, back to back: one `paged_prefill_attention` call over all of them,
 reading each chunk's cached prefix and its new keys through its block table (no gathered copies, no masks).
+The chunks' query_start_loc indexes the flat batch (chunk 0 starts at the first row after the decode rows),
+so a captured mixed step can give the decode call more rows than it has decodes (the spare ones read
+nothing) while the prefill call still finds its rows.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from server.engine.kv_cache_tensors import KVCacheTensors
 @dataclass
 class PrefillMetadata:
     block_tables: torch.Tensor  # (C, max_blocks) int32, padded with the null block 0
-    query_start_loc: torch.Tensor  # (C + 1,) int32: chunk i is prefill rows [qsl[i], qsl[i + 1])
+    query_start_loc: torch.Tensor  # (C + 1,) int32: chunk i is rows [qsl[i], qsl[i + 1]) of the flat batch
     seq_lens: torch.Tensor  # (C,) int32: tokens of the chunk's sequence in the cache, its new ones included
 
 
@@ -67,11 +70,11 @@ class PagedAttention:
             return self._decode(q, k_cache, v_cache)
         out = torch.empty_like(q)
         nd = meta.num_decode
-        if nd:
+        if nd:  # first: in a captured mixed step its spare rows are prefill rows, zeroed here, written next
             self._decode(q[:nd], k_cache, v_cache, out=out[:nd])
-        p = meta.prefill
-        paged_prefill_attention(q[nd:], k_cache, v_cache, p.block_tables, p.query_start_loc, p.seq_lens,
-                                sliding_window=self.sliding_window, backend=self.backend, out=out[nd:])
+        p = meta.prefill  # its query_start_loc indexes the whole flat batch
+        paged_prefill_attention(q, k_cache, v_cache, p.block_tables, p.query_start_loc, p.seq_lens,
+                                sliding_window=self.sliding_window, backend=self.backend, out=out)
         return out
 
     def _decode(self, q, k_cache, v_cache, out=None) -> torch.Tensor:

@@ -14,13 +14,14 @@ pinned memory on CUDA; two pinned buffers alternate, each reused only after its 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from server.engine.attention import AttentionMetadata
+from server.engine.attention import AttentionMetadata, PrefillMetadata
 
-DECODE_FIELDS = 3  # row, position, token id (-1: the row's last sampled token, on the device)
+TOKEN_FIELDS = 3  # row, position, token id (-1: the row's last sampled token, on the device)
 
 
 class BatchState:
@@ -59,28 +60,82 @@ class BatchState:
         """rows (S,), tokens (S,): the next decode step of each row reads its token from here."""
         self.last_token.index_copy_(0, rows.long(), tokens)
 
-    def decode_inputs(self, dec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """dec: (3, B) device int32 [rows | positions (-1: padding) | token ids (-1: last sampled)]
-        -> input_ids (B,), positions (B,), decode-only AttentionMetadata. Pure device ops
-        (graph-capturable)."""
-        rows, pos, ids = dec.long().unbind(0)  # (B,) each
+    def step_inputs(self, tokens: torch.Tensor, num_decode_rows: int, num_decode: torch.Tensor | None = None,
+                    chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """A step's flat batch from device ints -> input_ids (T,), positions (T,), AttentionMetadata. Pure
+        device ops (graph-capturable).
+
+        tokens: (TOKEN_FIELDS, T) int32 [rows | positions (-1: padding) | token ids (-1: last sampled)],
+        the decode rows first, then the prefill chunks' tokens, then padding. The decode kernel runs over the
+        first num_decode_rows; with `num_decode` (a (1,) device count, the captured mixed steps) only that
+        many of them are decode rows and the rest read nothing (seq_len 0). chunks: the prefill chunks'
+        table rows (C,), query_start_loc (C + 1,) into the flat batch (chunk 0 starts after the decode rows)
+        and seq_lens (C,)."""
+        rows, pos, ids = tokens.long().unbind(0)  # (T,) each
         input_ids = torch.where(ids >= 0, ids, self.last_token[rows])
-        tables = self.block_tables.index_select(0, rows)  # (B, W)
         valid = pos >= 0
         pos = pos.clamp(min=0)
         bs = self.block_size
-        block = tables.gather(1, (pos // bs)[:, None]).squeeze(1).long()
+        block = self.block_tables[rows, pos // bs].long()
         slots = torch.where(valid, block * bs + pos % bs, torch.full_like(pos, -1))
-        seq_lens = torch.where(valid, pos + 1, torch.zeros_like(pos)).int()
-        meta = AttentionMetadata(slot_mapping=slots, num_decode=dec.shape[1], block_tables=tables,
-                                 seq_lens=seq_lens)
+        d = num_decode_rows
+        seq_lens = torch.where(valid[:d], pos[:d] + 1, 0)
+        if num_decode is not None:
+            seq_lens = torch.where(torch.arange(d, device=pos.device) < num_decode, seq_lens, 0)
+        prefill = None
+        if chunks is not None:
+            table_rows, qsl, lens = chunks
+            prefill = PrefillMetadata(self.block_tables.index_select(0, table_rows.long()), qsl, lens)
+        meta = AttentionMetadata(slot_mapping=slots, num_decode=d,
+                                 block_tables=self.block_tables.index_select(0, rows[:d]),
+                                 seq_lens=seq_lens.int(), prefill=prefill)
         return input_ids, pos, meta
 
-    def prefill_slots(self, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """rows, pos (P,) per prefill token -> (P,) int64 cache slots."""
-        bs = self.block_size
-        rows, pos = rows.long(), pos.long()
-        return self.block_tables[rows, pos // bs].long() * bs + pos % bs
+
+def _aligned(n: int) -> int:
+    return -(-n // StepPacker.ALIGN) * StepPacker.ALIGN
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Where a step's flat-batch ints sit in its one packed section: tokens (TOKEN_FIELDS, T), then the
+    prefill chunks' table rows (C,), query_start_loc (C + 1,), seq_lens (C,) and the decode count (1,).
+    Each part starts on a 16-byte boundary (see StepPacker): the kernels take query_start_loc and seq_lens
+    as they lie here."""
+
+    num_tokens: int
+    num_chunks: int
+
+    def _starts(self) -> list[int]:
+        t, c = self.num_tokens, self.num_chunks
+        starts, end = [], 0
+        for n in (TOKEN_FIELDS * t, c, c + 1, c, 1):
+            starts.append(_aligned(end))
+            end = starts[-1] + n
+        return starts + [end]
+
+    @property
+    def length(self) -> int:
+        return self._starts()[-1]
+
+    def pack(self, rows: list[int], positions: list[int], ids: list[int], chunk_rows: list[int],
+             qsl: list[int], lens: list[int], num_decode: int) -> np.ndarray:
+        """-> (length,) int32: the parts in place, zeros between them."""
+        starts = self._starts()
+        out = np.zeros(starts[-1], dtype=np.int32)
+        t = self.num_tokens
+        out[0:t], out[t:2 * t], out[2 * t:3 * t] = rows, positions, ids
+        for part, start in zip((chunk_rows, qsl, lens, [num_decode]), starts[1:5], strict=True):
+            out[start:start + len(part)] = part
+        return out
+
+    def views(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """flat (length,) device int32 -> tokens (TOKEN_FIELDS, T), chunk rows (C,), query_start_loc (C + 1,),
+        seq_lens (C,), decode count (1,), views of `flat`."""
+        s, t, c = self._starts(), self.num_tokens, self.num_chunks
+        return (flat[:TOKEN_FIELDS * t].view(TOKEN_FIELDS, t), flat[s[1]:s[1] + c], flat[s[2]:s[2] + c + 1],
+                flat[s[3]:s[3] + c], flat[s[4]:s[4] + 1])
 
 
 class StepPacker:

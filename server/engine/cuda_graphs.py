@@ -1,18 +1,23 @@
-"""CUDA-graph decode: the decode forward captured once per batch size, replayed with one launch per step.
+"""CUDA graphs of whole steps: the decode forward captured once per batch size, and mixed steps (prefill
+chunks, with or without decode rows) once per token count; each replayed with one launch per step.
 
-A decode step of a small model is host bound (every layer launches ~25 kernels); a graph replays them all
-from one call. The graphs read one fixed (static) input buffer and write a static output: a step writes its
-decode rows (row, position, token id) into the buffer, replays the graph of the next captured size >= its
-batch, and reads the first rows. Everything else the forward needs is derived inside the graph from the
-runner's persistent BatchState: the input ids of rows decoding a token sampled last step (read from the
-device, never from the host), the block tables (gathered by row, full max_model_len width: the split
-heuristic reads that width, so each graph's launch config is fixed at capture and valid for any sequence
-length), sequence lengths and slots. Padding rows are inert: the all-null pad row at position -1 (seq_len 0:
-the attention reads nothing and gives zeros; slot -1: store_kv writes nothing).
+A step of a small model is host bound (every layer launches ~10 kernels through Python); a graph replays them
+all from one call. The graphs read one fixed (static) input buffer and write a static output: a step packs its
+flat batch (batch_state.FlatLayout: tokens as (row, position, token id), then the prefill chunks) padded to
+the next captured size, copies it into the buffer and replays. Everything else the forward needs is derived
+inside the graph from the runner's persistent BatchState: the input ids of rows decoding a token sampled last
+step (read from the device, never from the host), the block tables (gathered by row, full max_model_len width,
+so each graph's launch config is fixed at capture and valid for any sequence length),
+sequence lengths and slots. Padding is inert: padding tokens are the all-null pad row at position -1
+(seq_len 0: the attention reads nothing; slot -1: the K/V store writes nothing), padding chunks are empty.
 
-The runner's forward ends with the final norm and the lm_head, so the static output holds (max_size, vocab)
-logits in the model dtype; the runner turns the real rows into fp32 after the replay. All graphs share one
-memory pool, captured largest first so the smaller ones reuse its blocks (the vLLM / nano-vllm recipe).
+DecodeGraphs (decode rows only) end with the final norm and the lm_head: their static output holds
+(size, vocab) logits in the model dtype. MixedGraphs run the decode kernel over min(size, max_seqs) rows,
+of which the step's decode count (a device int in the buffer) are real and the rest read nothing, and the
+prefill kernel over every chunk, whose rows it finds from query_start_loc; their output is the final hidden
+states (size, hidden), and the runner computes the logits of the few rows that sample after the replay.
+All graphs share one memory pool, captured largest first so the smaller ones reuse its blocks (the vLLM /
+nano-vllm recipe).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from server.engine.attention import AttentionMetadata
-from server.engine.batch_state import BatchState
+from server.engine.batch_state import BatchState, FlatLayout
 
 log = logging.getLogger(__name__)
 
@@ -48,72 +53,94 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
+MAX_MIXED_TOKENS = 2048  # above it a step's device time (>~ 8 ms, bench model) hides its eager launches
+
+
+def mixed_sizes(max_num_batched_tokens: int) -> list[int]:
+    """Token counts to capture mixed steps at, ascending: 16, 32, ..., 512 (powers of two), then every 256
+    up to MAX_MIXED_TOKENS (padding costs compute once the GEMMs are compute bound), capped by the step
+    budget, which is itself the last size when below MAX_MIXED_TOKENS."""
+    top = min(max_num_batched_tokens, MAX_MIXED_TOKENS)
+    sizes = [s for s in (16, 32, 64, 128, 256, 512) if s <= top]
+    sizes += [s for s in range(768, top + 1, 256)]
+    if not sizes or sizes[-1] != top:
+        sizes.append(top)
+    return sizes
+
+
 def padded_size(num_seqs: int, sizes: Sequence[int]) -> int | None:
     """Smallest captured size >= num_seqs (sizes ascending); None above the largest (run eagerly)."""
     i = bisect.bisect_left(sizes, num_seqs)
     return sizes[i] if i < len(sizes) else None
 
 
-class DecodeGraphs:
-    """One captured decode forward per size in `sizes`, sharing static inputs, the output and a pool.
+class StepGraphs:
+    """One captured forward per size in `sizes`, sharing the static input buffer, the output and a pool.
+    Subclasses say what a size holds (layout, decode rows) and what the body computes.
 
     use_cuda_graphs=False keeps every buffer and the padding but runs the forward eagerly on replay: the same
     path minus the capture, so CPU tests cover it.
     """
 
-    def __init__(
-        self,
-        forward: DecodeForward,
-        sizes: Sequence[int],
-        state: BatchState,
-        out_width: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        use_cuda_graphs: bool = True,
-    ) -> None:
+    kind = "step"
+
+    def __init__(self, forward: DecodeForward, sizes: Sequence[int], state: BatchState, out_width: int,
+                 dtype: torch.dtype, device: torch.device, use_cuda_graphs: bool = True) -> None:
         if list(sizes) != sorted(set(sizes)) or sizes[0] < 1:
             raise ValueError(f"sizes must be ascending distinct positive ints, got {list(sizes)}")
         self.forward, self.sizes, self.max_size = forward, list(sizes), sizes[-1]
         self.state = state
         self.use_cuda_graphs = use_cuda_graphs
-        n = self.max_size
-        self.inputs = torch.tensor([[state.pad_row], [-1], [0]], dtype=torch.int32, device=device).repeat(
-            1, n)  # (DECODE_FIELDS, n): padding rows until a step writes them
-        self.output = torch.zeros(n, out_width, dtype=dtype, device=device)  # (n, out_width)
+        self.inputs = torch.zeros(max(self.layout(s).length for s in self.sizes), dtype=torch.int32,
+                                  device=device)  # (L,) the flat batch of the size replayed last
+        self.output = torch.zeros(self.max_size, out_width, dtype=dtype, device=device)  # (n, out_width)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.num_replays = 0
 
-    def fits(self, num_seqs: int) -> bool:
-        return num_seqs <= self.max_size
+    def layout(self, size: int) -> FlatLayout:
+        raise NotImplementedError
 
-    def padded_size(self, num_seqs: int) -> int | None:
-        return padded_size(num_seqs, self.sizes)
+    def fits(self, num: int) -> bool:
+        return num <= self.max_size
+
+    def padded_size(self, num: int) -> int | None:
+        return padded_size(num, self.sizes)
 
     # ---- capture ------------------------------------------------------------------------------------
 
     def _body(self, size: int) -> None:
-        """The captured region: forward of the first `size` static rows into the static output."""
-        input_ids, positions, meta = self.state.decode_inputs(self.inputs[:, :size])
-        self.output[:size].copy_(self.forward(input_ids, positions, meta))  # (size, out_width)
+        """The captured region: forward of the size's static flat batch into the static output."""
+        raise NotImplementedError
+
+    def _pad_inputs(self, size: int) -> None:
+        """Inert inputs to warm up and capture with: padding tokens only, no chunks."""
+        layout = self.layout(size)
+        pad = self.state.pad_row
+        c = layout.num_chunks
+        flat = layout.pack([pad] * size, [-1] * size, [0] * size, [pad] * c, [0] * (c + 1), [0] * c, 0)
+        self.inputs[:layout.length].copy_(torch.from_numpy(flat))
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Warm up (compiles the Triton kernels for these exact shapes) and capture, largest size first."""
+    def capture(self, pool=None) -> None:
+        """Warm up (compiles the Triton kernels for these exact shapes) and capture, largest size first, into
+        `pool` (a new one if None)."""
         if not self.use_cuda_graphs:
             for size in reversed(self.sizes):
+                self._pad_inputs(size)
                 self._body(size)
             return
         device = self.output.device
         torch.cuda.synchronize(device)
         free_before, _ = torch.cuda.mem_get_info(device)
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
         stream = torch.cuda.Stream(device)  # warm-up and capture on one side stream (its cuBLAS workspace)
         gc_was_enabled = gc.isenabled()
         gc.disable()  # a collection inside a capture could unload a Triton module and invalidate it
         try:
             with torch.cuda.stream(stream):
                 for size in reversed(self.sizes):
+                    self._pad_inputs(size)
                     self._body(size)  # warm-up: compiles and allocates outside the capture
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool, stream=stream):
@@ -124,19 +151,63 @@ class DecodeGraphs:
                 gc.enable()
         torch.cuda.synchronize(device)
         free_after, _ = torch.cuda.mem_get_info(device)
-        log.info("runner: captured %d CUDA decode graphs (batch sizes %s, %d-block tables) in %.2f s, "
-                 "%.1f MiB of device memory", len(self.graphs), self.sizes, self.state.max_blocks,
+        log.info("runner: captured %d CUDA %s graphs (sizes %s, %d-block tables) in %.2f s, %.1f MiB of "
+                 "device memory", len(self.graphs), self.kind, self.sizes, self.state.max_blocks,
                  time.perf_counter() - start, (free_before - free_after) / 2**20)
 
     # ---- replay -------------------------------------------------------------------------------------
 
-    def replay(self, decode: torch.Tensor, num_seqs: int, size: int) -> torch.Tensor:
-        """decode: (DECODE_FIELDS, size) device int32, the step's rows then padding rows. -> (num_seqs,
+    def replay(self, flat: torch.Tensor, num: int, size: int) -> torch.Tensor:
+        """flat: (layout(size).length,) device int32, the step's flat batch padded to `size`. -> (num,
         out_width), a view of the static output that the next replay overwrites."""
-        self.inputs[:, :size].copy_(decode)
+        self.inputs[:flat.shape[0]].copy_(flat)
         if self.use_cuda_graphs:
             self.graphs[size].replay()
         else:
             self._body(size)
         self.num_replays += 1
-        return self.output[:num_seqs]
+        return self.output[:num]
+
+
+class DecodeGraphs(StepGraphs):
+    """Decode steps of `size` rows (the step's, then padding rows); the forward gives logits."""
+
+    kind = "decode"
+
+    def layout(self, size: int) -> FlatLayout:
+        return FlatLayout(size, 0)
+
+    def _body(self, size: int) -> None:
+        tokens = self.layout(size).views(self.inputs)[0]
+        input_ids, positions, meta = self.state.step_inputs(tokens, size)
+        self.output[:size].copy_(self.forward(input_ids, positions, meta))  # (size, vocab)
+
+
+class MixedGraphs(StepGraphs):
+    """Steps of `size` tokens holding prefill chunks: up to min(size, max_seqs) decode rows first (as many
+    as the buffer's decode count says), then up to min(size, max_seqs) chunks, then padding tokens; the
+    forward gives hidden states."""
+
+    kind = "mixed"
+
+    def __init__(self, forward: DecodeForward, sizes: Sequence[int], state: BatchState, max_seqs: int,
+                 out_width: int, dtype: torch.dtype, device: torch.device,
+                 use_cuda_graphs: bool = True) -> None:
+        self.max_seqs = max_seqs
+        super().__init__(forward, sizes, state, out_width, dtype, device, use_cuda_graphs)
+
+    def layout(self, size: int) -> FlatLayout:
+        return FlatLayout(size, min(size, self.max_seqs))
+
+    def takes(self, num_tokens: int, num_decode: int, num_chunks: int) -> int | None:
+        """The size a step of these counts replays at, or None (it runs eagerly)."""
+        size = self.padded_size(num_tokens)
+        if size is None or num_decode > min(size, self.max_seqs) or num_chunks > self.layout(size).num_chunks:
+            return None
+        return size
+
+    def _body(self, size: int) -> None:
+        tokens, chunk_rows, qsl, lens, num_decode = self.layout(size).views(self.inputs)
+        input_ids, positions, meta = self.state.step_inputs(tokens, min(size, self.max_seqs), num_decode,
+                                                            (chunk_rows, qsl, lens))
+        self.output[:size].copy_(self.forward(input_ids, positions, meta))  # (size, hidden)

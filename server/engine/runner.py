@@ -24,9 +24,16 @@ from dataclasses import dataclass
 import torch
 
 import kernels
-from server.engine.attention import AttentionMetadata, PagedAttention, PrefillMetadata, warm_up_attention
-from server.engine.batch_state import DECODE_FIELDS, BatchState, StepPacker, floats_as_int32
-from server.engine.cuda_graphs import GRAPH_MEMORY_MARGIN, DecodeGraphs, capture_sizes
+from server.engine.attention import AttentionMetadata, PagedAttention, warm_up_attention
+from server.engine.batch_state import BatchState, FlatLayout, StepPacker, floats_as_int32
+from server.engine.cuda_graphs import (
+    GRAPH_MEMORY_MARGIN,
+    DecodeGraphs,
+    MixedGraphs,
+    StepGraphs,
+    capture_sizes,
+    mixed_sizes,
+)
 from server.engine.kv_cache_tensors import KVCacheTensors
 from server.engine.sampler import FLOAT_FIELDS, INT_FIELDS, LOGPROBS, PENALTIES, Sampler, row_fields
 from server.engine.sampling_params import SamplingParams
@@ -94,6 +101,7 @@ class ModelRunner:
         on_triton_cuda = self.device.type == "cuda" and self.attention_backend == "triton"
         self.cuda_graphs = on_triton_cuda and not enforce_eager
         self.graphs: DecodeGraphs | None = None  # captured after the KV cache is allocated
+        self.mixed_graphs: MixedGraphs | None = None
         if self.device.type == "cpu":
             _limit_cpu_threads_for_small_model(model)
         # the decode kernel's split-merge counters: one workspace, as every layer's launch runs on one stream
@@ -146,11 +154,11 @@ class ModelRunner:
         """The step up to sampling: -> (S, V) fp32 logits each sample draws from, its rows (S,) on the device,
         the samples' sampler flags and logprobs width."""
         assert not step.is_empty, "a step runs some chunk"
-        graph_size = self._graph_size(step)
-        sections, num_logprobs, flags = self._pack(step, table_of, graph_size)
-        (dec, p_ids, p_pos, p_rows, p_qsl, p_lens, p_table_rows, logit_rows, writes, init_rows, init_floats,
-         init_ints, pen_rows, pen_token_rows, pen_tokens, pen_is_output, sample_rows, sample_sources,
-         copies) = self.packer.send(sections)
+        graphs, size = self._graphs_for(step)
+        layout = self._layout(step, graphs, size)
+        sections, num_logprobs, flags = self._pack(step, table_of, layout)
+        (flat, logit_rows, writes, init_rows, init_floats, init_ints, pen_rows, pen_token_rows, pen_tokens,
+         pen_is_output, sample_rows, sample_sources, copies) = self.packer.send(sections)
         self.state.apply_table_writes(writes)
         sample_rows = sample_rows.long()  # once: the sampler and the batch state index with it
         if init_rows.numel():
@@ -159,15 +167,15 @@ class ModelRunner:
                                    init_ints.view(n, INT_FIELDS))
         if pen_rows.numel():
             self.sampler.init_penalty_rows(pen_rows, pen_token_rows, pen_tokens, pen_is_output)
-        num_decode = len(step.decodes)
-        if graph_size is not None:
-            logits = self.graphs.replay(dec.view(DECODE_FIELDS, graph_size), num_decode, graph_size)
+        if graphs is self.graphs and graphs is not None:  # a decode graph: its output is the logits
+            logits = graphs.replay(flat, len(step.decodes), size)
             # fresh: the next replay overwrites the static output
             logits = logits.to(torch.float32, copy=True)
         else:
-            input_ids, positions, meta = self._attention_metadata(dec.view(DECODE_FIELDS, num_decode), p_ids,
-                                                                  p_pos, p_rows, p_qsl, p_lens, p_table_rows)
-            hidden = self._forward(input_ids, positions, meta)  # (T, H)
+            if graphs is not None:
+                hidden = graphs.replay(flat, size, size)  # (size, H), the static output
+            else:
+                hidden = self._forward(*self._flat_inputs(flat, layout, len(step.decodes)))  # (T, H)
             if not step.samples:
                 return hidden[:0], sample_rows, flags, num_logprobs
             logits = self.model.compute_logits(hidden.index_select(0, logit_rows.long()))  # (L, V) fp32
@@ -207,15 +215,29 @@ class ModelRunner:
 
     # ---- step inputs ------------------------------------------------------------------------------------
 
-    def _graph_size(self, step: SchedulerOutput) -> int | None:
-        """The captured batch size this step replays, or None: it runs eagerly."""
-        if self.graphs is None or step.prefills or not self.graphs.fits(len(step.decodes)):
-            return None
-        return self.graphs.padded_size(len(step.decodes))
+    def _graphs_for(self, step: SchedulerOutput) -> tuple[StepGraphs | None, int | None]:
+        """The captured graphs and size this step replays, or (None, None): it runs eagerly."""
+        num_decode = len(step.decodes)
+        if not step.prefills:
+            if self.graphs is not None and self.graphs.fits(num_decode):
+                return self.graphs, self.graphs.padded_size(num_decode)
+            return None, None
+        if self.mixed_graphs is not None:
+            size = self.mixed_graphs.takes(num_decode + _prefill_tokens(step), num_decode,
+                                           len(step.prefills))
+            if size is not None:
+                return self.mixed_graphs, size
+        return None, None
 
-    def _pack(self, step: SchedulerOutput, table_of: TableOf, graph_size: int | None):
-        """The step's host ints, one list per section (see execute), the logprobs width and the OR of the
-        samples' sampler flags."""
+    def _layout(self, step: SchedulerOutput, graphs: StepGraphs | None, size: int | None) -> FlatLayout:
+        if graphs is not None:
+            return graphs.layout(size)
+        return FlatLayout(len(step.decodes) + _prefill_tokens(step), len(step.prefills))
+
+    def _pack(self, step: SchedulerOutput, table_of: TableOf, layout: FlatLayout):
+        """The step's host ints, one list per section (see forward_step), the logprobs width and the OR of
+        the samples' sampler flags. The flat batch: decode rows, then the prefill chunks' tokens, padded to
+        `layout` with padding tokens and empty chunks."""
         state = self.state
         for seq in step.new_rows:
             state.reset_row(seq.row)
@@ -228,38 +250,38 @@ class ModelRunner:
             if pos >= covered[seq.row]:  # the row's token starts a block the device table lacks
                 state.table_writes(seq.row, table_of(seq.seq_id), writes)
         positions = list(step.decode_positions)
-        if graph_size is not None:
-            pad = graph_size - len(rows)
-            rows += [state.pad_row] * pad
-            positions += [-1] * pad
-            ids += [0] * pad
-        p_ids, p_pos, p_rows, qsl, p_lens, p_table_rows, logit_rows = [], [], [], [0], [], [], []
-        logit_rows += range(len(step.decodes))
+        num_decode = len(rows)
+        qsl, lens, chunk_rows = [num_decode], [], []
+        logit_rows = list(range(num_decode))
         for c in step.prefills:
-            self._pack_prefill(c, table_of, writes, p_ids, p_pos, p_rows, qsl, p_lens, p_table_rows)
+            seq, n = c.seq, c.end - c.start
+            assert c.end <= len(seq.token_ids), "a prefill chunk's token ids are on the host"
+            rows += [seq.row] * n
+            positions += range(c.start, c.end)
+            ids += seq.token_ids[c.start:c.end]
+            qsl.append(qsl[-1] + n)
+            lens.append(c.end)
+            chunk_rows.append(seq.row)
+            state.table_writes(seq.row, table_of(seq.seq_id), writes)
             if c.samples:
-                logit_rows.append(len(step.decodes) + qsl[-1] - 1)
+                logit_rows.append(qsl[-1] - 1)
+        pad = layout.num_tokens - len(rows)
+        rows += [state.pad_row] * pad
+        positions += [-1] * pad
+        ids += [0] * pad
+        pad = layout.num_chunks - len(chunk_rows)
+        chunk_rows += [state.pad_row] * pad
+        qsl += [qsl[-1]] * pad
+        lens += [0] * pad
+        flat = layout.pack(rows, positions, ids, chunk_rows, qsl, lens, num_decode)
         inits = self._pack_new_rows(step.new_rows)
         flags = 0
         for seq in step.samples:
             flags |= seq.sample_flags
         num_logprobs = max(s.params.logprobs or 0 for s in step.samples) if flags & LOGPROBS else 0
-        sections = [rows + positions + ids, p_ids, p_pos, p_rows, qsl if step.prefills else [], p_lens,
-                    p_table_rows, logit_rows, writes, *inits, [s.row for s in step.samples],
-                    step.sample_sources, [b for pair in step.copies for b in pair]]
+        sections = [flat, logit_rows, writes, *inits, [s.row for s in step.samples], step.sample_sources,
+                    [b for pair in step.copies for b in pair]]
         return sections, num_logprobs, flags
-
-    def _pack_prefill(self, c: ScheduledChunk, table_of: TableOf, writes, p_ids, p_pos, p_rows, qsl, p_lens,
-                      p_table_rows) -> None:
-        seq, n = c.seq, c.end - c.start
-        assert c.end <= len(seq.token_ids), "a prefill chunk's token ids are on the host"
-        p_ids += seq.token_ids[c.start:c.end]
-        p_pos += range(c.start, c.end)
-        p_rows += [seq.row] * n
-        qsl.append(qsl[-1] + n)
-        p_lens.append(c.end)
-        p_table_rows.append(seq.row)
-        self.state.table_writes(seq.row, table_of(seq.seq_id), writes)
 
     @staticmethod
     def _pack_new_rows(seqs: list[Seq]) -> list:
@@ -280,26 +302,13 @@ class ModelRunner:
                 pen_is_output += [0] * seq.num_prompt_tokens + [1] * num_sampled
         return [rows, floats_as_int32(floats), ints, pen_rows, pen_token_rows, pen_tokens, pen_is_output]
 
-    def _attention_metadata(self, dec: torch.Tensor, p_ids: torch.Tensor, p_pos: torch.Tensor,
-                            p_rows: torch.Tensor, p_qsl: torch.Tensor, p_lens: torch.Tensor,
-                            p_table_rows: torch.Tensor
-                            ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """An eager step's flat batch: decode rows (DECODE_FIELDS, D), then prefill tokens (P,) of chunks
-        with query offsets p_qsl (C + 1,), lengths p_lens (C,) and rows p_table_rows (C,) ->
-        input_ids (T,), positions (T,), AttentionMetadata."""
-        state = self.state
-        input_ids, positions, meta = state.decode_inputs(dec)
-        if p_ids.numel() == 0:
-            return input_ids, positions, meta
-        prefill = PrefillMetadata(state.block_tables.index_select(0, p_table_rows.long()), p_qsl, p_lens)
-        meta = AttentionMetadata(
-            slot_mapping=torch.cat([meta.slot_mapping, state.prefill_slots(p_rows, p_pos)]),
-            num_decode=meta.num_decode,
-            block_tables=meta.block_tables,
-            seq_lens=meta.seq_lens,
-            prefill=prefill,
-        )
-        return torch.cat([input_ids, p_ids.long()]), torch.cat([positions, p_pos.long()]), meta
+    def _flat_inputs(self, flat: torch.Tensor, layout: FlatLayout, num_decode: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """An eager step's flat batch (exactly its tokens and chunks) -> input_ids (T,), positions (T,),
+        AttentionMetadata."""
+        tokens, chunk_rows, qsl, lens, _ = layout.views(flat)
+        chunks = (chunk_rows, qsl, lens) if layout.num_chunks else None
+        return self.state.step_inputs(tokens, num_decode, None, chunks)
 
     # ---- CUDA-graph decode --------------------------------------------------------------------------------
 
@@ -316,16 +325,26 @@ class ModelRunner:
         return DecodeGraphs(self._forward_logits, sizes, self.state, self.config.vocab_size, self.dtype,
                             self.device, use_cuda_graphs)
 
+    def _mixed_graphs(self, use_cuda_graphs: bool) -> MixedGraphs:
+        """Graphs for steps with prefill chunks of up to min(max_num_batched_tokens, MAX_MIXED_TOKENS) tokens
+        (capture() still to be called)."""
+        return MixedGraphs(self._forward, mixed_sizes(self.max_num_batched_tokens), self.state,
+                           self.max_num_seqs, self.config.hidden_size, self.dtype, self.device,
+                           use_cuda_graphs)
+
     def _capture_graphs(self) -> None:
-        """A failed capture leaves the runner eager (cuda_graphs False) with a warning, not a dead server."""
-        graphs = self._decode_graphs(use_cuda_graphs=True)
+        """Mixed graphs, then decode graphs, in one pool. A failed capture leaves the runner eager
+        (cuda_graphs False) with a warning, not a dead server."""
+        mixed, decode = self._mixed_graphs(use_cuda_graphs=True), self._decode_graphs(use_cuda_graphs=True)
         try:
-            graphs.capture()
+            pool = torch.cuda.graph_pool_handle()
+            mixed.capture(pool)
+            decode.capture(pool)
         except Exception:  # any capture failure: serve eagerly, loudly
-            log.warning("runner: CUDA graph capture failed; decoding eagerly", exc_info=True)
+            log.warning("runner: CUDA graph capture failed; running eagerly", exc_info=True)
             self.cuda_graphs = False
             return
-        self.graphs = graphs
+        self.graphs, self.mixed_graphs = decode, mixed
 
     # ---- KV cache sizing ----------------------------------------------------------------------------------
 
@@ -407,6 +426,10 @@ class ModelRunner:
             step.sample_sources.append(i)
             step.num_prefill_tokens += n
         return step, tables, next_block
+
+def _prefill_tokens(step: SchedulerOutput) -> int:
+    return sum(c.end - c.start for c in step.prefills)
+
 
 SMALL_MODEL_PARAMS = 50_000_000
 
