@@ -20,6 +20,7 @@ JSON to --out.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -58,11 +59,12 @@ class Case:
         self.profiled += 1
         return update
 
-    def result(self, flops: float) -> dict:
+    def result(self, flops: float, prompt_tokens: int) -> dict:
         wall = statistics.median(self.walls)
         busy = sum(self.kernels.values()) / max(1, self.profiled) / 1e3
         top = sorted(self.kernels.items(), key=lambda kv: -kv[1])[:12]
         return {"case": self.name, "wall_ms": wall, "busy_ms": busy, "busy_share": busy / wall,
+                "prompt_tokens": prompt_tokens,
                 "tflops": flops / (wall / 1e3) / 1e12, "steps": len(self.walls),
                 "top_kernels_us_per_step": {k: v / max(1, self.profiled) for k, v in top}}
 
@@ -102,7 +104,7 @@ def prefill_case(core, requests: int, length: int, repeats: int, gen) -> dict:
             case.walls.clear()
         drain(core)
     pairs = requests * length * (length + 1) // 2
-    return case.result(flops(core.runner.model, requests * length, requests, pairs))
+    return case.result(flops(core.runner.model, requests * length, requests, pairs), requests * length)
 
 
 def prefix_case(core, chunks: int, new: int, cached: int, repeats: int, gen) -> dict:
@@ -125,7 +127,7 @@ def prefix_case(core, chunks: int, new: int, cached: int, repeats: int, gen) -> 
             case.walls.clear()
         drain(core)
     pairs = chunks * new * (cached + new // 2)
-    return case.result(flops(core.runner.model, chunks * new, chunks, pairs))
+    return case.result(flops(core.runner.model, chunks * new, chunks, pairs), chunks * new)
 
 
 def mixed_case(core, batch: int, chunk: int, ctx: int, steps: int, gen) -> dict:
@@ -138,8 +140,8 @@ def mixed_case(core, batch: int, chunk: int, ctx: int, steps: int, gen) -> dict:
     while core.step().stats.num_decode_tokens < batch:  # until every one decodes
         pass
     core.scheduler.max_num_batched_tokens = batch + chunk
-    case = Case(core, f"mixed {batch} decode + {chunk} prefill")
-    for j in range(-(-(steps + 3) * chunk // ctx) + 1):  # more prompt tokens than the steps take
+    case = Case(core, f"mixed {batch} decode + {chunk} prefill" if chunk else f"decode {batch}")
+    for j in range(-(-(steps + 3) * chunk // ctx) + 1 if chunk else 0):  # more prompt tokens than needed
         core.add_request(EngineRequest(f"new{batch}-{chunk}-{j}", prompt(vocab, ctx, gen),
                                        SamplingParams(max_tokens=1, **GREEDY), time.monotonic()))
     for i in range(steps + 2):
@@ -151,26 +153,15 @@ def mixed_case(core, batch: int, chunk: int, ctx: int, steps: int, gen) -> dict:
     drain(core)
     # a prompt token attends to ~ctx / 2 keys on average (its own prompt's), a decode token to ~ctx
     pairs = chunk * ctx // 2 + batch * ctx
-    return case.result(flops(core.runner.model, batch + chunk, batch, pairs))
+    return case.result(flops(core.runner.model, batch + chunk, batch, pairs), chunk)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="bench")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--prefills", default="1x512,4x512,16x512", help="RxL list")
-    ap.add_argument("--prefix-hits", default="32x16x496", help="CxNxK list: C chunks of N new tokens over "
-                    "a cached prefix of K")
-    ap.add_argument("--decode-batch", type=int, default=64)
-    ap.add_argument("--chunks", type=int, nargs="+", default=[0, 128, 256, 512, 1024, 2048])
-    ap.add_argument("--context", type=int, default=512, help="prompt tokens of each decoding request")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.8)
-    ap.add_argument("--out", type=Path, default=Path("prefill_step_bench.json"))
-    args = ap.parse_args()
+def run_mode(args, enforce_eager: bool) -> tuple[list[dict], object]:
+    """Every case on one EngineCore, built and freed here (two cores at --gpu-memory-utilization would not
+    fit together)."""
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=512,
-                          max_num_batched_tokens=8192, gpu_memory_utilization=args.gpu_memory_utilization)
+                          max_num_batched_tokens=8192, gpu_memory_utilization=args.gpu_memory_utilization,
+                          enforce_eager=enforce_eager)
     core, info = build_core(config)
     core.async_scheduling = False
     gen = torch.Generator().manual_seed(0)
@@ -184,21 +175,64 @@ def main() -> None:
         results.append(prefix_case(core, c, n, k, args.repeats, gen))
         print(results[-1]["case"], f"{results[-1]['wall_ms']:.2f} ms", flush=True)
     for chunk in args.chunks:
-        if chunk == 0:
-            continue
         results.append(mixed_case(core, args.decode_batch, chunk, args.context, args.repeats, gen))
         print(results[-1]["case"], f"{results[-1]['wall_ms']:.2f} ms", flush=True)
+    del core
+    gc.collect()
+    return results, info
+
+
+def prompt_rates(results: list[dict], decode_batch: int) -> None:
+    """Prompt tokens per second of each step with prefill; for mixed steps also the marginal rate (prompt
+    tokens over the wall beyond a decode-only step of the same batch), against the largest pure prefill."""
+    decode = next((r["wall_ms"] for r in results if r["case"] == f"decode {decode_batch}"), None)
+    pure = [r for r in results if r["case"].startswith("prefill ")]
+    best = max((r["prompt_tokens"] / r["wall_ms"] for r in pure), default=None)
+    for r in results:
+        r["prompt_tok_s"] = r["prompt_tokens"] / r["wall_ms"] * 1e3
+        if r["case"].startswith("mixed") and decode is not None and r["wall_ms"] > decode:
+            r["marginal_prompt_tok_s"] = r["prompt_tokens"] / (r["wall_ms"] - decode) * 1e3
+        if best:
+            r["of_pure_prefill"] = r.get("marginal_prompt_tok_s", r["prompt_tok_s"]) / (best * 1e3)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="bench")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--prefills", default="1x512,4x512,16x512", help="RxL list")
+    ap.add_argument("--prefix-hits", default="32x16x496", help="CxNxK list: C chunks of N new tokens over "
+                    "a cached prefix of K")
+    ap.add_argument("--decode-batch", type=int, default=64)
+    ap.add_argument("--chunks", type=int, nargs="+", default=[0, 128, 256, 512, 1024, 2048],
+                    help="prefill tokens of the mixed steps; 0: a decode-only step (the marginal rate's "
+                    "base)")
+    ap.add_argument("--context", type=int, default=512, help="prompt tokens of each decoding request")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--modes", default="graphs,eager", help="graphs: CUDA graphs as served; eager: "
+                    "--enforce-eager (the baseline, timed in the same run)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    ap.add_argument("--out", type=Path, default=Path("prefill_step_bench.json"))
+    args = ap.parse_args()
+    results, info = [], None
+    for mode in args.modes.split(","):
+        rows, info = run_mode(args, mode == "eager")
+        prompt_rates(rows, args.decode_batch)
+        results += [r | {"mode": mode} for r in rows]
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
     meta = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "model": info.model, "dtype": info.dtype,
-            "cuda_graphs": info.cuda_graphs, "args": vars(args) | {"out": str(args.out)}}
+            "args": vars(args) | {"out": str(args.out)}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(f"\n{meta['gpu']}, torch {meta['torch']}, {info.model} {info.dtype}; medians over "
-          f"{args.repeats} steps")
-    print(f"{'case':>32} {'wall ms':>9} {'busy ms':>9} {'busy':>6} {'TFLOP/s':>8}")
+          f"{args.repeats} steps; 'of pure': prompt rate (marginal for mixed steps) / best pure prefill")
+    print(f"{'mode':>6} {'case':>32} {'wall ms':>9} {'busy ms':>9} {'busy':>6} {'TFLOP/s':>8} {'of pure':>8}")
     for r in results:
-        print(f"{r['case']:>32} {r['wall_ms']:>9.3f} {r['busy_ms']:>9.3f} {r['busy_share']:>6.0%} "
-              f"{r['tflops']:>8.1f}")
+        share = f"{r['of_pure_prefill']:.0%}" if "of_pure_prefill" in r and r["prompt_tokens"] else ""
+        print(f"{r['mode']:>6} {r['case']:>32} {r['wall_ms']:>9.3f} {r['busy_ms']:>9.3f} "
+              f"{r['busy_share']:>6.0%} {r['tflops']:>8.1f} {share:>8}")
     print(f"JSON: {args.out}")
 
 
