@@ -277,8 +277,10 @@ class AsyncEngine:
     # ---- each request's event loop ----------------------------------------------------------------
     def _apply(self, items: list[tuple[LiveRequest, SeqUpdate]]) -> None:
         outputs: dict[LiveRequest, list[ChoiceDelta]] = {}
+        ending: set[LiveRequest] = set()  # a choice of theirs finished in this call
         now = time.monotonic()
         m = self.metrics
+        itl = m.inter_token_latency.observe
         num_tokens = 0
         for live, u in items:
             if live.closed:
@@ -299,30 +301,37 @@ class AsyncEngine:
                 m.request_queue_time.observe(max(0.0, u.scheduled_time - live.arrival_time))
             if delta.token_ids:
                 num_tokens += len(delta.token_ids)
-                last = live.last_token_time[u.index]
+                last_times = live.last_token_time
+                last = last_times[u.index]
                 if last is None:
                     m.time_to_first_token.observe(now - live.arrival_time)
                 else:
-                    m.inter_token_latency.observe(now - last)
-                live.last_token_time[u.index] = now
+                    itl(now - last)
+                last_times[u.index] = now
                 if live.first_token_time is None:
                     live.first_token_time = now
                     if live.scheduled_time is not None:
                         m.request_prefill_time.observe(max(0.0, now - live.scheduled_time))
             if delta.finish_reason is not None:
                 m.finished(delta.finish_reason)
+                ending.add(live)
             if u.error is not None:
                 live.error = u.error
-            outputs.setdefault(live, []).append(delta)
+            deltas = outputs.get(live)
+            if deltas is None:
+                outputs[live] = [delta]
+            else:
+                deltas.append(delta)
         if num_tokens:
             m.generation_tokens.inc(num_tokens)
         for live, deltas in outputs.items():
-            finished = all(c.finished for c in live.choices)
+            # closed here: _fail ended its other choices in this call
+            finished = live.closed or (live in ending and all(c.finished for c in live.choices))
             if finished:
                 live.closed = True
                 self._observe_finished(live, now)
-            live.channel.put(RequestOutput(live.request_id, live.prompt_token_ids, deltas, finished,
-                                           live.error))
+            live.channel.put_merged(RequestOutput(live.request_id, live.prompt_token_ids, deltas, finished,
+                                                  live.error))
 
     def _fail(self, live: LiveRequest, error: str) -> None:
         """End every choice still open with finish_reason "error"."""

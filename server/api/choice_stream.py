@@ -35,10 +35,16 @@ class ChoiceStream:
     def apply(self, u: SeqUpdate) -> tuple[ChoiceDelta | None, bool]:
         """-> (the delta to stream, None once finished here; whether a stop string ended the choice while
         the core still runs it: the caller then aborts it there)."""
-        if self.finished:
+        if self.finish_reason is not None:
             return None, False
         ids = u.new_token_ids
         reason, stop_reason = u.finish_reason, u.stop_token_id
+        if reason is None and self.stops is None and not self.want_logprobs and len(ids) == 1:
+            # one token, nothing held, nothing ending: most updates of most streams (the general path
+            # below gives the same delta)
+            self.num_tokens += 1
+            return ChoiceDelta(self.index, self.detokenizer.push(ids[0]), ids, None, None,
+                               stop_reason, u.prompt_logprobs), False
         by_token = reason == "stop"  # EOS or a stop token id: its text is not part of the output
         pieces = []
         taken = len(ids)

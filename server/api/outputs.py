@@ -41,20 +41,39 @@ def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
     choice instead of one per step."""
     if len(outs) == 1:
         return outs[0]
-    merged: dict[int, ChoiceDelta] = {}
-    for out in outs:
+    merged = MergedOutput(outs[0])
+    for out in outs[1:]:
+        merged.add(out)
+    return merged.out
+
+
+class MergedOutput:
+    """merge_outputs one output at a time: `out` is the merge of every output added so far (its deltas are
+    copies; the inputs are never changed)."""
+
+    __slots__ = ("out", "by_index")
+
+    def __init__(self, first: RequestOutput):
+        self.out = RequestOutput(first.request_id, first.prompt_token_ids, [], first.finished, None)
+        self.by_index: dict[int, ChoiceDelta] = {}
+        self.add(first)
+
+    def add(self, out: RequestOutput) -> None:
+        merged, by_index = self.out, self.by_index
         for d in out.deltas:
-            m = merged.get(d.index)
+            m = by_index.get(d.index)
             if m is None:
-                merged[d.index] = ChoiceDelta(d.index, d.text, list(d.token_ids),
-                                              None if d.logprobs is None else list(d.logprobs),
-                                              d.finish_reason, d.stop_reason, d.prompt_logprobs)
+                m = by_index[d.index] = ChoiceDelta(d.index, d.text, list(d.token_ids),
+                                                    None if d.logprobs is None else list(d.logprobs),
+                                                    d.finish_reason, d.stop_reason, d.prompt_logprobs)
+                merged.deltas.append(m)
                 continue
             m.text += d.text
             m.token_ids += d.token_ids
             if d.logprobs is not None:
                 m.logprobs = (m.logprobs or []) + d.logprobs
             m.finish_reason, m.stop_reason = d.finish_reason, d.stop_reason
-    last = outs[-1]
-    error = next((o.error for o in outs if o.error), None)
-    return RequestOutput(last.request_id, last.prompt_token_ids, list(merged.values()), last.finished, error)
+        merged.request_id, merged.prompt_token_ids, merged.finished = (out.request_id, out.prompt_token_ids,
+                                                                       out.finished)
+        if not merged.error and out.error:  # the first error
+            merged.error = out.error
