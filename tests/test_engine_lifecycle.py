@@ -227,3 +227,20 @@ def test_kv_snapshot_names_each_block_holder(engine):
     used = [b for b in per_block(snap) if b["state"] == "used"]
     assert len(used) == snap["used_blocks"] >= 3  # 41 prompt tokens + 1 in blocks of 16
     assert all(o["request_id"] == "snap" and o["index"] == 0 for b in used for o in b["owners"])
+
+
+@pytest.mark.parametrize("ids, bad", [([5, -1, 7], "-1"), ([5, 10**6], "1000000"), ([5, 2.0], "2.0"),
+                                      ([5, "7"], "'7'")])
+def test_core_refuses_prompt_ids_outside_the_vocabulary(ids, bad):
+    import time
+
+    import numpy as np
+
+    from server.engine.engine import EngineConfig, build_core
+    from server.engine.outputs import EngineRequest
+    core, _ = build_core(EngineConfig(model="tiny", device="cpu", attention_backend="torch", num_blocks=16))
+    vocab = core.runner.config.vocab_size
+    with pytest.raises(ValueError, match=rf"integers in \[0, {vocab}\), got {bad}"):
+        core.add_request(EngineRequest("bad", ids, greedy(2), time.monotonic()))
+    core.add_request(EngineRequest("ok", [5, np.int64(7), vocab - 1], greedy(2), time.monotonic()))
+    assert "ok" in core.requests and "bad" not in core.requests
