@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -82,11 +83,37 @@ class EventStreamResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            if _spec_version(scope) >= (2, 4):  # a send to a gone client raises: nothing to watch
+                await super().__call__(scope, receive, send)
+            else:
+                await self.stream_until_disconnect(receive, send)
         finally:
             await self.body_iterator.aclose()
             if self.reservation is not None:  # places of prompts that never reached the engine
                 self.reservation.release()
+
+
+    async def stream_until_disconnect(self, receive: Receive, send: Send) -> None:
+        """StreamingResponse's ASGI < 2.4 path (uvicorn's): stream while watching for http.disconnect,
+        whichever ends first cancels the other, the stream's error is raised; on two asyncio tasks
+        instead of Starlette's anyio task group, whose cancel scope also formats the task's repr at
+        every cancel: ~1/5 of the API process's CPU per request (tools/api_bench --output-len 1,
+        docs/benchmarks/api_cpu.md)."""
+        streaming = asyncio.ensure_future(self.stream_response(send))
+        listening = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait((streaming, listening), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            streaming.cancel()
+            listening.cancel()
+            await asyncio.wait((streaming, listening))
+        for task in (streaming, listening):
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+
+
+def _spec_version(scope: Scope) -> tuple[int, ...]:
+    return tuple(map(int, scope.get("asgi", {}).get("spec_version", "2.0").split(".")))
 
 
 async def job_response(request: Request, stream: bool, events: Callable[[], AsyncIterator[str]],
