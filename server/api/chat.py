@@ -42,6 +42,7 @@ from server.api.streaming import (
     chunk_head,
     job_response,
     json_member,
+    json_str,
     json_text,
     sse_event,
 )
@@ -88,6 +89,9 @@ class ChatJob:
                                      finish_reason=d.finish_reason, stop_reason=d.stop_reason,
                                      token_ids=self.ids(d.token_ids))
             return sse_event(self.chunk([choice]))
+        if d.finish_reason is None and d.stop_reason is None and not self.req.return_token_ids:
+            return (f'{self.head}{{"index":{d.index},"delta":{{"content":{json_str(d.text)}}},'
+                    f'"logprobs":null,"finish_reason":null}}{CHUNK_TAIL}')
         parts = [self.head, '{"index":', str(d.index), ',"delta":{"content":', json_text(d.text),
                  '},"logprobs":null', json_member("finish_reason", d.finish_reason)]
         if d.stop_reason is not None:

@@ -28,7 +28,7 @@ from server.api.parsing import check_model, parse_body
 from server.api.prompts import check_context_length
 from server.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from server.api.sampling import DEFAULT_COMPLETION_MAX_TOKENS, check_token_ids, sampling_params
-from server.api.streaming import CHUNK_TAIL, chunk_head, job_response, json_member, sse_event
+from server.api.streaming import CHUNK_TAIL, chunk_head, job_response, json_member, json_str, sse_event
 from server.engine.sampling_params import SamplingParams
 
 router = APIRouter()
@@ -89,6 +89,9 @@ class CompletionJob:
         if self.req.logprobs is not None:
             choice = self.choice(index, delta.text, delta, offset, delta.token_ids, with_prompt_ids)
             return sse_event(self.response([choice]))
+        if delta.finish_reason is None and delta.stop_reason is None and not self.req.return_token_ids:
+            return (f'{self.head}{{"index":{index},"text":{json_str(delta.text)},"logprobs":null,'
+                    f'"finish_reason":null,"stop_reason":null}}{CHUNK_TAIL}')
         parts = [self.head, '{"index":', str(index), json_member("text", delta.text), ',"logprobs":null',
                  json_member("finish_reason", delta.finish_reason),
                  json_member("stop_reason", delta.stop_reason)]

@@ -38,6 +38,9 @@ def sse_event(payload: BaseModel | dict) -> str:
     return f"data: {json_text(data)}\n\n"
 
 
+json_str = json.encoder.encode_basestring  # what _ENCODER.encode does with a str, without its type checks
+
+
 def json_member(key: str, value) -> str:
     """`,"key":value` (leading comma): one member of a JSON object built by hand."""
     return f',"{key}":null' if value is None else f',"{key}":{_ENCODER.encode(value)}'
