@@ -201,3 +201,13 @@ def test_models_health_metrics(app, engine):
     assert "pagewalk_time_to_first_token_seconds" in families
     generated = [s.value for s in families["pagewalk_generation_tokens"].samples if s.name.endswith("_total")]
     assert generated and generated[0] > 0
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_stream_completion_logprob_offsets_match_non_streaming(app, echo):
+    req = {"prompt": "Offsets", "max_tokens": 7, "logprobs": 1, "echo": echo, **GREEDY}
+    whole = post(app, "/v1/completions", req).json()["choices"][0]["logprobs"]
+    chunks = sse_payloads(post(app, "/v1/completions", {**req, "stream": True}).text)
+    offsets = [o for c in chunks for ch in c["choices"] if ch["logprobs"]
+               for o in ch["logprobs"]["text_offset"]]
+    assert offsets == whole["text_offset"] and len(offsets) >= 7

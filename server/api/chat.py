@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request, Response
 from server.api.admission import RequestLimits, Reservation
 from server.api.engine_stream import (
     ChoiceState,
+    StreamedChoice,
     admit,
     collect_choices,
     engine_error,
@@ -158,7 +159,7 @@ async def _complete(job: ChatJob) -> bytes:
 
 
 async def _stream(job: ChatJob) -> AsyncIterator[str]:
-    states = [ChoiceState() for _ in range(job.params.n)]
+    states = [StreamedChoice() for _ in range(job.params.n)]
     for i in range(job.params.n):
         role = ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
         yield sse_event(job.chunk([role], first=(i == 0)))

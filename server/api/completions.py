@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request, Response
 from server.api.admission import Reservation
 from server.api.engine_stream import (
     ChoiceState,
+    StreamedChoice,
     admit,
     collect_choices,
     engine_error,
@@ -153,13 +154,15 @@ async def _complete(job: CompletionJob) -> bytes:
 
 
 async def _stream(job: CompletionJob) -> AsyncIterator[str]:
-    states = job.new_states()
     n = job.params.n
+    states = [StreamedChoice(len(job.prompt_texts[i // n]) if job.req.echo else 0)
+              for i in range(len(job.prompts) * n)]
     started = [False] * len(states)
     if job.req.echo and job.req.logprobs is None:
-        for index, st in enumerate(states):
+        for index in range(len(states)):
             started[index] = True
-            yield sse_event(job.response([job.choice(index, st.text, None, 0, [], True)]))
+            echoed = job.choice(index, job.prompt_texts[index // n], None, 0, [], True)
+            yield sse_event(job.response([echoed]))
     async with aclosing(merged_outputs(job.engine, job.request_id, job.prompts, job.params,
                                        job.reservation, job.max_seqs)) as outs:
         async for i, out in outs:
@@ -170,7 +173,7 @@ async def _stream(job: CompletionJob) -> AsyncIterator[str]:
                 if job.req.echo and not started[index]:  # with logprobs: they came with this first delta
                     started[index] = True
                     yield sse_event(job.response([job.echo_choice(index, d.prompt_logprobs)]))
-                offset = len(states[index].text)
+                offset = states[index].text_len
                 states[index].add(d)
                 if d.text or d.token_ids or d.finish_reason:
                     event = job.delta_event(index, d, offset, not started[index])

@@ -51,6 +51,19 @@ class ChoiceState:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
 
+@dataclass
+class StreamedChoice:
+    """What a streamed choice keeps of what it produced: its text's length (logprob offsets) and its token
+    count (usage); the text itself is already sent, and keeping it costs a copy per event."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+
+    def add(self, delta: ChoiceDelta) -> None:
+        self.text_len += len(delta.text)
+        self.num_tokens += len(delta.token_ids)
+
+
 def rejected_to_api_error(e: RequestRejected) -> APIError:
     return rejected(e)
 
@@ -149,10 +162,11 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
             await asyncio.gather(task, return_exceptions=True)
 
 
-def usage(prompts: list[list[int]], states: list[ChoiceState]) -> Usage:
+def usage(prompts: list[list[int]], states: list[ChoiceState] | list[StreamedChoice]) -> Usage:
     """Each prompt is counted once however many choices it has."""
     prompt_tokens = sum(len(p) for p in prompts)
-    completion_tokens = sum(len(s.token_ids) for s in states)
+    completion_tokens = sum(s.num_tokens if isinstance(s, StreamedChoice) else len(s.token_ids)
+                            for s in states)
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                  total_tokens=prompt_tokens + completion_tokens)
 
