@@ -82,12 +82,15 @@ class EngineMetrics:
         self._request_success = Counter(
             "pagewalk_request_success", "Finished choices by finished reason",
             ["model_name", "finished_reason"], registry=r)
-        for reason in FINISHED_REASONS:
-            self._request_success.labels(model, reason)
+        self._success_of = {reason: self._request_success.labels(model, reason)
+                            for reason in FINISHED_REASONS}
 
     def finished(self, reason: str) -> None:
         """One choice ended with finish_reason `reason`."""
-        self._request_success.labels(self.model_name, reason).inc()
+        child = self._success_of.get(reason)  # labels() takes a lock and builds a key each time
+        if child is None:
+            child = self._success_of[reason] = self._request_success.labels(self.model_name, reason)
+        child.inc()
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float | None:
         """Current value of one sample of this model (for tests and health checks)."""
