@@ -231,8 +231,8 @@ _sample = CachedLauncher(_sample_kernel, num_tensors=8)
 # 256-wide tiles ((16, 256) compares per tile: 4 bits per pass, 8 passes over the row).
 BLOCK, BLOCK_K, NT, NUM_WARPS = 2048, 256, 16, 8
 # The interpreter (CPU) pays per tile op, not per element: small tiles keep the tests' rows multi-tile, and
-# 256 thresholds a pass (8 bits) keep the top-k search to at most 4 passes
-INTERPRETER_BLOCK, INTERPRETER_BLOCK_K, INTERPRETER_NT = 32, 16, 256
+# 1024 thresholds a pass (10 bits) keep the top-k search to at most 3 passes
+INTERPRETER_BLOCK, INTERPRETER_BLOCK_K, INTERPRETER_NT = 32, 16, 1024
 
 
 def _launch(logits, temperature, top_p, min_p, top_k, keys, counters, out, greedy_below):

@@ -7,6 +7,11 @@ with one uniform per row. The uniform is a counter-based hash of (the row's seed
 a row's tokens depend on its own seed and history alone, never on its batch neighbours, and no
 torch.Generator is kept. Logprobs are those of the model (raw logits), as OpenAI reports them.
 Penalties read per-row output-token counts and a prompt-token mask on the device, kept incrementally.
+
+Two draws with one semantics: on CUDA a sampled step is one Triton launch (kernels/sampling.py: rejection
+with a rising pivot, no sort of the vocabulary, greedy rows' argmax included); on CPU (and where the kernel is
+turned off, e.g. as a benchmark baseline) the torch path below, which sorts the rows that use top-k / top-p.
+They differ in ties at a threshold (the kernel keeps all of them) and in which token a given uniform picks.
 """
 
 from __future__ import annotations
@@ -62,9 +67,16 @@ class SampleOutput:
 class Sampler:
     """Row-space sampling state (rows 0..max_rows, the last one padding) and the batched draw."""
 
-    def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device, kernel: bool | None = None
+                 ) -> None:
+        """kernel: draw sampled steps with the Triton kernel; by default on CUDA only (the CPU interpreter
+        runs it, slowly: tests call it directly)."""
         n = max_rows + 1
         self.vocab_size, self.device = vocab_size, device
+        self.kernel = torch.device(device).type == "cuda" if kernel is None else kernel
+        if self.kernel:
+            from kernels.sampling import sample_logits  # Triton loads only where the kernel runs
+            self._sample_logits = sample_logits
         self.floats = torch.zeros(n, FLOAT_FIELDS, device=device)  # (R, 6)
         self.ints = torch.zeros(n, INT_FIELDS, dtype=torch.int64, device=device)  # (R, 3)
         self.counts: torch.Tensor | None = None  # (R, V) int32 generated-token counts, once penalties appear
@@ -134,11 +146,16 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor, flags: int
                 ) -> torch.Tensor:
-        temperature, top_p, min_p = floats[:, 0], floats[:, 1], floats[:, 2]  # (S,)
+        temperature, top_p, min_p = floats[:, 0], floats[:, 1], floats[:, 2]  # (S,) views, stride 6
+        if self.kernel:  # one launch, whatever the flags: the whole row pipeline below in passes over V
+            return self._sample_logits(logits.contiguous(), temperature, top_p, min_p, ints[:, 0], ints[:, 1],
+                                       ints[:, 2], GREEDY_TEMPERATURE)
         greedy = temperature < GREEDY_TEMPERATURE
         temp = torch.where(greedy, torch.ones_like(temperature), temperature)
-        finite = torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
-        scaled = (finite - finite.max(dim=-1, keepdim=True).values) / temp[:, None]  # (S, V), max 0
+        fmax = torch.finfo(torch.float32).max  # NaN and -inf stay out of every draw; +inf is the largest
+        finite = torch.nan_to_num(logits, nan=float("-inf"), posinf=fmax, neginf=float("-inf"))
+        top = finite.max(dim=-1, keepdim=True).values.clamp(min=-fmax)  # (S, 1); a masked row: no -inf - -inf
+        scaled = (finite - top) / temp[:, None]  # (S, V), max 0
         u = uniform(ints[:, 1], ints[:, 2])  # (S,) in (0, 1)
         if flags & TOP:
             sampled = _draw_sorted(scaled, ints[:, 0], top_p, min_p, u)
