@@ -94,6 +94,15 @@ def test_detokenizer_holds_incomplete_bytes_until_completed(detokenizer):
     assert detok.flush() == "\ufffd"
 
 
+@BYTE_DETOKENIZERS
+@pytest.mark.parametrize("raw", [b"\xc3A", b"x\xe2\x82y\xe2\x82\xac", b"\xf0\x9f\x99A\x80 ok", b"\xffab\xc3"])
+def test_detokenizer_broken_sequences_decode_as_the_whole_stream(detokenizer, raw):
+    """An ASCII byte after a lead byte ends that character as U+FFFD first (what decode gives)."""
+    tok = ByteTokenizer()
+    ids = [b + ByteTokenizer.OFFSET for b in raw]
+    assert "".join(stream(tok, ids, detokenizer)) == tok.decode(ids) == raw.decode("utf-8", "replace")
+
+
 def test_detokenizer_for_picks_the_byte_table_where_there_is_one(hf_tok):
     assert isinstance(detokenizer_for(ByteTokenizer()), Utf8Detokenizer)
     assert isinstance(detokenizer_for(hf_tok), IncrementalDetokenizer)

@@ -231,6 +231,7 @@ class AsyncEngine:
     def _on_step(self, step: StepUpdate) -> None:
         s = step.stats
         batches: dict[asyncio.AbstractEventLoop, list[tuple[LiveRequest, SeqUpdate]]] = {}
+        loop = items = None  # the last update's loop and its batch (serving: one loop for all)
         with self._lock:
             self._stats = s
             live_map = self._live
@@ -242,7 +243,12 @@ class AsyncEngine:
                     live.open_in_core -= 1
                     if live.open_in_core == 0:
                         del live_map[u.request_id]
-                batches.setdefault(live.loop, []).append((live, u))
+                if live.loop is not loop:
+                    loop = live.loop
+                    items = batches.get(loop)
+                    if items is None:
+                        items = batches[loop] = []
+                items.append((live, u))
             if not live_map:
                 self._idle.notify_all()
             waiting = self._num_waiting()

@@ -58,20 +58,49 @@ class IncrementalDetokenizer:
 class Utf8Detokenizer:
     """push/flush as IncrementalDetokenizer, for tokenizers with a `token_bytes` table (id -> bytes): one
     lookup and one incremental decode per id instead of two window decodes (tools/api_bench: the API
-    process's cost per streamed token, docs/benchmarks/api_cpu.md)."""
+    process's cost per streamed token, docs/benchmarks/api_cpu.md). While the decoder holds no bytes, an id
+    whose bytes are complete UTF-8 by themselves is its text, looked up (what the decoder would return)."""
 
-    __slots__ = ("token_bytes", "decoder")
+    __slots__ = ("token_bytes", "token_text", "decoder", "pending")
 
     def __init__(self, tokenizer) -> None:
         self.token_bytes: list[bytes] = tokenizer.token_bytes
+        self.token_text = _complete_texts(self.token_bytes)
         self.decoder = UTF8_DECODER(errors="replace")
+        self.pending = False  # the decoder holds the start of a character
 
     def push(self, token_id: int) -> str:
         table = self.token_bytes
-        return self.decoder.decode(table[token_id]) if 0 <= token_id < len(table) else ""
+        if not 0 <= token_id < len(table):
+            return ""
+        if not self.pending:
+            text = self.token_text[token_id]
+            if text is not None:
+                return text
+        text = self.decoder.decode(table[token_id])
+        self.pending = self.decoder.getstate()[0] != b""
+        return text
 
     def flush(self) -> str:
+        self.pending = False
         return self.decoder.decode(b"", final=True)
+
+
+_TEXTS: dict[int, tuple[list[bytes], list[str | None]]] = {}  # id(token_bytes) -> (it, its texts)
+
+
+def _complete_texts(token_bytes: list[bytes]) -> list[str | None]:
+    """Each id's text where its bytes are complete UTF-8 alone, else None; once per table."""
+    entry = _TEXTS.get(id(token_bytes))
+    if entry is None or entry[0] is not token_bytes:
+        texts = []
+        for b in token_bytes:
+            try:
+                texts.append(b.decode("utf-8"))
+            except UnicodeDecodeError:
+                texts.append(None)
+        entry = _TEXTS[id(token_bytes)] = (token_bytes, texts)
+    return entry[1]
 
 
 def detokenizer_for(tokenizer) -> IncrementalDetokenizer | Utf8Detokenizer:
