@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from kernels.sampling import sample_logits
+from kernels.sampling_reference import filtered_sets as reference_sets
 from server.engine.sampler import SAMPLED, TOP, Sampler, row_fields, step_flags, uniform
 from server.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 interpreter_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                       reason="the Triton kernel runs on CPU only under TRITON_INTERPRET=1")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-FMAX = torch.finfo(torch.float32).max
 MASKED = float("-inf")
 
 
@@ -31,28 +31,6 @@ def draw(logits, temperature, top_p, top_k, min_p, keys, counters):
     return sample_logits(logits, col(temperature, torch.float32), col(top_p, torch.float32),
                          col(min_p, torch.float32), col(top_k, torch.int64), col(keys, torch.int64),
                          col(counters, torch.int64), GREEDY_TEMPERATURE)
-
-
-def reference_sets(logits, temperature, top_p, top_k, min_p, tol=1e-4):
-    """(kept, allowed) (S, V) bool in float64: top-k, top-p over the renormalised top-k, min-p relative to the
-    best, the best kept, ties at a threshold all kept. `allowed` adds the tokens whose mass above lies within
-    tol * Z_k over the top-p bound (fp32 sums may keep them)."""
-    S, V = logits.shape
-    dev = logits.device
-    t, tp, tk, mp = (torch.as_tensor(v, device=dev).expand(S) for v in (temperature, top_p, top_k, min_p))
-    x = logits.float().nan_to_num(nan=MASKED, posinf=FMAX, neginf=MASKED)
-    p = ((x - x.max(-1, keepdim=True).values) / t.float()[:, None]).double().exp()  # (S, V), best 1
-    asc = p.sort(-1).values
-    above = V - torch.searchsorted(asc, p, right=True)  # (S, V) tokens with a larger p
-    prefix = torch.cat([torch.zeros(S, 1, dtype=p.dtype, device=dev), asc.flip(-1).cumsum(-1)], -1)
-    mass_above = prefix.gather(1, above)  # (S, V) their mass
-    k = torch.where((tk > 0) & (tk < V), tk, V).to(dev)[:, None]
-    in_k = above < k
-    z_k = (p * in_k).sum(-1, keepdim=True)
-    bound = tp.float().double()[:, None] * z_k
-    base = in_k & (p >= mp.float().double()[:, None]) & (p > 0)
-    kept = (above == 0) | (base & (mass_above < bound))
-    return kept, kept | (base & (mass_above < bound + tol * z_k))
 
 
 def kinds(V: int, gen: torch.Generator) -> torch.Tensor:
