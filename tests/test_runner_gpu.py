@@ -145,14 +145,15 @@ def test_enforce_eager_captures_nothing(tiny_bf16):
 
 
 def test_captured_mixed_steps_equal_eager_steps(tiny_bf16):
-    """Real mixed graphs (sizes 16/32/64): fresh prompts, a decode with a resumed chunk and a prefix-cache hit,
-    decodes with a fresh prompt, against an eager runner fed the same steps (bf16: the decode split counts
-    differ between the padded and the exact batch)."""
+    """Real mixed graphs (sizes 16/32/64): fresh prompts, a decode with a resumed chunk and a prefix-cache
+    hit, decodes with a fresh prompt, against an eager runner fed the same steps (bf16: the decode split
+    counts differ between the padded and the exact batch)."""
     from test_runner_mixed_graphs import scenario
     kwargs = dict(block_size=4, num_blocks=64, max_num_seqs=8, max_model_len=64, max_num_batched_tokens=64)
     runner = ModelRunner(tiny_bf16, **kwargs)
     eager = ModelRunner(tiny_bf16, enforce_eager=True, **kwargs)
-    assert runner.cuda_graphs and sorted(runner.mixed_graphs.graphs) == [16, 32, 64]
+    assert runner.cuda_graphs and sorted(runner.mixed_graphs.graphs) == [(16, 0), (16, 8), (32, 0), (32, 8),
+                                                                        (64, 0), (64, 8)]
     for chunks in scenario():
         graph_logits, eager_logits = run_chunks(runner, chunks), run_chunks(eager, chunks)
         assert valid(graph_logits) and rel_err(graph_logits, eager_logits) < 5e-2

@@ -83,10 +83,12 @@ def scenario():
 def test_captured_mixed_steps_equal_eager_steps(tiny):
     graph_runner, eager_runner = mixed_runner(tiny, "torch", True), mixed_runner(tiny, "torch", False)
     assert graph_runner.mixed_graphs.sizes == [16, 32, 64]
+    keys = []
     for chunks in scenario():
         torch.testing.assert_close(run_chunks(graph_runner, chunks), run_chunks(eager_runner, chunks),
                                    rtol=1e-5, atol=1e-5)
-    assert graph_runner.mixed_graphs.num_replays == 3
+        keys.append(graph_runner.mixed_graphs.last_key)
+    assert keys == [(32, 0), (32, 8), (64, 8)]
     torch.testing.assert_close(graph_runner.kv.data, eager_runner.kv.data, rtol=1e-6, atol=1e-6)
     assert not graph_runner.kv.data[:, :, 0].any()  # padding tokens wrote nothing, not even the null block
 
@@ -118,8 +120,8 @@ def test_a_step_above_the_largest_size_runs_eagerly(tiny):
 
 def test_takes_refuses_more_chunks_or_decodes_than_the_size_holds(tiny):
     graphs = mixed_runner(tiny, "torch", True).mixed_graphs  # max_seqs 8
-    assert graphs.takes(17, 1, 3) == 32
-    assert graphs.takes(16, 0, 8) == 16
+    assert graphs.takes(17, 1, 3) == (32, 8)
+    assert graphs.takes(16, 0, 8) == (16, 0)  # chunks only: the graph without a decode launch
     assert graphs.takes(65, 0, 1) is None  # above the largest size
     assert graphs.takes(30, 0, 9) is None  # 9 chunks > min(32, 8)
     assert graphs.takes(30, 9, 1) is None  # 9 decode rows > min(32, 8)

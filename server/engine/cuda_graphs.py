@@ -26,7 +26,7 @@ import bisect
 import gc
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
@@ -75,8 +75,9 @@ def padded_size(num_seqs: int, sizes: Sequence[int]) -> int | None:
 
 
 class StepGraphs:
-    """One captured forward per size in `sizes`, sharing the static input buffer, the output and a pool.
-    Subclasses say what a size holds (layout, decode rows) and what the body computes.
+    """One captured forward per key (a size, or what a subclass keys its graphs by), sharing the static input
+    buffer, the output and a pool. Subclasses say what a key holds (layout, decode rows) and what the body
+    computes.
 
     use_cuda_graphs=False keeps every buffer and the padding but runs the forward eagerly on replay: the same
     path minus the capture, so CPU tests cover it.
@@ -91,13 +92,18 @@ class StepGraphs:
         self.forward, self.sizes, self.max_size = forward, list(sizes), sizes[-1]
         self.state = state
         self.use_cuda_graphs = use_cuda_graphs
-        self.inputs = torch.zeros(max(self.layout(s).length for s in self.sizes), dtype=torch.int32,
-                                  device=device)  # (L,) the flat batch of the size replayed last
+        self.keys = self._keys()  # capture order: largest first
+        self.inputs = torch.zeros(max(self.layout(k).length for k in self.keys), dtype=torch.int32,
+                                  device=device)  # (L,) the flat batch of the key replayed last
         self.output = torch.zeros(self.max_size, out_width, dtype=dtype, device=device)  # (n, out_width)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
         self.num_replays = 0
+        self.last_key: Hashable | None = None  # what the last replay ran (tests, benchmarks)
 
-    def layout(self, size: int) -> FlatLayout:
+    def _keys(self) -> list[Hashable]:
+        return list(reversed(self.sizes))
+
+    def layout(self, key) -> FlatLayout:
         raise NotImplementedError
 
     def fits(self, num: int) -> bool:
@@ -108,26 +114,26 @@ class StepGraphs:
 
     # ---- capture ------------------------------------------------------------------------------------
 
-    def _body(self, size: int) -> None:
-        """The captured region: forward of the size's static flat batch into the static output."""
+    def _body(self, key) -> None:
+        """The captured region: forward of the key's static flat batch into the static output."""
         raise NotImplementedError
 
-    def _pad_inputs(self, size: int) -> None:
+    def _pad_inputs(self, key) -> None:
         """Inert inputs to warm up and capture with: padding tokens only, no chunks."""
-        layout = self.layout(size)
+        layout = self.layout(key)
         pad = self.state.pad_row
-        c = layout.num_chunks
-        flat = layout.pack([pad] * size, [-1] * size, [0] * size, [pad] * c, [0] * (c + 1), [0] * c, 0)
+        t, c = layout.num_tokens, layout.num_chunks
+        flat = layout.pack([pad] * t, [-1] * t, [0] * t, [pad] * c, [0] * (c + 1), [0] * c, 0)
         self.inputs[:layout.length].copy_(torch.from_numpy(flat))
 
     @torch.inference_mode()
     def capture(self, pool=None) -> None:
-        """Warm up (compiles the Triton kernels for these exact shapes) and capture, largest size first, into
+        """Warm up (compiles the Triton kernels for these exact shapes) and capture, largest first, into
         `pool` (a new one if None)."""
         if not self.use_cuda_graphs:
-            for size in reversed(self.sizes):
-                self._pad_inputs(size)
-                self._body(size)
+            for key in self.keys:
+                self._pad_inputs(key)
+                self._body(key)
             return
         device = self.output.device
         torch.cuda.synchronize(device)
@@ -139,13 +145,13 @@ class StepGraphs:
         gc.disable()  # a collection inside a capture could unload a Triton module and invalidate it
         try:
             with torch.cuda.stream(stream):
-                for size in reversed(self.sizes):
-                    self._pad_inputs(size)
-                    self._body(size)  # warm-up: compiles and allocates outside the capture
+                for key in self.keys:
+                    self._pad_inputs(key)
+                    self._body(key)  # warm-up: compiles and allocates outside the capture
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool, stream=stream):
-                        self._body(size)
-                    self.graphs[size] = graph
+                        self._body(key)
+                    self.graphs[key] = graph
         finally:
             if gc_was_enabled:
                 gc.enable()
@@ -157,15 +163,16 @@ class StepGraphs:
 
     # ---- replay -------------------------------------------------------------------------------------
 
-    def replay(self, flat: torch.Tensor, num: int, size: int) -> torch.Tensor:
-        """flat: (layout(size).length,) device int32, the step's flat batch padded to `size`. -> (num,
-        out_width), a view of the static output that the next replay overwrites."""
+    def replay(self, flat: torch.Tensor, num: int, key) -> torch.Tensor:
+        """flat: (layout(key).length,) device int32, the step's flat batch padded to the key's layout. ->
+        (num, out_width), a view of the static output that the next replay overwrites."""
         self.inputs[:flat.shape[0]].copy_(flat)
         if self.use_cuda_graphs:
-            self.graphs[size].replay()
+            self.graphs[key].replay()
         else:
-            self._body(size)
+            self._body(key)
         self.num_replays += 1
+        self.last_key = key
         return self.output[:num]
 
 
@@ -184,9 +191,11 @@ class DecodeGraphs(StepGraphs):
 
 
 class MixedGraphs(StepGraphs):
-    """Steps of `size` tokens holding prefill chunks: up to min(size, max_seqs) decode rows first (as many
-    as the buffer's decode count says), then up to min(size, max_seqs) chunks, then padding tokens; the
-    forward gives hidden states."""
+    """Steps of `size` tokens holding prefill chunks: decode rows first, then up to min(size, max_seqs)
+    chunks, then padding tokens; the forward gives hidden states. Two graphs per size, keyed (size, decode
+    rows): (size, 0) for steps of chunks only, which launch no decode attention, and (size, min(size,
+    max_seqs)), whose decode call covers that many rows of which the buffer's decode count are real (an
+    inert launch over 512 rows costs ~8 us a layer on an H200, 5% of a 32 x 16-token prefix-hit step)."""
 
     kind = "mixed"
 
@@ -196,18 +205,25 @@ class MixedGraphs(StepGraphs):
         self.max_seqs = max_seqs
         super().__init__(forward, sizes, state, out_width, dtype, device, use_cuda_graphs)
 
-    def layout(self, size: int) -> FlatLayout:
+    def _keys(self) -> list[tuple[int, int]]:
+        return [(s, d) for s in reversed(self.sizes) for d in (min(s, self.max_seqs), 0)]
+
+    def layout(self, key: tuple[int, int]) -> FlatLayout:
+        size = key[0]
         return FlatLayout(size, min(size, self.max_seqs))
 
-    def takes(self, num_tokens: int, num_decode: int, num_chunks: int) -> int | None:
-        """The size a step of these counts replays at, or None (it runs eagerly)."""
+    def takes(self, num_tokens: int, num_decode: int, num_chunks: int) -> tuple[int, int] | None:
+        """The key a step of these counts replays, or None (it runs eagerly)."""
         size = self.padded_size(num_tokens)
-        if size is None or num_decode > min(size, self.max_seqs) or num_chunks > self.layout(size).num_chunks:
+        cap = None if size is None else min(size, self.max_seqs)
+        if cap is None or num_decode > cap or num_chunks > cap:
             return None
-        return size
+        return size, cap if num_decode else 0
 
-    def _body(self, size: int) -> None:
-        tokens, chunk_rows, qsl, lens, num_decode = self.layout(size).views(self.inputs)
-        input_ids, positions, meta = self.state.step_inputs(tokens, min(size, self.max_seqs), num_decode,
+    def _body(self, key: tuple[int, int]) -> None:
+        size, decode_rows = key
+        tokens, chunk_rows, qsl, lens, num_decode = self.layout(key).views(self.inputs)
+        input_ids, positions, meta = self.state.step_inputs(tokens, decode_rows,
+                                                            num_decode if decode_rows else None,
                                                             (chunk_rows, qsl, lens))
         self.output[:size].copy_(self.forward(input_ids, positions, meta))  # (size, hidden)

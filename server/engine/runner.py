@@ -154,8 +154,8 @@ class ModelRunner:
         """The step up to sampling: -> (S, V) fp32 logits each sample draws from, its rows (S,) on the device,
         the samples' sampler flags and logprobs width."""
         assert not step.is_empty, "a step runs some chunk"
-        graphs, size = self._graphs_for(step)
-        layout = self._layout(step, graphs, size)
+        graphs, key = self._graphs_for(step)
+        layout = self._layout(step, graphs, key)
         sections, num_logprobs, flags = self._pack(step, table_of, layout)
         (flat, logit_rows, writes, init_rows, init_floats, init_ints, pen_rows, pen_token_rows, pen_tokens,
          pen_is_output, sample_rows, sample_sources, copies) = self.packer.send(sections)
@@ -168,12 +168,12 @@ class ModelRunner:
         if pen_rows.numel():
             self.sampler.init_penalty_rows(pen_rows, pen_token_rows, pen_tokens, pen_is_output)
         if graphs is self.graphs and graphs is not None:  # a decode graph: its output is the logits
-            logits = graphs.replay(flat, len(step.decodes), size)
+            logits = graphs.replay(flat, len(step.decodes), key)
             # fresh: the next replay overwrites the static output
             logits = logits.to(torch.float32, copy=True)
         else:
             if graphs is not None:
-                hidden = graphs.replay(flat, size, size)  # (size, H), the static output
+                hidden = graphs.replay(flat, layout.num_tokens, key)  # (size, H), the static output
             else:
                 hidden = self._forward(*self._flat_inputs(flat, layout, len(step.decodes)))  # (T, H)
             if not step.samples:
@@ -215,23 +215,23 @@ class ModelRunner:
 
     # ---- step inputs ------------------------------------------------------------------------------------
 
-    def _graphs_for(self, step: SchedulerOutput) -> tuple[StepGraphs | None, int | None]:
-        """The captured graphs and size this step replays, or (None, None): it runs eagerly."""
+    def _graphs_for(self, step: SchedulerOutput) -> tuple[StepGraphs | None, object]:
+        """The captured graphs and key this step replays, or (None, None): it runs eagerly."""
         num_decode = len(step.decodes)
         if not step.prefills:
             if self.graphs is not None and self.graphs.fits(num_decode):
                 return self.graphs, self.graphs.padded_size(num_decode)
             return None, None
         if self.mixed_graphs is not None:
-            size = self.mixed_graphs.takes(num_decode + _prefill_tokens(step), num_decode,
-                                           len(step.prefills))
-            if size is not None:
-                return self.mixed_graphs, size
+            key = self.mixed_graphs.takes(num_decode + _prefill_tokens(step), num_decode,
+                                          len(step.prefills))
+            if key is not None:
+                return self.mixed_graphs, key
         return None, None
 
-    def _layout(self, step: SchedulerOutput, graphs: StepGraphs | None, size: int | None) -> FlatLayout:
+    def _layout(self, step: SchedulerOutput, graphs: StepGraphs | None, key) -> FlatLayout:
         if graphs is not None:
-            return graphs.layout(size)
+            return graphs.layout(key)
         return FlatLayout(len(step.decodes) + _prefill_tokens(step), len(step.prefills))
 
     def _pack(self, step: SchedulerOutput, table_of: TableOf, layout: FlatLayout):
