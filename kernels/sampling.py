@@ -16,8 +16,9 @@ max) / T) is recomputed from the logits in every pass (cheaper than writing it),
      token is above it or if mass_above < top_p * Z_ref (Z_ref = Z_k on top-k rows, else Z); otherwise C =
      {p > p_j} with Z_C = mass_above: every token with p <= p_j has at least that mass above it and fails
      too, so C always holds the kept set and the kept token follows p restricted to the kept set exactly.
-     After MAX_ROUNDS rejections the row takes its argmax (always kept); each rejection removes on average
-     half of C or more, so that needs ~2**-MAX_ROUNDS luck on a flat row.
+     After MAX_ROUNDS rejections the row takes its argmax (always kept). A rejection keeps the tokens above
+     the drawn one, about half of C on a flat row and fewer on a peaked one, so the worst case (a tiny top_p
+     on a flat row) takes ~ln |C| rounds, ~12 at V = 128256: MAX_ROUNDS = 32 is far in the tail.
 Semantics are the torch path's (server/engine/sampler.py): top-k, then top-p over the renormalised top-k,
 then min-p relative to the best token, the best token always kept; except that ties at a threshold are all
 kept (top-k keeps every token equal to the k-th; top-p keeps every token tied with the last one it needs).
