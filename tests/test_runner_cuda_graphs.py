@@ -178,3 +178,21 @@ def test_engine_sizes_the_graphs_from_its_limits():
     assert (runner.max_num_seqs, runner.max_num_batched_tokens, runner.max_model_len) == (5, 64, 100)
     graphs = runner._decode_graphs(use_cuda_graphs=False)
     assert graphs.sizes == [1, 2, 4, 5] and runner.state.max_blocks == 7  # ceil(100 / 16)
+
+
+def test_a_greedy_decode_step_takes_the_graphs_argmax(tiny):
+    """All-greedy decode steps read the argmax the graph took (no fp32 copy of the logits); execute then
+    samples exactly the tokens an eager step's logits give."""
+    from runner_chunks import step_of
+    runner = cpu_graph_runner(tiny)
+    batch = RaggedBatch(ragged(5), runner.block_size, runner.num_blocks, seed=3)
+    run_chunks(runner, batch.prefill())
+    for _ in range(3):
+        chunks = batch.decode()
+        step, tables, index = step_of(chunks)
+        logits, _, flags, _, greedy = runner.forward_step(step, tables.__getitem__)
+        assert flags == 0 and greedy is not None and torch.equal(greedy, logits.argmax(dim=-1))
+        eager = run_eager(runner, chunks)  # rewrites the same slots; rows in chunk order
+        step, tables, index = step_of(chunks)
+        tokens = runner.execute(step, tables.__getitem__).wait().token_ids
+        assert [tokens[i] for i in index] == eager.argmax(dim=-1).tolist()

@@ -141,18 +141,20 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput, table_of: TableOf) -> StepResult:
         """Launch `step` (inputs, forward, fork copies, sampling) and start copying its samples to the host;
         returns without waiting for the device."""
-        logits, sample_rows, flags, num_logprobs = self.forward_step(step, table_of)
+        logits, sample_rows, flags, num_logprobs, greedy = self.forward_step(step, table_of,
+                                                                             need_logits=False)
         if not step.samples:  # a step of prefill chunks that all stop short of their prompt's end
             return StepResult(torch.empty(0, 1, dtype=torch.int64), None, None)
-        out = self.sampler(logits, sample_rows, flags, num_logprobs)
+        out = self.sampler(logits, sample_rows, flags, num_logprobs, greedy)
         self.state.record_samples(sample_rows, out.token_ids)
         return self._to_host(out)
 
     @torch.inference_mode()
-    def forward_step(self, step: SchedulerOutput,
-                     table_of: TableOf) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    def forward_step(self, step: SchedulerOutput, table_of: TableOf, need_logits: bool = True
+                     ) -> tuple[torch.Tensor | None, torch.Tensor, int, int, torch.Tensor | None]:
         """The step up to sampling: -> (S, V) fp32 logits each sample draws from, its rows (S,) on the device,
-        the samples' sampler flags and logprobs width."""
+        the samples' sampler flags, logprobs width and, for an all-greedy decode-graph step (no forks), the
+        argmax ids (S,) the graph took; then the logits are None unless `need_logits`."""
         assert not step.is_empty, "a step runs some chunk"
         graphs, key = self._graphs_for(step)
         layout = self._layout(step, graphs, key)
@@ -168,22 +170,27 @@ class ModelRunner:
         if pen_rows.numel():
             self.sampler.init_penalty_rows(pen_rows, pen_token_rows, pen_tokens, pen_is_output)
         if graphs is self.graphs and graphs is not None:  # a decode graph: its output is the logits
-            logits = graphs.replay(flat, len(step.decodes), key)
-            # fresh: the next replay overwrites the static output
-            logits = logits.to(torch.float32, copy=True)
+            num_decode = len(step.decodes)
+            logits = graphs.replay(flat, num_decode, key)
+            if not flags and not step.copies and len(step.samples) == num_decode:  # greedy, no forks
+                greedy = graphs.greedy[:num_decode].clone()  # fresh: the next replay overwrites it
+                if not need_logits:
+                    return None, sample_rows, flags, num_logprobs, greedy
+                return logits.float(), sample_rows, flags, num_logprobs, greedy
+            logits = logits.to(torch.float32, copy=True)  # fresh, as above
         else:
             if graphs is not None:
                 hidden = graphs.replay(flat, layout.num_tokens, key)  # (size, H), the static output
             else:
                 hidden = self._forward(*self._flat_inputs(flat, layout, len(step.decodes)))  # (T, H)
             if not step.samples:
-                return hidden[:0], sample_rows, flags, num_logprobs
+                return hidden[:0], sample_rows, flags, num_logprobs, None
             logits = self.model.compute_logits(hidden.index_select(0, logit_rows.long()))  # (L, V) fp32
         if copies.numel():
             self.kv.copy_blocks(copies.view(-1, 2))
         if len(step.sample_sources) != logits.shape[0] or step.sample_sources[-1] != len(step.samples) - 1:
             logits = logits.index_select(0, sample_sources.long())  # (S, V): forks share their parent's row
-        return logits, sample_rows, flags, num_logprobs
+        return logits, sample_rows, flags, num_logprobs, None
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         # input_ids, positions (T,) -> hidden (T, H)

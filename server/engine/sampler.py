@@ -113,10 +113,33 @@ class Sampler:
         self._prompt_mask.index_put_((token_rows, columns), torch.ones_like(out))
 
     # ---- one step ---------------------------------------------------------------------------------
-    def __call__(self, logits: torch.Tensor, rows: torch.Tensor, flags: int, num_logprobs: int = 0
-                 ) -> SampleOutput:
-        """logits (S, V), rows (S,) device -> SampleOutput; advances each row's sample count."""
+    def __call__(self, logits: torch.Tensor | None, rows: torch.Tensor, flags: int, num_logprobs: int = 0,
+                 greedy: torch.Tensor | None = None) -> SampleOutput:
+        """logits (S, V), rows (S,) device -> SampleOutput; advances each row's sample count. `greedy`: the
+        step's argmax ids (S,), computed already (a decode graph's); then logits may be None, and the flags
+        must ask for nothing but the argmax."""
         rows = rows.long()
+        if greedy is not None:
+            assert not flags & (PENALTIES | SAMPLED | LOGPROBS), "precomputed argmax ids: greedy steps only"
+            tokens = greedy
+        else:
+            tokens, raw = self._draw_step(logits, rows, flags)
+        self.ints[:, 2].index_add_(0, rows, torch.ones_like(rows))
+        if self.counts is not None:
+            self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32),
+                                   accumulate=True)
+        out = SampleOutput(tokens)
+        if flags & LOGPROBS:
+            assert greedy is None
+            logprobs = raw.log_softmax(dim=-1)  # (S, V)
+            out.logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
+            top = logprobs.topk(min(num_logprobs, logprobs.shape[-1]), dim=-1)
+            out.top_ids, out.top_logprobs = top.indices, top.values
+        return out
+
+    def _draw_step(self, logits: torch.Tensor, rows: torch.Tensor, flags: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> the step's tokens (S,) and its raw fp32 logits (S, V)."""
         raw = logits.float()  # (S, V)
         logits = raw
         if flags & (PENALTIES | SAMPLED):  # an all-greedy step without penalties reads no parameters
@@ -124,20 +147,8 @@ class Sampler:
         if flags & PENALTIES and self.counts is not None:
             logits = self._apply_penalties(logits, rows, floats)
         if flags & SAMPLED:
-            tokens = self._sample(logits, floats, ints, flags)
-        else:
-            tokens = logits.argmax(dim=-1)  # (S,)
-        self.ints[:, 2].index_add_(0, rows, torch.ones_like(rows))
-        if self.counts is not None:
-            self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32),
-                                   accumulate=True)
-        out = SampleOutput(tokens)
-        if flags & LOGPROBS:
-            logprobs = raw.log_softmax(dim=-1)  # (S, V)
-            out.logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
-            top = logprobs.topk(min(num_logprobs, logprobs.shape[-1]), dim=-1)
-            out.top_ids, out.top_logprobs = top.indices, top.values
-        return out
+            return self._sample(logits, floats, ints, flags), raw
+        return argmax_rows(logits), raw
 
     def _apply_penalties(self, logits: torch.Tensor, rows: torch.Tensor,
                          floats: torch.Tensor) -> torch.Tensor:
@@ -165,6 +176,30 @@ class Sampler:
                 probs = probs.masked_fill(probs < min_p[:, None], 0.0)
             sampled = _draw(probs, u)
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+
+ARGMAX_CHUNK = 1024
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """(S, V) -> (S,) int64, torch.argmax(x, -1) (the first best index) in two passes: the best of every
+    ARGMAX_CHUNK columns, then the best of those. torch's one-pass argmax reduces a row in one block: over
+    (64, 128256) fp32 logits it ran at ~0.85 TB/s on an H200 (39 us a step, torch 2.11 profile); the first
+    pass here spreads each row over V / ARGMAX_CHUNK blocks. Graph-capturable (no host sync)."""
+    S, V = x.shape
+    n = V // ARGMAX_CHUNK
+    if n < 2 or x.stride(1) != 1:
+        return x.argmax(dim=-1)
+    head = x[:, :n * ARGMAX_CHUNK].view(S, n, ARGMAX_CHUNK)
+    vals, idx = head.max(dim=-1)  # (S, n): each chunk's best and its first index
+    best = vals.argmax(dim=-1, keepdim=True)  # (S, 1): the first chunk holding the row's best
+    ids = best.squeeze(1) * ARGMAX_CHUNK + idx.gather(1, best).squeeze(1)
+    if n * ARGMAX_CHUNK == V:
+        return ids
+    head_max = vals.gather(1, best).squeeze(1)
+    tail_max, tail_idx = x[:, n * ARGMAX_CHUNK:].max(dim=-1)  # (S,): the columns after the last chunk
+    later = (tail_max > head_max) | (tail_max.isnan() & ~head_max.isnan())  # argmax takes NaN as the best
+    return torch.where(later, n * ARGMAX_CHUNK + tail_idx, ids)
 
 
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor,
