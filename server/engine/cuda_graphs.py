@@ -54,16 +54,20 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
-MAX_MIXED_TOKENS = 2048  # above it a step's device time (>~ 8 ms, bench model) hides its eager launches
+# Steps of up to this many tokens replay a mixed graph; larger ones run eagerly. An eager step's launches
+# cost ~7 ms of host time on the H200's host (64 decodes + 2048 prefill tokens: 14.6 ms wall, 7.5 ms of
+# kernels), which async scheduling cannot hide behind a 1.5 ms decode step: the budget's default is covered.
+MAX_MIXED_TOKENS = 8192
 
 
 def mixed_sizes(max_num_batched_tokens: int) -> list[int]:
-    """Token counts to capture mixed steps at, ascending: 16, 32, ..., 512 (powers of two), then every 256
-    up to MAX_MIXED_TOKENS (padding costs compute once the GEMMs are compute bound), capped by the step
-    budget, which is itself the last size when below MAX_MIXED_TOKENS."""
+    """Token counts to capture mixed steps at, ascending: 16, 32, ..., 512 (powers of two), every 256 up to
+    2048, then every 512 up to MAX_MIXED_TOKENS (padding costs compute once the GEMMs are compute bound:
+    at most a third of a step's tokens below 768, a fifth above), capped by the step budget, which is
+    itself the last size when below MAX_MIXED_TOKENS."""
     top = min(max_num_batched_tokens, MAX_MIXED_TOKENS)
-    sizes = [s for s in (16, 32, 64, 128, 256, 512) if s <= top]
-    sizes += [s for s in range(768, top + 1, 256)]
+    ladder = [16, 32, 64, 128, 256, 512, *range(768, 2049, 256), *range(2560, MAX_MIXED_TOKENS + 1, 512)]
+    sizes = [s for s in ladder if s <= top]
     if not sizes or sizes[-1] != top:
         sizes.append(top)
     return sizes
