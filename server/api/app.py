@@ -58,14 +58,21 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = DEFAULT
     return app
 
 
+FULL_COLLECTION_EVERY = 100  # collections of generation 1 per full one (Python's default: 10)
+
+
 def freeze_startup_heap() -> None:
     """Moves what start-up built (torch, FastAPI, pydantic, the tokenizer: ~220K objects) out of the
     collector's reach, once per process: a full collection then walks only what requests allocate. Every
     stream allocates per token, so collections run all the time; tools/api_bench measured them at ~1/3 of the
-    API process's CPU at 256 streams before this (docs/benchmarks/api_cpu.md)."""
+    API process's CPU at 256 streams before this (docs/benchmarks/api_cpu.md). Full collections, which walk
+    every live stream's objects (~100K at 256 streams, 30-50 ms each), come 10x less often: what they free
+    is the rare request garbage in reference cycles, which refcounting leaves them."""
     if gc.get_freeze_count() == 0:
         gc.collect()
         gc.freeze()
+        first, second, _ = gc.get_threshold()
+        gc.set_threshold(first, second, FULL_COLLECTION_EVERY)
 
 
 async def stop_engine(app: FastAPI) -> None:
