@@ -4,28 +4,37 @@
 # FastAPI stack and those), then the parts named in PARTS (default: all):
 #   tests    the runner/engine GPU tests
 #   hazards  tools/step_hazards (Triton compiles after start-up, host-device syncs, under random traffic)
-#   prefill  tools/prefill_step_bench (prefill and mixed decode+prefill steps: wall, device busy, TFLOP/s)
+#   prefill  tools/prefill_step_bench (prefill and mixed decode+prefill steps: wall, device busy, TFLOP/s);
+#            PREFILL_ARGS are passed to it
+#   sampler  tools/sampler_bench (the sort-free sampling kernel against the sorted torch path and greedy)
 #   serving  tools/serving_bench (server under loadtest at concurrency 1/16/64/256, the engine offline,
 #            HF generate); SERVING_ARGS are passed to it
 # Usage: OUT=/some/dir [PARTS=hazards,prefill] [SERVING_ARGS="--long"] bash tools/serving_gpu_run.sh
 set -u
 OUT=${OUT:-/tmp/serving_gpu_run}; mkdir -p "$OUT"
-PARTS=${PARTS:-tests,hazards,prefill,serving}
+PARTS=${PARTS:-tests,hazards,prefill,sampler,serving}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
 if has tests; then
-  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_runner_gpu.py tests/test_runner_cuda_graphs.py \
-    tests/test_engine_process.py tests/test_model_fused_forward.py 2>&1 | tail -n 12 | tee "$OUT/gpu_tests.txt"
+  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_runner_gpu.py tests/test_runner_cuda_graphs.py \
+    tests/test_engine_process.py tests/test_engine_async.py tests/test_model_fused_forward.py \
+    tests/test_kernels_sampling.py 2>&1 | tail -n 12 | tee "$OUT/gpu_tests.txt"
 fi
 if has hazards; then
   timeout 300 python3 -m tools.step_hazards --out "$OUT/step_hazards.json" > "$OUT/step_hazards.log" 2>&1
   tail -n 25 "$OUT/step_hazards.log"
 fi
 if has prefill; then
-  timeout 300 python3 -m tools.prefill_step_bench --out "$OUT/prefill_step.json" > "$OUT/prefill_step.log" 2>&1
-  tail -n 14 "$OUT/prefill_step.log"
+  # shellcheck disable=SC2086
+  timeout 300 python3 -m tools.prefill_step_bench --out "$OUT/prefill_step.json" ${PREFILL_ARGS:-} \
+    > "$OUT/prefill_step.log" 2>&1
+  grep -v '^\[' "$OUT/prefill_step.log" | tail -n 26
+fi
+if has sampler; then
+  timeout 120 python3 -m tools.sampler_bench --out "$OUT" > "$OUT/sampler_bench.log" 2>&1
+  tail -n 20 "$OUT/sampler_bench.log"
 fi
 if has serving; then
   # shellcheck disable=SC2086
