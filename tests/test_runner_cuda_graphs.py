@@ -180,9 +180,9 @@ def test_engine_sizes_the_graphs_from_its_limits():
     assert graphs.sizes == [1, 2, 4, 5] and runner.state.max_blocks == 7  # ceil(100 / 16)
 
 
-def test_a_greedy_decode_step_takes_the_graphs_argmax(tiny):
-    """All-greedy decode steps read the argmax the graph took (no fp32 copy of the logits); execute then
-    samples exactly the tokens an eager step's logits give."""
+def test_a_greedy_decode_step_takes_the_argmax_of_the_graph_output(tiny):
+    """All-greedy decode steps take the argmax of the graph's model-dtype logits (no fp32 copy of them);
+    execute then samples exactly the tokens an eager step's logits give."""
     from runner_chunks import step_of
     runner = cpu_graph_runner(tiny)
     batch = RaggedBatch(ragged(5), runner.block_size, runner.num_blocks, seed=3)

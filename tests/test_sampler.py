@@ -210,15 +210,3 @@ def test_penalty_rows_count_outputs_and_mask_prompts_with_repeats_and_resets():
     s.init_penalty_rows(torch.tensor([0]), torch.tensor([0]), torch.tensor([2]), torch.tensor([1]))
     assert s.counts[0].tolist() == [0, 0, 1, 0, 0] and not s.in_prompt[0].any()
     assert s.counts[2].tolist() == [0, 0, 0, 0, 1]  # rows not re-taken keep their state
-
-
-@pytest.mark.parametrize("shape", [(1, 5), (3, 2048), (4, 3000), (2, 1024 * 3 + 7)])
-def test_argmax_rows_is_torch_argmax_with_ties_and_a_tail(shape):
-    from server.engine.sampler import argmax_rows
-    gen = torch.Generator().manual_seed(shape[1])
-    x = torch.randint(-3, 4, shape, generator=gen).float()  # many exact ties: the first best must win
-    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
-    x[:, -1] = 10.0  # the best in the tail after the last whole chunk
-    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
-    x[0, 1] = float("nan")  # argmax takes NaN as the best
-    assert argmax_rows(x)[0] == x.argmax(dim=-1)[0] == 1

@@ -32,7 +32,6 @@ import torch
 
 from server.engine.attention import AttentionMetadata
 from server.engine.batch_state import BatchState, FlatLayout
-from server.engine.sampler import argmax_rows
 
 log = logging.getLogger(__name__)
 
@@ -182,14 +181,9 @@ class StepGraphs:
 
 
 class DecodeGraphs(StepGraphs):
-    """Decode steps of `size` rows (the step's, then padding rows); the forward gives logits, and the graph
-    also takes their argmax, which an all-greedy step uses instead of the logits (no fp32 copy of them)."""
+    """Decode steps of `size` rows (the step's, then padding rows); the forward gives logits."""
 
     kind = "decode"
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.greedy = torch.zeros(self.max_size, dtype=torch.int64, device=self.output.device)  # (n,)
 
     def layout(self, size: int) -> FlatLayout:
         return FlatLayout(size, 0)
@@ -197,9 +191,7 @@ class DecodeGraphs(StepGraphs):
     def _body(self, size: int) -> None:
         tokens = self.layout(size).views(self.inputs)[0]
         input_ids, positions, meta = self.state.step_inputs(tokens, size)
-        logits = self.forward(input_ids, positions, meta)  # (size, vocab)
-        self.output[:size].copy_(logits)
-        self.greedy[:size].copy_(argmax_rows(logits))
+        self.output[:size].copy_(self.forward(input_ids, positions, meta))  # (size, vocab)
 
 
 class MixedGraphs(StepGraphs):

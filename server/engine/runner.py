@@ -154,7 +154,7 @@ class ModelRunner:
                      ) -> tuple[torch.Tensor | None, torch.Tensor, int, int, torch.Tensor | None]:
         """The step up to sampling: -> (S, V) fp32 logits each sample draws from, its rows (S,) on the device,
         the samples' sampler flags, logprobs width and, for an all-greedy decode-graph step (no forks), the
-        argmax ids (S,) the graph took; then the logits are None unless `need_logits`."""
+        argmax ids (S,); then the logits are None unless `need_logits`."""
         assert not step.is_empty, "a step runs some chunk"
         graphs, key = self._graphs_for(step)
         layout = self._layout(step, graphs, key)
@@ -173,11 +173,14 @@ class ModelRunner:
             num_decode = len(step.decodes)
             logits = graphs.replay(flat, num_decode, key)
             if not flags and not step.copies and len(step.samples) == num_decode:  # greedy, no forks
-                greedy = graphs.greedy[:num_decode].clone()  # fresh: the next replay overwrites it
+                # the argmax of the model-dtype logits, read before the next replay overwrites them: the
+                # fp32 copy below costs 22 us at batch 64 on an H200 (an in-graph argmax instead cost every
+                # sampled step 28 us more)
+                greedy = logits.argmax(dim=-1)
                 if not need_logits:
                     return None, sample_rows, flags, num_logprobs, greedy
                 return logits.float(), sample_rows, flags, num_logprobs, greedy
-            logits = logits.to(torch.float32, copy=True)  # fresh, as above
+            logits = logits.to(torch.float32, copy=True)  # fresh: the next replay overwrites the output
         else:
             if graphs is not None:
                 hidden = graphs.replay(flat, layout.num_tokens, key)  # (size, H), the static output
