@@ -58,7 +58,7 @@ def run_chunks(runner: ModelRunner, chunks: list[Chunk]) -> torch.Tensor:
     for c in chunks:
         c.check_slots(runner.block_size)
     step, tables, index = step_of(chunks)
-    logits = runner.forward_step(step, tables.__getitem__)[0]
+    logits = runner.forward_step(step, tables.__getitem__).logits
     return logits[torch.tensor(index, device=logits.device)]
 
 

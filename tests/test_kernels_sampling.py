@@ -283,3 +283,35 @@ def test_gpu_kernel_replays_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert not torch.equal(out, eager)
+
+
+@interpreter_only
+def test_compact_top_k_rows_draw_from_their_best_tokens_whatever_their_neighbours(monkeypatch):
+    """Rows with 0 < top_k <= COMPACT_TOP_K draw over their best COMPACT_TOP_K tokens (shrunk to 16 here so
+    that V = 64 holds more): tokens stay in the exact filtered set, and a row draws the same token alone or
+    beside rows that take the whole-row path."""
+    import server.engine.sampler as sampler_mod
+    monkeypatch.setattr(sampler_mod, "COMPACT_TOP_K", 16)
+    V = 64
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(3, V, generator=gen) * 2
+    logits[0, 5] = logits[0, 9] = logits[0].max() + 1  # a tie at the top of the compact row
+    params = [SamplingParams(temperature=0.9, top_k=7, top_p=0.8), SamplingParams(temperature=1.0, top_p=0.5),
+              SamplingParams(temperature=0.7, top_k=12, min_p=0.05)]
+    compact = torch.tensor([i for i, p in enumerate(params) if sampler_mod.draws_from_best(p)])
+    assert compact.tolist() == [0, 2]
+    fields = [row_fields(p, 500 + i, 0) for i, p in enumerate(params)]
+    floats, ints = torch.tensor([f for f, _ in fields]), torch.tensor([i for _, i in fields])
+    flags = step_flags(params[0]) | step_flags(params[1]) | step_flags(params[2])
+
+    def sample(rows, comp, logits_rows):
+        s = Sampler(3, V, torch.device("cpu"), kernel=True)
+        s.init_rows(torch.arange(len(rows)), floats[rows], ints[rows])
+        return s(logits_rows, torch.arange(len(rows)), flags, compact=comp).token_ids.tolist()
+
+    together = sample([0, 1, 2], compact, logits)
+    _, allowed = reference_sets(logits, [0.9, 1.0, 0.7], [0.8, 0.5, 1.0], [7, 0, 12], [0.0, 0.0, 0.05])
+    assert all(allowed[r, t] for r, t in enumerate(together))
+    assert sample([0], torch.tensor([0]), logits[:1]) == together[:1]
+    assert sample([2], torch.tensor([0]), logits[2:]) == together[2:]
+    assert sample([1], None, logits[1:2]) == together[1:2]  # the whole-row path ignores the others too

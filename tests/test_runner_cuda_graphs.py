@@ -190,8 +190,8 @@ def test_a_greedy_decode_step_takes_the_argmax_of_the_graph_output(tiny):
     for _ in range(3):
         chunks = batch.decode()
         step, tables, index = step_of(chunks)
-        logits, _, flags, _, greedy = runner.forward_step(step, tables.__getitem__)
-        assert flags == 0 and greedy is not None and torch.equal(greedy, logits.argmax(dim=-1))
+        s = runner.forward_step(step, tables.__getitem__)
+        assert s.flags == 0 and s.greedy is not None and torch.equal(s.greedy, s.logits.argmax(dim=-1))
         eager = run_eager(runner, chunks)  # rewrites the same slots; rows in chunk order
         step, tables, index = step_of(chunks)
         tokens = runner.execute(step, tables.__getitem__).wait().token_ids

@@ -3,14 +3,15 @@
 One Sampler step as the runner calls it (`sampler(logits, rows, flags)`: row-parameter gathers, the draw, the
 sample counters), over fp32 logits randn * 3 at V = 128256 (the bench model's vocabulary), per batch size S in
 {1, 16, 64, 256}, for three paths: greedy (argmax), the torch sorted path (Sampler(kernel=False): a full-
-vocabulary sort, what sampled steps ran before kernels/sampling.py) and the kernel path
-(Sampler(kernel=True)), under temperature 0.8 + top_p 0.95 and top_k 50 + top_p 0.9. Per path: device ms per
-call by CUDA events over back-to-back eager calls, device ms per replay of the call captured in a
-torch.cuda.CUDAGraph (pure device time), and host wall ms per eager call with a synchronize. Every sampled
-token is then checked against the float64 filtered set (kernels/sampling_reference.py); a token outside it, or
-greedy tokens that are not the argmax, exit non-zero. Prints a table last; writes JSON to --out (a .json path,
-or a directory that gets sampler_<gpu>.json). `--dry-run` runs the same code on CPU at V = 64 (needs
-TRITON_INTERPRET=1; no events, no graphs): a check of the tool, not a measurement.
+vocabulary sort, what sampled steps ran before kernels/sampling.py) and the kernel path (Sampler(kernel=True),
+with top_k <= COMPACT_TOP_K rows drawn from their best tokens as the runner does), under temperature 0.8 +
+top_p 0.95 and top_k 50 + top_p 0.9. Per path: device ms per call by CUDA events over back-to-back eager
+calls, device ms per replay of the call captured in a torch.cuda.CUDAGraph (pure device time), and host wall
+ms per eager call with a synchronize. Every sampled token is then checked against the float64 filtered set
+(kernels/sampling_reference.py); a token outside it, or greedy tokens that are not the argmax, exit non-zero.
+Prints a table last; writes JSON to --out (a .json path, or a directory that gets sampler_<gpu>.json).
+`--dry-run` runs the same code on CPU at V = 64 (needs TRITON_INTERPRET=1; no events, no graphs): a check of
+the tool, not a measurement.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 from kernels.sampling_reference import filtered_sets
-from server.engine.sampler import Sampler, row_fields, step_flags
+from server.engine.sampler import Sampler, draws_from_best, row_fields, step_flags
 from server.engine.sampling_params import SamplingParams
 
 V_BENCH = 128256
@@ -99,9 +100,11 @@ def bench_path(path: str, params: SamplingParams, logits: torch.Tensor, args, cu
     S, V = logits.shape
     s = make_sampler(params, S, V, logits.device, kernel=path != "sorted")
     rows, flags = torch.arange(S, device=logits.device), step_flags(params)
+    # as the runner hands them: the rows that draw from their best tokens (top_k <= COMPACT_TOP_K)
+    compact = rows if path == "kernel" and draws_from_best(params) else None
 
     def call():
-        return s(logits, rows, flags)
+        return s(logits, rows, flags, compact=compact)
 
     tokens = call().token_ids  # compiles the kernel outside the timing and the capture
     sync = torch.cuda.synchronize if cuda else (lambda: None)

@@ -35,7 +35,16 @@ from server.engine.cuda_graphs import (
     mixed_sizes,
 )
 from server.engine.kv_cache_tensors import KVCacheTensors
-from server.engine.sampler import FLOAT_FIELDS, INT_FIELDS, LOGPROBS, PENALTIES, Sampler, row_fields
+from server.engine.sampler import (
+    FLOAT_FIELDS,
+    INT_FIELDS,
+    LOGPROBS,
+    PENALTIES,
+    TOP,
+    Sampler,
+    draws_from_best,
+    row_fields,
+)
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import ScheduledChunk, SchedulerOutput
 from server.engine.sequence import Sequence as Seq
@@ -56,6 +65,18 @@ class HostSamples:
     logprobs: list[float] | None = None  # (S,) when some row asked
     top_ids: list[list[int]] | None = None  # (S, k), k = the largest logprobs asked in the step
     top_logprobs: list[list[float]] | None = None
+
+
+@dataclass
+class StepLogits:
+    """What a step hands the sampler (ModelRunner.forward_step)."""
+
+    logits: torch.Tensor | None  # (S, V) fp32 each sample draws from; None when `greedy` stands in for them
+    rows: torch.Tensor  # (S,) int64 device: each sample's batch row
+    flags: int  # OR of the samples' sampler flags
+    num_logprobs: int  # the largest logprobs any sample asked
+    greedy: torch.Tensor | None = None  # (S,) argmax ids of an all-greedy decode-graph step (no forks)
+    compact: torch.Tensor | None = None  # (K,) int64 device: the samples that draw from their best tokens
 
 
 class StepResult:
@@ -141,28 +162,27 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput, table_of: TableOf) -> StepResult:
         """Launch `step` (inputs, forward, fork copies, sampling) and start copying its samples to the host;
         returns without waiting for the device."""
-        logits, sample_rows, flags, num_logprobs, greedy = self.forward_step(step, table_of,
-                                                                             need_logits=False)
+        s = self.forward_step(step, table_of, need_logits=False)
         if not step.samples:  # a step of prefill chunks that all stop short of their prompt's end
             return StepResult(torch.empty(0, 1, dtype=torch.int64), None, None)
-        out = self.sampler(logits, sample_rows, flags, num_logprobs, greedy)
-        self.state.record_samples(sample_rows, out.token_ids)
+        out = self.sampler(s.logits, s.rows, s.flags, s.num_logprobs, s.greedy, s.compact)
+        self.state.record_samples(s.rows, out.token_ids)
         return self._to_host(out)
 
     @torch.inference_mode()
-    def forward_step(self, step: SchedulerOutput, table_of: TableOf, need_logits: bool = True
-                     ) -> tuple[torch.Tensor | None, torch.Tensor, int, int, torch.Tensor | None]:
-        """The step up to sampling: -> (S, V) fp32 logits each sample draws from, its rows (S,) on the device,
-        the samples' sampler flags, logprobs width and, for an all-greedy decode-graph step (no forks), the
-        argmax ids (S,); then the logits are None unless `need_logits`."""
+    def forward_step(self, step: SchedulerOutput, table_of: TableOf, need_logits: bool = True) -> StepLogits:
+        """The step up to sampling (StepLogits). An all-greedy decode-graph step (no forks) carries its argmax
+        ids, and then logits only if `need_logits`."""
         assert not step.is_empty, "a step runs some chunk"
         graphs, key = self._graphs_for(step)
         layout = self._layout(step, graphs, key)
         sections, num_logprobs, flags = self._pack(step, table_of, layout)
         (flat, logit_rows, writes, init_rows, init_floats, init_ints, pen_rows, pen_token_rows, pen_tokens,
-         pen_is_output, sample_rows, sample_sources, copies) = self.packer.send(sections)
+         pen_is_output, sample_rows, sample_sources, copies, compact) = self.packer.send(sections)
         self.state.apply_table_writes(writes)
         sample_rows = sample_rows.long()  # once: the sampler and the batch state index with it
+        out = StepLogits(None, sample_rows, flags, num_logprobs,
+                         compact=compact.long() if compact.numel() else None)
         if init_rows.numel():
             n = init_rows.numel()
             self.sampler.init_rows(init_rows, init_floats.view(torch.float32).view(n, FLOAT_FIELDS),
@@ -176,10 +196,9 @@ class ModelRunner:
                 # the argmax of the model-dtype logits, read before the next replay overwrites them: the
                 # fp32 copy below costs 22 us at batch 64 on an H200 (an in-graph argmax instead cost every
                 # sampled step 28 us more)
-                greedy = logits.argmax(dim=-1)
-                if not need_logits:
-                    return None, sample_rows, flags, num_logprobs, greedy
-                return logits.float(), sample_rows, flags, num_logprobs, greedy
+                out.greedy = logits.argmax(dim=-1)
+                out.logits = logits.float() if need_logits else None
+                return out
             logits = logits.to(torch.float32, copy=True)  # fresh: the next replay overwrites the output
         else:
             if graphs is not None:
@@ -187,13 +206,15 @@ class ModelRunner:
             else:
                 hidden = self._forward(*self._flat_inputs(flat, layout, len(step.decodes)))  # (T, H)
             if not step.samples:
-                return hidden[:0], sample_rows, flags, num_logprobs, None
+                out.logits = hidden[:0]
+                return out
             logits = self.model.compute_logits(hidden.index_select(0, logit_rows.long()))  # (L, V) fp32
         if copies.numel():
             self.kv.copy_blocks(copies.view(-1, 2))
         if len(step.sample_sources) != logits.shape[0] or step.sample_sources[-1] != len(step.samples) - 1:
             logits = logits.index_select(0, sample_sources.long())  # (S, V): forks share their parent's row
-        return logits, sample_rows, flags, num_logprobs, None
+        out.logits = logits
+        return out
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         # input_ids, positions (T,) -> hidden (T, H)
@@ -289,8 +310,9 @@ class ModelRunner:
         for seq in step.samples:
             flags |= seq.sample_flags
         num_logprobs = max(s.params.logprobs or 0 for s in step.samples) if flags & LOGPROBS else 0
+        compact = [i for i, s in enumerate(step.samples) if draws_from_best(s.params)] if flags & TOP else []
         sections = [flat, logit_rows, writes, *inits, [s.row for s in step.samples], step.sample_sources,
-                    [b for pair in step.copies for b in pair]]
+                    [b for pair in step.copies for b in pair], compact]
         return sections, num_logprobs, flags
 
     @staticmethod
