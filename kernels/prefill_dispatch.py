@@ -18,7 +18,8 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, 
     """Causal attention of prefill chunks through their block tables: q (T, Hq, D) -> (T, Hq, D).
 
     Chunk i is rows [query_start_loc[i], query_start_loc[i + 1]) of q; its queries are the last n_i of the
-    seq_lens[i] tokens of its sequence in the cache (their K/V already stored). block_tables (C, max_blocks)
+    seq_lens[i] tokens of its sequence in the cache (their K/V already stored). query_start_loc[0] may be
+    above 0; rows of `out` outside [qsl[0], qsl[C]) are not written. block_tables (C, max_blocks)
     int32, query_start_loc (C + 1,) int32, seq_lens (C,) int32, all on q's device.
     """
     chosen = resolve_backend(q.device, backend)
