@@ -267,12 +267,26 @@ class ModelRunner:
 
     def _pack(self, step: SchedulerOutput, table_of: TableOf, layout: FlatLayout):
         """The step's host ints, one list per section (see forward_step), the logprobs width and the OR of
-        the samples' sampler flags. The flat batch: decode rows, then the prefill chunks' tokens, padded to
-        `layout` with padding tokens and empty chunks."""
-        state = self.state
+        the samples' sampler flags."""
         for seq in step.new_rows:
-            state.reset_row(seq.row)
+            self.state.reset_row(seq.row)
         writes: list[int] = []
+        flat, logit_rows = self._pack_flat(step, table_of, layout, writes)
+        inits = self._pack_new_rows(step.new_rows)
+        flags = 0
+        for seq in step.samples:
+            flags |= seq.sample_flags
+        num_logprobs = max(s.params.logprobs or 0 for s in step.samples) if flags & LOGPROBS else 0
+        compact = [i for i, s in enumerate(step.samples) if draws_from_best(s.params)] if flags & TOP else []
+        sections = [flat, logit_rows, writes, *inits, [s.row for s in step.samples], step.sample_sources,
+                    [b for pair in step.copies for b in pair], compact]
+        return sections, num_logprobs, flags
+
+    def _pack_flat(self, step: SchedulerOutput, table_of: TableOf, layout: FlatLayout, writes: list[int]):
+        """-> the flat batch as `layout` packs it (decode rows, then the prefill chunks' tokens, then padding
+        tokens and empty chunks) and the rows whose logits the samples read; appends the block-table entries
+        the device lacks to `writes`."""
+        state = self.state
         rows, ids = [], []
         covered = state.synced_tokens
         for seq, pos in zip(step.decodes, step.decode_positions, strict=True):
@@ -282,7 +296,7 @@ class ModelRunner:
                 state.table_writes(seq.row, table_of(seq.seq_id), writes)
         positions = list(step.decode_positions)
         num_decode = len(rows)
-        qsl, lens, chunk_rows = [num_decode], [], []
+        qsl, lens, chunk_rows = [num_decode], [], []  # query_start_loc counts from the first chunk row
         logit_rows = list(range(num_decode))
         for c in step.prefills:
             seq, n = c.seq, c.end - c.start
@@ -304,16 +318,7 @@ class ModelRunner:
         chunk_rows += [state.pad_row] * pad
         qsl += [qsl[-1]] * pad
         lens += [0] * pad
-        flat = layout.pack(rows, positions, ids, chunk_rows, qsl, lens, num_decode)
-        inits = self._pack_new_rows(step.new_rows)
-        flags = 0
-        for seq in step.samples:
-            flags |= seq.sample_flags
-        num_logprobs = max(s.params.logprobs or 0 for s in step.samples) if flags & LOGPROBS else 0
-        compact = [i for i, s in enumerate(step.samples) if draws_from_best(s.params)] if flags & TOP else []
-        sections = [flat, logit_rows, writes, *inits, [s.row for s in step.samples], step.sample_sources,
-                    [b for pair in step.copies for b in pair], compact]
-        return sections, num_logprobs, flags
+        return layout.pack(rows, positions, ids, chunk_rows, qsl, lens, num_decode), logit_rows
 
     @staticmethod
     def _pack_new_rows(seqs: list[Seq]) -> list:
