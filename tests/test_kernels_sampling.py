@@ -315,3 +315,39 @@ def test_compact_top_k_rows_draw_from_their_best_tokens_whatever_their_neighbour
     assert sample([0], torch.tensor([0]), logits[:1]) == together[:1]
     assert sample([2], torch.tensor([0]), logits[2:]) == together[2:]
     assert sample([1], None, logits[1:2]) == together[1:2]  # the whole-row path ignores the others too
+
+
+@interpreter_only
+def test_warm_up_draws_nothing_and_changes_no_row():
+    s = Sampler(2, 40, torch.device("cpu"), kernel=True)
+    before = (s.floats.clone(), s.ints.clone())
+    s.warm_up()
+    assert torch.equal(s.floats, before[0]) and torch.equal(s.ints, before[1])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_sampled_steps_compile_nothing_after_warm_up():
+    """Whole-row and compact top-k draws at several batch sizes after warm_up: no Triton compile (one
+    mid-serving compile stalls every stream)."""
+    import triton
+    V, compiles = 128256, []
+    s = Sampler(64, V, torch.device("cuda"), kernel=True)
+    s.warm_up()
+    torch.cuda.synchronize()
+    previous = triton.knobs.runtime.jit_cache_hook
+    triton.knobs.runtime.jit_cache_hook = lambda **kw: compiles.append(kw.get("repr"))
+    try:
+        for S, params in ((1, SamplingParams(temperature=0.8, top_p=0.95)), (37, SamplingParams(top_k=50)),
+                          (64, SamplingParams(temperature=0.7, top_k=5, min_p=0.1))):
+            fields = [row_fields(params, r, 0) for r in range(S)]
+            rows = torch.arange(S, device="cuda")
+            s.init_rows(rows, torch.tensor([f for f, _ in fields], device="cuda"),
+                        torch.tensor([i for _, i in fields], device="cuda"))
+            logits = torch.randn(S, V, device="cuda") * 3
+            compact = rows if params.top_k else None
+            s(logits, rows, step_flags(params), compact=compact)
+        torch.cuda.synchronize()
+    finally:
+        triton.knobs.runtime.jit_cache_hook = previous
+    assert compiles == []

@@ -149,7 +149,9 @@ class ModelRunner:
             variants = warm_up_attention(self.kv, self.sliding_window, self.max_num_seqs,
                                          self.state.block_tables.shape[1], self.config.num_heads,
                                          self.decode_num_splits, self.decode_workspace)
-            log.info("runner: %d decode attention variants and the prefill kernel compiled", variants)
+            self.sampler.warm_up()
+            log.info("runner: %d decode attention variants, the prefill kernel and the sampling kernel "
+                     "compiled", variants)
         if self.cuda_graphs:
             self._capture_graphs()
         else:

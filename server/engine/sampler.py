@@ -96,6 +96,18 @@ class Sampler:
         self._prompt_mask: torch.Tensor | None = None  # (R, V + 1) bool; column V absorbs output tokens
         self.in_prompt: torch.Tensor | None = None  # (R, V) bool view of _prompt_mask
 
+    def warm_up(self) -> None:
+        """Compiles the sampling kernel's two variants (the whole vocabulary, and a compact top-k row of
+        COMPACT_TOP_K tokens) before the first request: a Triton compile mid-serving stalls every stream for
+        about a second. Reads row 0's parameters as a step would and changes no state."""
+        if not self.kernel:
+            return
+        rows = torch.zeros(1, dtype=torch.long, device=self.device)
+        logits = torch.zeros(1, self.vocab_size, device=self.device)  # (1, V) fp32, as _draw_step hands it
+        floats, ints = self.floats[rows], self.ints[rows]
+        self._sample(logits, floats, ints, SAMPLED | TOP)
+        self._sample(logits, floats, ints, SAMPLED | TOP, compact=rows)
+
     # ---- row state --------------------------------------------------------------------------------
     def init_rows(self, rows: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor) -> None:
         """rows (N,), floats (N, 6) fp32, ints (N, 3): parameters of the sequences that took these rows."""
@@ -176,9 +188,12 @@ class Sampler:
             if compact is None:
                 return self._sample_logits(logits, temperature, top_p, min_p, ints[:, 0], ints[:, 1],
                                            ints[:, 2], GREEDY_TEMPERATURE)
-            # the compact rows take the argmax here (one pass) and their draw below replaces it
-            tokens = self._sample_logits(logits, temperature.index_fill(0, compact, 0.0), top_p, min_p,
-                                         ints[:, 0], ints[:, 1], ints[:, 2], GREEDY_TEMPERATURE)
+            # the compact rows take the argmax here (one pass) and their draw below replaces it; the
+            # temperatures stay a column of a (S, 6) copy, strided as above (Triton specialises on stride 1)
+            greedy_compact = floats.clone()
+            greedy_compact[:, 0].index_fill_(0, compact, 0.0)
+            tokens = self._sample_logits(logits, greedy_compact[:, 0], top_p, min_p, ints[:, 0], ints[:, 1],
+                                         ints[:, 2], GREEDY_TEMPERATURE)
             tokens.index_copy_(0, compact, self._sample_best(logits, floats, ints, compact))
             return tokens
         greedy = temperature < GREEDY_TEMPERATURE
