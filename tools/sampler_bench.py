@@ -30,6 +30,7 @@ import torch
 from kernels.sampling_reference import filtered_sets
 from server.engine.sampler import Sampler, draws_from_best, row_fields, step_flags
 from server.engine.sampling_params import SamplingParams
+from tools.decode_forward_bench import cuda_ms
 
 V_BENCH = 128256
 BATCHES = (1, 16, 64, 256)
@@ -47,20 +48,6 @@ def make_sampler(params: SamplingParams, S: int, V: int, device: torch.device, k
     return s
 
 
-def event_ms(fn, iters: int, repeats: int = 5) -> float:
-    """Median over repeats of the mean device ms per call of `iters` back-to-back calls (CUDA events)."""
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / iters)
-    return statistics.median(times)
-
-
 def graph_ms(fn, iters: int) -> float:
     """Device ms per replay of one call captured in a CUDA graph (warmed up on a side stream first)."""
     side = torch.cuda.Stream()
@@ -74,7 +61,7 @@ def graph_ms(fn, iters: int) -> float:
         fn()
     graph.replay()
     torch.cuda.synchronize()
-    return event_ms(graph.replay, iters)
+    return cuda_ms(graph.replay, iters)
 
 
 def host_ms(fn, iters: int, sync) -> float:
@@ -111,7 +98,7 @@ def bench_path(path: str, params: SamplingParams, logits: torch.Tensor, args, cu
     sync()
     out = {"path": path, "S": S, "bad_tokens": check_tokens(path, tokens, logits, params),
            "host_ms": host_ms(call, args.iters, sync)}
-    out["eager_ms"] = event_ms(call, args.iters) if cuda else None
+    out["eager_ms"] = cuda_ms(call, args.iters) if cuda else None
     out["graph_ms"] = graph_ms(call, args.iters) if cuda else None
     return out
 

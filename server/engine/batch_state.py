@@ -94,6 +94,7 @@ class BatchState:
 
 
 def _aligned(n: int) -> int:
+    """The first int32 offset >= n on a 16-byte boundary."""
     return -(-n // StepPacker.ALIGN) * StepPacker.ALIGN
 
 
@@ -166,7 +167,7 @@ class StepPacker:
         sizes = [len(s) for s in sections]
         starts, total = [], 0
         for n in sizes:
-            starts.append(-(-total // self.ALIGN) * self.ALIGN)  # the next 16-byte boundary
+            starts.append(_aligned(total))  # the next 16-byte boundary
             total = starts[-1] + n
         if total > self.capacity:
             if self.pinned:

@@ -176,8 +176,7 @@ class ModelRunner:
         """The step up to sampling (StepLogits). An all-greedy decode-graph step (no forks) carries its argmax
         ids, and then logits only if `need_logits`."""
         assert not step.is_empty, "a step runs some chunk"
-        graphs, key = self._graphs_for(step)
-        layout = self._layout(step, graphs, key)
+        graphs, key, layout = self._plan(step)
         sections, num_logprobs, flags = self._pack(step, table_of, layout)
         (flat, logit_rows, writes, init_rows, init_floats, init_ints, pen_rows, pen_token_rows, pen_tokens,
          pen_is_output, sample_rows, sample_sources, copies, compact) = self.packer.send(sections)
@@ -248,24 +247,21 @@ class ModelRunner:
 
     # ---- step inputs ------------------------------------------------------------------------------------
 
-    def _graphs_for(self, step: SchedulerOutput) -> tuple[StepGraphs | None, object]:
-        """The captured graphs and key this step replays, or (None, None): it runs eagerly."""
-        num_decode = len(step.decodes)
-        if not step.prefills:
+    def _plan(self, step: SchedulerOutput) -> tuple[StepGraphs | None, object, FlatLayout]:
+        """The captured graphs and key this step replays ((None, None): it runs eagerly) and the layout of its
+        flat batch (the graph's padded one, or exactly the step's tokens and chunks)."""
+        num_decode, num_chunks = len(step.decodes), len(step.prefills)
+        num_tokens = num_decode + sum(c.end - c.start for c in step.prefills)
+        graphs, key = None, None
+        if not num_chunks:
             if self.graphs is not None and self.graphs.fits(num_decode):
-                return self.graphs, self.graphs.padded_size(num_decode)
-            return None, None
-        if self.mixed_graphs is not None:
-            key = self.mixed_graphs.takes(num_decode + _prefill_tokens(step), num_decode,
-                                          len(step.prefills))
-            if key is not None:
-                return self.mixed_graphs, key
-        return None, None
-
-    def _layout(self, step: SchedulerOutput, graphs: StepGraphs | None, key) -> FlatLayout:
-        if graphs is not None:
-            return graphs.layout(key)
-        return FlatLayout(len(step.decodes) + _prefill_tokens(step), len(step.prefills))
+                graphs, key = self.graphs, self.graphs.padded_size(num_decode)
+        elif self.mixed_graphs is not None:
+            key = self.mixed_graphs.takes(num_tokens, num_decode, num_chunks)
+            graphs = self.mixed_graphs if key is not None else None
+        if graphs is None:
+            return None, None, FlatLayout(num_tokens, num_chunks)
+        return graphs, key, graphs.layout(key)
 
     def _pack(self, step: SchedulerOutput, table_of: TableOf, layout: FlatLayout):
         """The step's host ints, one list per section (see forward_step), the logprobs width and the OR of
@@ -467,10 +463,6 @@ class ModelRunner:
             step.sample_sources.append(i)
             step.num_prefill_tokens += n
         return step, tables, next_block
-
-def _prefill_tokens(step: SchedulerOutput) -> int:
-    return sum(c.end - c.start for c in step.prefills)
-
 
 SMALL_MODEL_PARAMS = 50_000_000
 

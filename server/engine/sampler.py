@@ -155,7 +155,6 @@ class Sampler:
                                    accumulate=True)
         out = SampleOutput(tokens)
         if flags & LOGPROBS:
-            assert greedy is None
             logprobs = raw.log_softmax(dim=-1)  # (S, V)
             out.logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
             top = logprobs.topk(min(num_logprobs, logprobs.shape[-1]), dim=-1)
