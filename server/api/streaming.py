@@ -95,7 +95,6 @@ class EventStreamResponse(StreamingResponse):
             if self.reservation is not None:  # places of prompts that never reached the engine
                 self.reservation.release()
 
-
     async def stream_until_disconnect(self, receive: Receive, send: Send) -> None:
         """StreamingResponse's ASGI < 2.4 path (uvicorn's): stream while watching for http.disconnect,
         whichever ends first cancels the other, the stream's error is raised; on two asyncio tasks
