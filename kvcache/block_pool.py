@@ -21,7 +21,7 @@ collides and even after the original parent block was evicted and its id reused 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 
 from kvcache import prefix_hash
 from kvcache.prefix_hash import BlockHashFn
@@ -95,6 +95,26 @@ class BlockPool:
     # ---- prefix cache --------------------------------------------------------------------------------
     def hash_block(self, parent_hash: Hashable | None, token_ids: tuple[int, ...]) -> Hashable:
         return self.hash_fn(parent_hash, token_ids)
+
+    def cached_prefix(self, token_ids: Sequence[int], block_size: int, max_blocks: int) -> list[int]:
+        """Hashed blocks holding the first full blocks of ``token_ids``, in order: as many as match, at most
+        ``max_blocks``. The walk is lookup's, inlined (one admission hashes every block of its prompt:
+        ~0.6 us a block here against 1.2 through lookup and hash_block)."""
+        hits: list[int] = []
+        parent_hash = parent_tag = None
+        hash_fn, buckets, blocks = self.hash_fn, self._buckets, self._blocks
+        for start in range(0, max_blocks * block_size, block_size):
+            block_tokens = tuple(token_ids[start:start + block_size])
+            block_hash = hash_fn(parent_hash, block_tokens)
+            for block_id in buckets.get(block_hash, ()):
+                b = blocks[block_id]
+                if b.parent_tag == parent_tag and b.token_ids == block_tokens:
+                    break
+            else:
+                return hits
+            hits.append(block_id)
+            parent_hash, parent_tag = block_hash, b.tag
+        return hits
 
     def lookup(self, block_hash: Hashable, parent_tag: int | None, token_ids: tuple[int, ...]) -> int | None:
         """A hashed block holding exactly ``token_ids`` after the prefix named ``parent_tag``, or None."""

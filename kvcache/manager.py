@@ -88,18 +88,7 @@ class KVCacheManager:
         """Cached blocks holding the longest prefix of full blocks, never the block of the last token."""
         if not self.pool.enable_caching:
             return []
-        bs, pool = self._block_size, self.pool
-        hits: list[int] = []
-        parent_hash = parent_tag = None
-        for i in range((len(token_ids) - 1) // bs):
-            block_tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            block_hash = pool.hash_block(parent_hash, block_tokens)
-            block_id = pool.lookup(block_hash, parent_tag, block_tokens)
-            if block_id is None:
-                break
-            hits.append(block_id)
-            parent_hash, parent_tag = block_hash, pool.block_tag(block_id)
-        return hits
+        return self.pool.cached_prefix(token_ids, self._block_size, (len(token_ids) - 1) // self._block_size)
 
     def allocate(self, seq_id: object, token_ids: Sequence[int]) -> list[int] | None:
         """Reserve slots for all ``token_ids``, reusing cached prefix blocks.

@@ -269,3 +269,31 @@ def test_launch_hooks_still_fire():
         triton.knobs.runtime.launch_enter_hook.remove(hook)
     assert len(seen) == 2                                # stage 1 and stage 2
     assert rel_error(out, reference_fp64(case)) <= TOLERANCE[BF16]
+
+
+@pytest.mark.parametrize("num_tokens,num_decode_rows,num_pad", [(1, 1, 0), (300, 256, 37), (4096, 64, 100)])
+def test_gpu_step_inputs_match_the_torch_derivation(num_tokens, num_decode_rows, num_pad):
+    """The step-inputs kernel on CUDA (the direct launcher) equals BatchState's torch ops, device count
+    included."""
+    from kernels.step_inputs import step_inputs
+    from server.engine.batch_state import BatchState
+
+    state = BatchState(256, 8192, 16, torch.device("cuda"))
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    state.block_tables[:256] = torch.randint(1, 200_000, (256, 8192), generator=gen, device="cuda",
+                                             dtype=torch.int32)
+    state.last_token[:] = torch.randint(3, 128_000, (257,), generator=gen, device="cuda")
+    real = num_tokens - num_pad
+    rows = torch.cat([torch.randint(0, 256, (real,), generator=gen, device="cuda"),
+                      torch.full((num_pad,), 256, device="cuda")])
+    pos = torch.cat([torch.randint(0, 8192 * 16, (real,), generator=gen, device="cuda"),
+                     torch.full((num_pad,), -1, device="cuda")])
+    ids = torch.randint(3, 128_000, (num_tokens,), generator=gen, device="cuda")
+    ids[torch.rand(num_tokens, generator=gen, device="cuda") < 0.3] = -1  # pending: the last sampled token
+    tokens = torch.stack([rows, pos, ids]).int().contiguous()
+    count = torch.tensor([num_decode_rows // 2], dtype=torch.int32, device="cuda")
+    for decode_count in (None, count):
+        want = state._derive(tokens, num_decode_rows, decode_count)
+        got = step_inputs(tokens, state.last_token, state.block_tables, 16, num_decode_rows, decode_count)
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == w.dtype and torch.equal(g, w)

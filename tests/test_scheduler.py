@@ -151,6 +151,20 @@ def test_admission_is_fcfs_and_bounded_by_max_num_seqs():
     assert all(s.output_token_ids == expected_output([i, i + 1], 4) for i, s in enumerate(seqs))
 
 
+def test_one_step_admits_by_rows_counting_the_widths_it_admitted():
+    """Rows are counted once per step and grow with each admission: an n=3 request admitted first leaves
+    one of four rows, so of the two n=1 requests behind it only the first joins in the same step."""
+    h = Harness(max_num_seqs=4)
+    wide = h.add([1, 2, 3], max_tokens=2, n=3)
+    a, b = h.add([4, 5], max_tokens=2)[0], h.add([6, 7], max_tokens=2)[0]
+    out = h.step()
+    assert [c.seq for c in out.chunks] == [wide[0], a]
+    assert sum(s.width for s in h.sched.running) == 4 and b.status is SeqStatus.WAITING
+    h.run()
+    assert all(s.output_token_ids == expected_output([1, 2, 3], 2) for s in wide)
+    assert b.output_token_ids == expected_output([6, 7], 2)
+
+
 def test_preemption_frees_latest_requeues_at_front_and_resumes_exactly():
     h = Harness(num_blocks=7, block_size=4, caching=False)  # 6 usable blocks = 24 slots
     a = h.add(list(range(1, 7)), max_tokens=12)[0]  # 18 tokens = 5 blocks at the end

@@ -18,8 +18,11 @@ table last; writes every step's timings as JSON to --out.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import hashlib
+import io
 import json
+import pstats
 import statistics
 import time
 from pathlib import Path
@@ -108,7 +111,8 @@ class Probe:
                                  for i in s.pop("replays"))
 
 
-def run_batch(core, probe: Probe, batch: int, prompt_len: int, warmup: int, steps: int, mode: str) -> dict:
+def run_batch(core, probe: Probe, batch: int, prompt_len: int, warmup: int, steps: int, mode: str,
+              profiler: cProfile.Profile | None = None) -> dict:
     vocab = core.runner.config.vocab_size
     gen = torch.Generator().manual_seed(batch)  # the same prompts with and without async scheduling
     probe.tokens = {}
@@ -125,6 +129,10 @@ def run_batch(core, probe: Probe, batch: int, prompt_len: int, warmup: int, step
         seen = seen + 1 if full else 0
         if full and seen > warmup:
             measured.append(s)
+            if profiler is not None and len(measured) == 1:
+                profiler.enable()  # the measured steps after the first
+    if profiler is not None:
+        profiler.disable()
     for rid in list(core.requests):
         core.abort_request(rid)
     while core.has_work():  # the step in flight, if any
@@ -142,6 +150,18 @@ def run_batch(core, probe: Probe, batch: int, prompt_len: int, warmup: int, step
             "steps": measured}
 
 
+def write_profile(core, probe: Probe, args, batch: int, mode: str, async_scheduling: bool) -> None:
+    """The run again under cProfile; its top 40 functions by own time and by cumulative time as text."""
+    profiler = cProfile.Profile()
+    run_batch(core, probe, batch, args.prompt_len, args.warmup, args.steps, mode, profiler)
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(40)
+    args.cprofile.mkdir(parents=True, exist_ok=True)
+    (args.cprofile / f"b{batch}_{mode}_async{int(async_scheduling)}.txt").write_text(text.getvalue())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="bench")
@@ -157,6 +177,9 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="default: the model's, as `pagewalk serve` (the decode tables are that wide)")
     ap.add_argument("--out", type=Path, default=Path("engine_step_bench.json"))
+    ap.add_argument("--cprofile", type=Path, default=None,
+                    help="also run the measured steps again under cProfile (its timings are not reported) "
+                         "and write each run's top functions under this directory")
     args = ap.parse_args()
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                           max_num_seqs=max(args.batches),
@@ -171,6 +194,8 @@ def main() -> None:
         for mode in args.modes:
             for batch in args.batches:
                 r = run_batch(core, probe, batch, args.prompt_len, args.warmup, args.steps, mode)
+                if args.cprofile is not None:
+                    write_profile(core, probe, args, batch, mode, async_scheduling)
                 r["async_scheduling"] = async_scheduling
                 results.append(r)
                 print(f"async={async_scheduling} {mode} batch {batch}: step {r['step_ms']:.3f} ms, "
@@ -178,7 +203,7 @@ def main() -> None:
     meta = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "model": info.model, "dtype": info.dtype,
             "cuda_graphs": info.cuda_graphs, "num_blocks": info.num_blocks,
-            "args": vars(args) | {"out": str(args.out)}}
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     cols = ("step_ms", "replay_ms", "host_ms", "schedule_ms", "execute_ms", "postprocess_ms", "tok_s")

@@ -20,8 +20,11 @@ JSON to --out.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import json
+import pstats
 import statistics
 import time
 from pathlib import Path
@@ -37,17 +40,24 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
 class Case:
+    host_profiles: Path | None = None  # --cprofile: each case's timed steps also run under cProfile
+
     def __init__(self, core, name: str):
         self.core, self.name = core, name
         self.walls: list[float] = []
         self.kernels: dict[str, float] = {}  # kernel name -> device µs over the profiled steps
         self.profiled = 0
+        self.host = cProfile.Profile() if self.host_profiles is not None else None
 
     def step(self, profiled: bool) -> object:
         if not profiled:
+            if self.host is not None:
+                self.host.enable()
             t0 = time.perf_counter()
             update = self.core.step()
             self.walls.append((time.perf_counter() - t0) * 1e3)
+            if self.host is not None:
+                self.host.disable()
             return update
         activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
         with profile(activities=[activity]) as prof:
@@ -60,6 +70,12 @@ class Case:
         return update
 
     def result(self, flops: float, prompt_tokens: int) -> dict:
+        if self.host is not None:
+            text = io.StringIO()
+            pstats.Stats(self.host, stream=text).sort_stats("tottime").print_stats(40)
+            self.host_profiles.mkdir(parents=True, exist_ok=True)
+            name = self.name.replace(" ", "_") + f"_{'async' if self.core.async_scheduling else 'sync'}"
+            (self.host_profiles / f"{name}.txt").write_text(text.getvalue())
         wall = statistics.median(self.walls)
         busy = sum(self.kernels.values()) / max(1, self.profiled) / 1e3
         top = sorted(self.kernels.items(), key=lambda kv: -kv[1])[:12]
@@ -130,7 +146,9 @@ def prefix_case(core, chunks: int, new: int, cached: int, repeats: int, gen) -> 
     return case.result(flops(core.runner.model, chunks * new, chunks, pairs), chunks * new)
 
 
-def mixed_case(core, batch: int, chunk: int, ctx: int, steps: int, gen) -> dict:
+def mixed_case(core, batch: int, chunk: int, ctx: int, steps: int, gen, async_scheduling: bool) -> dict:
+    """Steady state: every step decodes `batch` rows and prefills `chunk` prompt tokens; with async
+    scheduling a step()'s wall is the interval between steps (the host work of step N+1 overlaps step N)."""
     vocab = core.runner.config.vocab_size
     core.scheduler.max_num_batched_tokens = 8192
     params = SamplingParams(max_tokens=10_000, **GREEDY)
@@ -140,7 +158,9 @@ def mixed_case(core, batch: int, chunk: int, ctx: int, steps: int, gen) -> dict:
     while core.step().stats.num_decode_tokens < batch:  # until every one decodes
         pass
     core.scheduler.max_num_batched_tokens = batch + chunk
-    case = Case(core, f"mixed {batch} decode + {chunk} prefill" if chunk else f"decode {batch}")
+    name = f"mixed {batch} decode + {chunk} prefill" if chunk else f"decode {batch}"
+    case = Case(core, name + (" (async)" if async_scheduling else ""))
+    core.async_scheduling = async_scheduling
     for j in range(-(-(steps + 3) * chunk // ctx) + 1 if chunk else 0):  # more prompt tokens than needed
         core.add_request(EngineRequest(f"new{batch}-{chunk}-{j}", prompt(vocab, ctx, gen),
                                        SamplingParams(max_tokens=1, **GREEDY), time.monotonic()))
@@ -151,6 +171,7 @@ def mixed_case(core, batch: int, chunk: int, ctx: int, steps: int, gen) -> dict:
         if i == 0:
             case.walls.clear()  # the first chunk (admission) warms up
     drain(core)
+    core.async_scheduling = False  # switched only while the core is idle
     # a prompt token attends to ~ctx / 2 keys on average (its own prompt's), a decode token to ~ctx
     pairs = chunk * ctx // 2 + batch * ctx
     return case.result(flops(core.runner.model, batch + chunk, batch, pairs), chunk)
@@ -174,9 +195,11 @@ def run_mode(args, enforce_eager: bool) -> tuple[list[dict], object]:
         c, n, k = map(int, spec.split("x"))
         results.append(prefix_case(core, c, n, k, args.repeats, gen))
         print(results[-1]["case"], f"{results[-1]['wall_ms']:.2f} ms", flush=True)
-    for chunk in args.chunks:
-        results.append(mixed_case(core, args.decode_batch, chunk, args.context, args.repeats, gen))
-        print(results[-1]["case"], f"{results[-1]['wall_ms']:.2f} ms", flush=True)
+    for async_scheduling in sorted({False, args.mixed_async}):
+        for chunk in args.chunks:
+            results.append(mixed_case(core, args.decode_batch, chunk, args.context, args.repeats, gen,
+                                      async_scheduling))
+            print(results[-1]["case"], f"{results[-1]['wall_ms']:.2f} ms", flush=True)
     del core
     gc.collect()
     return results, info
@@ -184,14 +207,17 @@ def run_mode(args, enforce_eager: bool) -> tuple[list[dict], object]:
 
 def prompt_rates(results: list[dict], decode_batch: int) -> None:
     """Prompt tokens per second of each step with prefill; for mixed steps also the marginal rate (prompt
-    tokens over the wall beyond a decode-only step of the same batch), against the largest pure prefill."""
-    decode = next((r["wall_ms"] for r in results if r["case"] == f"decode {decode_batch}"), None)
+    tokens over the wall beyond a decode-only step of the same batch and scheduling), against the largest
+    pure prefill."""
+    decode = {r["case"].endswith("(async)"): r["wall_ms"] for r in results
+              if r["case"].startswith(f"decode {decode_batch}")}
     pure = [r for r in results if r["case"].startswith("prefill ")]
     best = max((r["prompt_tokens"] / r["wall_ms"] for r in pure), default=None)
     for r in results:
         r["prompt_tok_s"] = r["prompt_tokens"] / r["wall_ms"] * 1e3
-        if r["case"].startswith("mixed") and decode is not None and r["wall_ms"] > decode:
-            r["marginal_prompt_tok_s"] = r["prompt_tokens"] / (r["wall_ms"] - decode) * 1e3
+        base = decode.get(r["case"].endswith("(async)"))
+        if r["case"].startswith("mixed") and base is not None and r["wall_ms"] > base:
+            r["marginal_prompt_tok_s"] = r["prompt_tokens"] / (r["wall_ms"] - base) * 1e3
         if best:
             r["of_pure_prefill"] = r.get("marginal_prompt_tok_s", r["prompt_tok_s"]) / (best * 1e3)
 
@@ -213,8 +239,13 @@ def main() -> None:
     ap.add_argument("--modes", default="graphs,eager", help="graphs: CUDA graphs as served; eager: "
                     "--enforce-eager (the baseline, timed in the same run)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    ap.add_argument("--mixed-async", action="store_true", help="also run the mixed cases with async "
+                    "scheduling as served (steady-state interval between steps)")
+    ap.add_argument("--cprofile", type=Path, default=None, help="run each case's timed steps under "
+                    "cProfile (slower walls) and write its top functions under this directory")
     ap.add_argument("--out", type=Path, default=Path("prefill_step_bench.json"))
     args = ap.parse_args()
+    Case.host_profiles = args.cprofile
     results, info = [], None
     for mode in args.modes.split(","):
         rows, info = run_mode(args, mode == "eager")
@@ -223,7 +254,7 @@ def main() -> None:
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     meta = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "model": info.model, "dtype": info.dtype,
-            "args": vars(args) | {"out": str(args.out)}}
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(f"\n{meta['gpu']}, torch {meta['torch']}, {info.model} {info.dtype}; medians over "

@@ -19,14 +19,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels.step_inputs import step_inputs as step_inputs_kernel
 from server.engine.attention import AttentionMetadata, PrefillMetadata
 
 TOKEN_FIELDS = 3  # row, position, token id (-1: the row's last sampled token, on the device)
 
 
 class BatchState:
-    def __init__(self, max_rows: int, max_blocks: int, block_size: int, device: torch.device) -> None:
+    def __init__(self, max_rows: int, max_blocks: int, block_size: int, device: torch.device,
+                 kernel_inputs: bool = False) -> None:
         self.max_rows, self.max_blocks, self.block_size = max_rows, max_blocks, block_size
+        self.kernel_inputs = kernel_inputs  # step inputs through the Triton kernel (else torch ops)
         self.pad_row = max_rows
         # (R+1, W)
         self.block_tables = torch.zeros(max_rows + 1, max_blocks, dtype=torch.int32, device=device)
@@ -72,6 +75,25 @@ class BatchState:
         many of them are decode rows and the rest read nothing (seq_len 0). chunks: the prefill chunks'
         table rows (C,), query_start_loc (C + 1,) into the flat batch (chunk 0 starts after the decode rows)
         and seq_lens (C,)."""
+        d = num_decode_rows
+        if self.kernel_inputs:  # one Triton launch (kernels/step_inputs.py)
+            input_ids, pos, slots, seq_lens = step_inputs_kernel(tokens, self.last_token, self.block_tables,
+                                                                 self.block_size, d, num_decode)
+        else:
+            input_ids, pos, slots, seq_lens = self._derive(tokens, d, num_decode)
+        prefill = None
+        if chunks is not None:
+            table_rows, qsl, lens = chunks
+            prefill = PrefillMetadata(self.block_tables.index_select(0, table_rows), qsl, lens)
+        meta = AttentionMetadata(slot_mapping=slots, num_decode=d,
+                                 block_tables=self.block_tables.index_select(0, tokens[0, :d]),
+                                 seq_lens=seq_lens, prefill=prefill)
+        return input_ids, pos, meta
+
+    def _derive(self, tokens: torch.Tensor, d: int, num_decode: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """step_inputs' per-token part in torch ops (CPU, the torch backend; the kernel's reference) ->
+        input_ids, positions, slots (T,) int64 and the decode rows' seq_lens (d,) int32."""
         rows, pos, ids = tokens.long().unbind(0)  # (T,) each
         input_ids = torch.where(ids >= 0, ids, self.last_token[rows])
         valid = pos >= 0
@@ -79,18 +101,10 @@ class BatchState:
         bs = self.block_size
         block = self.block_tables[rows, pos // bs].long()
         slots = torch.where(valid, block * bs + pos % bs, torch.full_like(pos, -1))
-        d = num_decode_rows
         seq_lens = torch.where(valid[:d], pos[:d] + 1, 0)
         if num_decode is not None:
             seq_lens = torch.where(torch.arange(d, device=pos.device) < num_decode, seq_lens, 0)
-        prefill = None
-        if chunks is not None:
-            table_rows, qsl, lens = chunks
-            prefill = PrefillMetadata(self.block_tables.index_select(0, table_rows.long()), qsl, lens)
-        meta = AttentionMetadata(slot_mapping=slots, num_decode=d,
-                                 block_tables=self.block_tables.index_select(0, rows[:d]),
-                                 seq_lens=seq_lens.int(), prefill=prefill)
-        return input_ids, pos, meta
+        return input_ids, pos, slots, seq_lens.int()
 
 
 def _aligned(n: int) -> int:
@@ -151,6 +165,9 @@ class StepPacker:
     def __init__(self, device: torch.device, capacity: int = 1 << 14) -> None:
         self.device = device
         self.pinned = device.type == "cuda"
+        # the stream the steps launch on (the core thread's current one), looked up once: torch's
+        # current_stream() walks ~8 Python calls per lookup (an environment read among them)
+        self.stream = torch.cuda.current_stream(device) if self.pinned else None
         self._next = 0
         self._alloc(capacity)
 
@@ -186,7 +203,7 @@ class StepPacker:
         dev = self.dev[:total]
         dev.copy_(self.host[k][:total], non_blocking=True)
         event = self.done[k] = torch.cuda.Event()
-        event.record()
+        event.record(self.stream)
         return [dev[start:start + n] for start, n in zip(starts, sizes, strict=True)]
 
 

@@ -30,7 +30,6 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-from server.engine.attention import AttentionMetadata
 from server.engine.batch_state import BatchState, FlatLayout
 
 log = logging.getLogger(__name__)
@@ -39,8 +38,9 @@ log = logging.getLogger(__name__)
 # capture stream, split-KV partial buffers, allocator rounding.
 GRAPH_MEMORY_MARGIN = 256 << 20
 
-# forward(input_ids (T,), positions (T,), meta) -> (T, out_width); T = the padded batch size
-DecodeForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+# forward(input_ids (T,), positions (T,), meta) -> (T, out_width) (mixed steps), or forward(..., out) writing
+# into out (decode steps); T = the padded batch size
+DecodeForward = Callable[..., torch.Tensor | None]
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -184,7 +184,8 @@ class StepGraphs:
 
 
 class DecodeGraphs(StepGraphs):
-    """Decode steps of `size` rows (the step's, then padding rows); the forward gives logits."""
+    """Decode steps of `size` rows (the step's, then padding rows); the forward writes their logits into the
+    static output (forward(input_ids, positions, meta, out))."""
 
     kind = "decode"
 
@@ -194,7 +195,7 @@ class DecodeGraphs(StepGraphs):
     def _body(self, size: int) -> None:
         tokens = self.layout(size).views(self.inputs)[0]
         input_ids, positions, meta = self.state.step_inputs(tokens, size)
-        self.output[:size].copy_(self.forward(input_ids, positions, meta))  # (size, vocab)
+        self.forward(input_ids, positions, meta, self.output[:size])  # writes the (size, vocab) logits
 
 
 class MixedGraphs(StepGraphs):

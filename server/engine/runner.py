@@ -223,9 +223,10 @@ class ModelRunner:
                               self.decode_num_splits, self.decode_workspace)
         return self.model(input_ids, positions, attn)
 
-    def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
-        # the captured decode step: the forward (final norm included) and the lm_head -> (T, V), model dtype
-        return self.model.lm_head(self._forward(input_ids, positions, meta))
+    def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                        out: torch.Tensor) -> None:
+        # the captured decode step: the forward (final norm included), then the lm_head into out (T, V)
+        self.model.logits_into(self._forward(input_ids, positions, meta), out)
 
     def _to_host(self, out) -> StepResult:
         ints = out.token_ids[:, None]  # (S, 1)
@@ -242,7 +243,7 @@ class ModelRunner:
             floats_host = torch.empty(floats.shape, dtype=floats.dtype, pin_memory=True)
             floats_host.copy_(floats, non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        event.record(self.packer.stream)
         return StepResult(ints_host, floats_host, event)
 
     # ---- step inputs ------------------------------------------------------------------------------------
@@ -351,7 +352,8 @@ class ModelRunner:
         """Rows for max_num_seqs sequences, tables for max_model_len tokens (or one profiling chunk)."""
         tokens = max(self.max_model_len,
                      min(self.max_num_batched_tokens, self.config.max_position_embeddings))
-        return BatchState(self.max_num_seqs, -(-tokens // self.block_size), self.block_size, self.device)
+        return BatchState(self.max_num_seqs, -(-tokens // self.block_size), self.block_size, self.device,
+                          kernel_inputs=self.attention_backend == "triton")
 
     def _decode_graphs(self, use_cuda_graphs: bool) -> DecodeGraphs:
         """Graphs for decode batches up to min(max_num_seqs, max_num_batched_tokens) sequences (capture()

@@ -127,11 +127,13 @@ class Scheduler:
                 break
             if seq.status is SeqStatus.RUNNING and not seq.is_decode and self._reserve_slots(seq, out):
                 budget -= self._add_prefill(seq, budget, out)
+        slots = self.num_running_slots() if self.waiting else 0  # counted once: admission adds widths
         while self.waiting and budget > 0 and not out.preempted:  # 3) FCFS admission
             seq = self.waiting[0]
-            if self.num_running_slots() + seq.width > self.max_num_seqs or not self._admit(seq, out):
+            if slots + seq.width > self.max_num_seqs or not self._admit(seq, out):
                 break
             self.waiting.popleft()
+            slots += seq.width  # before its prefill forks the children (they keep the same total)
             budget -= self._add_prefill(seq, budget, out)
         self._list_samples(out)
         return out
