@@ -4,6 +4,7 @@
 # FastAPI stack and those), then the parts named in PARTS (default: all):
 #   tests    the runner/engine GPU tests
 #   hazards  tools/step_hazards (Triton compiles after start-up, host-device syncs, under random traffic)
+#   forward  tools/decode_forward_bench (the decode step's graph replay, torch vs fused ops, per-kernel split)
 #   prefill  tools/prefill_step_bench (prefill and mixed decode+prefill steps: wall, device busy, TFLOP/s);
 #            PREFILL_ARGS are passed to it
 #   sampler  tools/sampler_bench (the sort-free sampling kernel against the sorted torch path and greedy)
@@ -12,7 +13,7 @@
 # Usage: OUT=/some/dir [PARTS=hazards,prefill] [SERVING_ARGS="--long"] bash tools/serving_gpu_run.sh
 set -u
 OUT=${OUT:-/tmp/serving_gpu_run}; mkdir -p "$OUT"
-PARTS=${PARTS:-tests,hazards,prefill,sampler,serving}
+PARTS=${PARTS:-tests,hazards,forward,prefill,sampler,serving}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -20,11 +21,15 @@ has() { [[ ",$PARTS," == *",$1,"* ]]; }
 if has tests; then
   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_runner_gpu.py tests/test_runner_cuda_graphs.py \
     tests/test_engine_process.py tests/test_engine_async.py tests/test_model_fused_forward.py \
-    tests/test_kernels_sampling.py 2>&1 | tail -n 12 | tee "$OUT/gpu_tests.txt"
+    tests/test_kernels_sampling.py tests/test_gpu_kernels.py::test_gpu_step_inputs_match_the_torch_derivation 2>&1 | tail -n 12 | tee "$OUT/gpu_tests.txt"
 fi
 if has hazards; then
   timeout 300 python3 -m tools.step_hazards --out "$OUT/step_hazards.json" > "$OUT/step_hazards.log" 2>&1
   tail -n 25 "$OUT/step_hazards.log"
+fi
+if has forward; then
+  timeout 300 python3 -m tools.decode_forward_bench --out "$OUT" > "$OUT/decode_forward.log" 2>&1
+  tail -n 8 "$OUT/decode_forward.log"
 fi
 if has prefill; then
   # shellcheck disable=SC2086
