@@ -150,6 +150,30 @@ def run_batch(core, probe: Probe, batch: int, prompt_len: int, warmup: int, step
             "steps": measured}
 
 
+def closed_loop(core, concurrency: int, num_requests: int, prompt_len: int, output_len: int) -> dict:
+    """The HTTP benchmark's workload without HTTP: `concurrency` requests of `prompt_len` random prompt tokens
+    and `output_len` greedy output tokens (ignore_eos) kept in flight on the core, a new one added as one
+    finishes, until `num_requests` finished. -> output tok/s over the whole run (prefill included)."""
+    vocab = core.runner.config.vocab_size
+    gen = torch.Generator().manual_seed(concurrency)
+    prompts = [torch.randint(3, vocab, (prompt_len,), generator=gen).tolist() for _ in range(num_requests)]
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+    added, finished, tokens = 0, 0, 0
+    t0 = time.perf_counter()
+    while finished < num_requests:
+        while added < num_requests and added - finished < concurrency:
+            request = EngineRequest(f"cl{concurrency}-{added}", prompts[added], params, time.monotonic())
+            core.add_request(request)
+            added += 1
+        for u in core.step().updates:
+            tokens += len(u.new_token_ids)
+            finished += u.finish_reason is not None
+    wall = time.perf_counter() - t0
+    return {"closed_loop": True, "concurrency": concurrency, "num_requests": num_requests,
+            "prompt_len": prompt_len, "output_len": output_len, "async_scheduling": core.async_scheduling,
+            "wall_s": wall, "tok_s": tokens / wall}
+
+
 def write_profile(core, probe: Probe, args, batch: int, mode: str, async_scheduling: bool) -> None:
     """The run again under cProfile; its top 40 functions by own time and by cumulative time as text."""
     profiler = cProfile.Profile()
@@ -177,6 +201,10 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="default: the model's, as `pagewalk serve` (the decode tables are that wide)")
     ap.add_argument("--out", type=Path, default=Path("engine_step_bench.json"))
+    ap.add_argument("--closed-loop", nargs="*", default=[], metavar="C:N",
+                    help="also the HTTP benchmark's workload offline: C requests in flight, N in all "
+                         "(--prompt-len in, --output-len out), async scheduling on")
+    ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--cprofile", type=Path, default=None,
                     help="also run the measured steps again under cProfile (its timings are not reported) "
                          "and write each run's top functions under this directory")
@@ -200,12 +228,18 @@ def main() -> None:
                 results.append(r)
                 print(f"async={async_scheduling} {mode} batch {batch}: step {r['step_ms']:.3f} ms, "
                       f"{r['tok_s']:.0f} tok/s", flush=True)
+    loops = []
+    core.async_scheduling = True
+    for spec in args.closed_loop:
+        c, n = map(int, spec.split(":"))
+        loops.append(closed_loop(core, c, n, args.prompt_len, args.output_len))
+        print(f"closed loop c{c} x{n}: {loops[-1]['tok_s']:.0f} tok/s", flush=True)
     meta = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "model": info.model, "dtype": info.dtype,
             "cuda_graphs": info.cuda_graphs, "num_blocks": info.num_blocks,
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    args.out.write_text(json.dumps({"meta": meta, "results": results, "closed_loop": loops}, indent=1))
     cols = ("step_ms", "replay_ms", "host_ms", "schedule_ms", "execute_ms", "postprocess_ms", "tok_s")
     print(f"\n{meta['gpu']}, {info.model} {info.dtype}, prompt {args.prompt_len}, medians over {args.steps} "
           f"full-batch decode steps (ms; tok/s = output tokens per second)")
@@ -215,6 +249,9 @@ def main() -> None:
         same = r["tokens"] == sync_digest[(r["mode"], r["batch"])]
         print(f"{str(r['async_scheduling']):>5} {r['mode']:>6} {r['batch']:>5} "
               + " ".join(f"{r[c]:>14.3f}" if c != "tok_s" else f"{r[c]:>14.0f}" for c in cols) + f"  {same}")
+    for r in loops:
+        print(f"closed loop: {r['concurrency']} in flight, {r['num_requests']} requests of {r['prompt_len']} "
+              f"in / {r['output_len']} out: {r['tok_s']:.0f} output tok/s ({r['wall_s']:.2f} s)")
     print(f"JSON: {args.out}")
 
 

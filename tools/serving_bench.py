@@ -12,7 +12,8 @@ What it runs, in order, each beside the memory roofline computed from the copy b
    wave (all prefill, then all decode), the long run shows the steady state;
    the load generator's own CPU use is in each report;
 3. the engine without HTTP at batch 1/16/64/256 (`tools.engine_step_bench`: step time and its breakdown,
-   overlap on and off);
+   overlap on and off), and the HTTP levels' workloads at 64 and 256 in flight run offline on the core
+   (closed loop, prefill included): the HTTP / engine ratio of the same work;
 4. HF transformers `generate` with a static cache, one batch of 64, same shape (`tools.hf_baseline`).
 Writes serving_h200.{json,png} and serving_h200_table.md under --out (`--replot JSON` redraws them) and
 prints the table last. Needs the FastAPI stack, pyzmq and msgspec importable (carried as wheels on the GPU
@@ -145,7 +146,9 @@ def offline(out: Path) -> dict | None:
     path = out / "engine_step.json"
     if not Path("tools/engine_step_bench.py").exists():
         return None
-    run([sys.executable, "-m", "tools.engine_step_bench", "--out", str(path)], out / "engine_step.log", 300)
+    loops = [f"{c}:{n}" for c in (64, 256) for n in (256, 1024)]  # the HTTP levels' workloads, offline
+    run([sys.executable, "-m", "tools.engine_step_bench", "--out", str(path), "--closed-loop", *loops],
+        out / "engine_step.log", 300)
     if not path.exists():
         return None
     res = json.loads(path.read_text())
@@ -198,6 +201,15 @@ def table(res: dict) -> str:
                      f"{_f(roof)} | "
                      f"{_f(row['tok_s'] / roof, '.0%')} | {_f(row['step_ms'], '.3f')} | "
                      f"{_f(row.get('replay_ms'), '.3f')} | {_f(row.get('host_ms'), '.3f')} |")
+    loops = (res.get("engine") or {}).get("closed_loop", [])
+    if loops:
+        lines += ["", "| same workload | engine, no HTTP, tok/s | HTTP tok/s | HTTP / engine |",
+                  "|---|---|---|---|"]
+    for r in loops:
+        name = f"c{r['concurrency']}" + ("_long" if r["num_requests"] > 256 else "")
+        thr = (res["serving"]["reports"].get(name) or {}).get("output_throughput")
+        lines.append(f"| {r['concurrency']} in flight, {r['num_requests']} requests | {_f(r['tok_s'])} | "
+                     f"{_f(thr)} | {_f(thr / r['tok_s'] if thr else None, '.0%')} |")
     return "\n".join(lines)
 
 
