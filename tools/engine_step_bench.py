@@ -155,7 +155,8 @@ def closed_loop(core, concurrency: int, num_requests: int, prompt_len: int, outp
     and `output_len` greedy output tokens (ignore_eos) kept in flight on the core, a new one added as one
     finishes, until `num_requests` finished. -> output tok/s over the whole run (prefill included)."""
     vocab = core.runner.config.vocab_size
-    gen = torch.Generator().manual_seed(concurrency)
+    # seeds apart from run_batch's (the batch size): a prompt seen before would hit the prefix cache
+    gen = torch.Generator().manual_seed(1_000_000 + 1_000 * concurrency + num_requests)
     prompts = [torch.randint(3, vocab, (prompt_len,), generator=gen).tolist() for _ in range(num_requests)]
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
     added, finished, tokens = 0, 0, 0
