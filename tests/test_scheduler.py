@@ -14,7 +14,7 @@ import pytest
 
 from kvcache import KVCacheManager
 from server.engine.sampling_params import SamplingParams
-from server.engine.scheduler import MIXED_PREFILL_TOKENS, Scheduler
+from server.engine.scheduler import Scheduler
 from server.engine.sequence import SeqStatus, Sequence
 
 VOCAB = 97
@@ -149,25 +149,6 @@ def test_admission_is_fcfs_and_bounded_by_max_num_seqs():
     assert [s.status for s in seqs] == [SeqStatus.RUNNING, SeqStatus.RUNNING, SeqStatus.WAITING]
     h.run()
     assert all(s.output_token_ids == expected_output([i, i + 1], 4) for i, s in enumerate(seqs))
-
-
-def test_steps_that_decode_prefill_at_most_mixed_prefill_tokens():
-    """Beside decodes a step prefills at most MIXED_PREFILL_TOKENS (the rest of a prompt waits for the next
-    steps); a step with nothing to decode takes the whole budget."""
-    h = Harness(num_blocks=1200, block_size=16, max_tokens_per_step=8192)
-    (first,) = h.add(list(range(1, 6001)), max_tokens=3)
-    out = h.step()
-    assert (out.num_decode_tokens, out.num_prefill_tokens) == (0, 6000)  # nothing decodes: the whole prompt
-    (second,) = h.add([7] * 5000, max_tokens=2)
-    sizes = []
-    while second.num_computed_tokens < 5000:
-        out = h.step()
-        sizes.append((out.num_decode_tokens, out.num_prefill_tokens))
-    cap = MIXED_PREFILL_TOKENS
-    assert sizes == [(1, cap), (1, cap), (0, 5000 - 2 * cap)]
-    h.run()
-    assert first.output_token_ids == expected_output(list(range(1, 6001)), 3)
-    assert second.output_token_ids == expected_output([7] * 5000, 2)
 
 
 def test_one_step_admits_by_rows_counting_the_widths_it_admitted():

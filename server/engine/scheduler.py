@@ -19,13 +19,6 @@ from dataclasses import dataclass, field
 from kvcache import KVCacheManager
 from server.engine.sequence import SeqStatus, Sequence
 
-# Prompt tokens a step that also decodes may prefill (within max_num_batched_tokens). Measured on an H200
-# (bench preset, async scheduling): 64 decodes + 2048 prompt tokens ran 8.3 ms, the prompt tokens at ~1.1x
-# the rate of a pure 8192-token prefill step (31.6 ms), while a step of 64 decodes + 8128 prompt tokens holds
-# every decoding stream for ~30 ms and emits one token each; spread over four steps the same prompts let the
-# decodes ride along four times. A step with nothing to decode takes the whole budget.
-MIXED_PREFILL_TOKENS = 2048
-
 
 @dataclass
 class ScheduledChunk:
@@ -129,8 +122,6 @@ class Scheduler:
                 out.decode_positions.append(pos)
                 out.num_decode_tokens += 1
                 budget -= 1
-        if out.decodes:  # decodes run this step: prefill no more than MIXED_PREFILL_TOKENS beside them
-            budget = min(budget, MIXED_PREFILL_TOKENS)
         for seq in prefills:  # 2) running prefills (chunked), in admission order
             if budget == 0:
                 break
