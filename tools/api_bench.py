@@ -156,8 +156,12 @@ async def stream_one(port: int, body: bytes) -> int:
     return events - 1
 
 
-async def drive(port: int, concurrency: int, num_requests: int, output_len: int) -> int:
-    body = json.dumps({"prompt": "hello", "max_tokens": output_len, "stream": True,
+async def drive(port: int, concurrency: int, num_requests: int, output_len: int,
+                input_len: int = 0) -> int:
+    # input_len > 0: a prompt of that many token ids (printable ASCII of the tiny byte vocabulary), as the
+    # load generator sends them; else the text "hello"
+    prompt = [65 + i % 26 for i in range(input_len)] if input_len else "hello"
+    body = json.dumps({"prompt": prompt, "max_tokens": output_len, "stream": True,
                        "ignore_eos": True}).encode()
     left = iter(range(num_requests))
 
@@ -177,6 +181,8 @@ def main() -> None:
     ap.add_argument("--levels", type=int, nargs="+", default=[16, 64, 256])
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--input-len", type=int, default=0,
+                    help="prompt token ids per request (0: the text 'hello')")
     ap.add_argument("--step-ms", type=float, default=1.5, help="the synthetic core's step time")
     ap.add_argument("--port", type=int, default=8017)
     ap.add_argument("--out", type=Path, default=Path("api_bench.json"))
@@ -194,9 +200,9 @@ def main() -> None:
     try:
         wait_healthy(url, server.is_alive, 120)
         for c in args.levels:
-            asyncio.run(drive(args.port, c, min(8, c), args.output_len))  # warm-up
+            asyncio.run(drive(args.port, c, min(8, c), args.output_len, args.input_len))  # warm-up
             cpu0, t0 = cpu_seconds(server.pid), time.perf_counter()
-            events = asyncio.run(drive(args.port, c, args.num_requests, args.output_len))
+            events = asyncio.run(drive(args.port, c, args.num_requests, args.output_len, args.input_len))
             cpu, wall = cpu_seconds(server.pid) - cpu0, time.perf_counter() - t0
             tokens = args.num_requests * args.output_len
             results.append({"concurrency": c, "output_tok_s": tokens / wall, "events": events,
@@ -208,6 +214,7 @@ def main() -> None:
             os.kill(server.pid, 15)
         server.join(30)
     meta = {"cpus": os.cpu_count(), "step_ms": args.step_ms, "output_len": args.output_len,
+            "input_len": args.input_len,
             "num_requests": args.num_requests}
     args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(f"\nAPI process against a synthetic core ({args.step_ms} ms steps), tiny tokenizer, "
