@@ -56,9 +56,9 @@ def test_flat_layout_round_trips_and_aligns_every_part(tokens, chunks):
         assert view.storage_offset() % StepPacker.ALIGN == 0  # 16-byte aligned in the packed section
 
 
-def mixed_runner(model, backend: str, graphs: bool, budget: int = 64) -> ModelRunner:
-    runner = ModelRunner(model, block_size=BS, num_blocks=64, attention_backend=backend, max_num_seqs=8,
-                         max_model_len=64, max_num_batched_tokens=budget)
+def mixed_runner(model, backend: str, graphs: bool, budget: int = 64, max_seqs: int = 8) -> ModelRunner:
+    runner = ModelRunner(model, block_size=BS, num_blocks=64, attention_backend=backend,
+                         max_num_seqs=max_seqs, max_model_len=64, max_num_batched_tokens=budget)
     assert runner.mixed_graphs is None  # CPU: always eager
     if graphs:
         runner.mixed_graphs = runner._mixed_graphs(use_cuda_graphs=False)
@@ -95,6 +95,38 @@ def test_captured_mixed_steps_equal_eager_steps(tiny):
     assert keys == [(32, 0), (32, 8), (64, 8)]
     torch.testing.assert_close(graph_runner.kv.data, eager_runner.kv.data, rtol=1e-6, atol=1e-6)
     assert not graph_runner.kv.data[:, :, 0].any()  # padding tokens wrote nothing, not even the null block
+
+
+def test_a_step_takes_the_fewest_decode_rows_that_hold_its_decodes(tiny):
+    """Below the cap min(size, max_seqs) the graphs hold MIXED_DECODE_ROWS decode rows: with 32 rows per
+    step, 1-3 decodes replay the 16-row graphs; the three steps equal the eager runner's."""
+    graph_runner = mixed_runner(tiny, "torch", True, max_seqs=32)
+    eager_runner = mixed_runner(tiny, "torch", False, max_seqs=32)
+    graphs = graph_runner.mixed_graphs
+    assert [graphs.decode_row_counts(s) for s in graphs.sizes] == [[16], [16, 32], [16, 32]]
+    assert graphs.keys == [(64, 32), (64, 16), (64, 0), (32, 32), (32, 16), (32, 0), (16, 16), (16, 0)]
+    keys = []
+    for chunks in scenario():
+        torch.testing.assert_close(run_chunks(graph_runner, chunks), run_chunks(eager_runner, chunks),
+                                   rtol=1e-5, atol=1e-5)
+        keys.append(graphs.last_key)
+    assert keys == [(32, 0), (32, 16), (64, 16)]
+    assert graphs.takes(40, 17, 1) == (64, 32) and graphs.takes(20, 16, 1) == (32, 16)
+    assert not graph_runner.kv.data[:, :, 0].any()
+
+
+def test_decode_row_counts_follow_the_ladder_up_to_the_cap():
+    from server.engine.batch_state import BatchState
+    from server.engine.cuda_graphs import MIXED_DECODE_ROWS, MixedGraphs
+
+    graphs = MixedGraphs(lambda *a: None, [16, 64, 128, 512], BatchState(256, 4, 4, torch.device("cpu")),
+                         256, 8, torch.float32, torch.device("cpu"), use_cuda_graphs=False)
+    assert MIXED_DECODE_ROWS == (16, 64)
+    assert [graphs.decode_row_counts(s) for s in graphs.sizes] == [[16], [16, 64], [16, 64, 128],
+                                                                    [16, 64, 256]]
+    assert [graphs.takes(500, d, 1) for d in (0, 1, 16, 17, 64, 65, 256)] == \
+        [(512, 0), (512, 16), (512, 16), (512, 64), (512, 64), (512, 256), (512, 256)]
+    assert graphs.takes(500, 257, 1) is None
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")

@@ -75,6 +75,11 @@ def mixed_sizes(max_num_batched_tokens: int) -> list[int]:
     return sizes
 
 
+# Decode-row counts a mixed graph is captured at below its cap (MixedGraphs.decode_row_counts): the decodes
+# of a step beside prefill chunks are few (a burst's first steps, low concurrency) or many (a full batch).
+MIXED_DECODE_ROWS = (16, 64)
+
+
 def padded_size(num_seqs: int, sizes: Sequence[int]) -> int | None:
     """Smallest captured size >= num_seqs (sizes ascending); None above the largest (run eagerly)."""
     i = bisect.bisect_left(sizes, num_seqs)
@@ -200,10 +205,11 @@ class DecodeGraphs(StepGraphs):
 
 class MixedGraphs(StepGraphs):
     """Steps of `size` tokens holding prefill chunks: decode rows first, then up to min(size, max_seqs)
-    chunks, then padding tokens; the forward gives hidden states. Two graphs per size, keyed (size, decode
-    rows): (size, 0) for steps of chunks only, which launch no decode attention, and (size, min(size,
-    max_seqs)), whose decode call covers that many rows of which the buffer's decode count are real (an
-    inert launch over 512 rows costs ~8 us a layer on an H200, 5% of a 32 x 16-token prefix-hit step)."""
+    chunks, then padding tokens; the forward gives hidden states. Graphs are keyed (size, decode rows):
+    (size, 0) for steps of chunks only, which launch no decode attention, and (size, d) for d in
+    decode_row_counts(size), the decode call covering d rows of which the buffer's decode count are real. A
+    spare row costs its share of the decode launch (on an H200, 128 spare rows were ~70 us of a 2.1 ms step
+    of 64 decodes + 128 prompt tokens), so a step takes the smallest d that holds its decodes."""
 
     kind = "mixed"
 
@@ -213,8 +219,14 @@ class MixedGraphs(StepGraphs):
         self.max_seqs = max_seqs
         super().__init__(forward, sizes, state, out_width, dtype, device, use_cuda_graphs)
 
+    def decode_row_counts(self, size: int) -> list[int]:
+        """The decode-row counts captured at `size`, ascending: those of MIXED_DECODE_ROWS below the cap
+        min(size, max_seqs), then the cap."""
+        cap = min(size, self.max_seqs)
+        return [d for d in MIXED_DECODE_ROWS if d < cap] + [cap]
+
     def _keys(self) -> list[tuple[int, int]]:
-        return [(s, d) for s in reversed(self.sizes) for d in (min(s, self.max_seqs), 0)]
+        return [(s, d) for s in reversed(self.sizes) for d in [*reversed(self.decode_row_counts(s)), 0]]
 
     def layout(self, key: tuple[int, int]) -> FlatLayout:
         size = key[0]
@@ -226,7 +238,9 @@ class MixedGraphs(StepGraphs):
         cap = None if size is None else min(size, self.max_seqs)
         if cap is None or num_decode > cap or num_chunks > cap:
             return None
-        return size, cap if num_decode else 0
+        if not num_decode:
+            return size, 0
+        return size, next(d for d in self.decode_row_counts(size) if d >= num_decode)
 
     def _body(self, key: tuple[int, int]) -> None:
         size, decode_rows = key
