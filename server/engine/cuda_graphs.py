@@ -14,9 +14,9 @@ sequence lengths and slots. Padding is inert: padding tokens are the all-null pa
 DecodeGraphs (decode rows only) end with the final norm and the lm_head: their static output holds
 (size, vocab) logits in the model dtype. MixedGraphs run the decode kernel over 16, 64 or min(size, max_seqs)
 rows (the fewest that hold the step's decodes), of which the step's decode count (a device int in the buffer)
-are real and the rest read nothing, and the
-prefill kernel over every chunk, whose rows it finds from query_start_loc; their output is the final hidden
-states (size, hidden), and the runner computes the logits of the few rows that sample after the replay.
+are real and the rest read nothing, and the prefill kernel over every chunk, whose rows it finds from
+query_start_loc; their output is the final hidden states (size, hidden), and the runner computes the logits
+of the few rows that sample after the replay.
 All graphs share one memory pool, captured largest first so the smaller ones reuse its blocks (the vLLM /
 nano-vllm recipe).
 """
