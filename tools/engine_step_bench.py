@@ -172,7 +172,7 @@ def closed_loop(core, concurrency: int, num_requests: int, prompt_len: int, outp
     wall = time.perf_counter() - t0
     return {"closed_loop": True, "concurrency": concurrency, "num_requests": num_requests,
             "prompt_len": prompt_len, "output_len": output_len, "async_scheduling": core.async_scheduling,
-            "wall_s": wall, "tok_s": tokens / wall}
+            "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall}
 
 
 def write_profile(core, probe: Probe, args, batch: int, mode: str, async_scheduling: bool) -> None:

@@ -1,0 +1,32 @@
+"""tools/engine_step_bench.py's closed loop on CPU (tiny preset): every request runs to its output length, no
+more than C are in flight, and its prompts hit no prefix cached by the decode runs before it."""
+
+from __future__ import annotations
+
+import time
+
+from server.engine.engine import EngineConfig, build_core
+from tools import engine_step_bench
+
+
+def test_closed_loop_runs_every_request_with_fresh_prompts(monkeypatch):
+    core, _ = build_core(EngineConfig(model="tiny", device="cpu", dtype="float32", max_num_seqs=8,
+                                      max_num_batched_tokens=256))
+    probe = engine_step_bench.Probe(core)
+    engine_step_bench.run_batch(core, probe, batch=3, prompt_len=48, warmup=1, steps=2, mode="greedy")
+    in_flight, added = [], []
+    add = core.add_request
+
+    def counting_add(request):
+        added.append(request)
+        add(request)
+        in_flight.append(len(core.requests))
+
+    monkeypatch.setattr(core, "add_request", counting_add)
+    hits = core.kv.usage().prefix_hits
+    t0 = time.perf_counter()
+    r = engine_step_bench.closed_loop(core, concurrency=3, num_requests=7, prompt_len=48, output_len=5)
+    assert time.perf_counter() - t0 < 120
+    assert r["tokens"] == 7 * 5 and len(added) == 7 and max(in_flight) <= 3
+    assert core.kv.usage().prefix_hits == hits  # the closed loop's prompts are not the decode runs'
+    assert not core.has_work() and r["tok_s"] > 0 and r["wall_s"] > 0
