@@ -63,3 +63,16 @@ def test_store_kv_torch_path():
     assert kernels.last_backend() == "torch"
     assert torch.equal(k_cache[1, 1], key[0]) and torch.equal(v_cache[1, 1], value[0])
     assert int((k_cache != 0).sum()) == 16
+
+
+def test_the_engine_imports_without_triton():
+    """A CPU-only install may lack triton (and importing it costs ~1 s): the engine and the server's modules
+    import it only where a Triton path runs."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import server.engine.core, server.engine.runner, server.engine.batch_state, "
+            "server.engine.engine, server.api.app; print('triton' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.step_inputs import step_inputs as step_inputs_kernel
 from server.engine.attention import AttentionMetadata, PrefillMetadata
 
 TOKEN_FIELDS = 3  # row, position, token id (-1: the row's last sampled token, on the device)
@@ -76,9 +75,11 @@ class BatchState:
         table rows (C,), query_start_loc (C + 1,) into the flat batch (chunk 0 starts after the decode rows)
         and seq_lens (C,)."""
         d = num_decode_rows
-        if self.kernel_inputs:  # one Triton launch (kernels/step_inputs.py)
-            input_ids, pos, slots, seq_lens = step_inputs_kernel(tokens, self.last_token, self.block_tables,
-                                                                 self.block_size, d, num_decode)
+        if self.kernel_inputs:  # one Triton launch; imported here: triton is not on every CPU-only install
+            from kernels.step_inputs import step_inputs as kernel
+
+            input_ids, pos, slots, seq_lens = kernel(tokens, self.last_token, self.block_tables,
+                                                     self.block_size, d, num_decode)
         else:
             input_ids, pos, slots, seq_lens = self._derive(tokens, d, num_decode)
         prefill = None
