@@ -189,7 +189,7 @@ class StepPacker:
             total = starts[-1] + n
         if total > self.capacity:
             if self.pinned:
-                torch.cuda.current_stream(self.device).synchronize()  # the old buffers may be in flight
+                self.stream.synchronize()  # the old buffers may be in flight
             self._alloc(max(total, 2 * self.capacity))
         k = self._next
         self._next = (k + 1) % self.NUM_BUFFERS
