@@ -38,9 +38,9 @@ BLOCK_SIZE = 16
 SHAPES = [(8, 1024, 0), (8, 1024, 4096), (64, 128, 512), (32, 16, 496)]  # chunks, new tokens, cached tokens
 HEAD_DIMS = (64, 128)
 DECODE_SHAPES = [(64, 2048), (256, 1024)]                  # sequences, context (the new token included)
-SWEEP_CONFIGS = [PrefillConfig(128, 64, 4, 3), PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 128, 8, 2),
-                 PrefillConfig(64, 64, 4, 3), PrefillConfig(128, 32, 4, 4), PrefillConfig(64, 128, 4, 2),
-                 PrefillConfig(256, 64, 8, 2)]
+SWEEP_CONFIGS = [PrefillConfig(128, 64, 4, 3), PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 64, 8, 4),
+                 PrefillConfig(128, 128, 8, 3), PrefillConfig(64, 64, 4, 3), PrefillConfig(128, 32, 4, 4),
+                 PrefillConfig(256, 32, 8, 3), PrefillConfig(256, 64, 8, 3), PrefillConfig(64, 32, 4, 3)]
 TOL = 1e-2
 
 
