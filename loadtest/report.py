@@ -40,6 +40,9 @@ def build_report(
         "config": config,
         "interrupted": run.interrupted,
         "num_requested": run.num_requested,
+        # the first send as a perf_counter time (CLOCK_MONOTONIC on Linux: one clock across processes),
+        # so a server-side sampler can align its samples with the measured window
+        "start_perf_counter_s": run.start_time,
         **dataclasses.asdict(metrics),
         **load_fields(run.loads),
         "server_health": health,

@@ -33,6 +33,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from tools.server_load import CpuSampler, prefix_cache_counters
 from tools.server_wait import ServerNotHealthy, wait_healthy
 
 PORT = 8011
@@ -103,16 +104,37 @@ def stop_server(proc: subprocess.Popen) -> int:
         return -9
 
 
-def loadtest(out: Path, name: str, concurrency: int, num_requests: int, extra: list[str]) -> dict | None:
+def loadtest(out: Path, name: str, concurrency: int, num_requests: int, extra: list[str], seed: int,
+             server_pid: int) -> dict | None:
+    """One loadtest run; its report gains the server's CPU over the measured window (the API process and
+    its busiest child, the engine core: tools/server_load.py) and the prefix cache's hit rate over the run.
+    Every run has its own seed: with one seed, a run's prompts would be an earlier run's, served from the
+    prefix cache (the same seed gives the same first N prompts whatever the request count)."""
     path = out / f"loadtest_{name}.json"
     cmd = [sys.executable, "-m", "loadtest", "--base-url", URL, "--input-len", str(IN_LEN), "--output-len",
            str(OUT_LEN), "--num-requests", str(num_requests), "--concurrency", str(concurrency), "--warmup",
-           str(min(8, concurrency)), "--seed", "0", "--no-progress", "--processes", "auto",
+           str(min(8, concurrency)), "--seed", str(seed), "--no-progress", "--processes", "auto",
            "--out", str(path), *extra]
-    if run(cmd, out / f"loadtest_{name}.log", timeout=240) != 0 or not path.exists():
+    cache0 = prefix_cache_counters(URL)
+    sampler = CpuSampler(server_pid)
+    sampler.start()
+    try:
+        code = run(cmd, out / f"loadtest_{name}.log", timeout=240)
+    finally:
+        sampler.stop()
+    if code != 0 or not path.exists():
         return None
     rep = json.loads(path.read_text())
     rep.pop("requests", None)
+    t0 = rep.get("start_perf_counter_s") or 0.0
+    busy = sampler.busy(t0, t0 + rep.get("duration_s", 0.0))
+    children = {k: v for k, v in busy.items() if k != "api"}
+    rep["server_cpu"] = {"api": busy.get("api"), "core": max(children.values(), default=None),
+                         "processes": busy}
+    cache1 = prefix_cache_counters(URL)
+    queries = cache1.get("queries", 0.0) - cache0.get("queries", 0.0)
+    hits = cache1.get("hits", 0.0) - cache0.get("hits", 0.0)
+    rep["prefix_cache_hit_rate"] = hits / queries if queries else None
     path.write_text(json.dumps(rep, indent=1))
     return rep
 
@@ -128,14 +150,14 @@ def serving(out: Path, levels: list[int], num_requests: int, budgets: list[int],
         proc = start_server(out, ["--max-num-batched-tokens", str(budget)])
         try:
             health[budget] = httpx.get(f"{URL}/health", timeout=5).json()
-            for c in levels:
-                n = 32 if c == 1 else num_requests
-                reports[f"c{c}{suffix}"] = loadtest(out, f"c{c}{suffix}", c, n, [])
-                if long and c > 1:
-                    reports[f"c{c}{suffix}_long"] = loadtest(out, f"c{c}{suffix}_long", c, 4 * n, [])
+            runs = [(f"c{c}{suffix}", c, 32 if c == 1 else num_requests, []) for c in levels]
+            if long:
+                runs += [(f"c{c}{suffix}_long", c, 4 * num_requests, []) for c in levels if c > 1]
             if sampled and 64 in levels:
-                reports[f"c64{suffix}_sampled"] = loadtest(out, f"c64{suffix}_sampled", 64, num_requests,
-                                                           SAMPLED)
+                runs.append((f"c64{suffix}_sampled", 64, num_requests, SAMPLED))
+            for name, c, n, extra in sorted(runs, key=lambda r: (r[1], r[0])):   # each level's runs together
+                seed = 1000 * (len(reports) + 1)
+                reports[name] = loadtest(out, name, c, n, extra, seed, proc.pid)
         finally:
             codes[budget] = stop_server(proc)
     return {"health": health, "server_exit_codes": codes, "reports": reports, "sampled_args": SAMPLED,
@@ -182,15 +204,18 @@ def table(res: dict) -> str:
     lines = [f"{res['gpu']}, torch {res['torch']}, triton {res['triton']}; copy {tbps:.2f} TB/s; "
              f"HF static generate batch {HF_BATCH}: {_f(hf_tok_s)} tok/s", "",
              "| HTTP run | out tok/s | roofline tok/s | of roofline | TPOT p50 ms | TTFT p50 ms "
-             "| client CPU |",
-             "|---|---|---|---|---|---|---|"]
+             "| client CPU | API CPU | core CPU | prefix hits |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, rep in res["serving"]["reports"].items():
         c = int(name[1:].split("_")[0])
         roof = roofline_tok_s(c, tbps)
         thr = rep.get("output_throughput") if rep else None
+        cpu = (rep or {}).get("server_cpu") or {}
         lines.append(f"| {name} | {_f(thr)} | {_f(roof)} | {_f(thr / roof if thr else None, '.0%')} | "
                      f"{_f(_pct(rep, 'tpot_ms'), '.2f')} | {_f(_pct(rep, 'ttft_ms'), '.0f')} | "
-                     f"{_f((rep or {}).get('client_cpu_util'), '.0%')} |")
+                     f"{_f((rep or {}).get('client_busy_max'), '.0%')} | {_f(cpu.get('api'), '.0%')} | "
+                     f"{_f(cpu.get('core'), '.0%')} | "
+                     f"{_f((rep or {}).get('prefix_cache_hit_rate'), '.0%')} |")
     lines += ["", "| engine (no HTTP) | out tok/s | roofline tok/s | of roofline | step ms | replay ms "
               "| host ms |",
               "|---|---|---|---|---|---|---|"]
