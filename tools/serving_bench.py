@@ -9,8 +9,10 @@ What it runs, in order, each beside the memory roofline computed from the copy b
    top_p 0.95) at 64; `--levels`, `--num-requests` and `--budgets` (--max-num-batched-tokens values, one
    server each; reports of a budget other than the first are named c<C>_b<budget>) widen the sweep, and
    `--long` adds each level again with 4x the requests (c<C>_long): 256 requests at concurrency 256 are one
-   wave (all prefill, then all decode), the long run shows the steady state;
-   the load generator's own CPU use is in each report;
+   wave (all prefill, then all decode), the long run shows the steady state; each run has its own prompts
+   (seed), and c64_cached / c256_cached repeat c64's / c256's prompts, served from the prefix cache;
+   each report holds the load generator's CPU, the server's (API process, engine core) and the run's
+   prefix-cache hit rate;
 3. the engine without HTTP at batch 1/16/64/256 (`tools.engine_step_bench`: step time and its breakdown,
    overlap on and off), and the HTTP levels' workloads at 64 and 256 in flight run offline on the core
    (closed loop, prefill included): the HTTP / engine ratio of the same work;
@@ -155,9 +157,15 @@ def serving(out: Path, levels: list[int], num_requests: int, budgets: list[int],
                 runs += [(f"c{c}{suffix}_long", c, 4 * num_requests, []) for c in levels if c > 1]
             if sampled and 64 in levels:
                 runs.append((f"c64{suffix}_sampled", 64, num_requests, SAMPLED))
+            seeds = {}
             for name, c, n, extra in sorted(runs, key=lambda r: (r[1], r[0])):   # each level's runs together
-                seed = 1000 * (len(reports) + 1)
+                seeds[name] = seed = 1000 * (len(reports) + 1)
                 reports[name] = loadtest(out, name, c, n, extra, seed, proc.pid)
+            for c in (64, 256):   # the same prompts again: served from the prefix cache (what a hit saves)
+                name = f"c{c}{suffix}"
+                if name in seeds:
+                    reports[f"{name}_cached"] = loadtest(out, f"{name}_cached", c, num_requests, [],
+                                                         seeds[name], proc.pid)
         finally:
             codes[budget] = stop_server(proc)
     return {"health": health, "server_exit_codes": codes, "reports": reports, "sampled_args": SAMPLED,
@@ -246,7 +254,7 @@ def plot(res: dict, path: Path) -> None:
 
     series: dict[str, list[tuple[int, float]]] = {}
     for name, rep in res["serving"]["reports"].items():
-        if not rep or "sampled" in name:
+        if not rep or "sampled" in name or "cached" in name:
             continue
         c, _, kind = name[1:].partition("_")
         budget = kind.split("_")[0][1:] if kind.startswith("b") else str(res["serving"]["budgets"][0])
