@@ -428,8 +428,10 @@ class ModelRunner:
         non_torch = max(0, free - free_after - (torch.cuda.memory_reserved(self.device) - reserved_before))
         # The graph pool is captured after the cache is allocated and is not shared with eager steps. Its
         # largest graph is a mixed step of <= max_num_batched_tokens tokens, whose activations the dummy
-        # step's peak bounds; 68 captures of different sizes do not reuse each other's blocks perfectly:
-        # on the H200 (bench preset, 8192-token budget) they took 718 + 136 MiB for 0.51 GiB of activations.
+        # step's peak bounds; captures of different sizes do not reuse each other's blocks perfectly: on the
+        # H200 (bench preset, 8192-token budget) 68 captures took 718 + 136 MiB for 0.51 GiB of activations.
+        # The mixed graphs' decode-row ladder (cuda_graphs.MIXED_DECODE_ROWS) adds up to two graphs a mixed
+        # size; with them the server captured within this reserve and kept its 242,078 KV blocks (H200).
         graph_pool = 2 * activations + GRAPH_MEMORY_MARGIN if self.cuda_graphs else 0
         budget = total * fraction - (total - free) - activations - non_torch - graph_pool
         num_blocks = int(budget // self._bytes_per_block())
