@@ -14,6 +14,7 @@ from rich.table import Table
 from loadtest.benchmark import BenchmarkRun
 from loadtest.cpu import busy_warning, load_fields
 from loadtest.metrics import BenchmarkMetrics
+from loadtest.prefix_cache import cache_warning
 
 DISTRIBUTIONS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
 STATS = ("mean", "p50", "p90", "p99", "max")
@@ -22,6 +23,7 @@ SCALARS = (
     "total_token_throughput", "total_input_tokens", "total_output_tokens", "request_goodput",
 )  # fmt: skip
 CLIENT_LOAD = ("client_processes", "client_cpu_s", "client_cpu_util", "client_busy_max")
+SERVER = ("server_prefix_cache_hit_rate",)  # what the server's /metrics said of the run, where it says it
 HIGHER_IS_BETTER = {"completed", "request_throughput", "output_throughput", "total_token_throughput",
                     "request_goodput", "total_output_tokens", "total_input_tokens"}  # fmt: skip
 
@@ -110,14 +112,14 @@ def print_report(report: dict, console: Console | None = None) -> None:
         table.add_row("good_requests", f"{report['good_requests']} ({slo})")
     for kind, n in report.get("errors", {}).items():
         table.add_row(f"errors.{kind}", str(n))
-    for key in CLIENT_LOAD:
+    for key in CLIENT_LOAD + SERVER:
         if report.get(key) is not None:
             table.add_row(key, fmt(report[key]))
     console.print(table)
     console.print(distribution_table(report))
-    warning = busy_warning(report)
-    if warning:
-        console.print(f"[yellow]{warning}[/]", soft_wrap=True)
+    for warning in (busy_warning(report), cache_warning(report)):
+        if warning:
+            console.print(f"[yellow]{warning}[/]", soft_wrap=True)
     health = report.get("server_health")
     if health:
         console.print("server /health: " + json.dumps(health, separators=(",", ":")), soft_wrap=True)

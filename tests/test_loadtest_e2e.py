@@ -93,3 +93,12 @@ def test_two_processes_end_to_end(pagewalk_url, tmp_path):
     assert (r["completed"], r["failed"]) == (N, 0)
     assert r["total_output_tokens"] == N * OUTPUT_LEN  # chunks may carry several tokens when the server lags
     assert r["client_processes"] == 2 and 0 < r["client_cpu_util"] <= 1.05
+
+
+def test_a_rerun_of_the_same_prompts_reports_the_servers_prefix_cache_hits(pagewalk_url, tmp_path):
+    # 48-token prompts are 3 blocks of 16; a replay finds the first two cached (the last token is computed)
+    args = ("--input-len", "48", "--seed", "4242")
+    fresh = run_loadtest(pagewalk_url, tmp_path / "fresh.json", *args)
+    replay = run_loadtest(pagewalk_url, tmp_path / "replay.json", *args)
+    assert fresh["server_prefix_cache_hit_rate"] < 0.1
+    assert replay["server_prefix_cache_hit_rate"] == pytest.approx(32 / 48, abs=0.02)

@@ -1,4 +1,4 @@
-"""tools/server_load.py: per-process CPU from /proc over a window, and the prefix-cache counters."""
+"""tools/server_load.py: per-process CPU from /proc over a window."""
 
 import subprocess
 import sys
@@ -6,8 +6,7 @@ import time
 
 import pytest
 
-from tools import server_load
-from tools.server_load import CpuSampler, child_pids, cpu_seconds, prefix_cache_counters
+from tools.server_load import CpuSampler, child_pids, cpu_seconds
 
 SPIN = "import time\nt = time.time()\nwhile time.time() - t < 1.6:\n    pass\n"
 PARENT = ("import subprocess, sys, time\n"
@@ -36,18 +35,3 @@ def test_the_sampler_sees_a_busy_child_and_an_idle_parent():
     finally:
         parent.wait(timeout=10)
     assert cpu_seconds(parent.pid) is None                               # reaped: gone
-
-
-def test_prefix_cache_counters_parse_the_metrics_text(monkeypatch):
-    text = ("# HELP pagewalk_prefix_cache_queries Prompt tokens looked up\n"
-            'pagewalk_prefix_cache_queries_total{model_name="tiny"} 200.0\n'
-            'pagewalk_prefix_cache_queries_created{model_name="tiny"} 1.79e+09\n'
-            'pagewalk_prefix_cache_hits_total{model_name="tiny"} 96.0\n')
-
-    class Response:
-        pass
-
-    resp = Response()
-    resp.text = text
-    monkeypatch.setattr(server_load.httpx, "get", lambda url, timeout: resp)
-    assert prefix_cache_counters("http://x") == {"queries": 200.0, "hits": 96.0}

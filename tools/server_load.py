@@ -4,20 +4,16 @@
 processes (the engine core) from /proc every `interval` seconds while a load test runs; `busy(t0, t1)`
 gives each process's share of one core over the load test's measured window (its first send to its last
 completion, perf_counter times: CLOCK_MONOTONIC, one clock for every process). A process near 100% of a
-core is what bounds the run. `prefix_cache_counters` reads the prefix cache's lookup counters from /metrics,
-so a run's prefill can be told apart from a run served from the cache.
+core is what bounds the run.
 """
 
 from __future__ import annotations
 
 import bisect
 import os
-import re
 import threading
 import time
 from pathlib import Path
-
-import httpx
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -78,12 +74,3 @@ class CpuSampler(threading.Thread):
         a, b = self.samples[i], self.samples[j]
         return {name: (b[name] - a[name]) / span for name in self.pids
                 if a[name] is not None and b[name] is not None}
-
-
-_COUNTER = re.compile(r"^pagewalk_prefix_cache_(queries|hits)_total\{[^}]*\} ([0-9.e+]+)$", re.M)
-
-
-def prefix_cache_counters(url: str) -> dict[str, float]:
-    """{"queries": prompt tokens looked up, "hits": of them found cached}, from the server's /metrics."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return {kind: float(value) for kind, value in _COUNTER.findall(text)}

@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from tools.server_load import CpuSampler, prefix_cache_counters
+from tools.server_load import CpuSampler
 from tools.server_wait import ServerNotHealthy, wait_healthy
 
 PORT = 8011
@@ -109,7 +109,8 @@ def stop_server(proc: subprocess.Popen) -> int:
 def loadtest(out: Path, name: str, concurrency: int, num_requests: int, extra: list[str], seed: int,
              server_pid: int) -> dict | None:
     """One loadtest run; its report gains the server's CPU over the measured window (the API process and
-    its busiest child, the engine core: tools/server_load.py) and the prefix cache's hit rate over the run.
+    its busiest child, the engine core: tools/server_load.py); the loadtest reports the run's prefix-cache
+    hit rate itself (server_prefix_cache_hit_rate).
     Every run has its own seed: with one seed, a run's prompts would be an earlier run's, served from the
     prefix cache (the same seed gives the same first N prompts whatever the request count)."""
     path = out / f"loadtest_{name}.json"
@@ -117,7 +118,6 @@ def loadtest(out: Path, name: str, concurrency: int, num_requests: int, extra: l
            str(OUT_LEN), "--num-requests", str(num_requests), "--concurrency", str(concurrency), "--warmup",
            str(min(8, concurrency)), "--seed", str(seed), "--no-progress", "--processes", "auto",
            "--out", str(path), *extra]
-    cache0 = prefix_cache_counters(URL)
     sampler = CpuSampler(server_pid)
     sampler.start()
     try:
@@ -133,10 +133,6 @@ def loadtest(out: Path, name: str, concurrency: int, num_requests: int, extra: l
     children = {k: v for k, v in busy.items() if k != "api"}
     rep["server_cpu"] = {"api": busy.get("api"), "core": max(children.values(), default=None),
                          "processes": busy}
-    cache1 = prefix_cache_counters(URL)
-    queries = cache1.get("queries", 0.0) - cache0.get("queries", 0.0)
-    hits = cache1.get("hits", 0.0) - cache0.get("hits", 0.0)
-    rep["prefix_cache_hit_rate"] = hits / queries if queries else None
     path.write_text(json.dumps(rep, indent=1))
     return rep
 
@@ -202,6 +198,12 @@ def _pct(rep: dict | None, key: str, q: str = "p50") -> float | None:
     return rep[key].get(q)
 
 
+def _hit_rate(rep: dict | None) -> float | None:
+    """The run's prefix-cache hit rate (the key of the JSON committed at d32df97 first: replots of it)."""
+    rep = rep or {}
+    return rep.get("prefix_cache_hit_rate", rep.get("server_prefix_cache_hit_rate"))
+
+
 def _f(x, spec=",.0f") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -223,7 +225,7 @@ def table(res: dict) -> str:
                      f"{_f(_pct(rep, 'tpot_ms'), '.2f')} | {_f(_pct(rep, 'ttft_ms'), '.0f')} | "
                      f"{_f((rep or {}).get('client_busy_max'), '.0%')} | {_f(cpu.get('api'), '.0%')} | "
                      f"{_f(cpu.get('core'), '.0%')} | "
-                     f"{_f((rep or {}).get('prefix_cache_hit_rate'), '.0%')} |")
+                     f"{_f(_hit_rate(rep), '.0%')} |")
     lines += ["", "| engine (no HTTP) | out tok/s | roofline tok/s | of roofline | step ms | replay ms "
               "| host ms |",
               "|---|---|---|---|---|---|---|"]
