@@ -12,7 +12,9 @@ Each program walks its chunk's keys in tiles of BLOCK_N token positions looked u
 (independent of block_size), with online softmax in fp32 and exp2. The key range is cut into three phases:
 tiles partly before the sliding window of the tile's last query (masked), tiles every query of the tile sees
 whole (no mask), and the diagonal tiles up to the tile's last query (masked); nothing past it is read.
-The new tokens' K/V are already in the cache (store_kv runs first).
+Each phase loads a tile's block ids one tile ahead, so its K/V addresses come from registers and Triton's
+software pipeline overlaps the K/V copies with the tile before (_attend_keys). The new tokens' K/V are
+already in the cache (store_kv runs first).
 """
 
 from __future__ import annotations
