@@ -29,4 +29,16 @@ def test_closed_loop_runs_every_request_with_fresh_prompts(monkeypatch):
     assert time.perf_counter() - t0 < 120
     assert r["tokens"] == 7 * 5 and len(added) == 7 and max(in_flight) <= 3
     assert core.kv.usage().prefix_hits == hits  # the closed loop's prompts are not the decode runs'
+    assert r["prefix_hit_rate"] == 0.0 and not r["cached"]
     assert not core.has_work() and r["tok_s"] > 0 and r["wall_s"] > 0
+
+
+def test_the_cached_closed_loop_replays_its_prompts_from_the_prefix_cache():
+    core, _ = build_core(EngineConfig(model="tiny", device="cpu", dtype="float32", max_num_seqs=8,
+                                      max_num_batched_tokens=256))
+    r = engine_step_bench.closed_loop(core, concurrency=3, num_requests=5, prompt_len=48, output_len=3,
+                                      cached=True)
+    # 48-token prompts are 3 blocks of 16: the replay finds the first two cached (the last token is computed)
+    assert r["cached"] and r["tokens"] == 5 * 3
+    assert r["prefix_hit_rate"] == 32 / 48
+    assert not core.has_work()

@@ -150,10 +150,16 @@ def run_batch(core, probe: Probe, batch: int, prompt_len: int, warmup: int, step
             "steps": measured}
 
 
-def closed_loop(core, concurrency: int, num_requests: int, prompt_len: int, output_len: int) -> dict:
+def closed_loop(core, concurrency: int, num_requests: int, prompt_len: int, output_len: int,
+                cached: bool = False) -> dict:
     """The HTTP benchmark's workload without HTTP: `concurrency` requests of `prompt_len` random prompt tokens
     and `output_len` greedy output tokens (ignore_eos) kept in flight on the core, a new one added as one
-    finishes, until `num_requests` finished. -> output tok/s over the whole run (prefill included)."""
+    finishes, until `num_requests` finished. -> output tok/s over the whole run (prefill included).
+    cached=True runs the same prompts twice and reports the second run, served from the prefix cache (as
+    serving_bench's c64_cached / c256_cached), with the share of its prompt tokens found cached."""
+    if cached:
+        closed_loop(core, concurrency, num_requests, prompt_len, output_len)
+    usage0 = core.kv.usage()
     vocab = core.runner.config.vocab_size
     # seeds apart from run_batch's (the batch size): a prompt seen before would hit the prefix cache
     gen = torch.Generator().manual_seed(1_000_000 + 1_000 * concurrency + num_requests)
@@ -170,8 +176,12 @@ def closed_loop(core, concurrency: int, num_requests: int, prompt_len: int, outp
             tokens += len(u.new_token_ids)
             finished += u.finish_reason is not None
     wall = time.perf_counter() - t0
+    usage1 = core.kv.usage()
+    queries = usage1.prefix_queries - usage0.prefix_queries
     return {"closed_loop": True, "concurrency": concurrency, "num_requests": num_requests,
             "prompt_len": prompt_len, "output_len": output_len, "async_scheduling": core.async_scheduling,
+            "cached": cached,
+            "prefix_hit_rate": (usage1.prefix_hits - usage0.prefix_hits) / queries if queries else 0.0,
             "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall}
 
 
@@ -202,9 +212,10 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="default: the model's, as `pagewalk serve` (the decode tables are that wide)")
     ap.add_argument("--out", type=Path, default=Path("engine_step_bench.json"))
-    ap.add_argument("--closed-loop", nargs="*", default=[], metavar="C:N",
+    ap.add_argument("--closed-loop", nargs="*", default=[], metavar="C:N[:cached]",
                     help="also the HTTP benchmark's workload offline: C requests in flight, N in all "
-                         "(--prompt-len in, --output-len out), async scheduling on")
+                         "(--prompt-len in, --output-len out), async scheduling on; :cached runs it twice "
+                         "and reports the second run, its prompts served from the prefix cache")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--cprofile", type=Path, default=None,
                     help="also run the measured steps again under cProfile (its timings are not reported) "
@@ -232,9 +243,12 @@ def main() -> None:
     loops = []
     core.async_scheduling = True
     for spec in args.closed_loop:
-        c, n = map(int, spec.split(":"))
-        loops.append(closed_loop(core, c, n, args.prompt_len, args.output_len))
-        print(f"closed loop c{c} x{n}: {loops[-1]['tok_s']:.0f} tok/s", flush=True)
+        c, n, *flag = spec.split(":")
+        if flag not in ([], ["cached"]):
+            raise SystemExit(f"--closed-loop takes C:N or C:N:cached, got {spec!r}")
+        loops.append(closed_loop(core, int(c), int(n), args.prompt_len, args.output_len, cached=bool(flag)))
+        print(f"closed loop {spec}: {loops[-1]['tok_s']:.0f} tok/s, prefix hits "
+              f"{loops[-1]['prefix_hit_rate']:.0%}", flush=True)
     meta = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "model": info.model, "dtype": info.dtype,
             "cuda_graphs": info.cuda_graphs, "num_blocks": info.num_blocks,
@@ -251,8 +265,10 @@ def main() -> None:
         print(f"{str(r['async_scheduling']):>5} {r['mode']:>6} {r['batch']:>5} "
               + " ".join(f"{r[c]:>14.3f}" if c != "tok_s" else f"{r[c]:>14.0f}" for c in cols) + f"  {same}")
     for r in loops:
+        cached = ", prompts cached" if r["cached"] else ""
         print(f"closed loop: {r['concurrency']} in flight, {r['num_requests']} requests of {r['prompt_len']} "
-              f"in / {r['output_len']} out: {r['tok_s']:.0f} output tok/s ({r['wall_s']:.2f} s)")
+              f"in / {r['output_len']} out{cached}: {r['tok_s']:.0f} output tok/s ({r['wall_s']:.2f} s, "
+              f"prefix hits {r['prefix_hit_rate']:.0%})")
     print(f"JSON: {args.out}")
 
 

@@ -15,7 +15,8 @@ What it runs, in order, each beside the memory roofline computed from the copy b
    prefix-cache hit rate;
 3. the engine without HTTP at batch 1/16/64/256 (`tools.engine_step_bench`: step time and its breakdown,
    overlap on and off), and the HTTP levels' workloads at 64 and 256 in flight run offline on the core
-   (closed loop, prefill included): the HTTP / engine ratio of the same work;
+   (closed loop, prefill included), and the cached runs' (the same prompts again, from the prefix cache):
+   the HTTP / engine ratio of the same work;
 4. HF transformers `generate` with a static cache, one batch of 64, same shape (`tools.hf_baseline`).
 Writes serving_h200.{json,png} and serving_h200_table.md under --out (`--replot JSON` redraws them) and
 prints the table last. Needs the FastAPI stack, pyzmq and msgspec importable (carried as wheels on the GPU
@@ -172,7 +173,8 @@ def offline(out: Path) -> dict | None:
     path = out / "engine_step.json"
     if not Path("tools/engine_step_bench.py").exists():
         return None
-    loops = [f"{c}:{n}" for c in (64, 256) for n in (256, 1024)]  # the HTTP levels' workloads, offline
+    # the HTTP levels' workloads offline, and c64_cached's / c256_cached's (the same prompts again)
+    loops = [f"{c}:{n}" for c in (64, 256) for n in (256, 1024)] + ["64:256:cached", "256:256:cached"]
     run([sys.executable, "-m", "tools.engine_step_bench", "--out", str(path), "--closed-loop", *loops],
         out / "engine_step.log", 300)
     if not path.exists():
@@ -241,9 +243,12 @@ def table(res: dict) -> str:
         lines += ["", "| same workload | engine, no HTTP, tok/s | HTTP tok/s | HTTP / engine |",
                   "|---|---|---|---|"]
     for r in loops:
-        name = f"c{r['concurrency']}" + ("_long" if r["num_requests"] > 256 else "")
+        name = (f"c{r['concurrency']}" + ("_long" if r["num_requests"] > 256 else "")
+                + ("_cached" if r.get("cached") else ""))
         thr = (res["serving"]["reports"].get(name) or {}).get("output_throughput")
-        lines.append(f"| {r['concurrency']} in flight, {r['num_requests']} requests | {_f(r['tok_s'])} | "
+        what = (f"{r['concurrency']} in flight, {r['num_requests']} requests"
+                + (", prompts cached" if r.get("cached") else ""))
+        lines.append(f"| {what} | {_f(r['tok_s'])} | "
                      f"{_f(thr)} | {_f(thr / r['tok_s'] if thr else None, '.0%')} |")
     return "\n".join(lines)
 
