@@ -111,16 +111,31 @@ class Probe:
                                  for i in s.pop("replays"))
 
 
+def batch_prompts(core, batch: int, prompt_len: int) -> list[list[int]]:
+    """The prompts of a batch size's runs: the same with and without async scheduling, in every mode."""
+    gen = torch.Generator().manual_seed(batch)
+    vocab = core.runner.config.vocab_size
+    return [torch.randint(3, vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
+
+
+def prime_prefix_cache(core, batch: int, prompt_len: int) -> None:
+    """Prefill a batch size's prompts once (one token each), so that every measured run of them finds the
+    same prefix cached: the first run would otherwise compute what the later ones read from the cache, and
+    bf16 greedy tokens of the two differ, which the tokens==sync check would take for an async difference."""
+    params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+    for i, prompt in enumerate(batch_prompts(core, batch, prompt_len)):
+        core.add_request(EngineRequest(f"prime-b{batch}-{i}", prompt, params, time.monotonic()))
+    while core.has_work():
+        core.step()
+
+
 def run_batch(core, probe: Probe, batch: int, prompt_len: int, warmup: int, steps: int, mode: str,
               profiler: cProfile.Profile | None = None) -> dict:
-    vocab = core.runner.config.vocab_size
-    gen = torch.Generator().manual_seed(batch)  # the same prompts with and without async scheduling
     probe.tokens = {}
     # the prompts prefill over several steps, so the first ones decode that many steps ahead of the last
     margin = 4 + -(-batch * prompt_len // 2048)
     params = SamplingParams(max_tokens=warmup + steps + margin, ignore_eos=True, seed=1, **MODES[mode])
-    for i in range(batch):
-        prompt = torch.randint(3, vocab, (prompt_len,), generator=gen).tolist()
+    for i, prompt in enumerate(batch_prompts(core, batch, prompt_len)):
         core.add_request(EngineRequest(f"b{batch}-{mode}-{i}", prompt, params, time.monotonic()))
     measured, seen = [], 0
     while core.has_work() and len(measured) < steps:
@@ -228,6 +243,8 @@ def main() -> None:
                           gpu_memory_utilization=args.gpu_memory_utilization)
     core, info = build_core(config)
     probe = Probe(core)
+    for batch in args.batches:
+        prime_prefix_cache(core, batch, args.prompt_len)
     results = []
     for async_scheduling in (False, True):
         core.async_scheduling = async_scheduling  # the core is idle between runs
