@@ -139,7 +139,7 @@ def distribution_table(report: dict) -> Table:
 def compare_rows(a: dict, b: dict) -> list[tuple[str, float | None, float | None, float | None]]:
     """(metric, A, B, B/A) for every scalar and latency statistic both reports can have."""
     rows = []
-    keys = list(SCALARS) + [f"{d}.{s}" for d in DISTRIBUTIONS for s in STATS]
+    keys = list(SCALARS) + list(SERVER) + [f"{d}.{s}" for d in DISTRIBUTIONS for s in STATS]
     for key in keys:
         va, vb = _lookup(a, key), _lookup(b, key)
         if va is None and vb is None:
@@ -170,6 +170,6 @@ def print_compare(a: dict, b: dict, names: tuple[str, str], console: Console | N
 
 
 def _better(key: str, ratio: float | None) -> bool | None:
-    if ratio is None or ratio == 1.0 or key in ("duration_s", "total_input_tokens"):
+    if ratio is None or ratio == 1.0 or key in ("duration_s", "total_input_tokens", *SERVER):
         return None
     return (ratio > 1.0) == (key.split(".")[0] in HIGHER_IS_BETTER)

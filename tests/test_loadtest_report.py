@@ -12,7 +12,7 @@ import pytest
 
 from loadtest.cli import main
 from loadtest.mock_server import MockScript, MockServer, free_port, serve_in_thread
-from loadtest.report import compare_rows
+from loadtest.report import _better, compare_rows
 
 pytestmark = pytest.mark.timeout(60)
 REPO = Path(__file__).resolve().parents[1]
@@ -94,6 +94,14 @@ def test_compare_rows_and_ratios():
     assert rows["ttft_ms.p50"] == (8.0, 4.0, 0.5)
     assert rows["failed"] == (0, 0, None)  # no ratio against zero
     assert "tpot_ms.mean" not in rows and "request_goodput" not in rows
+
+
+def test_compare_shows_the_servers_prefix_cache_hit_rate_neither_better_nor_worse():
+    a, b = report(server_prefix_cache_hit_rate=0.0), report(server_prefix_cache_hit_rate=0.97)
+    rows = {key: (va, vb, ratio) for key, va, vb, ratio in compare_rows(a, b)}
+    assert rows["server_prefix_cache_hit_rate"] == (0.0, 0.97, None)   # a cached run beside a fresh one
+    assert _better("server_prefix_cache_hit_rate", 2.0) is None
+    assert "server_prefix_cache_hit_rate" not in {k for k, *_ in compare_rows(report(), report())}
 
 
 def test_compare_cli_prints_both_side_by_side(tmp_path, capsys):

@@ -7,13 +7,15 @@
 #   forward  tools/decode_forward_bench (the decode step's graph replay, torch vs fused ops, per-kernel split)
 #   prefill  tools/prefill_step_bench (prefill and mixed decode+prefill steps: wall, device busy, TFLOP/s);
 #            PREFILL_ARGS are passed to it
+#   prefill_kernel  the paged-prefill kernel's GPU tests (bf16 grid) and tools/prefill_bench --sweep (against
+#            SDPA flash / cuDNN on contiguous K/V), writing prefill_<gpu>.json under OUT
 #   sampler  tools/sampler_bench (the sort-free sampling kernel against the sorted torch path and greedy)
 #   serving  tools/serving_bench (server under loadtest at concurrency 1/16/64/256, the engine offline,
 #            HF generate); SERVING_ARGS are passed to it
 # Usage: OUT=/some/dir [PARTS=hazards,prefill] [SERVING_ARGS="--long"] bash tools/serving_gpu_run.sh
 set -u
 OUT=${OUT:-/tmp/serving_gpu_run}; mkdir -p "$OUT"
-PARTS=${PARTS:-tests,hazards,forward,prefill,sampler,serving}
+PARTS=${PARTS:-tests,hazards,forward,prefill,prefill_kernel,sampler,serving}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -36,6 +38,12 @@ if has prefill; then
   timeout 300 python3 -m tools.prefill_step_bench --out "$OUT/prefill_step.json" ${PREFILL_ARGS:-} \
     > "$OUT/prefill_step.log" 2>&1
   grep -v '^\[' "$OUT/prefill_step.log" | tail -n 26
+fi
+if has prefill_kernel; then
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_paged_prefill.py 2>&1 | tail -n 3 \
+    | tee "$OUT/prefill_kernel_tests.txt"
+  timeout 400 python3 -m tools.prefill_bench --sweep --out "$OUT" > "$OUT/prefill_bench.log" 2>&1
+  tail -n 30 "$OUT/prefill_bench.log"
 fi
 if has sampler; then
   timeout 120 python3 -m tools.sampler_bench --out "$OUT" > "$OUT/sampler_bench.log" 2>&1
