@@ -170,13 +170,22 @@ def _apply_usage(rec: RequestRecord, completion_tokens: int | None, prompt_token
         rec.input_len = int(prompt_tokens)
 
 
-async def fetch_json(client: httpx.AsyncClient, base_url: str, path: str, api_key: str | None) -> dict | None:
-    """GET a small JSON document (/health, /v1/models); None when the server does not answer it."""
+async def fetch_text(client: httpx.AsyncClient, base_url: str, path: str, api_key: str | None) -> str | None:
+    """GET a small document (/health, /v1/models, /metrics); None when the server does not answer it."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         resp = await client.get(base_url.rstrip("/") + path, headers=headers, timeout=10.0)
-        return resp.json() if resp.status_code == 200 else None
-    except (httpx.HTTPError, json.JSONDecodeError):
+    except httpx.HTTPError:
+        return None
+    return resp.text if resp.status_code == 200 else None
+
+
+async def fetch_json(client: httpx.AsyncClient, base_url: str, path: str, api_key: str | None) -> dict | None:
+    """GET a small JSON document (/health, /v1/models); None when the server does not answer it."""
+    text = await fetch_text(client, base_url, path, api_key)
+    try:
+        return None if text is None else json.loads(text)
+    except json.JSONDecodeError:
         return None
 
 

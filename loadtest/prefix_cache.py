@@ -14,6 +14,8 @@ import re
 
 import httpx
 
+from loadtest.client import fetch_text
+
 _SERIES = re.compile(r"^(?:pagewalk_|vllm:)prefix_cache_(queries|hits)(?:_total)?(?:\{[^}]*\})?\s+(\S+)\s*$",
                      re.M)
 WARN_HIT_RATE = 0.10  # above this share of cached prompt tokens the report warns
@@ -33,12 +35,8 @@ def parse_counters(text: str) -> dict[str, float] | None:
 
 async def fetch_counters(client: httpx.AsyncClient, base_url: str, api_key: str | None) -> dict | None:
     """The counters now, or None when the server has no /metrics or not these series."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        resp = await client.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=10.0)
-    except httpx.HTTPError:
-        return None
-    return parse_counters(resp.text) if resp.status_code == 200 else None
+    text = await fetch_text(client, base_url, "/metrics", api_key)
+    return None if text is None else parse_counters(text)
 
 
 def hit_rate(before: dict | None, after: dict | None) -> float | None:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from server.engine.outputs import CoreStats, EngineRequest, SeqUpdate, StepUpdate
 from server.engine.wire import CoreInfo
+from tools.server_load import cpu_seconds
 from tools.server_wait import wait_healthy
 
 STEP_ENV = "PAGEWALK_API_BENCH_STEP_MS"
@@ -169,11 +170,6 @@ async def drive(port: int, concurrency: int, num_requests: int, output_len: int,
         return sum([await stream_one(port, body) for _ in iter(lambda: next(left, None), None)])
 
     return sum(await asyncio.gather(*(worker() for _ in range(concurrency))))
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, all threads
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from tools.server_load import child_pids
 from tools.server_wait import ServerNotHealthy, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,9 +112,8 @@ async def drive(url: str, duration: float, concurrency: int, seed: int) -> dict:
 
 def rss_mb(pid: int) -> float:
     """RSS of the server: the API process and its children (the engine core)."""
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     total = 0.0
-    for p in [pid, *map(int, children)]:
+    for p in [pid, *child_pids(pid)]:
         for line in Path(f"/proc/{p}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
                 total += int(line.split()[1]) / 1024
