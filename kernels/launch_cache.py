@@ -19,6 +19,7 @@ import os
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 # triton versions whose CompiledKernel.run is a CudaLauncher with .launch(gridX, gridY, gridZ, stream,
 # function, cooperative, pdl, global_scratch, profile_scratch, packed_metadata, launch_metadata,
@@ -55,6 +56,16 @@ class CompiledLaunch:
                *args)
 
 
+def _tensor_key(t) -> tuple | None:
+    """What Triton specialises a tensor argument on: dtype and 16-byte alignment; for a tensor descriptor
+    also its tile shape (its sizes and strides are run-time arguments); None stays None (a constexpr)."""
+    if t is None:
+        return None
+    if isinstance(t, TensorDescriptor):
+        return ("desc", t.base.dtype, tuple(t.block_shape), t.base.data_ptr() % 16 == 0)
+    return (t.dtype, t.data_ptr() % 16 == 0)
+
+
 def current_stream(device_index: int) -> int:
     """The raw CUDA stream handle Triton launches on: the call Triton's own driver makes to torch, cheaper
     than building a torch.cuda.Stream object per launch."""
@@ -63,7 +74,8 @@ def current_stream(device_index: int) -> int:
 
 class CachedLauncher:
     """launcher(grid, *args, num_warps=, num_stages=, **constexprs_and_options) for one @triton.jit function
-    whose first `num_tensors` parameters are tensors and the rest of the positional ones ints/floats.
+    whose first `num_tensors` parameters are tensors (or tensor descriptors, or None) and the rest of the
+    positional ones ints/floats.
     `launch_pdl=True` (an option, not a constexpr) launches with programmatic dependent launch."""
 
     def __init__(self, fn, num_tensors: int):
@@ -75,9 +87,8 @@ class CachedLauncher:
     def compiled_for(self, grid, args, num_warps, num_stages, kw) -> tuple[CompiledLaunch, bool]:
         """(bound kernel for this specialisation, whether this call launched it): a new specialisation is
         compiled and launched once through the JIT."""
-        tensors = args[:self.num_tensors]
-        key = (tuple(t.dtype for t in tensors), tuple(t.data_ptr() % 16 == 0 for t in tensors),
-               args[self.num_tensors:], tuple(kw.items()), num_warps, num_stages, args[0].get_device())
+        key = (tuple(_tensor_key(t) for t in args[:self.num_tensors]), args[self.num_tensors:],
+               tuple(kw.items()), num_warps, num_stages, args[0].get_device())
         bound = self.compiled.get(key)
         if bound is not None:
             return bound, False

@@ -19,12 +19,15 @@ already in the cache (store_kv runs first).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.launch_cache import CachedLauncher
 from kernels.prefill_dispatch import check_prefill_inputs
@@ -36,18 +39,18 @@ MIN_CHUNKS_PAD = 512
 
 
 @triton.jit
-def _attend(q, k, v, m_i, l_i, acc, qk_scale, q_pos, key_pos, window,
+def _attend(q, k, v, m_i, l_i, acc, qk_scale, key_pos, key_lim, key_lo,
             MASKED: tl.constexpr, WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One K/V tile of online softmax: q (BM, DP); k, v (BN, DP); m_i (log2 units), l_i (BM,); acc (BM, DP).
-    MASKED applies causality (key_pos <= q_pos) and, with WINDOW, the sliding window; a row may then see
-    nothing in this tile (or yet), so its max stays -inf and is replaced by 0 where it is subtracted. An
-    unmasked tile scales inside the exponent's FMA (qk * scale - max)."""
+    MASKED: row r sees the keys at positions key_lo[r] <= pos <= key_lim[r] (key_lo only with WINDOW); a
+    row may then see nothing in this tile (or yet), so its max stays -inf and is replaced by 0 where it is
+    subtracted. An unmasked tile (every row sees all of it) scales inside the exponent's FMA."""
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)                  # (BM, BN), unscaled
     if MASKED:
         qk = qk * qk_scale
-        vis = key_pos[None, :] <= q_pos[:, None]
+        vis = key_pos[None, :] <= key_lim[:, None]
         if WINDOW:
-            vis = vis & (key_pos[None, :] > q_pos[:, None] - window)
+            vis = vis & (key_pos[None, :] >= key_lo[:, None])
         qk = tl.where(vis, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -83,44 +86,76 @@ def _kv_tiles(k_base, v_base, blk, key_pos, hi, offs_d, d_mask, stride_kb, strid
 
 
 @triton.jit
-def _attend_keys(q, m_i, l_i, acc, qk_scale, q_pos, window, lo, end, hi, table_row, k_base, v_base, offs_n,
-                 offs_d, d_mask, stride_tn, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
-    """Online softmax over the key tiles starting at lo, lo + BN, ... below end. Each tile's block ids are
-    loaded one tile ahead, so its K/V addresses come from registers, not from a load in the same iteration:
-    the software pipeline then overlaps the K/V copies with the tile before (H200, D 64: 8 x 1024 new over
-    4096 cached 997 -> 860 us, over 0 cached 159 -> 142 us; docs/kernel.md)."""
+def _attend_cached(q, m_i, l_i, acc, qk_scale, key_lim, key_lo, lo, end, hi, table_row, k_base, v_base,
+                   offs_n, offs_d, d_mask, stride_tn, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt,
+                   stride_vd, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
+                   WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online softmax over the key tiles at positions lo, lo + BN, ... below end, read through the block
+    table (positions >= hi are not loaded). Each tile's block ids are loaded one tile ahead, so its K/V
+    addresses come from registers, not from a load in the same iteration: the software pipeline then
+    overlaps the K/V copies with the tile before (H200, D 64: 8 x 1024 new over 4096 cached 997 -> 860 us,
+    over 0 cached 159 -> 142 us; docs/kernel.md)."""
     blk = _tile_blocks(table_row, lo + offs_n, hi, stride_tn, BLOCK_SIZE)
     for start in range(lo, end, BLOCK_N):
         key_pos = start + offs_n
         k, v = _kv_tiles(k_base, v_base, blk, key_pos, hi, offs_d, d_mask, stride_kb, stride_kt, stride_kd,
                          stride_vb, stride_vt, stride_vd, BLOCK_SIZE)
         blk = _tile_blocks(table_row, key_pos + BLOCK_N, hi, stride_tn, BLOCK_SIZE)
-        m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, qk_scale, q_pos, key_pos, window, MASKED, WINDOW,
+        m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, qk_scale, key_pos, key_lim, key_lo, MASKED, WINDOW,
                                 DOT_PRECISION)
     return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_new(q, m_i, l_i, acc, qk_scale, key_lim, key_lo, lo, end, ctx, row0, col, k_desc, v_desc, offs_n,
+                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
+    """Online softmax over the chunk's own key tiles at positions lo, lo + BN, ... below end (>= ctx), read
+    from the new tokens' K/V rows: position p is row row0 + p - ctx of k_desc / v_desc, (BN, D) tiles at
+    column col. The tensor-memory copies need no addresses in registers (H200, 8 x 1024 new tokens: 273 ->
+    193 us at D 128 against the block-table loads; docs/kernel.md)."""
+    for start in range(lo, end, BLOCK_N):
+        row = row0 + start - ctx
+        k = k_desc.load([row, col])
+        v = v_desc.load([row, col])
+        m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, qk_scale, start + offs_n, key_lim, key_lo, MASKED,
+                                WINDOW, DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _phases(a, b, first_vis, all_vis, diag, BLOCK_N: tl.constexpr):
+    """Tile starts (lo, mid, whole_end) of the key range [a, b), tiles counted from a: [lo, mid) is the
+    window edge (masked), [mid, whole_end) tiles every row sees whole, [whole_end, b) the masked rest.
+    first_vis / all_vis: the first key position any / every row of the tile sees; diag: the first position
+    some row does not see (causality or the range's end). (Operands are clamped to >= 0 before integer
+    division: division of negatives differs between the GPU and the interpreter.)"""
+    lo = a + (tl.minimum(tl.maximum(first_vis - a, 0), b - a) // BLOCK_N) * BLOCK_N
+    whole_end = tl.maximum(a + (tl.maximum(diag - a, 0) // BLOCK_N) * BLOCK_N, lo)
+    mid = tl.minimum(tl.maximum(a + tl.cdiv(tl.maximum(all_vis - a, 0), BLOCK_N) * BLOCK_N, lo), whole_end)
+    return lo, mid, whole_end
 
 
 # window and num_chunks change from step to step: not specialised on (Triton would compile a variant for 1
 # and for multiples of 16, each a stall of every stream when it first appears mid-serving)
 @triton.jit(do_not_specialize=["window", "num_chunks"])
 def _paged_prefill_kernel(
-    Q, K, V, BLOCK_TABLES, QUERY_START_LOC, SEQ_LENS, OUT,
+    Q, K, V, BLOCK_TABLES, QUERY_START_LOC, SEQ_LENS, OUT, K_NEW, V_NEW,
     qk_scale, window, num_chunks,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
     stride_tb, stride_tn,
     stride_ot, stride_oh, stride_od,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNKS_PAD: tl.constexpr,
-    WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr, NEW_KV: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # tiles in reverse: the last tiles of a chunk, which see the most keys, start first and the tail is short
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
-    kvh = tl.program_id(1)
+    head0 = tl.program_id(1) * HEADS                   # the tile's first query head
+    kvh = head0 // GROUP
 
     # ---- which chunk and which of its query tiles: count the chunks whose first tile is <= pid
     offs_c = tl.arange(0, CHUNKS_PAD)
@@ -135,11 +170,11 @@ def _paged_prefill_kernel(
     seq_len = tl.load(SEQ_LENS + chunk)
     ctx = seq_len - n                                               # tokens cached before this chunk
 
-    # ---- the Q tile: row r is query tile_q0 + r // GROUP_PAD, head kvh * GROUP + r % GROUP_PAD
+    # ---- the Q tile: row r is query tile_q0 + r // HEADS_PAD, head head0 + r % HEADS_PAD
     rows = tl.arange(0, BLOCK_M)
-    q_idx = tile_q0 + rows // GROUP_PAD                               # (BM,) query index in the chunk
-    head = kvh * GROUP + rows % GROUP_PAD
-    row_ok = (q_idx < n) & (rows % GROUP_PAD < GROUP)
+    q_idx = tile_q0 + rows // HEADS_PAD                               # (BM,) query index in the chunk
+    head = head0 + rows % HEADS_PAD
+    row_ok = (q_idx < n) & (rows % HEADS_PAD < HEADS)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM
     q_row = (q_lo + q_idx).to(tl.int64)
@@ -147,18 +182,17 @@ def _paged_prefill_kernel(
                 mask=row_ok[:, None] & d_mask[None, :], other=0.0)  # (BM, DP)
     q_pos = ctx + q_idx                                             # (BM,) absolute positions
 
-    # ---- key phases: [lo, mid) window edge (masked), [mid, diag) whole tiles, [diag, hi) diagonal (masked)
+    # ---- the keys the tile sees: [first_vis, last_pos]; every row sees [all_vis, first_pos]
     first_pos = ctx + tile_q0
     last_pos = ctx + tl.minimum(tile_q0 + BLOCK_Q, n) - 1
     hi = last_pos + 1
-    diag = first_pos // BLOCK_N * BLOCK_N
-    lo = 0
-    mid = 0
+    first_vis = 0
+    all_vis = 0
+    key_lo = q_pos                                                  # (unused without a window)
     if WINDOW:
-        lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
-        # (operands clamped to >= 0 first: integer division of negatives differs between GPU and interpreter)
-        whole = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N   # first tile all see
-        mid = tl.minimum(tl.maximum(whole, lo), diag)
+        first_vis = tl.maximum(first_pos - window + 1, 0)
+        all_vis = tl.maximum(last_pos - window + 1, 0)
+        key_lo = q_pos - window + 1
 
     table_row = BLOCK_TABLES + chunk.to(tl.int64) * stride_tb
     k_base = K + kvh.to(tl.int64) * stride_kh
@@ -167,19 +201,49 @@ def _paged_prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    if WINDOW:
-        m_i, l_i, acc = _attend_keys(
-            q, m_i, l_i, acc, qk_scale, q_pos, window, lo, mid, hi, table_row, k_base, v_base, offs_n, offs_d,
-            d_mask, stride_tn, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, BLOCK_N,
-            BLOCK_SIZE, True, WINDOW, DOT_PRECISION)
-    m_i, l_i, acc = _attend_keys(
-        q, m_i, l_i, acc, qk_scale, q_pos, window, mid, diag, hi, table_row, k_base, v_base, offs_n, offs_d,
-        d_mask, stride_tn, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, BLOCK_N,
-        BLOCK_SIZE, False, WINDOW, DOT_PRECISION)
-    m_i, l_i, acc = _attend_keys(
-        q, m_i, l_i, acc, qk_scale, q_pos, window, diag, hi, hi, table_row, k_base, v_base, offs_n, offs_d,
-        d_mask, stride_tn, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd, BLOCK_N,
-        BLOCK_SIZE, True, WINDOW, DOT_PRECISION)
+    if NEW_KV:
+        # the cached prefix [0, ctx) through the block table: every row sees all of it but the window
+        lo, mid, whole_end = _phases(0, ctx, first_vis, all_vis, ctx, BLOCK_N)
+        lim = tl.zeros_like(q_pos) + (ctx - 1)
+        if WINDOW:
+            m_i, l_i, acc = _attend_cached(
+                q, m_i, l_i, acc, qk_scale, lim, key_lo, lo, mid, ctx, table_row, k_base, v_base, offs_n,
+                offs_d, d_mask, stride_tn, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+                BLOCK_N, BLOCK_SIZE, True, WINDOW, DOT_PRECISION)
+        m_i, l_i, acc = _attend_cached(
+            q, m_i, l_i, acc, qk_scale, lim, key_lo, mid, whole_end, ctx, table_row, k_base, v_base, offs_n,
+            offs_d, d_mask, stride_tn, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+            BLOCK_N, BLOCK_SIZE, False, WINDOW, DOT_PRECISION)
+        m_i, l_i, acc = _attend_cached(
+            q, m_i, l_i, acc, qk_scale, lim, key_lo, whole_end, ctx, ctx, table_row, k_base, v_base, offs_n,
+            offs_d, d_mask, stride_tn, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+            BLOCK_N, BLOCK_SIZE, True, WINDOW, DOT_PRECISION)
+        # the chunk's own keys [ctx, hi) from its new K/V rows, causal
+        lo, mid, diag = _phases(ctx, hi, first_vis, all_vis, first_pos, BLOCK_N)
+        col = kvh * HEAD_DIM
+        if WINDOW:
+            m_i, l_i, acc = _attend_new(q, m_i, l_i, acc, qk_scale, q_pos, key_lo, lo, mid, ctx, q_lo, col,
+                                        K_NEW, V_NEW, offs_n, BLOCK_N, True, WINDOW, DOT_PRECISION)
+        m_i, l_i, acc = _attend_new(q, m_i, l_i, acc, qk_scale, q_pos, key_lo, mid, diag, ctx, q_lo, col,
+                                    K_NEW, V_NEW, offs_n, BLOCK_N, False, WINDOW, DOT_PRECISION)
+        m_i, l_i, acc = _attend_new(q, m_i, l_i, acc, qk_scale, q_pos, key_lo, diag, hi, ctx, q_lo, col,
+                                    K_NEW, V_NEW, offs_n, BLOCK_N, True, WINDOW, DOT_PRECISION)
+    else:
+        # every key [0, hi) through the block table, causal
+        lo, mid, diag = _phases(0, hi, first_vis, all_vis, first_pos, BLOCK_N)
+        if WINDOW:
+            m_i, l_i, acc = _attend_cached(
+                q, m_i, l_i, acc, qk_scale, q_pos, key_lo, lo, mid, hi, table_row, k_base, v_base, offs_n,
+                offs_d, d_mask, stride_tn, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+                BLOCK_N, BLOCK_SIZE, True, WINDOW, DOT_PRECISION)
+        m_i, l_i, acc = _attend_cached(
+            q, m_i, l_i, acc, qk_scale, q_pos, key_lo, mid, diag, hi, table_row, k_base, v_base, offs_n,
+            offs_d, d_mask, stride_tn, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+            BLOCK_N, BLOCK_SIZE, False, WINDOW, DOT_PRECISION)
+        m_i, l_i, acc = _attend_cached(
+            q, m_i, l_i, acc, qk_scale, q_pos, key_lo, diag, hi, hi, table_row, k_base, v_base, offs_n,
+            offs_d, d_mask, stride_tn, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
+            BLOCK_N, BLOCK_SIZE, True, WINDOW, DOT_PRECISION)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]                 # every valid row sees its own key
     tl.store(OUT + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
@@ -188,18 +252,20 @@ def _paged_prefill_kernel(
 
 # direct launches after the first call of a specialisation (kernels/launch_cache.py): the JIT's per-call
 # argument binding costs more host time than a small prefill kernel runs
-_prefill = CachedLauncher(_paged_prefill_kernel, num_tensors=7)
+_prefill = CachedLauncher(_paged_prefill_kernel, num_tensors=9)
 
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    block_m: int     # rows of a tile: query positions x padded group heads (BLOCK_Q = block_m // GROUP_PAD)
+    block_m: int     # rows of a tile: query positions x heads (BLOCK_Q = block_m // heads per tile)
     block_n: int     # key positions per tile
     num_warps: int
     num_stages: int
+    pack_group: bool = True  # a tile's rows hold every head of the KV head's group (else one query head)
 
 
-# The configs shipped, by the widest head dim each serves (fp16/bf16; fp32 halves block_n):
+# The configs shipped, by the widest head dim each serves (fp16/bf16; fp32 halves block_n). Keys read
+# through the block table only:
 CONFIGS = (
     # D <= 64: 128-row tiles of 64 keys over 8 warps (two warpgroups of 64 rows): the fastest of the swept
     # configs on all four benchmark shapes (docs/kernel.md)
@@ -210,37 +276,68 @@ CONFIGS = (
     # D <= 256: a 64-row tile and two stages keep the accumulator in registers and K/V in shared memory
     (256, PrefillConfig(64, 32, 4, 2)),
 )
+# With the chunks' own K/V rows (tensor-memory copies for the new keys, the block table for the prefix):
+NEW_KV_CONFIGS = (
+    (64, PrefillConfig(64, 64, 4, 3)),
+    (128, PrefillConfig(64, 64, 4, 3)),
+    (256, PrefillConfig(64, 32, 4, 2)),
+)
 # The interpreter (CPU) runs numpy per tile op: small tiles keep the tests' multi-tile paths short and fast
 INTERPRETER_CONFIG = PrefillConfig(16, 16, 1, 1)
 
 
-def default_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> PrefillConfig:
+def default_config(head_dim: int, dtype: torch.dtype, device: torch.device, new_kv: bool = False
+                   ) -> PrefillConfig:
     if device.type != "cuda":
         return INTERPRETER_CONFIG
-    cfg = next(c for d, c in CONFIGS if head_dim <= d)
+    cfg = next(c for d, c in (NEW_KV_CONFIGS if new_kv else CONFIGS) if head_dim <= d)
     if dtype == torch.float32:  # twice the bytes per K/V tile: half the tile keeps the stages in smem
-        cfg = PrefillConfig(cfg.block_m, cfg.block_n // 2, cfg.num_warps, 2)
+        cfg = dataclasses.replace(cfg, block_n=cfg.block_n // 2, num_stages=2)
     return cfg
 
 
+def new_kv_descriptors(k: torch.Tensor | None, v: torch.Tensor | None, block_n: int):
+    """Tensor descriptors of the new tokens' K/V rows (T, Hkv, D) as (T, Hkv * D) with (block_n, D) tiles, or
+    (None, None) where their layout or the device rules out tensor-memory copies: they need a head dim that
+    is a power of two, contiguous heads, 16-byte aligned rows and a Hopper or newer GPU (or the
+    interpreter)."""
+    if k is None or v is None:
+        return None, None
+    d = k.shape[2]
+    on_cuda = k.is_cuda and torch.cuda.get_device_capability(k.device)[0] >= 9
+    if not (on_cuda or (k.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")):
+        return None, None
+    if d & (d - 1) or d < 16 or d > 256:
+        return None, None
+    descs = []
+    for x in (k, v):
+        size = x.element_size()
+        if (x.stride(2) != 1 or x.stride(1) != d or (x.stride(0) * size) % 16 or x.data_ptr() % 16
+                or x.shape[0] == 0):
+            return None, None
+        descs.append(TensorDescriptor(x, [x.shape[0], x.shape[1] * d], [x.stride(0), 1], [block_n, d]))
+    return descs[0], descs[1]
+
+
 def _launch(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale, sliding_window,
-            cfg: PrefillConfig):
+            cfg: PrefillConfig, k_new, v_new):
     t, hq, d = q.shape
     hkv, block_size = k_cache.shape[2], k_cache.shape[1]
     num_chunks = seq_lens.shape[0]
     group = hq // hkv
-    group_pad = triton.next_power_of_2(group)
-    block_m = max(cfg.block_m, group_pad, 16)                       # tl.dot needs >= 16 rows
-    block_q = block_m // group_pad
-    grid = (t // block_q + num_chunks, hkv)
+    heads = group if cfg.pack_group else 1
+    heads_pad = triton.next_power_of_2(heads)
+    block_m = max(cfg.block_m, heads_pad, 16)                       # tl.dot needs >= 16 rows
+    block_q = block_m // heads_pad
+    grid = (t // block_q + num_chunks, hq // heads)
     _prefill(
-        grid, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        grid, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, k_new, v_new,
         scale * LOG2E, 0 if sliding_window is None else int(sliding_window), num_chunks,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, HEAD_DIM=d,
-        HEAD_DIM_PAD=triton.next_power_of_2(d), BLOCK_SIZE=block_size,
+        GROUP=group, HEADS=heads, HEADS_PAD=heads_pad, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n,
+        HEAD_DIM=d, HEAD_DIM_PAD=triton.next_power_of_2(d), BLOCK_SIZE=block_size,
         CHUNKS_PAD=max(MIN_CHUNKS_PAD, triton.next_power_of_2(num_chunks + 1)),
-        WINDOW=sliding_window is not None,
+        WINDOW=sliding_window is not None, NEW_KV=k_new is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -248,16 +345,21 @@ def _launch(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, s
 
 
 def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale=None,
-                                   sliding_window=None, out=None, config: PrefillConfig | None = None):
+                                   sliding_window=None, out=None, k=None, v=None,
+                                   config: PrefillConfig | None = None):
     """Checked public wrapper: out (T, Hq, D); kernels.prefill_dispatch.check_prefill_inputs says what it
-    takes. `config` overrides the shipped tile config (benchmarks and tests)."""
+    takes. k, v (T, Hkv, D): the new tokens' K/V rows as stored in the cache (optional); where
+    new_kv_descriptors takes them, each chunk's own keys are read from them and only its cached prefix
+    through the block table. `config` overrides the shipped tile config (benchmarks and tests)."""
     check_prefill_inputs("triton", q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-                         sliding_window)
+                         sliding_window, k, v)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if q.shape[0] == 0 or seq_lens.shape[0] == 0:
         return out
-    cfg = config or default_config(q.shape[2], q.dtype, q.device)
+    usable = new_kv_descriptors(k, v, 16)[0] is not None
+    cfg = config or default_config(q.shape[2], q.dtype, q.device, new_kv=usable)
+    k_new, v_new = new_kv_descriptors(k, v, cfg.block_n) if usable else (None, None)
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     return _launch(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale, sliding_window,
-                   cfg)
+                   cfg, k_new, v_new)

@@ -14,29 +14,34 @@ _paged_prefill_triton = None
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale=None,
-                            sliding_window=None, backend="auto", out=None):
+                            sliding_window=None, backend="auto", out=None, k=None, v=None):
     """Causal attention of prefill chunks through their block tables: q (T, Hq, D) -> (T, Hq, D).
 
     Chunk i is rows [query_start_loc[i], query_start_loc[i + 1]) of q; its queries are the last n_i of the
     seq_lens[i] tokens of its sequence in the cache (their K/V already stored). query_start_loc[0] may be
     above 0; rows of `out` outside [qsl[0], qsl[C]) are not written. block_tables (C, max_blocks)
     int32, query_start_loc (C + 1,) int32, seq_lens (C,) int32, all on q's device.
+    k, v (T, Hkv, D), optional: the same new tokens' K/V rows as stored (row r of k is the key of q's row r;
+    strided views of the qkv projection's output do). The Triton kernel then reads each chunk's own keys
+    from them where their layout allows tensor-memory copies, and only the cached prefix through the block
+    table; the result is the same (the reference reads the cache).
     """
     chosen = resolve_backend(q.device, backend)
     if chosen == "triton":
         return _triton_prefill()(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale=scale,
-                                 sliding_window=sliding_window, out=out)
+                                 sliding_window=sliding_window, out=out, k=k, v=v)
     check_prefill_inputs(chosen, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-                         sliding_window)
+                         sliding_window, k, v)
     return reference.paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, query_start_loc,
                                                        seq_lens, scale=scale, sliding_window=sliding_window,
                                                        out=out)
 
 
 def check_prefill_inputs(backend, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-                         sliding_window) -> None:
+                         sliding_window, k=None, v=None) -> None:
     """ValueError unless `backend` takes this call: kernels.checks.check_attention_inputs, plus C chunks
-    described by int32 block_tables (C, nb), query_start_loc (C + 1,) and seq_lens (C,).
+    described by int32 block_tables (C, nb), query_start_loc (C + 1,) and seq_lens (C,), and the new K/V rows
+    k, v (T, Hkv, D) of the cache's dtype on q's device, both or neither.
     The chunks' contents (n_i <= seq_lens[i], query_start_loc[C] == T) are the caller's contract: checking
     them would cost a device sync."""
     check_attention_inputs(backend, q, k_cache, v_cache, (block_tables, query_start_loc, seq_lens), out)
@@ -54,6 +59,14 @@ def check_prefill_inputs(backend, q, k_cache, v_cache, block_tables, query_start
         raise ValueError("query_start_loc and seq_lens must be contiguous")
     if sliding_window is not None and int(sliding_window) < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if (k is None) != (v is None):
+        raise ValueError("k and v (the new tokens' K/V rows) go together: pass both or neither")
+    if k is not None:
+        want = (q.shape[0], k_cache.shape[2], k_cache.shape[3])
+        for name, x in (("k", k), ("v", v)):
+            if tuple(x.shape) != want or x.dtype != k_cache.dtype or x.device != q.device:
+                raise ValueError(f"{name} must be {want} {k_cache.dtype} on {q.device}, got "
+                                 f"{tuple(x.shape)} {x.dtype} on {x.device}")
 
 
 def _triton_prefill():

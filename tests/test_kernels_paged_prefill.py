@@ -1,6 +1,7 @@
 """Triton paged-prefill kernel vs the fp64 reference through the Triton interpreter on CPU; the reference vs
 SDPA on contiguous K/V; the dispatch's backends and checks. `out` is poisoned with NaN before each run."""
 
+import dataclasses
 import os
 
 import pytest
@@ -62,14 +63,63 @@ def test_kernel_matches_reference(lens, new, hq, hkv, d, bs, dtype, win):
     assert err <= TOLERANCE[dtype], f"relative error {err:.2e}"
 
 
+def new_kv_rows(case, q, qsl, hq, wide=True):
+    """The chunks' new tokens' K/V gathered from the cache as the qkv projection holds them: (T, Hkv, D)
+    strided views of one (T, (Hq + 2 Hkv) D) tensor (wide=False: contiguous tensors). Their cache slots are
+    then poisoned with NaN, so a kernel that reads the new keys through the block table fails."""
+    t, (hkv, d) = q.shape[0], case.k_cache.shape[2:]
+    rows = torch.randn(t, hq + 2 * hkv, d, dtype=q.dtype, device=q.device)
+    k, v = rows[:, hq:hq + hkv], rows[:, hq + hkv:]
+    bs = case.k_cache.shape[1]
+    tables, lens, starts = case.block_tables.tolist(), case.seq_lens.tolist(), qsl.tolist()
+    r, blk, off = [], [], []
+    for i, (lo, hi) in enumerate(zip(starts, starts[1:], strict=False)):
+        for row, pos in zip(range(lo, hi), range(lens[i] - (hi - lo), lens[i]), strict=True):
+            r.append(row)
+            blk.append(tables[i][pos // bs])
+            off.append(pos % bs)
+    r, blk, off = (torch.tensor(x, dtype=torch.long, device=q.device) for x in (r, blk, off))
+    k[r], v[r] = case.k_cache[blk, off], case.v_cache[blk, off]
+    case.k_cache[blk, off] = float("nan")
+    case.v_cache[blk, off] = float("nan")
+    return (k, v) if wide else (k.contiguous(), v.contiguous())
+
+
+@interpreter_only
+@pytest.mark.parametrize("lens,new,hq,hkv,d,bs,dtype,win", GRID)
+@pytest.mark.parametrize("pack_group", [True, False])
+def test_kernel_reads_the_new_keys_from_their_rows(lens, new, hq, hkv, d, bs, dtype, win, pack_group):
+    """With the new tokens' K/V rows passed, the chunks' own keys come from them (their cache slots hold NaN)
+    and the prefix from the cache; head dim 80 (no tensor descriptor) reads everything from the cache, so
+    there the rows are passed but the cache keeps its keys."""
+    from kernels.paged_prefill import INTERPRETER_CONFIG, new_kv_descriptors
+    case, q, qsl = make_prefill_case(lens, new, hq, hkv, d, bs, dtype=dtype, seed=sum(lens) + d)
+    ref = reference_fp64(case, q, qsl, sliding_window=win)
+    if new_kv_descriptors(case.k_cache[0], case.v_cache[0], 16)[0] is None:  # D 80
+        k, v = torch.zeros(q.shape[0], hkv, d, dtype=dtype), torch.zeros(q.shape[0], hkv, d, dtype=dtype)
+    else:
+        k, v = new_kv_rows(case, q, qsl, hq, wide=bs != 1)
+    cfg = dataclasses.replace(INTERPRETER_CONFIG, pack_group=pack_group)
+    out = run_triton(case, q, qsl, sliding_window=win, k=k, v=v, config=cfg)
+    err = rel_error(out, ref)
+    assert err <= TOLERANCE[dtype], f"relative error {err:.2e}"
+
+
 @interpreter_only
 @pytest.mark.parametrize("block_m,block_n", [(16, 64), (64, 16)])
 def test_tile_sizes_are_independent_of_block_size(block_m, block_n):
     from kernels.paged_prefill import PrefillConfig
     case, q, qsl = make_prefill_case([90, 37], [41, 37], 8, 2, 64, 32, seed=block_n)
+    refs = {win: reference_fp64(case, q, qsl, sliding_window=win) for win in (None, 23)}
     for win in (None, 23):
         out = run_triton(case, q, qsl, config=PrefillConfig(block_m, block_n, 4, 1), sliding_window=win)
-        assert rel_error(out, reference_fp64(case, q, qsl, sliding_window=win)) <= 1e-5
+        assert rel_error(out, refs[win]) <= 1e-5
+    k, v = new_kv_rows(case, q, qsl, 8)
+    for win in (None, 23):
+        for pack in (True, False):
+            cfg = PrefillConfig(block_m, block_n, 4, 1, pack_group=pack)
+            out = run_triton(case, q, qsl, config=cfg, sliding_window=win, k=k, v=v)
+            assert rel_error(out, refs[win]) <= 1e-5, (win, pack)
 
 
 @interpreter_only
@@ -108,6 +158,16 @@ def test_chunks_offset_into_a_larger_batch_leave_other_rows_alone(backend):
     assert out[:lead].isnan().all() and out[lead + q.shape[0]:].isnan().all()
     ref = reference_fp64(case, q, qsl)
     assert rel_error(out[lead:lead + q.shape[0]], ref) <= 1e-5
+    # the new K/V rows of the same flat batch: row lead + r holds chunk row r's key
+    k, v = new_kv_rows(case, q, qsl, 8)
+    big_k, big_v = (torch.cat([torch.randn(lead, *x.shape[1:]), x, torch.randn(tail, *x.shape[1:])])
+                    for x in (k, v))
+    out = torch.full_like(big_q, float("nan"))
+    paged_prefill_attention(big_q, case.k_cache, case.v_cache, case.block_tables, qsl + lead, case.seq_lens,
+                            backend=backend, out=out, k=big_k, v=big_v)
+    assert out[:lead].isnan().all() and out[lead + q.shape[0]:].isnan().all()
+    if backend == "triton":  # (the reference reads the cache, whose new slots new_kv_rows poisoned)
+        assert rel_error(out[lead:lead + q.shape[0]], ref) <= 1e-5
 
 
 def test_reference_matches_sdpa_on_contiguous_kv():
@@ -145,16 +205,21 @@ def test_torch_backend_is_the_reference():
     (dict(q=lambda q: q.half()), "must share a dtype"),
     (dict(sliding_window=0), "sliding_window must be"),
     (dict(backend="cuda"), "backend must be one of"),
+    (dict(kv=lambda k, v: (k, None)), "k and v .* go together"),
+    (dict(kv=lambda k, v: (k[1:], v[1:])), r"k must be \(14, 2, 32\)"),
+    (dict(kv=lambda k, v: (k, v.half())), "v must be"),
 ])
-def test_bad_inputs_raise(change, message):
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=interpreter_only)])
+def test_bad_inputs_raise(change, message, backend):
     case, q, qsl = make_prefill_case([10, 4], [10, 4], 4, 2, 32, 8)
     tables = change.get("block_tables", lambda c: c.block_tables)(case)
     qsl = change.get("qsl", lambda x: x)(qsl)
     q = change.get("q", lambda x: x)(q)
+    k, v = change.get("kv", lambda k, v: (None, None))(torch.zeros(14, 2, 32), torch.zeros(14, 2, 32))
     with pytest.raises(ValueError, match=message):
         paged_prefill_attention(q, case.k_cache, case.v_cache, tables, qsl, case.seq_lens,
                                 sliding_window=change.get("sliding_window"),
-                                backend=change.get("backend", "torch"))
+                                backend=change.get("backend", backend), k=k, v=v)
 
 
 BF16 = torch.bfloat16
@@ -170,11 +235,19 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_gpu_grid(dtype, hq, hkv, d, bs, win):
     lens, new = [1000, 4097, 17, 1, 300, 64], [1000, 129, 17, 1, 0, 1]
     case, q, qsl = make_prefill_case(lens, new, hq, hkv, d, bs, dtype=dtype, seed=d + bs, device="cuda")
+    ref = reference_fp64(case, q, qsl, sliding_window=win)
     out = torch.full_like(q, float("nan"))
     paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, qsl, case.seq_lens,
                             sliding_window=win, out=out)
-    err = rel_error(out, reference_fp64(case, q, qsl, sliding_window=win))
+    err = rel_error(out, ref)
     assert err <= TOLERANCE[dtype], f"relative error {err:.2e}"
+    k, v = new_kv_rows(case, q, qsl, hq)  # poisons the cache's new slots
+    if d in (64, 128, 256):   # tensor descriptors read the new keys; else the poisoned cache would show
+        out = torch.full_like(q, float("nan"))
+        paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, qsl, case.seq_lens,
+                                sliding_window=win, out=out, k=k, v=v)
+        err = rel_error(out, ref)
+        assert err <= TOLERANCE[dtype], f"new K/V rows: relative error {err:.2e}"
 
 
 @pytest.mark.gpu
@@ -182,6 +255,28 @@ def test_gpu_grid(dtype, hq, hkv, d, bs, win):
 def test_gpu_many_small_chunks():
     """The prefix-cache-hit step: 32 chunks x 16 new tokens over 496 cached each, bf16."""
     case, q, qsl = make_prefill_case([512] * 32, [16] * 32, 32, 8, 128, 16, dtype=BF16, device="cuda")
+    ref = reference_fp64(case, q, qsl)
     out = torch.full_like(q, float("nan"))
     paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, qsl, case.seq_lens, out=out)
-    assert rel_error(out, reference_fp64(case, q, qsl)) <= TOLERANCE[BF16]
+    assert rel_error(out, ref) <= TOLERANCE[BF16]
+    k, v = new_kv_rows(case, q, qsl, 32)
+    out = torch.full_like(q, float("nan"))
+    paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, qsl, case.seq_lens, out=out,
+                            k=k, v=v)
+    assert rel_error(out, ref) <= TOLERANCE[BF16]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_new_kv_rows_of_one_token_and_the_direct_launch():
+    """A one-row step (tensor descriptors over one row, tiles past it zero-filled), then the cached direct
+    launch of the same specialisation on new data."""
+    for lens, new in (([1], [1]), ([37, 300], [37, 45])):
+        case, q, qsl = make_prefill_case(lens, new, 32, 8, 128, 16, dtype=BF16, seed=len(lens), device="cuda")
+        ref = reference_fp64(case, q, qsl)
+        k, v = new_kv_rows(case, q, qsl, 32)
+        for _ in range(2):
+            out = torch.full_like(q, float("nan"))
+            paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, qsl, case.seq_lens,
+                                    out=out, k=k, v=v)
+            assert rel_error(out, ref) <= TOLERANCE[BF16], lens

@@ -74,7 +74,7 @@ class PagedAttention:
             self._decode(q[:nd], k_cache, v_cache, out=out[:nd])
         p = meta.prefill  # its query_start_loc indexes the whole flat batch
         paged_prefill_attention(q, k_cache, v_cache, p.block_tables, p.query_start_loc, p.seq_lens,
-                                sliding_window=self.sliding_window, backend=self.backend, out=out)
+                                sliding_window=self.sliding_window, backend=self.backend, out=out, k=k, v=v)
         return out
 
     def _decode(self, q, k_cache, v_cache, out=None) -> torch.Tensor:
@@ -125,8 +125,12 @@ def warm_up_attention(kv: KVCacheTensors, sliding_window: int | None, max_num_se
         lens = torch.zeros(batch, dtype=torch.int32, device=device)
         kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, sliding_window=sliding_window,
                                        num_splits=splits, workspace=workspace)
-    q = torch.zeros(1, num_q_heads, d, dtype=k_cache.dtype, device=device)              # (T=1, Hq, D)
+    # the prefill kernel as steps call it: q, k, v strided views of one qkv row (T=1)
+    hkv = k_cache.shape[2]
+    qkv = torch.zeros(1, num_q_heads + 2 * hkv, d, dtype=k_cache.dtype, device=device)
+    q, k, v = qkv.split([num_q_heads, hkv, hkv], dim=1)
     tables = torch.zeros(1, max_blocks, dtype=torch.int32, device=device)
     qsl = torch.tensor([0, 1], dtype=torch.int32, device=device)
-    paged_prefill_attention(q, k_cache, v_cache, tables, qsl, qsl[1:], sliding_window=sliding_window)
+    paged_prefill_attention(q, k_cache, v_cache, tables, qsl, qsl[1:], sliding_window=sliding_window, k=k,
+                            v=v)
     return len(first_batch)
