@@ -86,23 +86,44 @@ def _kv_tiles(k_base, v_base, blk, key_pos, hi, offs_d, d_mask, stride_kb, strid
 
 
 @triton.jit
+def _cached_tile(q, m_i, l_i, acc, qk_scale, key_lim, key_lo, start, blk, hi, table_row, k_base, v_base,
+                 offs_n, offs_d, d_mask, stride_tn, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt,
+                 stride_vd, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
+                 WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The tile at start, its blocks blk already loaded; -> the state and the next tile's blocks."""
+    key_pos = start + offs_n
+    k, v = _kv_tiles(k_base, v_base, blk, key_pos, hi, offs_d, d_mask, stride_kb, stride_kt, stride_kd,
+                     stride_vb, stride_vt, stride_vd, BLOCK_SIZE)
+    blk = _tile_blocks(table_row, key_pos + BLOCK_N, hi, stride_tn, BLOCK_SIZE)
+    m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, qk_scale, key_pos, key_lim, key_lo, MASKED, WINDOW,
+                            DOT_PRECISION)
+    return m_i, l_i, acc, blk
+
+
+@triton.jit
 def _attend_cached(q, m_i, l_i, acc, qk_scale, key_lim, key_lo, lo, end, hi, table_row, k_base, v_base,
                    offs_n, offs_d, d_mask, stride_tn, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt,
                    stride_vd, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
-                   WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGES: tl.constexpr):
     """Online softmax over the key tiles at positions lo, lo + BN, ... below end, read through the block
     table (positions >= hi are not loaded). Each tile's block ids are loaded one tile ahead, so its K/V
     addresses come from registers, not from a load in the same iteration: the software pipeline then
     overlaps the K/V copies with the tile before (H200, D 64: 8 x 1024 new over 4096 cached 997 -> 860 us,
-    over 0 cached 159 -> 142 us; docs/kernel.md)."""
+    over 0 cached 159 -> 142 us; docs/kernel.md). STAGES 0: the kernel's pipeline depth; n: the loop's own
+    (an explicit depth equal to the kernel's ran slower than the implicit one on an H200, hence the 0)."""
     blk = _tile_blocks(table_row, lo + offs_n, hi, stride_tn, BLOCK_SIZE)
-    for start in range(lo, end, BLOCK_N):
-        key_pos = start + offs_n
-        k, v = _kv_tiles(k_base, v_base, blk, key_pos, hi, offs_d, d_mask, stride_kb, stride_kt, stride_kd,
-                         stride_vb, stride_vt, stride_vd, BLOCK_SIZE)
-        blk = _tile_blocks(table_row, key_pos + BLOCK_N, hi, stride_tn, BLOCK_SIZE)
-        m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, qk_scale, key_pos, key_lim, key_lo, MASKED, WINDOW,
-                                DOT_PRECISION)
+    if STAGES == 0:
+        for start in range(lo, end, BLOCK_N):
+            m_i, l_i, acc, blk = _cached_tile(
+                q, m_i, l_i, acc, qk_scale, key_lim, key_lo, start, blk, hi, table_row, k_base, v_base,
+                offs_n, offs_d, d_mask, stride_tn, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt,
+                stride_vd, BLOCK_N, BLOCK_SIZE, MASKED, WINDOW, DOT_PRECISION)
+    else:
+        for start in tl.range(lo, end, BLOCK_N, num_stages=STAGES):
+            m_i, l_i, acc, blk = _cached_tile(
+                q, m_i, l_i, acc, qk_scale, key_lim, key_lo, start, blk, hi, table_row, k_base, v_base,
+                offs_n, offs_d, d_mask, stride_tn, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt,
+                stride_vd, BLOCK_N, BLOCK_SIZE, MASKED, WINDOW, DOT_PRECISION)
     return m_i, l_i, acc
 
 
@@ -150,7 +171,7 @@ def _paged_prefill_kernel(
     GROUP: tl.constexpr, HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNKS_PAD: tl.constexpr,
-    WINDOW: tl.constexpr, NEW_KV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr, NEW_KV: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFIX_STAGES: tl.constexpr,
 ):
     # tiles in reverse: the last tiles of a chunk, which see the most keys, start first and the tail is short
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -209,15 +230,15 @@ def _paged_prefill_kernel(
             m_i, l_i, acc = _attend_cached(
                 q, m_i, l_i, acc, qk_scale, lim, key_lo, lo, mid, ctx, table_row, k_base, v_base, offs_n,
                 offs_d, d_mask, stride_tn, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-                BLOCK_N, BLOCK_SIZE, True, WINDOW, DOT_PRECISION)
+                BLOCK_N, BLOCK_SIZE, True, WINDOW, DOT_PRECISION, PREFIX_STAGES)
         m_i, l_i, acc = _attend_cached(
             q, m_i, l_i, acc, qk_scale, lim, key_lo, mid, whole_end, ctx, table_row, k_base, v_base, offs_n,
             offs_d, d_mask, stride_tn, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-            BLOCK_N, BLOCK_SIZE, False, WINDOW, DOT_PRECISION)
+            BLOCK_N, BLOCK_SIZE, False, WINDOW, DOT_PRECISION, PREFIX_STAGES)
         m_i, l_i, acc = _attend_cached(
             q, m_i, l_i, acc, qk_scale, lim, key_lo, whole_end, ctx, ctx, table_row, k_base, v_base, offs_n,
             offs_d, d_mask, stride_tn, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-            BLOCK_N, BLOCK_SIZE, True, WINDOW, DOT_PRECISION)
+            BLOCK_N, BLOCK_SIZE, True, WINDOW, DOT_PRECISION, PREFIX_STAGES)
         # the chunk's own keys [ctx, hi) from its new K/V rows, causal
         lo, mid, diag = _phases(ctx, hi, first_vis, all_vis, first_pos, BLOCK_N)
         col = kvh * HEAD_DIM
@@ -235,15 +256,15 @@ def _paged_prefill_kernel(
             m_i, l_i, acc = _attend_cached(
                 q, m_i, l_i, acc, qk_scale, q_pos, key_lo, lo, mid, hi, table_row, k_base, v_base, offs_n,
                 offs_d, d_mask, stride_tn, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-                BLOCK_N, BLOCK_SIZE, True, WINDOW, DOT_PRECISION)
+                BLOCK_N, BLOCK_SIZE, True, WINDOW, DOT_PRECISION, 0)
         m_i, l_i, acc = _attend_cached(
             q, m_i, l_i, acc, qk_scale, q_pos, key_lo, mid, diag, hi, table_row, k_base, v_base, offs_n,
             offs_d, d_mask, stride_tn, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-            BLOCK_N, BLOCK_SIZE, False, WINDOW, DOT_PRECISION)
+            BLOCK_N, BLOCK_SIZE, False, WINDOW, DOT_PRECISION, 0)
         m_i, l_i, acc = _attend_cached(
             q, m_i, l_i, acc, qk_scale, q_pos, key_lo, diag, hi, hi, table_row, k_base, v_base, offs_n,
             offs_d, d_mask, stride_tn, stride_kb, stride_kt, stride_kd, stride_vb, stride_vt, stride_vd,
-            BLOCK_N, BLOCK_SIZE, True, WINDOW, DOT_PRECISION)
+            BLOCK_N, BLOCK_SIZE, True, WINDOW, DOT_PRECISION, 0)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]                 # every valid row sees its own key
     tl.store(OUT + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
@@ -262,6 +283,10 @@ class PrefillConfig:
     num_warps: int
     num_stages: int
     pack_group: bool = True  # a tile's rows hold every head of the KV head's group (else one query head)
+    # pipeline depth of the loops over the cached prefix when the new keys come from their K/V rows (None:
+    # num_stages): in one kernel the prefix loops' registers and the new-key loop's add up, and a shallower
+    # prefix pipeline leaves the new-key loop more (docs/kernel.md)
+    prefix_stages: int | None = None
 
 
 # The configs shipped, by the widest head dim each serves (fp16/bf16; fp32 halves block_n). Keys read
@@ -276,11 +301,13 @@ CONFIGS = (
     # D <= 256: a 64-row tile and two stages keep the accumulator in registers and K/V in shared memory
     (256, PrefillConfig(64, 32, 4, 2)),
 )
-# With the chunks' own K/V rows (tensor-memory copies for the new keys, the block table for the prefix):
+# With the chunks' own K/V rows (tensor-memory copies for the new keys, the block table for the prefix), the
+# prefix loops unpipelined: of the swept configs the ones whose slowest benchmark shape is fastest against
+# SDPA (H200 sweep in docs/kernel.md; a pipelined prefix cost the no-prefix shape ~20% in registers)
 NEW_KV_CONFIGS = (
-    (64, PrefillConfig(64, 64, 4, 3)),
-    (128, PrefillConfig(64, 64, 4, 3)),
-    (256, PrefillConfig(64, 32, 4, 2)),
+    (64, PrefillConfig(128, 64, 8, 3, prefix_stages=1)),
+    (128, PrefillConfig(64, 32, 4, 3, prefix_stages=1)),
+    (256, PrefillConfig(64, 32, 4, 2, prefix_stages=1)),
 )
 # The interpreter (CPU) runs numpy per tile op: small tiles keep the tests' multi-tile paths short and fast
 INTERPRETER_CONFIG = PrefillConfig(16, 16, 1, 1)
@@ -338,7 +365,7 @@ def _launch(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, s
         HEAD_DIM=d, HEAD_DIM_PAD=triton.next_power_of_2(d), BLOCK_SIZE=block_size,
         CHUNKS_PAD=max(MIN_CHUNKS_PAD, triton.next_power_of_2(num_chunks + 1)),
         WINDOW=sliding_window is not None, NEW_KV=k_new is not None,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PREFIX_STAGES=cfg.prefix_stages or 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -40,12 +40,11 @@ BLOCK_SIZE = 16
 SHAPES = [(8, 1024, 0), (8, 1024, 4096), (64, 128, 512), (32, 16, 496)]  # chunks, new tokens, cached tokens
 HEAD_DIMS = (64, 128)
 DECODE_SHAPES = [(64, 2048), (256, 1024)]                  # sequences, context (the new token included)
-# (with the K/V rows) block_m, block_n, warps, stages, and whether a tile packs the group's heads
-SWEEP_CONFIGS = [PrefillConfig(64, 64, 4, 3, False), PrefillConfig(64, 64, 4, 3, True),
-                 PrefillConfig(64, 128, 4, 3, False), PrefillConfig(64, 64, 4, 4, False),
-                 PrefillConfig(64, 32, 4, 4, False), PrefillConfig(128, 64, 8, 3, False),
-                 PrefillConfig(128, 64, 8, 3, True), PrefillConfig(128, 32, 4, 4, True),
-                 PrefillConfig(64, 32, 4, 3, True)]
+# (with the K/V rows) block_m, block_n, warps, stages, whether a tile packs the group's heads, prefix stages
+SWEEP_CONFIGS = [PrefillConfig(*c) for c in (
+    (64, 64, 4, 3, False, 1), (64, 64, 4, 3, True, 1), (64, 32, 4, 3, True, 1), (64, 64, 4, 3, True, 3),
+    (64, 64, 4, 3, True, 2), (64, 32, 4, 3, True, 3), (64, 32, 4, 4, True, 1), (128, 64, 8, 3, True, 3),
+    (128, 64, 8, 3, True, 2), (128, 64, 8, 3, True, 1))]
 TOL = 1e-2
 
 
@@ -219,7 +218,7 @@ def table(rows, decode_rows) -> str:
         if timed:
             best = min(timed, key=timed.get)
             lines.append(f"sweep {r['chunks']}x{r['new']} over {r['cached']} D={r['head_dim']}: best "
-                         f"(block_m, block_n, warps, stages, pack_group) = {best} {timed[best]:.1f} us")
+                         f"config {best} {timed[best]:.1f} us")
     lines.append(f"{'decode rows':>22} {'D':>4} {'decode us':>10} {'prefill us':>11}")
     for r in decode_rows:
         lines.append(f"{r['batch']:>12} x {r['ctx']:>7} {r['head_dim']:>4} {r['decode_kernel_us']:10.1f} "
