@@ -305,7 +305,7 @@ CONFIGS = (
 # prefix loops unpipelined: of the swept configs the ones whose slowest benchmark shape is fastest against
 # SDPA (H200 sweep in docs/kernel.md; a pipelined prefix cost the no-prefix shape ~20% in registers)
 NEW_KV_CONFIGS = (
-    (64, PrefillConfig(128, 64, 8, 3, prefix_stages=1)),
+    (64, PrefillConfig(128, 64, 8, 3, prefix_stages=2)),
     (128, PrefillConfig(64, 32, 4, 3, prefix_stages=1)),
     (256, PrefillConfig(64, 32, 4, 2, prefix_stages=1)),
 )
@@ -323,27 +323,30 @@ def default_config(head_dim: int, dtype: torch.dtype, device: torch.device, new_
     return cfg
 
 
-def new_kv_descriptors(k: torch.Tensor | None, v: torch.Tensor | None, block_n: int):
-    """Tensor descriptors of the new tokens' K/V rows (T, Hkv, D) as (T, Hkv * D) with (block_n, D) tiles, or
-    (None, None) where their layout or the device rules out tensor-memory copies: they need a head dim that
-    is a power of two, contiguous heads, 16-byte aligned rows and a Hopper or newer GPU (or the
+def takes_new_kv(k: torch.Tensor | None, v: torch.Tensor | None) -> bool:
+    """Whether the new tokens' K/V rows (T, Hkv, D) can be read through tensor descriptors: a head dim that is
+    a power of two, contiguous heads, 16-byte aligned rows, T > 0, and a Hopper or newer GPU (or the
     interpreter)."""
     if k is None or v is None:
-        return None, None
+        return False
+    if k.is_cuda:
+        if torch.cuda.get_device_capability(k.device)[0] < 9:
+            return False
+    elif not (k.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
     d = k.shape[2]
-    on_cuda = k.is_cuda and torch.cuda.get_device_capability(k.device)[0] >= 9
-    if not (on_cuda or (k.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")):
-        return None, None
-    if d & (d - 1) or d < 16 or d > 256:
-        return None, None
-    descs = []
-    for x in (k, v):
-        size = x.element_size()
-        if (x.stride(2) != 1 or x.stride(1) != d or (x.stride(0) * size) % 16 or x.data_ptr() % 16
-                or x.shape[0] == 0):
-            return None, None
-        descs.append(TensorDescriptor(x, [x.shape[0], x.shape[1] * d], [x.stride(0), 1], [block_n, d]))
-    return descs[0], descs[1]
+    if d & (d - 1) or d < 16 or d > 256 or k.shape[0] == 0:
+        return False
+    return all(x.stride(2) == 1 and x.stride(1) == d and (x.stride(0) * x.element_size()) % 16 == 0
+               and x.data_ptr() % 16 == 0 for x in (k, v))
+
+
+def new_kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int) -> tuple:
+    """Tensor descriptors of the rows k, v (T, Hkv, D) (takes_new_kv) as (T, Hkv * D) in (block_n, D)
+    tiles."""
+    d = k.shape[2]
+    return tuple(TensorDescriptor(x, [x.shape[0], x.shape[1] * d], [x.stride(0), 1], [block_n, d])
+                 for x in (k, v))
 
 
 def _launch(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale, sliding_window,
@@ -376,7 +379,7 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, query_star
                                    config: PrefillConfig | None = None):
     """Checked public wrapper: out (T, Hq, D); kernels.prefill_dispatch.check_prefill_inputs says what it
     takes. k, v (T, Hkv, D): the new tokens' K/V rows as stored in the cache (optional); where
-    new_kv_descriptors takes them, each chunk's own keys are read from them and only its cached prefix
+    takes_new_kv says so, each chunk's own keys are read from them and only its cached prefix
     through the block table. `config` overrides the shipped tile config (benchmarks and tests)."""
     check_prefill_inputs("triton", q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
                          sliding_window, k, v)
@@ -384,9 +387,9 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, query_star
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if q.shape[0] == 0 or seq_lens.shape[0] == 0:
         return out
-    usable = new_kv_descriptors(k, v, 16)[0] is not None
-    cfg = config or default_config(q.shape[2], q.dtype, q.device, new_kv=usable)
-    k_new, v_new = new_kv_descriptors(k, v, cfg.block_n) if usable else (None, None)
+    new_kv = takes_new_kv(k, v)
+    cfg = config or default_config(q.shape[2], q.dtype, q.device, new_kv=new_kv)
+    k_new, v_new = new_kv_descriptors(k, v, cfg.block_n) if new_kv else (None, None)
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     return _launch(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale, sliding_window,
                    cfg, k_new, v_new)

@@ -92,10 +92,10 @@ def test_kernel_reads_the_new_keys_from_their_rows(lens, new, hq, hkv, d, bs, dt
     """With the new tokens' K/V rows passed, the chunks' own keys come from them (their cache slots hold NaN)
     and the prefix from the cache; head dim 80 (no tensor descriptor) reads everything from the cache, so
     there the rows are passed but the cache keeps its keys."""
-    from kernels.paged_prefill import INTERPRETER_CONFIG, new_kv_descriptors
+    from kernels.paged_prefill import INTERPRETER_CONFIG, takes_new_kv
     case, q, qsl = make_prefill_case(lens, new, hq, hkv, d, bs, dtype=dtype, seed=sum(lens) + d)
     ref = reference_fp64(case, q, qsl, sliding_window=win)
-    if new_kv_descriptors(case.k_cache[0], case.v_cache[0], 16)[0] is None:  # D 80
+    if not takes_new_kv(case.k_cache[0], case.v_cache[0]):  # D 80
         k, v = torch.zeros(q.shape[0], hkv, d, dtype=dtype), torch.zeros(q.shape[0], hkv, d, dtype=dtype)
     else:
         k, v = new_kv_rows(case, q, qsl, hq, wide=bs != 1)
