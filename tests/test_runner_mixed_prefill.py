@@ -33,8 +33,14 @@ def test_mixed_step_triton_matches_torch_and_dense():
     a = torch.randint(3, 200, (11,), generator=gen).tolist()
     b = torch.randint(3, 200, (13,), generator=gen).tolist()
     c = a[:8] + torch.randint(3, 200, (9,), generator=gen).tolist()
-    logits = {be: _steps(ModelRunner(model, block_size=BS, num_blocks=16, attention_backend=be), a, b, c)
-              for be in ("torch", "triton")}
+    import kernels.paged_prefill as paged_prefill
+    takes = []  # whether each prefill launch read the new keys from the step's K/V rows
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(paged_prefill, "takes_new_kv",
+                   lambda k, v, real=paged_prefill.takes_new_kv: takes.append(real(k, v)) or takes[-1])
+        logits = {be: _steps(ModelRunner(model, block_size=BS, num_blocks=16, attention_backend=be), a, b, c)
+                  for be in ("torch", "triton")}
+    assert takes and all(takes), takes   # the runner passes its qkv views, which the kernel reads
     torch.testing.assert_close(logits["triton"], logits["torch"], rtol=1e-4, atol=1e-4)
     with torch.inference_mode():
         dense = [model.compute_logits(model(torch.tensor(s), torch.arange(len(s)))[-1:])
