@@ -6,8 +6,9 @@ One EngineCore (`bench` preset on CUDA unless told otherwise), in this process. 
 full-batch decode steps are timed (the core's `step()` as the core loop calls it):
 - step ms: wall time of one step() call (with async scheduling: launch of N+1 and post-processing of N);
 - replay ms: device time of the decode CUDA graph (events around the replay; eager steps: 0);
-- host ms: step wall minus the time blocked waiting for the device (StepResult.wait): schedule + pack +
-  launch + post-processing, i.e. the CPU work per step; with async scheduling it overlaps the device;
+- host ms: step wall minus the time blocked waiting for the device (StepResult.wait) and minus the probe's
+  own replay events: schedule + pack + launch + post-processing, i.e. the CPU work per step; with async
+  scheduling it overlaps the device;
 - schedule / execute / postprocess ms: the host parts (execute = packing and kernel launches);
 - tok/s: output tokens per second over the measured steps.
 Medians over the measured steps. The prompts of a (batch, mode) are the same with and without async
@@ -63,12 +64,19 @@ class Probe:
         if graphs is not None:
             replay = graphs.replay
 
+            stream = core.runner.packer.stream  # the steps' stream, looked up once (as the runner does)
+
             def timed_replay(*args):
+                t0 = time.perf_counter()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
+                start.record(stream)
+                t1 = time.perf_counter()
                 out = replay(*args)
-                end.record()
+                t2 = time.perf_counter()
+                end.record(stream)
                 self.replays.append((start, end))
+                # the events' own host time, left out of host_ms: it is the probe's, not the core's
+                self.phases["probe"] = self.phases.get("probe", 0.0) + (t1 - t0) + (time.perf_counter() - t2)
                 return out
 
             graphs.replay = timed_replay
@@ -95,7 +103,7 @@ class Probe:
         p = self.phases
         for u in update.updates:
             self.tokens.setdefault(u.request_id, []).extend(u.new_token_ids)
-        return {"step_ms": wall * 1e3, "host_ms": (wall - p.get("wait", 0.0)) * 1e3,
+        return {"step_ms": wall * 1e3, "host_ms": (wall - p.get("wait", 0.0) - p.get("probe", 0.0)) * 1e3,
                 "wait_ms": p.get("wait", 0.0) * 1e3, "schedule_ms": p.get("schedule", 0.0) * 1e3,
                 "execute_ms": p.get("execute", 0.0) * 1e3, "postprocess_ms": p.get("postprocess", 0.0) * 1e3,
                 "replays": list(range(n_replays, len(self.replays))),
