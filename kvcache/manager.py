@@ -22,7 +22,7 @@ Not thread-safe: one owner (the engine thread) calls it.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 from kvcache.block_pool import NULL_BLOCK_ID, BlockPool
 from kvcache.prefix_hash import BlockHashFn
@@ -84,23 +84,35 @@ class KVCacheManager:
         """Conservative: True if ``num_tokens`` fit even with no prefix hit; then ``allocate`` succeeds."""
         return self._num_blocks_for(num_tokens) <= self.pool.num_free_blocks
 
-    def _find_cached_prefix(self, token_ids: list[int]) -> list[int]:
+    def prefix_keys(self, token_ids: Sequence[int]) -> list[tuple[Hashable, tuple[int, ...]]]:
+        """The prefix-cache keys of a prompt's full blocks but the last token's (empty with caching off):
+        computed once when a request arrives, then passed to every ``allocate`` of its sequence, so an
+        admission looks its cached prefix up without hashing it again."""
+        if not self.pool.enable_caching or not token_ids:
+            return []
+        return self.pool.prefix_keys(token_ids, self._block_size, (len(token_ids) - 1) // self._block_size)
+
+    def _find_cached_prefix(self, token_ids: list[int], keys) -> list[int]:
         """Cached blocks holding the longest prefix of full blocks, never the block of the last token."""
         if not self.pool.enable_caching:
             return []
-        return self.pool.cached_prefix(token_ids, self._block_size, (len(token_ids) - 1) // self._block_size)
+        return self.pool.cached_prefix(token_ids, self._block_size, (len(token_ids) - 1) // self._block_size,
+                                       keys)
 
-    def allocate(self, seq_id: object, token_ids: Sequence[int]) -> list[int] | None:
+    def allocate(self, seq_id: object, token_ids: Sequence[int],
+                 prefix_keys: Sequence[tuple[Hashable, tuple[int, ...]]] = ()) -> list[int] | None:
         """Reserve slots for all ``token_ids``, reusing cached prefix blocks.
 
         None (and no change) if out of blocks. The hit length is ``num_cached_tokens(seq_id)``.
+        ``prefix_keys``: ``prefix_keys(p)`` of a prefix ``p`` of ``token_ids`` (the prompt), if the caller
+        keeps them.
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already allocated")
         token_ids = list(token_ids)
         if not token_ids:
             raise ValueError("allocate needs at least one token")
-        hits = self._find_cached_prefix(token_ids)
+        hits = self._find_cached_prefix(token_ids, prefix_keys)
         num_new = self._num_blocks_for(len(token_ids)) - len(hits)
         num_revived = sum(1 for b in hits if self.pool.ref_count(b) == 0)  # these leave the free queue
         if num_new > self.pool.num_free_blocks - num_revived:

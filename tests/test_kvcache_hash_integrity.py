@@ -158,6 +158,34 @@ def test_mark_computed_hashes_the_owners_ids_once_known():
     mgr.check_integrity()
 
 
+@pytest.mark.parametrize("hash_fn", [default_block_hash, const_hash])
+def test_precomputed_prefix_keys_find_what_hashing_finds(hash_fn):
+    """allocate with a prompt's prefix_keys (all of them, a leading part, none) gives the hits that hashing
+    the ids there gives, for prompts that share 0-5 blocks with cached ones and run longer than the keys
+    (a preempted sequence's prompt + generated ids); colliding hashes too."""
+    import random
+    rng = random.Random(0)
+    base = [rng.randrange(50) for _ in range(40)]
+    kept = KVCacheManager(200, 4, hash_fn=hash_fn)
+    kept.allocate("seed", base)
+    kept.mark_computed("seed", len(base), base)
+    for trial in range(30):
+        shared = 4 * rng.randrange(6)
+        prompt = base[:shared] + [rng.randrange(50) for _ in range(rng.randrange(1, 15))]
+        ids = prompt + [rng.randrange(50) for _ in range(rng.randrange(0, 9))]
+        keys = kept.prefix_keys(prompt)
+        assert len(keys) == (len(prompt) - 1) // 4 and all(tokens == tuple(prompt[4 * i:4 * i + 4])
+                                                           for i, (_, tokens) in enumerate(keys))
+        want = kept.pool.cached_prefix(ids, 4, (len(ids) - 1) // 4)
+        for given in (keys, keys[:len(keys) // 2], []):
+            assert kept.pool.cached_prefix(ids, 4, (len(ids) - 1) // 4, given) == want, (trial, len(given))
+        assert kept.allocate(f"t{trial}", ids, keys)[:len(want)] == want
+        assert kept.num_cached_tokens(f"t{trial}") == 4 * len(want)
+        kept.free(f"t{trial}")
+    kept.check_integrity()
+    assert KVCacheManager(10, 4, enable_prefix_caching=False).prefix_keys(base) == []
+
+
 def test_integrity_catches_stale_hash_map():
     mgr = busy_manager()
     mgr.pool._blocks[1].clear_hash()

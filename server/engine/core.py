@@ -60,6 +60,9 @@ class EngineCore:
                                                   er.params.prompt_logprobs)
         req.seqs = [self._new_seq(req, i) for i in range(er.params.n)]
         parent = req.seqs[0]
+        keys = self.kv.prefix_keys(req.prompt_token_ids)  # every choice's admissions look them up
+        for seq in req.seqs:
+            seq.prefix_keys = keys
         for child in req.seqs[1:]:
             child.status = SeqStatus.FORK_PENDING
             parent.fork_children.append(child)

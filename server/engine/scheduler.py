@@ -216,7 +216,7 @@ class Scheduler:
         reserve = min(len(self.running), self.usable_blocks // 8) * self.block_size  # room for decodes
         if reserve and not self.kv.can_allocate(len(tokens) + reserve):
             return False
-        if self.kv.allocate(seq.seq_id, tokens) is None:
+        if self.kv.allocate(seq.seq_id, tokens, seq.prefix_keys) is None:
             return False
         seq.num_computed_tokens = self.kv.num_cached_tokens(seq.seq_id)
         self._mark_running(seq, out)
@@ -224,6 +224,7 @@ class Scheduler:
 
     def _mark_running(self, seq: Sequence, out: SchedulerOutput) -> None:
         seq.status = SeqStatus.RUNNING
+        seq.prefix_keys = []  # held while waiting only (after a preemption the next admission hashes again)
         seq.admit_order = self._admit_counter
         seq.row = self.free_rows.pop()
         self._admit_counter += 1
