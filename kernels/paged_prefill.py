@@ -1,20 +1,26 @@
 """Triton paged prefill attention: varlen causal flash attention of many chunks over the block-table KV cache.
 
-One launch, grid (query tile, KV head). Chunk i owns query rows [qsl[i], qsl[i+1]) of q and the tiles [qsl[i]
-// BLOCK_Q + i, qsl[i+1] // BLOCK_Q + i + 1): a key strictly increasing in i, so a program finds its chunk by
-counting the keys <= its id, on the device, without a host sync; the grid is T // BLOCK_Q + num_chunks
-programs, at most one idle per chunk. qsl[0] may be above 0: the runner passes its whole flat batch, decode
-rows first; the rows before qsl[0] are not written (their programs return at once). A tile's BLOCK_M rows are
-(query position, query head of the KV head's group) pairs, so every K/V tile load serves all heads of the
-group (GQA without expanding K/V).
+One launch, grid (query tile, KV head) or (query tile, query head). Chunk i owns query rows [qsl[i], qsl[i+1])
+of q and the tiles [qsl[i] // BLOCK_Q + i, qsl[i+1] // BLOCK_Q + i + 1): a key strictly increasing in i, so a
+program finds its chunk by counting the keys <= its id, on the device, without a host sync; the grid is
+T // BLOCK_Q + num_chunks programs, at most one idle per chunk. qsl[0] may be above 0: the runner passes its
+whole flat batch, decode rows first; the rows before qsl[0] are not written (their programs return at once).
+With pack_group, a tile's BLOCK_M rows are (query position, query head of the KV head's group) pairs, so
+every K/V tile load serves all heads of the group (GQA without expanding K/V); else they are positions of one
+query head.
 
-Each program walks its chunk's keys in tiles of BLOCK_N token positions looked up through the block table
-(independent of block_size), with online softmax in fp32 and exp2. The key range is cut into three phases:
-tiles partly before the sliding window of the tile's last query (masked), tiles every query of the tile sees
-whole (no mask), and the diagonal tiles up to the tile's last query (masked); nothing past it is read.
-Each phase loads a tile's block ids one tile ahead, so its K/V addresses come from registers and Triton's
-software pipeline overlaps the K/V copies with the tile before (_attend_keys). The new tokens' K/V are
-already in the cache (store_kv runs first).
+Each program walks its chunk's keys in tiles of BLOCK_N token positions with online softmax in fp32 and exp2,
+each key range cut into phases: tiles partly before the sliding window of the tile's last query (masked),
+tiles every query of the tile sees whole (no mask), and the tiles at the range's end (masked); nothing past
+the tile's last query is read. The keys come from one or two places:
+- through the block table (independent of block_size), block ids loaded one tile ahead so the K/V addresses
+  come from registers and Triton's software pipeline overlaps the copies with the tile before
+  (_attend_cached): the whole range [0, last query] when the caller passes no K/V rows, else the cached
+  prefix [0, ctx) only;
+- with the new tokens' K/V rows (k, v (T, Hkv, D), row r the key of q's row r, e.g. views of the qkv
+  projection's output): the chunk's own keys [ctx, last query] through tensor descriptors, (BLOCK_N, D)
+  tiles copied by the tensor memory engine (_attend_new).
+The new tokens' K/V are in the cache either way (store_kv runs first).
 """
 
 from __future__ import annotations
