@@ -3,13 +3,13 @@
 Hq=32, Hkv=8, head dims 64 and 128, bf16, block_size 16, the issue's shapes (chunks x new tokens over cached
 tokens each). First correctness: every shape in bf16 against the fp32 torch reference (fails loudly). Then, in
 one run, timed with triton.testing.do_bench (median): ours as the runner calls it (the new tokens' K/V rows
-passed as strided views of a qkv tensor, shipped config; with --sweep also each of SWEEP_CONFIGS), ours
-through the block table only (no K/V rows, its shipped config), against torch SDPA on the same K/V laid out
-contiguously, (B, H, L, D), with the same causal work (queries aligned to the end of the keys:
-`causal_lower_right`), through the flash and cuDNN backends where each takes the call. A second table compares
-decode rows (one new token over a long context) through the decode kernel and through the prefill kernel, the
-measurement behind keeping decode rows on the decode kernel. Writes prefill_<gpu>.json under --out (default
-docs/benchmarks) and prints the tables last.
+passed as strided views of a qkv tensor, shipped config; with --sweep also each of SWEEP_CONFIGS, each checked
+against the reference before it is timed), ours through the block table only (no K/V rows, its shipped
+config), against torch SDPA on the same K/V laid out contiguously, (B, H, L, D), with the same causal work
+(queries aligned to the end of the keys: `causal_lower_right`), through the flash and cuDNN backends where
+each takes the call. A second table compares decode rows (one new token over a long context) through the
+decode kernel and through the prefill kernel, the measurement behind keeping decode rows on the decode kernel.
+Writes prefill_<gpu>.json under --out (default docs/benchmarks) and prints the tables last.
 """
 
 from __future__ import annotations
@@ -191,11 +191,15 @@ def measure(chunks, new, cached, d, sweep) -> dict:
     if sweep:
         row["sweep_us"] = {}
         for cfg in SWEEP_CONFIGS:
+            key = str(tuple(vars(cfg).values()))
             try:
-                case.ours(cfg)
-                row["sweep_us"][str(tuple(vars(cfg).values()))] = time_us(lambda cfg=cfg: case.ours(cfg))
+                case.out.fill_(float("nan"))
+                cfg_err = rel_error(case.ours(cfg), ref)
+                # a config that computes the wrong thing is recorded as such, never timed as a candidate
+                row["sweep_us"][key] = (time_us(lambda cfg=cfg: case.ours(cfg)) if cfg_err <= TOL
+                                        else f"WRONG: relative error {cfg_err:.2e}")
             except Exception as exc:  # e.g. out of shared memory: recorded, not fatal
-                row["sweep_us"][str(tuple(vars(cfg).values()))] = f"{type(exc).__name__}"
+                row["sweep_us"][key] = f"{type(exc).__name__}"
     row["tflops_ours"] = case.flops() / row["ours_us"] / 1e6
     row["ratio"] = row["sdpa_best_us"] / row["ours_us"] if row["sdpa_best_us"] else None
     return row
