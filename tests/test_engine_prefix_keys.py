@@ -10,8 +10,8 @@ from server.engine.sampling_params import SamplingParams
 
 
 def test_a_request_arrives_with_its_prefix_keys_and_drops_them_once_running():
-    core, _ = build_core(EngineConfig(model="tiny", device="cpu", dtype="float32", max_num_seqs=4,
-                                      max_num_batched_tokens=256))
+    core, _ = build_core(EngineConfig(model="tiny", device="cpu", dtype="float32", block_size=16,
+                                      max_num_seqs=4, max_num_batched_tokens=256))
     ids = list(range(3, 43))                                   # 40 tokens: 2 full blocks before the last
     core.add_request(EngineRequest("a", ids, SamplingParams(max_tokens=2, temperature=0.0, n=2),
                                    time.monotonic()))
