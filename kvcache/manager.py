@@ -92,7 +92,8 @@ class KVCacheManager:
             return []
         return self.pool.prefix_keys(token_ids, self._block_size, (len(token_ids) - 1) // self._block_size)
 
-    def _find_cached_prefix(self, token_ids: list[int], keys) -> list[int]:
+    def _find_cached_prefix(self, token_ids: list[int],
+                            keys: Sequence[tuple[Hashable, tuple[int, ...]]]) -> list[int]:
         """Cached blocks holding the longest prefix of full blocks, never the block of the last token."""
         if not self.pool.enable_caching:
             return []
