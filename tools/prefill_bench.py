@@ -32,6 +32,7 @@ from kernels import paged_decode_attention, reference
 from kernels.paged_prefill import PrefillConfig, default_config, paged_prefill_attention_triton
 from kernels.prefill_dispatch import paged_prefill_attention
 from tests.kernel_cases import make_paged_case, rel_error
+from tools.kernel_bench import gpu_cold_us
 
 HQ, HKV = 32, 8
 DEVICE = "cuda"
@@ -106,27 +107,6 @@ def time_us(fn) -> float:
     return do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
 
 
-def graph_us(fn, calls=20, replays=10) -> float:
-    """Device time per call with no host launch cost: `calls` calls captured in one CUDA graph (as the runner
-    replays steps), the median replay over `replays` divided by `calls` (L2 warm between calls)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
-
-
 def wall_us(fn, n=100) -> float:
     """Wall time per call, calls back to back: the host's launch cost where it exceeds the kernel's time."""
     fn()
@@ -179,8 +159,8 @@ def measure(chunks, new, cached, d, sweep) -> dict:
                config=vars(default_config(d, DTYPE, case.q.device, new_kv=True)), ours_us=time_us(case.ours),
                cache_only_config=vars(default_config(d, DTYPE, case.q.device)),
                cache_only_us=time_us(lambda: case.ours(new_kv=False)), public_wall_us=wall_us(public),
-               ours_graph_us=graph_us(case.ours),
-               cache_only_graph_us=graph_us(lambda: case.ours(new_kv=False)))
+               ours_graph_us=gpu_cold_us(case.ours),
+               cache_only_graph_us=gpu_cold_us(lambda: case.ours(new_kv=False)))
     try:
         row["vs_sdpa_rel_error"] = check_sdpa(case)
     except Exception as exc:
@@ -239,7 +219,8 @@ def table(rows, decode_rows) -> str:
                      f"{r['ours_graph_us']:8.1f} {r['cache_only_graph_us']:19.1f}")
     lines.append("ours: with the new K/V rows (the runner's call); table-only: every key through the block "
                  "table; ratio = best SDPA time / ours (>= 0.8 is the target); wall = the public call back "
-                 "to back; graph = device time per call replayed from a CUDA graph (no host launch cost)")
+                 "to back; graph = device time per call replayed from a CUDA graph, L2 cleared (no host "
+                 "launch cost)")
     for r in rows:
         timed = {k: t for k, t in r.get("sweep_us", {}).items() if isinstance(t, float)}
         if timed:
