@@ -1,4 +1,4 @@
-"""Torch references for the fused decoder ops (kernels/rmsnorm.py, rope_store.py, activation.py).
+"""Torch references for the fused decoder ops (kernels/rmsnorm.py, rope_store.py, activation.py, gemv.py).
 
 Each computes in fp32 and rounds once into the output dtype, as its kernel does; the one extra rounding is
 the residual sum, which is stored in the residual's own dtype before it is normed (the unfused `x + h`).
@@ -50,3 +50,21 @@ def rope_store_reference(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_he
     v = heads[keep, num_q_heads + num_kv_heads :]
     k_cache[blocks, offsets] = k.to(k_cache.dtype)
     v_cache[blocks, offsets] = v.to(v_cache.dtype)
+
+
+def gemv_reference(x, weight, bias=None, *, norm_weight=None, eps: float = 0.0, gated: bool = False,
+                   residual=None) -> torch.Tensor:
+    """kernels.gemv.gemv as the unfused ops compute it: [rms_norm ->] linear (rounded) [-> silu_and_mul]
+    [-> residual += result, in place]. x (1, K), weight (N or 2N, K) -> (1, N)."""
+    if norm_weight is not None:
+        x = rms_norm_reference(x, norm_weight, eps)
+    y = x.float() @ weight.float().T
+    if bias is not None:
+        y = y + bias.float()
+    y = y.to(x.dtype)
+    if gated:
+        y = silu_and_mul_reference(y)
+    if residual is not None:
+        residual.copy_(residual.float() + y.float())
+        return residual
+    return y

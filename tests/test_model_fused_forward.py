@@ -66,10 +66,12 @@ def test_decoder_ops_follow_device_and_backend(tiny, caplog):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_fused_forward_equals_torch_on_the_interpreter(tiny, block_size):
+@pytest.mark.parametrize("lengths", [[5, 1, 7], [6]])
+def test_fused_forward_equals_torch_on_the_interpreter(tiny, block_size, lengths):
     """Fused: prefill (eager), then decode through the static-graph path (the captured body: forward, final
-    norm and lm_head; one padded bucket, 3 -> 4, with a slot -1 row). Torch: all eager. 3 ragged sequences."""
-    lengths, num_blocks = [5, 1, 7], 48
+    norm and lm_head). Torch: all eager. 3 ragged sequences decode in one padded bucket, 3 -> 4, with a slot
+    -1 row; one sequence decodes one row, through the GEMV route."""
+    num_blocks = 48
     batches = teacher_forced_batches(lengths, block_size, num_blocks, steps=2, seed=block_size)
     runners = {ops: ModelRunner(tiny, block_size=block_size, num_blocks=num_blocks,
                                 attention_backend="triton", max_num_seqs=4, max_model_len=32)
@@ -90,17 +92,18 @@ def test_fused_forward_equals_torch_on_the_interpreter(tiny, block_size):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
-@pytest.mark.parametrize("arch,overrides", [
-    ("qwen2", {"tie_word_embeddings": True}),  # qkv bias, tied lm_head
-    ("mistral", {"sliding_window": 5}),  # the window cuts into the 9-token sequence
+@pytest.mark.parametrize("arch,overrides,lengths", [
+    ("qwen2", {"tie_word_embeddings": True}, [9, 2]),  # qkv bias, tied lm_head
+    ("qwen2", {"tie_word_embeddings": True}, [9]),  # the biases through the one-row GEMVs
+    ("mistral", {"sliding_window": 5}, [9, 2]),  # the window cuts into the 9-token sequence
 ])
-def test_fused_forward_equals_torch_on_checkpoints(tmp_path, arch, overrides):
+def test_fused_forward_equals_torch_on_checkpoints(tmp_path, arch, overrides, lengths):
     pytest.importorskip("transformers")
     from model_fixtures import hf_config, write_hf_checkpoint
 
     write_hf_checkpoint(tmp_path, hf_config(arch, **overrides))
     model, _ = load_model(str(tmp_path), "cpu", torch.float32)
-    batches = teacher_forced_batches([9, 2], 4, 16, steps=2, seed=3)
+    batches = teacher_forced_batches(lengths, 4, 16, steps=2, seed=3)
     out = {}
     for ops in ("torch", "fused"):
         runner = ModelRunner(model, block_size=4, num_blocks=16, attention_backend="triton", max_num_seqs=2,

@@ -1,9 +1,10 @@
 """Decode-forward benchmark (GPU, not a test): `python -m tools.decode_forward_bench [--out DIR]`.
 
-The `bench` preset (Llama-3.2-1B shape, random weights, bf16) behind two ModelRunners in one process: the
-torch decoder ops (the unfused baseline) and the fused Triton ops, each with its CUDA decode graphs captured
-as the server captures them (final norm and lm_head inside). Every sequence holds --context cached tokens
-(random K/V in shuffled blocks) and decodes one more. Per batch size, timed with CUDA events over
+The `bench` preset (Llama-3.2-1B shape, random weights, bf16) behind three ModelRunners in one process: the
+torch decoder ops (the unfused baseline), the fused Triton ops, and the fused ops with a one-row step on the
+GEMM route instead of the GEMVs (fused_gemm, the baseline of that route), each with its CUDA decode graphs
+captured as the server captures them (final norm and lm_head inside). Every sequence holds --context cached
+tokens (random K/V in shuffled blocks) and decodes one more. Per batch size, timed with CUDA events over
 back-to-back steps: one step = the graph replay plus the fp32 copy of the real rows' logits, i.e. what
 `runner.execute` puts on the GPU for a decode step. Also `runner.execute` wall time per step (host packing
 and copies included, synchronised), the logits' agreement between the two ops, the achieved bandwidth
@@ -31,7 +32,7 @@ from server.model import load_model
 from tests.runner_chunks import Chunk, run_chunks
 
 TARGETS_MS = {1: 0.75, 64: 1.15, 256: 2.4}  # issue 16, decode forward including logits
-OPS = ("torch", "fused")
+OPS = ("torch", "fused", "fused_gemm")  # fused_gemm: the fused ops with one row on the GEMM route (baseline)
 
 
 def cuda_ms(fn, iters: int, repeats: int = 5) -> float:
@@ -93,13 +94,22 @@ class Contexts:
 
 def build_runner(model, ops: str, ctx: Contexts, args) -> tuple[ModelRunner, dict]:
     """A runner whose graphs were captured with `ops`; -> (runner, its start-up time and graph memory)."""
-    model.set_decoder_ops(ops)
+    import server.model.fused_forward as fused_forward
+
+    model.set_decoder_ops("fused" if ops == "fused_gemm" else ops)
+    one_row = fused_forward.takes_one_row
+    if ops == "fused_gemm":
+        fused_forward.takes_one_row = lambda input_ids: False  # captured with the GEMM route at batch 1
     torch.cuda.synchronize()
     free_before, _ = torch.cuda.mem_get_info()
     start = time.perf_counter()
-    runner = ModelRunner(model, block_size=args.block_size, num_blocks=ctx.num_blocks,
-                         max_num_seqs=max(args.batches), max_num_batched_tokens=max(2048, max(args.batches)),
-                         max_model_len=args.max_model_len)
+    try:
+        runner = ModelRunner(model, block_size=args.block_size, num_blocks=ctx.num_blocks,
+                             max_num_seqs=max(args.batches),
+                             max_num_batched_tokens=max(2048, max(args.batches)),
+                             max_model_len=args.max_model_len)
+    finally:
+        fused_forward.takes_one_row = one_row
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     free_after, _ = torch.cuda.mem_get_info()
@@ -201,7 +211,8 @@ def main() -> None:
         runners[ops], startup[ops] = build_runner(model, ops, ctx, args)
     model.set_decoder_ops("auto")
     runners["torch"].kv.data.normal_()
-    runners["fused"].kv.data.copy_(runners["torch"].kv.data)  # the same cached K/V behind both
+    for ops in OPS[1:]:
+        runners[ops].kv.data.copy_(runners["torch"].kv.data)  # the same cached K/V behind each
     w_bytes = weight_bytes(model)
 
     rows = []
@@ -253,13 +264,14 @@ def print_report(r: dict, path: Path) -> None:
           f"block {r['block_size']}, tables for {r['max_model_len']} tokens; "
           f"copy {r['copy_bw_tb_s']:.2f} TB/s; "
           f"weights {r['weight_bytes'] / 1e9:.2f} GB; JSON {path}")
-    print(f"{'batch':>5} {'roofline':>9} {'torch ms':>9} {'fused ms':>9} {'fused TB/s':>10} {'of roof':>8} "
-          f"{'target':>7} {'exec torch':>10} {'exec fused':>10} {'rel err':>8}")
+    print(f"{'batch':>5} {'roofline':>9} {'torch ms':>9} {'gemm ms':>8} {'fused ms':>9} {'fused TB/s':>10} "
+          f"{'of roof':>8} {'target':>7} {'exec torch':>10} {'exec fused':>10} {'rel err':>8}")
     for row in r["rows"]:
         t, f = row["torch"], row["fused"]
         target = row["target_ms"]
         verdict = "" if target is None else f"{target:.2f}{'ok' if f['step_ms'] <= target else '!!'}"
-        print(f"{row['batch']:>5} {row['roofline_ms']:>9.3f} {t['step_ms']:>9.3f} {f['step_ms']:>9.3f} "
+        print(f"{row['batch']:>5} {row['roofline_ms']:>9.3f} {t['step_ms']:>9.3f} "
+              f"{row['fused_gemm']['step_ms']:>8.3f} {f['step_ms']:>9.3f} "
               f"{f['tb_s']:>10.2f} {f['roofline_frac']:>8.1%} {verdict:>7} {t['execute_ms']:>10.3f} "
               f"{f['execute_ms']:>10.3f} {row['fused_vs_torch_rel_err']:>8.1e}")
 
@@ -273,15 +285,16 @@ def markdown(r: dict) -> str:
         f"block size {r['block_size']}, graph tables for {r['max_model_len']} tokens. Roofline: (weights "
         f"{r['weight_bytes'] / 1e9:.2f} GB + KV read) / the device-to-device copy bandwidth measured in "
         f"the same run, {r['copy_bw_tb_s']:.2f} TB/s. `python -m tools.decode_forward_bench --out DIR`.", "",
-        "| batch | roofline ms | torch ms | fused ms | fused TB/s | of roofline | target ms "
-        "| execute torch ms | execute fused ms | fused vs torch rel err |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| batch | roofline ms | torch ms | fused, GEMM route ms | fused ms | fused TB/s | of roofline "
+        "| target ms | execute torch ms | execute fused ms | fused vs torch rel err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in r["rows"]:
         t, f = row["torch"], row["fused"]
         target = "" if row["target_ms"] is None else f"{row['target_ms']:.2f}"
         lines.append(f"| {row['batch']} | {row['roofline_ms']:.3f} | {t['step_ms']:.3f} | "
-                     f"{f['step_ms']:.3f} | {f['tb_s']:.2f} | {f['roofline_frac']:.1%} | {target} | "
+                     f"{row['fused_gemm']['step_ms']:.3f} | {f['step_ms']:.3f} | {f['tb_s']:.2f} | "
+                     f"{f['roofline_frac']:.1%} | {target} | "
                      f"{t['execute_ms']:.3f} | {f['execute_ms']:.3f} | {row['fused_vs_torch_rel_err']:.1e} |")
     startup = ", ".join(f"{ops} {s['init_s']:.1f} s and {s['graphs_mib']:.0f} MiB"
                         for ops, s in r["startup"].items())

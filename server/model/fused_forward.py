@@ -9,6 +9,11 @@ and it stays in the model dtype, rounded after every add, as in the eager
 It reads the same parameters as the torch modules and needs paged attention: RoPE writes the new tokens'
 K/V into the cache itself, then `attn.attend` runs on the stored K/V. A decode step of this forward is what
 the runner captures in a CUDA graph, the final norm included.
+
+One token row (the batch-1 decode step) takes another route: each projection is kernels/gemv.py's GEMV with
+the op before or after it fused in (the norms as prologues, SwiGLU and the residual adds as epilogues), four
+launches per layer around RoPE + store and attention, where the GEMM route runs nine. Its rounding is the
+same: every op's result is rounded to the model dtype where the unfused op rounds it.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from kernels.activation import silu_and_mul
+from kernels.gemv import gemv
 from kernels.rmsnorm import rms_norm
 from kernels.rope_store import rope_store_kv
 from server.model.llama import Attention, AttentionFn, DecoderLayer, LlamaForCausalLM
@@ -27,10 +33,20 @@ def fused_forward(model: LlamaForCausalLM, input_ids: torch.Tensor, positions: t
     inner = model.model
     residual = inner.embed_tokens(input_ids)  # (T, H): the residual stream, advanced in place by the norms
     cos, sin = inner.rotary.half_angles(positions)  # (T, D/2) fp32, shared by every layer
+    if takes_one_row(input_ids):
+        for layer in inner.layers:
+            _layer_one_row(layer, residual, cos, sin, attn)
+        return rms_norm(residual, inner.norm.weight, inner.norm.eps)
     out = None  # the previous layer's MLP output; None before the first layer
     for layer in inner.layers:
         out = _layer(layer, out, residual, cos, sin, attn)
     return rms_norm(out, inner.norm.weight, inner.norm.eps, residual=residual)
+
+
+def takes_one_row(input_ids: torch.Tensor) -> bool:
+    """Whether the forward takes the one-row GEMV route (tools/decode_forward_bench times the GEMM route at
+    one row too, by replacing this)."""
+    return input_ids.shape[0] == 1
 
 
 def _layer(layer: DecoderLayer, prev: torch.Tensor | None, residual: torch.Tensor, cos, sin,
@@ -48,12 +64,28 @@ def _layer(layer: DecoderLayer, prev: torch.Tensor | None, residual: torch.Tenso
     return mlp.down_proj(silu_and_mul(mlp.gate_up_proj(x)))  # (T, 2I) -> (T, I) -> (T, H)
 
 
+def _layer_one_row(layer: DecoderLayer, residual: torch.Tensor, cos, sin, attn: AttentionFn) -> None:
+    """residual (1, H) gains this layer's attention and MLP outputs, in place."""
+    mod, mlp = layer.self_attn, layer.mlp
+    norm = layer.input_layernorm
+    qkv = gemv(residual, mod.qkv_proj.weight, mod.qkv_proj.bias, norm_weight=norm.weight, eps=norm.eps)
+    gemv(_rope_attend(mod, qkv, cos, sin, attn), mod.o_proj.weight, mod.o_proj.bias, residual=residual)
+    norm = layer.post_attention_layernorm
+    act = gemv(residual, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm_weight=norm.weight,
+               eps=norm.eps, gated=True)  # (1, I)
+    gemv(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=residual)
+
+
 def _attention(mod: Attention, x: torch.Tensor, cos, sin, attn: AttentionFn) -> torch.Tensor:
-    T = x.shape[0]
-    qkv = mod.qkv_proj(x)  # (T, (Hq + 2 Hkv) D)
+    return mod.o_proj(_rope_attend(mod, mod.qkv_proj(x), cos, sin, attn))
+
+
+def _rope_attend(mod: Attention, qkv: torch.Tensor, cos, sin, attn: AttentionFn) -> torch.Tensor:
+    """qkv (T, (Hq + 2 Hkv) D) -> the attention output (T, Hq D), before o_proj; stores the new K/V."""
+    T = qkv.shape[0]
     k_cache, v_cache, slots = attn.kv_destination(mod.layer_idx)
     rope_store_kv(qkv, cos, sin, k_cache, v_cache, slots, mod.num_heads, mod.num_kv_heads)  # q, k in place
     heads = qkv.view(T, mod.num_heads + 2 * mod.num_kv_heads, mod.head_dim)
     q, k, v = heads.split([mod.num_heads, mod.num_kv_heads, mod.num_kv_heads], dim=1)  # strided views
     o = attn.attend(mod.layer_idx, q, k, v)  # (T, Hq, D)
-    return mod.o_proj(o.reshape(T, mod.q_size))
+    return o.reshape(T, mod.q_size)
