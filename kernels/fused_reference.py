@@ -68,3 +68,11 @@ def gemv_reference(x, weight, bias=None, *, norm_weight=None, eps: float = 0.0, 
         residual.copy_(residual.float() + y.float())
         return residual
     return y
+
+
+def gemv_rope_store_reference(x, weight, bias, *, norm_weight, eps, cos, sin, k_cache, v_cache, slot_mapping,
+                              num_q_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """kernels.gemv.gemv_rope_store as the unfused ops compute it: gemv, then RoPE + store in place."""
+    qkv = gemv_reference(x, weight, bias, norm_weight=norm_weight, eps=eps)
+    rope_store_reference(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads)
+    return qkv

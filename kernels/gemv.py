@@ -29,9 +29,30 @@ import triton
 import triton.language as tl
 
 from kernels.launch_cache import CachedLauncher
+from kernels.rope_store import check_rope_store
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TILE = 8192  # weight elements a program holds (per half when gated): the probe's fastest tile
+
+
+@triton.jit
+def _input_row(X, NORM_W, rk, k_mask, eps, K: tl.constexpr, NORM: tl.constexpr):
+    """-> the input row (K_PAD,) in fp32, normed and rounded as rms_norm's output if NORM (0 past K)."""
+    x = tl.load(X + rk, mask=k_mask, other=0.0).to(tl.float32)
+    if NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+        g = tl.load(NORM_W + rk, mask=k_mask, other=0.0).to(tl.float32)
+        x = (x * rstd * g).to(X.dtype.element_ty).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _dot_rows(w, x, BIAS, rn, n_mask, HAS_BIAS: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """-> w (BLOCK_N, K_PAD) . x (K_PAD,) in fp32 (+ bias), rounded to OUT_DTYPE as the GEMM output is."""
+    y = tl.sum(w.to(tl.float32) * x[None, :], axis=1)                    # (BLOCK_N,)
+    if HAS_BIAS:
+        y += tl.load(BIAS + rn, mask=n_mask, other=0.0).to(tl.float32)
+    return y.to(OUT_DTYPE).to(tl.float32)
 
 
 @triton.jit
@@ -55,29 +76,76 @@ def _gemv_kernel(
         u = tl.load(w_ptrs + N * K, mask=w_mask, other=0.0)              # the up rows, N rows below
     if USE_GDC:
         tl.extra.cuda.gdc_wait()               # the kernel before us has finished and its writes are visible
-    # phase 2: the input row, normed here if asked
-    x = tl.load(X + rk, mask=k_mask, other=0.0).to(tl.float32)
-    if NORM:
-        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
-        g = tl.load(NORM_W + rk, mask=k_mask, other=0.0).to(tl.float32)
-        x = (x * rstd * g).to(X.dtype.element_ty).to(tl.float32)
-    # phase 3: the dot in fp32, rounded to the model dtype as the GEMM's output is, then the epilogue
-    y = tl.sum(w.to(tl.float32) * x[None, :], axis=1)                    # (BLOCK_N,)
-    if HAS_BIAS:
-        y += tl.load(BIAS + rn, mask=n_mask, other=0.0).to(tl.float32)
-    y = y.to(OUT.dtype.element_ty).to(tl.float32)
+    # phase 2: the input row; phase 3: the dot, then the epilogue
+    x = _input_row(X, NORM_W, rk, k_mask, eps, K, NORM)
+    dtype = OUT.dtype.element_ty
+    y = _dot_rows(w, x, BIAS, rn, n_mask, HAS_BIAS, dtype)
     if GATED:
-        up = tl.sum(u.to(tl.float32) * x[None, :], axis=1)
-        if HAS_BIAS:
-            up += tl.load(BIAS + N + rn, mask=n_mask, other=0.0).to(tl.float32)
-        up = up.to(OUT.dtype.element_ty).to(tl.float32)
+        up = _dot_rows(u, x, BIAS + N, rn, n_mask, HAS_BIAS, dtype)
         y = y / (1.0 + tl.exp(-y)) * up
     if ADD:
         y += tl.load(RESIDUAL + rn, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(OUT + rn, y.to(OUT.dtype.element_ty), mask=n_mask)
+    tl.store(OUT + rn, y.to(dtype), mask=n_mask)
+
+
+@triton.jit
+def _gemv_rope_store_kernel(
+    W, X, QKV, NORM_W, BIAS, COS, SIN, K_CACHE, V_CACHE, SLOTS, eps, block_size,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_P: tl.constexpr, HALF: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    NORM: tl.constexpr, HAS_BIAS: tl.constexpr, USE_GDC: tl.constexpr,
+):
+    """The qkv projection of one row with RoPE and the K/V store as its epilogue. A program takes BLOCK_P
+    rotation pairs: pair p is element j = p % HALF of head h = p // HALF and the element HALF after it, the
+    two rows that RoPE mixes, so the rotation needs nothing from another program."""
+    NUM_PAIRS: tl.constexpr = (NUM_Q_HEADS + 2 * NUM_KV_HEADS) * HALF
+    pairs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)           # (BLOCK_P,)
+    p_mask = pairs < NUM_PAIRS
+    head = pairs // HALF
+    j = pairs % HALF
+    r1 = head * (2 * HALF) + j                                           # (BLOCK_P,) rows of qkv
+    rk = tl.arange(0, K_PAD)
+    k_mask = rk < K
+    w_mask = p_mask[:, None] & k_mask[None, :]
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+    w_ptrs = W + r1.to(tl.int64)[:, None] * K + rk[None, :]
+    w1 = tl.load(w_ptrs, mask=w_mask, other=0.0)                         # (BLOCK_P, K_PAD)
+    w2 = tl.load(w_ptrs + HALF * K, mask=w_mask, other=0.0)
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+    x = _input_row(X, NORM_W, rk, k_mask, eps, K, NORM)
+    dtype = QKV.dtype.element_ty
+    y1 = _dot_rows(w1, x, BIAS, r1, p_mask, HAS_BIAS, dtype)
+    y2 = _dot_rows(w2, x, BIAS + HALF, r1, p_mask, HAS_BIAS, dtype)
+    # RoPE on the q and k heads (rotate-half, fp32, rounded once as rope_store rounds); v passes through
+    rotate = head < NUM_Q_HEADS + NUM_KV_HEADS
+    cos = tl.load(COS + j, mask=p_mask, other=1.0)
+    sin = tl.load(SIN + j, mask=p_mask, other=0.0)
+    o1 = tl.where(rotate, y1 * cos - y2 * sin, y1).to(dtype)
+    o2 = tl.where(rotate, y2 * cos + y1 * sin, y2).to(dtype)
+    tl.store(QKV + r1, o1, mask=p_mask)
+    tl.store(QKV + r1 + HALF, o2, mask=p_mask)
+    slot = tl.load(SLOTS).to(tl.int64)
+    if slot >= 0:
+        blk = slot // block_size
+        off = slot % block_size
+        kv_head = (head - NUM_Q_HEADS).to(tl.int64)                      # k heads 0.., then v heads Hkv..
+        is_k = p_mask & (head >= NUM_Q_HEADS) & rotate
+        dst_k = K_CACHE + blk * stride_kb + off * stride_kt + kv_head * stride_kh + j * stride_kd
+        tl.store(dst_k, o1.to(K_CACHE.dtype.element_ty), mask=is_k)
+        tl.store(dst_k + HALF * stride_kd, o2.to(K_CACHE.dtype.element_ty), mask=is_k)
+        is_v = p_mask & (head >= NUM_Q_HEADS + NUM_KV_HEADS)
+        dst_v = (V_CACHE + blk * stride_vb + off * stride_vt + (kv_head - NUM_KV_HEADS) * stride_vh
+                 + j * stride_vd)
+        tl.store(dst_v, o1.to(V_CACHE.dtype.element_ty), mask=is_v)
+        tl.store(dst_v + HALF * stride_vd, o2.to(V_CACHE.dtype.element_ty), mask=is_v)
 
 
 _gemv = CachedLauncher(_gemv_kernel, num_tensors=6)
+_gemv_rope_store = CachedLauncher(_gemv_rope_store_kernel, num_tensors=10)
 
 
 @functools.cache
@@ -105,6 +173,23 @@ def _launch(weight, x, out, residual, norm_weight, bias, n, eps, gated):
 def _new_output(n: int, x: torch.Tensor) -> torch.Tensor:
     """The (1, N) result row (uninitialised: every element is written; tests poison it through here)."""
     return torch.empty(1, n, dtype=x.dtype, device=x.device)
+
+
+def _launch_rope_store(weight, x, qkv, norm_weight, bias, eps, cos, sin, k_cache, v_cache, slots, hq, hkv):
+    """Grid (cdiv(pairs, BLOCK_P),): a program holds 2 BLOCK_P weight rows, TILE elements in all."""
+    k = x.shape[1]
+    k_pad = triton.next_power_of_2(k)
+    half = k_cache.shape[-1] // 2
+    block_p = max(1, TILE // k_pad // 2)
+    pdl = x.is_cuda and _uses_pdl(x.device.index)
+    _gemv_rope_store((triton.cdiv((hq + 2 * hkv) * half, block_p),), weight, x, qkv,
+                     norm_weight if norm_weight is not None else x, bias if bias is not None else x,
+                     cos, sin, k_cache, v_cache, slots, eps, k_cache.shape[1],
+                     *k_cache.stride(), *v_cache.stride(),
+                     K=k, K_PAD=k_pad, BLOCK_P=block_p, HALF=half, NUM_Q_HEADS=hq, NUM_KV_HEADS=hkv,
+                     NORM=norm_weight is not None, HAS_BIAS=bias is not None, USE_GDC=pdl,
+                     num_warps=8 if k_pad > TILE else 4, num_stages=1,
+                     **({"launch_pdl": True} if pdl else {}))
 
 
 def _check(x, weight, bias, norm_weight, residual, gated) -> int:
@@ -145,3 +230,21 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     out = residual if residual is not None else _new_output(n, x)
     _launch(weight, x, out, residual, norm_weight, bias, n, float(eps), gated)
     return out
+
+
+def gemv_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
+                    norm_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                    num_q_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """The qkv projection of one row with RoPE and the K/V store fused in: x (1, K) -> qkv (1, (Hq + 2 Hkv) D)
+    as gemv(x, weight, bias, norm_weight=, eps=) followed by kernels.rope_store.rope_store_kv(qkv, cos, sin,
+    k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads) computes it (q and k rotated in the result,
+    the rotated k and the v written to the caches at slot_mapping[0] unless it is < 0)."""
+    _check(x, weight, bias, norm_weight, None, False)
+    qkv = _new_output(weight.shape[0], x)
+    check_rope_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads)
+    if k_cache.device != x.device or cos.device != x.device or slot_mapping.device != x.device:
+        raise ValueError(f"the caches, cos/sin and slot_mapping must be on x's device {x.device}")
+    _launch_rope_store(weight, x, qkv, norm_weight, bias, float(eps), cos, sin, k_cache, v_cache,
+                       slot_mapping, num_q_heads, num_kv_heads)
+    return qkv

@@ -98,6 +98,15 @@ def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
 
     cos, sin (T, D/2) fp32: the angle of pair i of token t, cos(position_t * inv_freq_i).
     """
+    check_rope_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads)
+    if qkv.shape[0]:
+        _launch(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads)
+
+
+def check_rope_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads: int,
+                     num_kv_heads: int) -> None:
+    """ValueError unless qkv, cos/sin, the caches and the slot mapping are what rope_store_kv takes (also the
+    checks of kernels.gemv.gemv_rope_store, whose output row is qkv)."""
     t = qkv.shape[0]
     d = k_cache.shape[-1]
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[2] != num_kv_heads or d % 2:
@@ -116,5 +125,3 @@ def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     if slot_mapping.shape != (t,) or slot_mapping.dtype.is_floating_point:
         raise ValueError(f"slot_mapping must be ({t},) integers, got {tuple(slot_mapping.shape)} "
                          f"{slot_mapping.dtype}")
-    if t:
-        _launch(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads)

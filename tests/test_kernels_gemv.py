@@ -92,3 +92,38 @@ def test_gemv_refuses_what_it_does_not_take(bad, match):
     x, w, kw = bad(x, w)
     with pytest.raises(ValueError, match=match):
         gemv(x, w, **kw)
+
+
+ROPE_CASES = [  # (Hq, Hkv, D, K, bias, slot): GQA and MHA, a head dim whose half is not a power of two
+    (4, 2, 16, 64, False, 5),
+    (2, 2, 16, 96, True, 0),
+    (4, 1, 80, 128, True, 13),
+    (4, 2, 32, 64, False, -1),    # a padding row: nothing stored
+]
+
+
+@pytest.mark.parametrize("device,dtype", [("cpu", torch.float32), ("cpu", torch.float16),
+                                          pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("hq,hkv,d,k,bias,slot", ROPE_CASES)
+def test_gemv_rope_store_equals_gemv_then_rope_store(poisoned, device, dtype, hq, hkv, d, k, bias, slot):
+    device_or_skip(device)
+    from kernels.fused_reference import gemv_rope_store_reference
+    from kernels.gemv import gemv_rope_store
+
+    n = (hq + 2 * hkv) * d
+    x, w, b, norm_w, _ = make(n, k, dtype, device, False, bias, seed=n + k)
+    angles = torch.rand(1, d // 2, generator=torch.Generator().manual_seed(d)) * 6.0
+    cos, sin = angles.cos().to(device), angles.sin().to(device)
+    caches = {name: torch.randn(4, 4, hkv, d).to(device=device, dtype=dtype) for name in ("k", "v")}
+    slots = torch.tensor([slot], dtype=torch.int32, device=device)
+    kw = dict(norm_weight=norm_w, eps=1e-5, cos=cos, sin=sin, slot_mapping=slots, num_q_heads=hq,
+              num_kv_heads=hkv)
+    ref_caches = {name: c.clone() for name, c in caches.items()}
+    expect = gemv_rope_store_reference(x, w, b, k_cache=ref_caches["k"], v_cache=ref_caches["v"], **kw)
+    got = gemv_rope_store(x, w, b, k_cache=caches["k"], v_cache=caches["v"], **kw)
+    rtol, atol = tolerance(dtype)
+    torch.testing.assert_close(got.float(), expect.float(), rtol=rtol, atol=atol)
+    for name in caches:  # the token's slot written, every other slot as it was
+        torch.testing.assert_close(caches[name].float(), ref_caches[name].float(), rtol=rtol, atol=atol)
+    if slot < 0:
+        assert all(torch.equal(caches[name], ref_caches[name]) for name in caches)

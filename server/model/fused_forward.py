@@ -11,8 +11,8 @@ K/V into the cache itself, then `attn.attend` runs on the stored K/V. A decode s
 the runner captures in a CUDA graph, the final norm included.
 
 One token row (the batch-1 decode step) takes another route: each projection is kernels/gemv.py's GEMV with
-the op before or after it fused in (the norms as prologues, SwiGLU and the residual adds as epilogues), four
-launches per layer around RoPE + store and attention, where the GEMM route runs nine. Its rounding is the
+the ops before and after it fused in (the norms as prologues; RoPE + K/V store, SwiGLU and the residual
+adds as epilogues), five launches per layer with attention, where the GEMM route runs nine or ten. Its rounding is the
 same: every op's result is rounded to the model dtype where the unfused op rounds it.
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from kernels.activation import silu_and_mul
-from kernels.gemv import gemv
+from kernels.gemv import gemv, gemv_rope_store
 from kernels.rmsnorm import rms_norm
 from kernels.rope_store import rope_store_kv
 from server.model.llama import Attention, AttentionFn, DecoderLayer, LlamaForCausalLM
@@ -68,8 +68,11 @@ def _layer_one_row(layer: DecoderLayer, residual: torch.Tensor, cos, sin, attn: 
     """residual (1, H) gains this layer's attention and MLP outputs, in place."""
     mod, mlp = layer.self_attn, layer.mlp
     norm = layer.input_layernorm
-    qkv = gemv(residual, mod.qkv_proj.weight, mod.qkv_proj.bias, norm_weight=norm.weight, eps=norm.eps)
-    gemv(_rope_attend(mod, qkv, cos, sin, attn), mod.o_proj.weight, mod.o_proj.bias, residual=residual)
+    k_cache, v_cache, slots = attn.kv_destination(mod.layer_idx)
+    qkv = gemv_rope_store(residual, mod.qkv_proj.weight, mod.qkv_proj.bias, norm_weight=norm.weight,
+                          eps=norm.eps, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache,
+                          slot_mapping=slots, num_q_heads=mod.num_heads, num_kv_heads=mod.num_kv_heads)
+    gemv(_attend(mod, qkv, attn), mod.o_proj.weight, mod.o_proj.bias, residual=residual)
     norm = layer.post_attention_layernorm
     act = gemv(residual, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm_weight=norm.weight,
                eps=norm.eps, gated=True)  # (1, I)
@@ -82,9 +85,14 @@ def _attention(mod: Attention, x: torch.Tensor, cos, sin, attn: AttentionFn) -> 
 
 def _rope_attend(mod: Attention, qkv: torch.Tensor, cos, sin, attn: AttentionFn) -> torch.Tensor:
     """qkv (T, (Hq + 2 Hkv) D) -> the attention output (T, Hq D), before o_proj; stores the new K/V."""
-    T = qkv.shape[0]
     k_cache, v_cache, slots = attn.kv_destination(mod.layer_idx)
     rope_store_kv(qkv, cos, sin, k_cache, v_cache, slots, mod.num_heads, mod.num_kv_heads)  # q, k in place
+    return _attend(mod, qkv, attn)
+
+
+def _attend(mod: Attention, qkv: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
+    """qkv (T, (Hq + 2 Hkv) D), rotated and stored -> the attention output (T, Hq D), before o_proj."""
+    T = qkv.shape[0]
     heads = qkv.view(T, mod.num_heads + 2 * mod.num_kv_heads, mod.head_dim)
     q, k, v = heads.split([mod.num_heads, mod.num_kv_heads, mod.num_kv_heads], dim=1)  # strided views
     o = attn.attend(mod.layer_idx, q, k, v)  # (T, Hq, D)
