@@ -12,8 +12,8 @@ the runner captures in a CUDA graph, the final norm included.
 
 One token row (the batch-1 decode step) takes another route: each projection is kernels/gemv.py's GEMV with
 the ops before and after it fused in (the norms as prologues; RoPE + K/V store, SwiGLU and the residual
-adds as epilogues), five launches per layer with attention, where the GEMM route runs nine or ten. Its rounding is the
-same: every op's result is rounded to the model dtype where the unfused op rounds it.
+adds as epilogues), five launches per layer with attention, where the GEMM route runs nine or ten. Its
+rounding is the same: every op's result is rounded to the model dtype where the unfused op rounds it.
 """
 
 from __future__ import annotations
