@@ -21,14 +21,12 @@ Torch reference: kernels.fused_reference.gemv_reference.
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels.launch_cache import CachedLauncher
+from kernels.pdl import pdl_options
 from kernels.rope_store import check_rope_store
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -148,26 +146,17 @@ _gemv = CachedLauncher(_gemv_kernel, num_tensors=6)
 _gemv_rope_store = CachedLauncher(_gemv_rope_store_kernel, num_tensors=10)
 
 
-@functools.cache
-def _uses_pdl(device_index: int) -> bool:
-    """Programmatic dependent launch: Hopper and later, compiled code only (not the interpreter)."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return False
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
 def _launch(weight, x, out, residual, norm_weight, bias, n, eps, gated):
     """Grid (cdiv(N, BLOCK_N),): BLOCK_N = TILE // K_PAD rows a program (a power of two, at least 1); 4 warps
     keep 64 weight values a thread, 8 warps above an 8192-wide row."""
     k = x.shape[1]
     k_pad = triton.next_power_of_2(k)
     block_n = max(1, TILE // k_pad // (2 if gated else 1))
-    pdl = x.is_cuda and _uses_pdl(x.device.index)
     _gemv((triton.cdiv(n, block_n),), weight, x, out, residual if residual is not None else out,
           norm_weight if norm_weight is not None else x, bias if bias is not None else x, n, eps,
           K=k, K_PAD=k_pad, BLOCK_N=block_n, NORM=norm_weight is not None, GATED=gated,
-          ADD=residual is not None, HAS_BIAS=bias is not None, USE_GDC=pdl,
-          num_warps=8 if k_pad > TILE else 4, num_stages=1, **({"launch_pdl": True} if pdl else {}))
+          ADD=residual is not None, HAS_BIAS=bias is not None, num_warps=8 if k_pad > TILE else 4,
+          num_stages=1, **pdl_options(x.device))
 
 
 def _new_output(n: int, x: torch.Tensor) -> torch.Tensor:
@@ -181,15 +170,13 @@ def _launch_rope_store(weight, x, qkv, norm_weight, bias, eps, cos, sin, k_cache
     k_pad = triton.next_power_of_2(k)
     half = k_cache.shape[-1] // 2
     block_p = max(1, TILE // k_pad // 2)
-    pdl = x.is_cuda and _uses_pdl(x.device.index)
     _gemv_rope_store((triton.cdiv((hq + 2 * hkv) * half, block_p),), weight, x, qkv,
                      norm_weight if norm_weight is not None else x, bias if bias is not None else x,
                      cos, sin, k_cache, v_cache, slots, eps, k_cache.shape[1],
                      *k_cache.stride(), *v_cache.stride(),
                      K=k, K_PAD=k_pad, BLOCK_P=block_p, HALF=half, NUM_Q_HEADS=hq, NUM_KV_HEADS=hkv,
-                     NORM=norm_weight is not None, HAS_BIAS=bias is not None, USE_GDC=pdl,
-                     num_warps=8 if k_pad > TILE else 4, num_stages=1,
-                     **({"launch_pdl": True} if pdl else {}))
+                     NORM=norm_weight is not None, HAS_BIAS=bias is not None,
+                     num_warps=8 if k_pad > TILE else 4, num_stages=1, **pdl_options(x.device))
 
 
 def _check(x, weight, bias, norm_weight, residual, gated) -> int:

@@ -1,0 +1,36 @@
+"""Programmatic dependent launch (PDL, Hopper and later): a kernel launched with it may start while the
+kernel before it on the stream is still running, once that one has executed `gdc_launch_dependents`
+(griddepcontrol.launch_dependents) in every program, or finished.
+
+The contract of every kernel here that takes `USE_GDC`: it calls `gdc_launch_dependents` first (its own
+successor may launch), and `gdc_wait` (griddepcontrol.wait: the kernel before it has finished, and so has
+every kernel before that, their writes visible) before it writes anything or reads anything but weights.
+The GEMVs load their weight tiles before the wait, which is where the overlap pays; the decode attention
+waits at once and gains the launch. A CUDA graph keeps the launches' programmatic edges.
+Measured where it is used: kernels/gemv.py, docs/kernel.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.cache
+def _supported(device_index: int) -> bool:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False  # the interpreter runs programs one by one: nothing to overlap, no griddepcontrol
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def uses_pdl(device: torch.device) -> bool:
+    """Whether launches on `device` use programmatic dependent launch (compiled code on sm_90+)."""
+    return device.type == "cuda" and _supported(device.index if device.index is not None else 0)
+
+
+def pdl_options(device: torch.device) -> dict:
+    """The kernel arguments of a launch on `device`: USE_GDC, and the launch_pdl option where it is True."""
+    on = uses_pdl(device)
+    return {"USE_GDC": on, "launch_pdl": True} if on else {"USE_GDC": False}
