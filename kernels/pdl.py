@@ -5,9 +5,11 @@ kernel before it on the stream is still running, once that one has executed `gdc
 The contract of every kernel here that takes `USE_GDC`: it calls `gdc_launch_dependents` first (its own
 successor may launch), and `gdc_wait` (griddepcontrol.wait: the kernel before it has finished, and so has
 every kernel before that, their writes visible) before it writes anything or reads anything but weights.
-The GEMVs load their weight tiles before the wait, which is where the overlap pays; the decode attention
-waits at once and gains the launch. A CUDA graph keeps the launches' programmatic edges.
-Measured where it is used: kernels/gemv.py, docs/kernel.md.
+The GEMVs (kernels/gemv.py) load their weight tiles before the wait, which is where the overlap pays; a
+CUDA graph keeps the launches' programmatic edges (measured there and in docs/kernel.md).
+Not used by the decode attention: launched this way (waiting first, letting the next GEMV launch at once)
+it made the batch-1 step slower, 0.894 ms against 0.870 on an H200 (tools/decode_forward_bench, two calls,
+the GEMM route 1.095 / 1.092 in each): the o_proj GEMV's early programs compete with attention's few.
 """
 
 from __future__ import annotations
