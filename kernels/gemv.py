@@ -12,7 +12,7 @@ Why a hand-written GEMV: at batch 1 a decode layer's four projections are cuBLAS
 a split-K reduce, and the norms and activation are launches of their own. One program holds a tile of
 BLOCK_N whole weight rows (TILE elements) in registers: loaded in one go, before its input is known, so that
 with programmatic dependent launch (Hopper) the next kernel's weight reads start while this one finishes.
-Measured on an H200 (torch 2.11, Triton 3.6; .tools/gemv_pdl_probe.py, the bench shape's 64 projections of
+Measured on an H200 (torch 2.11, Triton 3.6; tools/gemv_chain_probe.py, the bench shape's 64 projections of
 a 16-layer step, 1.95 GB, chained in one CUDA graph): cuBLAS 688.6 us; this kernel 564.1 us plain, 550.0
 with PDL waiting first, 528.8 with the tile loaded before the wait (8192-element tiles; 16384: 532.0,
 32768: 550.5). At 8 rows the same kernel takes 1,571 us against cuBLAS's 693, so it serves one row only.
