@@ -87,14 +87,18 @@ class CachedLauncher:
     def compiled_for(self, grid, args, num_warps, num_stages, kw) -> tuple[CompiledLaunch, bool]:
         """(bound kernel for this specialisation, whether this call launched it): a new specialisation is
         compiled and launched once through the JIT."""
-        key = (tuple(_tensor_key(t) for t in args[:self.num_tensors]), args[self.num_tensors:],
-               tuple(kw.items()), num_warps, num_stages, args[0].get_device())
+        key = self.key(args, num_warps, num_stages, kw)
         bound = self.compiled.get(key)
         if bound is not None:
             return bound, False
         kernel = self.fn[grid](*args, **kw, num_warps=num_warps, num_stages=num_stages)
         bound = self.compiled[key] = CompiledLaunch(kernel)
         return bound, True
+
+    def key(self, args, num_warps, num_stages, kw) -> tuple:
+        """What a call's compiled kernel is found under: everything Triton specialises on."""
+        return (tuple(_tensor_key(t) for t in args[:self.num_tensors]), args[self.num_tensors:],
+                tuple(kw.items()), num_warps, num_stages, args[0].get_device())
 
     def tail(self, nargs: int, kw: dict) -> list:
         """The constexpr values after the positional args, in definition order (options dropped)."""

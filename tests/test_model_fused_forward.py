@@ -155,3 +155,33 @@ def test_fused_graph_decode_equals_torch_in_bf16(num_seqs, block_size):
         assert not fused.isnan().any()
         assert rel_err(fused, unfused) < GPU_REL_TOL
         assert rel_err(fused, ref) <= 1.5 * rel_err(unfused, ref) + 1e-3
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
+def test_one_row_warm_up_launches_what_a_one_row_step_launches(tiny, monkeypatch):
+    """warm_up_one_row (the runner calls it at start-up on CUDA) must launch every kernel specialisation a
+    one-row decode step launches through the GEMVs, so an eager server compiles none mid-serving; and it
+    stores no K/V (slot -1)."""
+    from kernels import gemv as gemv_mod
+    from kernels.launch_cache import CachedLauncher
+    from server.model.fused_forward import warm_up_one_row
+
+    seen: list[tuple] = []
+    original = CachedLauncher.__call__
+
+    def record(self, grid, *args, num_warps, num_stages, **kw):
+        if self in (gemv_mod._gemv, gemv_mod._gemv_rope_store):
+            seen.append((id(self), self.key(args, num_warps, num_stages, kw)))
+        return original(self, grid, *args, num_warps=num_warps, num_stages=num_stages, **kw)
+
+    monkeypatch.setattr(CachedLauncher, "__call__", record)
+    runner = ModelRunner(tiny, block_size=4, num_blocks=16, attention_backend="triton", max_num_seqs=2,
+                         max_model_len=32)
+    runner.kv.data.fill_(-3.0)
+    warm_up_one_row(tiny, *runner.kv.layer(0))
+    assert (runner.kv.data == -3.0).all()
+    warm = set(seen)
+    assert {launcher for launcher, _ in warm} == {id(gemv_mod._gemv), id(gemv_mod._gemv_rope_store)}
+    seen.clear()
+    run_steps(tiny, runner, "fused", teacher_forced_batches([3], 4, 16, steps=1))  # prefill 3, decode 1
+    assert seen and set(seen) <= warm

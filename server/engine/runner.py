@@ -150,8 +150,14 @@ class ModelRunner:
                                          self.state.block_tables.shape[1], self.config.num_heads,
                                          self.decode_num_splits, self.decode_workspace)
             self.sampler.warm_up()
-            log.info("runner: %d decode attention variants, the prefill kernel and the sampling kernel "
-                     "compiled", variants)
+            one_row = ""
+            if self.model.decoder_ops_for(self.attention_backend) == "fused":
+                from server.model.fused_forward import warm_up_one_row  # imports triton
+
+                warm_up_one_row(self.model, *self.kv.layer(0))
+                one_row = ", the one-row GEMVs"
+            log.info("runner: %d decode attention variants, the prefill kernel, the sampling kernel%s "
+                     "compiled", variants, one_row)
         if self.cuda_graphs:
             self._capture_graphs()
         else:

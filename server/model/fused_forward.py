@@ -43,6 +43,30 @@ def fused_forward(model: LlamaForCausalLM, input_ids: torch.Tensor, positions: t
     return rms_norm(out, inner.norm.weight, inner.norm.eps, residual=residual)
 
 
+def warm_up_one_row(model: LlamaForCausalLM, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Compiles the one-row route's kernel variants with the arguments a step passes (layer 0's weights and
+    caches: every layer has the same shapes and strides), so that an eager server's first single-sequence
+    step does not compile them mid-serving (a Triton compile stalls every stream for about a second; with
+    CUDA graphs the capture compiles them anyway). It writes scratch rows only: slot -1 stores no K/V."""
+    inner = model.model
+    layer = inner.layers[0]
+    mod, mlp = layer.self_attn, layer.mlp
+    row = torch.zeros(1, model.config.hidden_size, dtype=model.dtype, device=model.device)
+    cos, sin = inner.rotary.half_angles(torch.zeros(1, dtype=torch.long, device=model.device))
+    slots = torch.full((1,), -1, dtype=torch.long, device=model.device)
+    norm = layer.input_layernorm
+    gemv_rope_store(row, mod.qkv_proj.weight, mod.qkv_proj.bias, norm_weight=norm.weight, eps=norm.eps,
+                    cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots,
+                    num_q_heads=mod.num_heads, num_kv_heads=mod.num_kv_heads)
+    attn_out = torch.zeros(1, mod.q_size, dtype=model.dtype, device=model.device)
+    gemv(attn_out, mod.o_proj.weight, mod.o_proj.bias, residual=row)
+    norm = layer.post_attention_layernorm
+    act = gemv(row, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm_weight=norm.weight, eps=norm.eps,
+               gated=True)
+    gemv(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=row)
+    rms_norm(row, inner.norm.weight, inner.norm.eps)
+
+
 def takes_one_row(input_ids: torch.Tensor) -> bool:
     """Whether the forward takes the one-row GEMV route (tools/decode_forward_bench times the GEMM route at
     one row too, by replacing this)."""

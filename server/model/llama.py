@@ -123,11 +123,13 @@ class LlamaForCausalLM(nn.Module):
 
     def resolve_decoder_ops(self, attn: AttentionFn | None) -> str:
         """"fused" or "torch" for a forward over `attn`; the contiguous (attn None) path is always torch."""
-        if attn is None:
-            return "torch"
+        return "torch" if attn is None else self.decoder_ops_for(attn.backend)
+
+    def decoder_ops_for(self, attention_backend: str) -> str:
+        """"fused" or "torch" for a forward over paged attention on `attention_backend`."""
         if self.decoder_ops != "auto":
             return self.decoder_ops
-        return "fused" if self.device.type == "cuda" and attn.backend == "triton" else "torch"
+        return "fused" if self.device.type == "cuda" and attention_backend == "triton" else "torch"
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn | None = None
