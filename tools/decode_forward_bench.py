@@ -9,7 +9,8 @@ back-to-back steps: one step = the graph replay plus the fp32 copy of the real r
 `runner.execute` puts on the GPU for a decode step. Also `runner.execute` wall time per step (host packing
 and copies included, synchronised), the logits' agreement between the two ops, the achieved bandwidth
 (weights + KV bytes read) / time and the fraction of the roofline, whose bandwidth is a large device-to-device
-copy timed in the same run. Last, a torch.profiler split of one replayed step at --profile-batch, per kernel.
+copy timed in the same run. Last, a torch.profiler split of one replayed step at each --profile-batches size,
+per kernel.
 Prints a table; writes decode_forward_<gpu>.{json,md} under --out.
 """
 
@@ -197,7 +198,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="graph block-table width; default: the preset's max_position_embeddings, as served")
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--profile-batch", type=int, default=64)
+    ap.add_argument("--profile-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64],
+                    help="batch sizes whose replayed step gets a per-kernel split")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.manual_seed(0)
@@ -234,7 +236,8 @@ def main() -> None:
         print(f"batch {batch}: torch {row['torch']['step_ms']:.3f} ms, "
               f"fused {row['fused']['step_ms']:.3f} ms", flush=True)
 
-    profiles = {ops: profile_step(runners[ops], ops, ctx.chunks(args.profile_batch)) for ops in OPS}
+    profiles = [profile_step(runners[ops], ops, ctx.chunks(batch)) | {"ops": ops}
+                for batch in args.profile_batches for ops in OPS]
     result = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(), "preset": "bench", "dtype": "bfloat16",
@@ -251,8 +254,8 @@ def main() -> None:
 
 
 def print_report(r: dict, path: Path) -> None:
-    for ops in OPS:
-        p = r["profiles"][ops]
+    for p in r["profiles"]:
+        ops = p["ops"]
         print(f"\n{ops}: per-kernel device time of one step at batch {p['batch']} ({p['mode']}), "
               f"total {p['total_us']:.0f} us")
         for k in p["kernels"]:
@@ -299,8 +302,8 @@ def markdown(r: dict) -> str:
     startup = ", ".join(f"{ops} {s['init_s']:.1f} s and {s['graphs_mib']:.0f} MiB"
                         for ops, s in r["startup"].items())
     lines += ["", f"Start-up (runner construction, graph capture included): {startup}."]
-    for ops in OPS:
-        p = r["profiles"][ops]
+    for p in r["profiles"]:
+        ops = p["ops"]
         lines += ["", f"## {ops}: one step at batch {p['batch']}, per kernel ({p['mode']}), "
                       f"{p['total_us']:.0f} us of kernels", "",
                   "| us | share | calls | kernel |", "|---|---|---|---|"]
