@@ -6,7 +6,10 @@ y = W x for x (1, K), W (N, K) as nn.Linear stores it, plus, chosen per call:
 - a gated epilogue: W stacks [gate | up] (2N, K) and the output is silu(gate x) * (up x) (N,), each half
   rounded to the model dtype first as the unfused GEMM's output is;
 - a residual epilogue: residual <- residual + y in place (the pre-norm decoder's `x = x + sublayer(x)`,
-  rounded as there), each output element read and written by the one program that owns its row.
+  rounded as there), each output element read and written by the one program that owns its row (so x must
+  not overlap it: every program reads all of x).
+`gemv_rope_store` is the qkv projection's variant: RoPE on q and k and the K/V store into the paged cache as
+its epilogue (kernels/rope_store.py's work, for one row).
 
 Why a hand-written GEMV: at batch 1 a decode layer's four projections are cuBLAS GEMMs of ~3-19 us each plus
 a split-K reduce, and the norms and activation are launches of their own. One program holds a tile of
@@ -202,7 +205,15 @@ def _check(x, weight, bias, norm_weight, residual, gated) -> int:
                              f"{tuple(t.shape)} {t.dtype} on {t.device}")
     if weight.device != x.device:
         raise ValueError(f"weight is on {weight.device}, x on {x.device}")
+    if residual is not None and _overlap(x, residual):
+        raise ValueError("x and residual overlap: the residual epilogue writes rows every program reads")
     return n
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of two contiguous tensors intersect."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -86,6 +86,7 @@ def test_gemv_equals_the_unfused_ops(poisoned, device, dtype, n, k, norm, gated,
     (lambda x, w: (x, w, {"residual": torch.zeros(1, 5)}), "residual must be"),
     (lambda x, w: (x, w, {"norm_weight": torch.ones(3)}), "norm_weight must be"),
     (lambda x, w: (x, w, {"bias": torch.ones(2)}), "bias must be"),
+    (lambda x, w: (x, w[:, :16].repeat(3, 1)[:16], {"residual": x}), "overlap"),
 ])
 def test_gemv_refuses_what_it_does_not_take(bad, match):
     x, w = torch.randn(1, 16), torch.randn(6, 16)
