@@ -128,3 +128,14 @@ def test_gemv_rope_store_equals_gemv_then_rope_store(poisoned, device, dtype, hq
         torch.testing.assert_close(caches[name].float(), ref_caches[name].float(), rtol=rtol, atol=atol)
     if slot < 0:
         assert all(torch.equal(caches[name], ref_caches[name]) for name in caches)
+
+
+def test_pdl_is_off_where_it_cannot_run():
+    """Programmatic dependent launch only for compiled code on CUDA (sm_90+): never on the CPU or the
+    interpreter, where the kernels must not be asked for griddepcontrol."""
+    from kernels.pdl import pdl_options, uses_pdl
+
+    assert not uses_pdl(torch.device("cpu"))
+    assert pdl_options(torch.device("cpu")) == {"USE_GDC": False}
+    if INTERPRET and torch.cuda.is_available():
+        assert pdl_options(torch.device("cuda", 0)) == {"USE_GDC": False}
