@@ -1,4 +1,4 @@
-"""Probe (GPU, not a test) behind kernels/gemv.py: `python tools/gemv_chain_probe.py` (PROBE_BATCH=rows).
+"""Probe (GPU, not a test) behind kernels/gemv.py: `python -m tools.gemv_chain_probe` (PROBE_BATCH=rows).
 
 The batch-1 decode layer's four GEMVs (bench shape: qkv 3072x2048, o 2048x2048,
 gate_up 16384x2048, down 2048x8192; 16 layers = 64 launches, 1.95 GB of weights), chained (each reads the
@@ -19,6 +19,8 @@ import sys
 import torch
 import triton
 import triton.language as tl
+
+from tools.kernel_bench import graph_us
 
 
 @triton.jit
@@ -42,25 +44,6 @@ def _gemv(w_ptr, x_ptr, y_ptr, K: tl.constexpr, BLOCK_N: tl.constexpr, USE_GDC: 
 
 
 SHAPES = ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192))  # (N, K) in order
-
-
-def graph_us(fn, replays=30):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def main():
@@ -133,7 +116,7 @@ def main():
         try:
             buf[0].copy_(x0)
             err = check(name, fn)
-            us = graph_us(fn)
+            us = graph_us(fn, reps=30)
             tbps = total_bytes / us / 1e6
             row = {"name": name, "us": us, "TBps": tbps, "of_copy": tbps / copy_tbps, "rel_err": err}
             res["rows"].append(row)

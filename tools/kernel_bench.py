@@ -83,6 +83,11 @@ def _replay_ms(g, reps=10) -> float:
     return statistics.median(times)
 
 
+def graph_us(fn, reps=10) -> float:
+    """µs of one replay of a CUDA graph holding one call of fn (median over reps; L2 left as fn leaves it)."""
+    return _replay_ms(_graph(fn, 1), reps) * 1e3
+
+
 def gpu_cold_us(fn, n=20) -> float:
     """GPU-only time of fn with a cold L2 and no launch gaps: graph of (clear; fn) minus graph of clear."""
     cache = torch.zeros(CLEAR_BYTES // 4, dtype=torch.int32, device="cuda")

@@ -6,7 +6,7 @@ weights a layer, 16 layers = 128 MiB: streamed from HBM, not L2), batch 1:
 - one persistent launch of #SM programs that walks the layers with a grid barrier (atomic counter + spin)
   between them, with and without loading the next layer's first weight tile before waiting.
 Prints us per layer, achieved TB/s and the copy bandwidth measured in the same run; JSON to $OUT.
-`python tools/persistent_gemv_probe.py` (GPU) or `TRITON_INTERPRET=1 ... --cpu-check` (one program).
+`python -m tools.persistent_gemv_probe` (GPU) or `TRITON_INTERPRET=1 ... --cpu-check` (one program).
 One run: docs/benchmarks/persistent_gemv_h200.json.
 """
 import json
@@ -16,6 +16,8 @@ import sys
 import torch
 import triton
 import triton.language as tl
+
+from tools.kernel_bench import graph_us
 
 
 @triton.jit
@@ -84,25 +86,6 @@ def cpu_check():
     print("one-layer max err", (y - ws[0] @ x0).abs().max().item())
 
 
-def graph_us(fn, replays=20):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def gpu_main():
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
@@ -113,7 +96,7 @@ def gpu_main():
     ref = chain_reference(ws, x0)
     src = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
-    copy_us = graph_us(lambda: dst.copy_(src))
+    copy_us = graph_us(lambda: dst.copy_(src), reps=20)
     copy_tbps = 2 * src.numel() / copy_us / 1e6
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "layers": L, "n": N, "copy_TBps": copy_tbps, "rows": []}
@@ -131,13 +114,13 @@ def gpu_main():
     def cublas():
         for i in range(L):
             torch.nn.functional.linear(bufs[i][None], ws[i], out=bufs[i + 1][None])
-    report("cuBLAS F.linear per layer (graph)", graph_us(cublas), (cublas(), bufs[L])[1])
+    report("cuBLAS F.linear per layer (graph)", graph_us(cublas, reps=20), (cublas(), bufs[L])[1])
     for bn, bk, warps in ((16, 256, 4), (32, 256, 4), (8, 512, 4)):
         def one(bn=bn, bk=bk, warps=warps):
             for i in range(L):
                 _gemv_one[(N // bn,)](ws[i], bufs[i], bufs[i + 1], N, N, BLOCK_N=bn, BLOCK_K=bk,
                                       num_warps=warps)
-        report(f"Triton GEMV per layer bn{bn} bk{bk} (graph)", graph_us(one), (one(), bufs[L])[1])
+        report(f"Triton GEMV per layer bn{bn} bk{bk} (graph)", graph_us(one, reps=20), (one(), bufs[L])[1])
     buf = torch.empty(2, N, device=dev, dtype=dt)
     sync = torch.zeros(1, dtype=torch.int32, device=dev)
     for progs in (sms, 2 * sms):
@@ -149,7 +132,7 @@ def gpu_main():
                     _gemv_chain[(progs,)](ws, buf, sync, L, N, N, NUM_PROGS=progs, BLOCK_N=bn, BLOCK_K=bk,
                                           PREFETCH=prefetch, num_warps=4)
                 try:
-                    us = graph_us(chain)
+                    us = graph_us(chain, reps=20)
                     report(f"persistent {progs} progs bn{bn} bk{bk} prefetch={prefetch}", us,
                            (chain(), torch.cuda.synchronize(), buf[L % 2])[2])
                 except Exception as e:  # noqa: BLE001
