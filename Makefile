@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(VPY) -m pytest -q -m "not gpu" --timeout=600 tests
+	TRITON_INTERPRET=1 $(VPY) -m pytest -q -m "not gpu" --timeout=600 --hypothesis-profile=ci tests
 
 test-gpu: $(STAMP)
 	$(VPY) -m pytest -q -m gpu tests

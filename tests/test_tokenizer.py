@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from model_fixtures import CHAT_TEMPLATE, byte_bpe_tokenizer
 
@@ -76,12 +76,16 @@ def test_byte_detokenizer_concat_equals_decode(detokenizer, data, specials, rnd)
 @BYTE_DETOKENIZERS
 @settings(max_examples=200, deadline=None)
 @given(st.text(max_size=40))
+@example(text="\ufffd")
 def test_byte_detokenizer_never_emits_half_a_character(detokenizer, text):
     tok = ByteTokenizer()
     deltas = stream(tok, tok.encode(text), detokenizer)
     assert "".join(deltas) == text
     assert all("\ufffd" not in d for d in deltas if "\ufffd" not in text)
-    assert deltas[-1] == ""  # nothing left to flush after valid UTF-8
+    # Nothing is left to flush after valid UTF-8, except a text ending in U+FFFD itself: the window
+    # detokenizer cannot tell a decoded U+FFFD from an incomplete character, so it holds it to the end.
+    if not (detokenizer is IncrementalDetokenizer and text.endswith("\ufffd")):
+        assert deltas[-1] == ""
 
 
 @BYTE_DETOKENIZERS
