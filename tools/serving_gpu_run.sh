@@ -4,11 +4,14 @@
 # FastAPI stack and those), then the parts named in PARTS (default: all):
 #   tests    the runner/engine GPU tests
 #   hazards  tools/step_hazards (Triton compiles after start-up, host-device syncs, under random traffic)
-#   forward  tools/decode_forward_bench (the decode step's graph replay, torch vs fused ops, per-kernel split)
+#   forward  tools/decode_forward_bench (the decode step's graph replay, torch vs fused ops, per-kernel split);
+#            FORWARD_ARGS are passed to it
 #   prefill  tools/prefill_step_bench (prefill and mixed decode+prefill steps: wall, device busy, TFLOP/s);
 #            PREFILL_ARGS are passed to it
 #   prefill_kernel  the paged-prefill kernel's GPU tests (bf16 grid) and tools/prefill_bench --sweep (against
 #            SDPA flash / cuDNN on contiguous K/V), writing prefill_<gpu>.json under OUT
+#   skinny   tools/skinny_gemm_probe (the 64 projections of a step chained at 16/64/256 rows: cuBLAS vs a
+#            Triton tensor-core GEMM with and without PDL)
 #   sampler  tools/sampler_bench (the sort-free sampling kernel against the sorted torch path and greedy)
 #   serving  tools/serving_bench (server under loadtest at concurrency 1/16/64/256, the engine offline,
 #            HF generate); SERVING_ARGS are passed to it
@@ -21,17 +24,18 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
 if has tests; then
-  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_runner_gpu.py tests/test_runner_cuda_graphs.py \
+  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 tests/test_runner_gpu.py tests/test_runner_cuda_graphs.py \
     tests/test_engine_process.py tests/test_engine_async.py tests/test_model_fused_forward.py \
     tests/test_kernels_sampling.py tests/test_kernels_gemv.py \
-    tests/test_gpu_kernels.py::test_gpu_step_inputs_match_the_torch_derivation 2>&1 | tail -n 12 | tee "$OUT/gpu_tests.txt"
+    tests/test_gpu_kernels.py::test_gpu_step_inputs_match_the_torch_derivation 2>&1 | tail -n 30 | tee "$OUT/gpu_tests.txt"
 fi
 if has hazards; then
   timeout 300 python3 -m tools.step_hazards --out "$OUT/step_hazards.json" > "$OUT/step_hazards.log" 2>&1
   tail -n 25 "$OUT/step_hazards.log"
 fi
 if has forward; then
-  timeout 300 python3 -m tools.decode_forward_bench --out "$OUT" > "$OUT/decode_forward.log" 2>&1
+  # shellcheck disable=SC2086
+  timeout 300 python3 -m tools.decode_forward_bench --out "$OUT" ${FORWARD_ARGS:-} > "$OUT/decode_forward.log" 2>&1
   tail -n 8 "$OUT/decode_forward.log"
 fi
 if has prefill; then
@@ -45,6 +49,10 @@ if has prefill_kernel; then
     | tee "$OUT/prefill_kernel_tests.txt"
   timeout 400 python3 -m tools.prefill_bench --sweep --out "$OUT" > "$OUT/prefill_bench.log" 2>&1
   tail -n 30 "$OUT/prefill_bench.log"
+fi
+if has skinny; then
+  OUT=$OUT timeout 400 python3 -m tools.skinny_gemm_probe > "$OUT/skinny_gemm_probe.log" 2>&1
+  tail -n 34 "$OUT/skinny_gemm_probe.log"
 fi
 if has sampler; then
   timeout 120 python3 -m tools.sampler_bench --out "$OUT" > "$OUT/sampler_bench.log" 2>&1
