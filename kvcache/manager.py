@@ -145,7 +145,12 @@ class KVCacheManager:
         False (and no change) if out of blocks."""
         seq = self._seq(seq_id)
         n = num_tokens - seq.num_tokens
-        return n <= 0 or self.append_slots(seq_id, n)
+        if n <= 0:
+            return True
+        if num_tokens <= len(seq.block_table) * self._block_size:  # most decode steps: room in the last block
+            seq.num_tokens = num_tokens
+            return True
+        return self.append_slots(seq_id, n)
 
     def mark_computed(self, seq_id: object, num_tokens: int, token_ids: Sequence[int]) -> None:
         """K/V of tokens [0, num_tokens) are written; ``token_ids`` (the owner's list, at least that long)

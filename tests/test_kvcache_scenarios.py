@@ -410,6 +410,7 @@ def test_ensure_slots_grows_to_the_owners_count_only():
     mgr = KVCacheManager(4, 2)  # usable 1..3
     mgr.allocate("a", [1, 2, 3])  # [1, 2]
     assert mgr.ensure_slots("a", 3) and mgr.block_table("a") == [1, 2]  # holds them already
+    assert mgr.ensure_slots("a", 4) and mgr.block_table("a") == [1, 2] and mgr.num_tokens("a") == 4  # room
     assert mgr.ensure_slots("a", 5) and mgr.block_table("a") == [1, 2, 3] and mgr.num_tokens("a") == 5
     assert not mgr.ensure_slots("a", 7) and mgr.num_tokens("a") == 5  # out of blocks: unchanged
     assert mgr.ensure_slots("a", 2) and mgr.num_tokens("a") == 5  # never shrinks

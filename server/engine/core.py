@@ -169,20 +169,24 @@ class EngineCore:
 
     def _finish_checks(self, seq: Sequence, samples: HostSamples, r: int) -> SeqUpdate:
         """seq just took sampled token r (Scheduler.postprocess): does it end here?"""
-        token = seq.token_ids[-1]
+        token_ids = seq.token_ids
+        token = token_ids[-1]
         p = seq.params
         logprobs = [self._logprobs(seq, samples, r)] \
             if samples.logprobs is not None and p.logprobs is not None else None
-        first = len(seq.token_ids) - seq.num_prompt_tokens == 1
-        req = self.requests[seq.request_id]
-        prompt_lps = req.prompt_logprobs if first else None
+        num_output = len(token_ids) - len(seq.prompt_token_ids)
         reason, stop_token = None, None
-        if token in p.stop_token_ids:
+        if p.stop_token_ids and token in p.stop_token_ids:
             reason, stop_token = "stop", token
         elif token in self.eos_token_ids and not p.ignore_eos:
             reason = "stop"
-        elif len(seq.token_ids) - seq.num_prompt_tokens >= p.max_tokens:
+        elif num_output >= p.max_tokens:
             reason = "length"
+        if num_output == 1:  # a choice's first update carries its request's prompt logprobs and start time
+            req = self.requests[seq.request_id]
+            prompt_lps, scheduled = req.prompt_logprobs, req.scheduled_time
+        else:
+            prompt_lps = scheduled = None
         if reason is not None:
             seq.finish_reason, seq.stop_reason = reason, stop_token
             for child in reversed(seq.fork_children):  # never forked off it: each prefills on its own
@@ -191,8 +195,8 @@ class EngineCore:
             seq.fork_children = []
             self.scheduler.finish(seq)
             self._forget_if_finished(self.requests[seq.request_id])
-        return SeqUpdate(seq.request_id, seq.index, [token], logprobs, reason, stop_token,
-                         prompt_logprobs=prompt_lps, scheduled_time=req.scheduled_time if first else None)
+        return SeqUpdate(seq.request_id, seq.index, [token], logprobs, reason, stop_token, None, prompt_lps,
+                         scheduled)
 
     @staticmethod
     def _logprobs(seq: Sequence, samples: HostSamples, r: int) -> TokenLogprobs:

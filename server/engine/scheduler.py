@@ -103,6 +103,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         prefills: list[Sequence] = []  # running, not decoding (complete unless the budget ran out first)
+        ensure_slots = self.kv.ensure_slots
         for seq in list(self.running):  # 1) decodes, one token each, in admission order
             if budget == 0:
                 break
@@ -114,7 +115,7 @@ class Scheduler:
                 prefills.append(seq)
             elif num_tokens - len(seq.prompt_token_ids) >= seq.params.max_tokens:
                 continue  # its last token is in flight: it finishes when that token arrives
-            elif self._reserve_slots(seq, out):
+            elif ensure_slots(seq.seq_id, num_tokens) or self._reserve_slots(seq, out):  # else: preempt
                 pos = seq.num_computed_tokens
                 seq.num_computed_tokens = pos + 1
                 seq.num_pending += 1
