@@ -117,6 +117,10 @@ def add_server_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (vLLM listens on all interfaces by default)")
     s.add_argument("--port", type=int, default=8000, help="port to listen on")
+    s.add_argument("--api-server-count", type=int, default=1,
+                   help="API server processes sharing the port and one engine core (as vLLM's): each parses, "
+                        "tokenizes, detokenizes and streams its own connections, so HTTP scales past one "
+                        "core's worth of Python; --max-waiting is shared out among them")
     s.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set)")
     s.add_argument("--max-body-bytes", type=int, default=None,
@@ -180,6 +184,10 @@ def parse_serve_args(argv: list[str]) -> argparse.Namespace:
     if args.model_tag and args.model and args.model_tag != args.model:
         parser.error(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree; give one")
     args.model = args.model_tag or args.model or "tiny"
+    if args.api_server_count < 1:
+        parser.error("--api-server-count must be at least 1")
+    if args.api_server_count > 1 and args.engine_in_process:
+        parser.error("--engine-in-process (the core inside the one API process) excludes --api-server-count")
     if args.api_key is None:
         args.api_key = os.environ.get(API_KEY_ENV)
     return args
@@ -227,13 +235,35 @@ def startup_line(engine, url: str) -> str:
     kv = engine.health()["kv_cache"]
     capacity = (kv["free_blocks"] + kv["used_blocks"]) * kv["block_size"]
     dtype = str(engine.dtype).removeprefix("torch.")
+    server = engine.api_server
+    servers = f" api_server={server.index + 1}/{server.count}" if server.count > 1 else ""
     return (f"pagewalk serving model={engine.model_name} device={engine.device} dtype={dtype} "
-            f"attention_backend={engine.attention_backend} engine_core={engine.client.mode} "
+            f"attention_backend={engine.attention_backend} engine_core={engine.client.mode}{servers} "
             f"max_model_len={engine.max_model_len} "
             f"kv_cache={capacity} tokens ({kv['num_blocks']} blocks x {kv['block_size']}) url={url}")
 
 
 def serve(args: argparse.Namespace) -> int:
+    if args.api_server_count > 1:
+        from server.supervisor import supervise
+
+        return supervise(args)
+    return serve_api(args)
+
+
+def run_api_server(args: argparse.Namespace, api_server, sock) -> None:
+    """Spawn target of one of --api-server-count servers: serve_api on the supervisor's listening socket."""
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        code = serve_api(args, api_server, sock)
+    except (ValueError, OSError) as e:
+        code = startup_failed(e)
+    exit_now(code)
+
+
+def serve_api(args: argparse.Namespace, api_server=None, sock=None) -> int:
+    """One API process: its own engine core, or (`api_server`) the supervisor's, on `sock` if given."""
     import uvicorn
 
     from server.api.app import create_app, stop_engine
@@ -253,7 +283,8 @@ def serve(args: argparse.Namespace) -> int:
             await super().shutdown(sockets)
 
     try:
-        engine = AsyncEngine(engine_config(args), in_process=args.engine_in_process, log_level=args.log_level)
+        engine = AsyncEngine(engine_config(args), in_process=args.engine_in_process, log_level=args.log_level,
+                             api_server=api_server)
     except CoreStartupError as e:
         return startup_failed(e)
     max_body_bytes = args.max_body_bytes or DEFAULT_MAX_BODY_BYTES
@@ -279,7 +310,7 @@ def serve(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     engine.on_core_death = core_died
-    server.run()
+    server.run(sockets=[sock] if sock is not None else None)
     exit_now(1 if engine.dead is not None else 0)
 
 

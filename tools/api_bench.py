@@ -92,6 +92,9 @@ class SyntheticCore:
     def stats(self, num_prefill_tokens: int = 0, num_decode_tokens: int = 0) -> CoreStats:
         return CoreStats(len(self.requests), 0, 1 << 20, 0, 0, 0.0, num_prefill_tokens, num_decode_tokens)
 
+    def running_request_ids(self) -> set[str]:
+        return set(self.requests)
+
     def kv_snapshot(self) -> dict:
         return {"blocks": []}
 
@@ -109,12 +112,12 @@ def synthetic_build_core(config):
     return core, info
 
 
-def synthetic_core_process(config, to_core: str, from_core: str, log_level: str) -> None:
+def synthetic_core_process(config, address: str, log_level: str) -> None:
     """The core process's own entry (server.engine.core_process), building a SyntheticCore instead."""
     from server.engine import core_process
 
     core_process.build_core = synthetic_build_core
-    core_process.run_core_process(config, to_core, from_core, log_level)
+    core_process.run_core_process(config, address, log_level)
 
 
 def serve(argv: list[str], profile: str | None) -> None:

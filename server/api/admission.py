@@ -108,11 +108,11 @@ class AdmissionGate:
                 engine.check_admissible(len(ids), params)
         except RequestRejected as e:
             raise rejected(e) from None
-        limit = engine.config.max_waiting
+        limit = engine.max_waiting  # with several API servers, this one's part of --max-waiting
         if len(prompts) > max(1, limit):
             raise APIError(400, f"{len(prompts)} prompts in one request exceed the waiting queue "
                                 f"(max_waiting={limit}); send at most {limit}.", "prompt")
-        waiting = engine.health()["waiting"] + self.pending
+        waiting = engine.num_waiting_here() + self.pending
         if waiting + len(prompts) > limit:
             raise rejected(RequestRejected(429, f"too many requests waiting ({waiting}, max_waiting="
                                                 f"{limit}); retry later"))

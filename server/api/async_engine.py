@@ -23,7 +23,7 @@ from server.api.choice_stream import ChoiceStream
 from server.api.metrics import EngineMetrics
 from server.api.output_channel import OutputChannel, call_soon
 from server.api.outputs import ChoiceDelta, RequestOutput
-from server.engine.core_client import CoreClient, ProcessCoreClient, ThreadCoreClient
+from server.engine.core_client import AttachedCoreClient, CoreClient, ProcessCoreClient, ThreadCoreClient
 from server.engine.engine import EngineConfig
 from server.engine.outputs import CoreStats, EngineRequest, SeqUpdate, StepUpdate
 from server.engine.sampling_params import SamplingParams
@@ -41,6 +41,21 @@ class RequestRejected(Exception):
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+
+
+@dataclass(frozen=True)
+class ApiServer:
+    """Which of `count` API servers this process is, and the core they share (count 1: its own core)."""
+
+    index: int = 0
+    count: int = 1
+    core_address: str = ""
+    core_pid: int = 0
+
+    @property
+    def records_core_metrics(self) -> bool:
+        """The core's own figures (preemptions, prefix-cache counts, KV use) are counted by one server."""
+        return self.index == 0
 
 
 @dataclass(eq=False)
@@ -62,11 +77,17 @@ class LiveRequest:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, in_process: bool = False, log_level: str = "info"):
+    def __init__(self, config: EngineConfig, in_process: bool = False, log_level: str = "info",
+                 api_server: ApiServer | None = None):
+        """`api_server`: this process is one of several API servers sharing a core that their supervisor
+        started; else this process starts its own core (in a process, or on a thread with `in_process`)."""
         self.config = config
+        self.api_server = api_server or ApiServer()
         self.tokenizer = load_tokenizer(config.model, config.tokenizer, config.chat_template)
-        self.client: CoreClient = (ThreadCoreClient(config) if in_process
-                                   else ProcessCoreClient(config, log_level))
+        if api_server is not None:
+            self.client: CoreClient = AttachedCoreClient(api_server.core_address, api_server.core_pid)
+        else:
+            self.client = ThreadCoreClient(config) if in_process else ProcessCoreClient(config, log_level)
         info = self.info = self.client.info
         self.model_name, self.device, self.dtype = info.model, info.device, info.dtype
         self.model_name = (config.served_model_name or (info.model,))[0]
@@ -80,6 +101,9 @@ class AsyncEngine:
         self._idle = threading.Condition(self._lock)  # notified when the last live request ends
         self._live: dict[str, LiveRequest] = {}
         self._stats = CoreStats(0, 0, info.num_blocks - 1, 0, 0, 0.0)
+        self._running_here = 0  # of the core's running requests, this process's
+        # the waiting bound, shared out: each API server admits up to its part
+        self.max_waiting = -(-config.max_waiting // self.api_server.count)
         self._prefix_counts = (0, 0)  # the core's cumulative prefix-cache (queries, hits) last counted
         self._accepting = True
         self._started = self._closed = False
@@ -139,13 +163,22 @@ class AsyncEngine:
                 f"tokens per choice x n={params.n} = {total * params.n} tokens exceeds the whole KV cache "
                 f"capacity of {self.capacity_tokens} tokens", "max_tokens")
         waiting = self._num_waiting()
-        if waiting >= self.config.max_waiting:
+        if waiting >= self.max_waiting:
             raise RequestRejected(429, f"too many requests waiting ({waiting}, max_waiting="
-                                  f"{self.config.max_waiting}); retry later")
+                                  f"{self.max_waiting}); retry later")
+
+    def num_waiting_here(self) -> int:
+        with self._lock:
+            return self._num_waiting()
 
     def _num_waiting(self) -> int:
-        """Requests accepted and not running in the core: queued there, or on their way to it."""
-        return max(0, len(self._live) - self._stats.running)
+        """Requests accepted here and not running in the core: queued there, or on their way to it."""
+        return max(0, len(self._live) - self._running_here)
+
+    def _waiting_everywhere(self) -> int:
+        """Requests waiting, as /health and the gauge report them: this process's (its in-transit ones
+        included), or the core's count when that is larger (other API servers' requests)."""
+        return max(self._stats.waiting, self._num_waiting())
 
     # ---- requests ---------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int],
@@ -205,7 +238,7 @@ class AsyncEngine:
 
     def health(self) -> dict:
         with self._lock:
-            s, waiting, accepting = self._stats, self._num_waiting(), self._accepting
+            s, waiting, accepting = self._stats, self._waiting_everywhere(), self._accepting
         status = "dead" if self.dead is not None else "ok" if accepting else "shutting_down"
         info = self.info
         return {
@@ -234,6 +267,7 @@ class AsyncEngine:
         loop = items = None  # the last update's loop and its batch (serving: one loop for all)
         with self._lock:
             self._stats = s
+            self._running_here = step.client_running
             live_map = self._live
             for u in step.updates:
                 live = live_map.get(u.request_id)
@@ -251,8 +285,14 @@ class AsyncEngine:
                 items.append((live, u))
             if not live_map:
                 self._idle.notify_all()
-            waiting = self._num_waiting()
+            waiting = self._waiting_everywhere()
         self.num_prefill_tokens += s.num_prefill_tokens
+        if self.api_server.records_core_metrics:
+            self._record_core_metrics(s, waiting)
+        for loop, items in batches.items():
+            call_soon(loop, self._apply, items)
+
+    def _record_core_metrics(self, s: CoreStats, waiting: int) -> None:
         m = self.metrics
         if s.num_preemptions:
             m.num_preemptions.inc(s.num_preemptions)
@@ -262,8 +302,6 @@ class AsyncEngine:
         m.prefix_cache_queries.inc(s.prefix_queries - self._prefix_counts[0])  # cumulative in the core
         m.prefix_cache_hits.inc(s.prefix_hits - self._prefix_counts[1])
         self._prefix_counts = (s.prefix_queries, s.prefix_hits)
-        for loop, items in batches.items():
-            call_soon(loop, self._apply, items)
 
     def _on_death(self, reason: str) -> None:
         error = f"the engine core died ({reason})"

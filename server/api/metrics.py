@@ -7,12 +7,14 @@ Names, labels and meanings follow vLLM's (`vllm:x` is `pagewalk_x` here), every 
 
 from __future__ import annotations
 
+import os
 import time
 from bisect import bisect_left
 
 import prometheus_client.metrics
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.utils import floatToGoString
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -22,11 +24,20 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 
 
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's multiprocess mode: set before its import
+
+
 class EngineMetrics:
+    """With several API servers (--api-server-count) their supervisor sets MULTIPROC_DIR_ENV, each server's
+    values live in files there (prometheus_client's multiprocess mode) and any server's /metrics sums them
+    (gauges: the most recent value); the static Info stays per process, as every server holds the same."""
+
     def __init__(self, model: str, attention_backend: str, device: str, dtype: str):
         self.model_name = model
+        self.multiprocess = bool(os.environ.get(MULTIPROC_DIR_ENV))
         self.registry = r = CollectorRegistry()
-        self.info = Info("pagewalk", "Static facts about the serving engine", registry=r)
+        self._info_registry = CollectorRegistry() if self.multiprocess else r
+        self.info = Info("pagewalk", "Static facts about the serving engine", registry=self._info_registry)
         self.info.info({"model_name": model, "attention_backend": attention_backend, "device": device,
                         "dtype": dtype})
 
@@ -37,15 +48,16 @@ class EngineMetrics:
             return Counter(name, doc, ["model_name"], registry=r).labels(model)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, ["model_name"], registry=r).labels(model)
+            return Gauge(name, doc, ["model_name"], registry=r, multiprocess_mode="mostrecent").labels(model)
 
         # per token and per request (a request's n choices count as one request)
         self.time_to_first_token = histogram(
             "pagewalk_time_to_first_token_seconds", "Arrival to first generated token, per choice",
             _LATENCY_BUCKETS)
-        self.inter_token_latency = TokenHistogram(
-            "pagewalk_inter_token_latency_seconds", "Time between consecutive tokens of one choice",
-            _LATENCY_BUCKETS, model, r)
+        itl = ("pagewalk_inter_token_latency_seconds", "Time between consecutive tokens of one choice",
+               _LATENCY_BUCKETS)
+        # multiprocess mode sums what prometheus_client writes to its files; TokenHistogram writes none
+        self.inter_token_latency = histogram(*itl) if self.multiprocess else TokenHistogram(*itl, model, r)
         self.e2e_request_latency = histogram(
             "pagewalk_e2e_request_latency_seconds", "Arrival to the request's end", _REQUEST_BUCKETS)
         self.request_queue_time = histogram(
@@ -84,6 +96,14 @@ class EngineMetrics:
             ["model_name", "finished_reason"], registry=r)
         self._success_of = {reason: self._request_success.labels(model, reason)
                             for reason in FINISHED_REASONS}
+
+    def exposition(self) -> bytes:
+        """The /metrics text: this process's registry, or with several API servers all of theirs."""
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        summed = CollectorRegistry()
+        MultiProcessCollector(summed)
+        return generate_latest(self._info_registry) + generate_latest(summed)
 
     def finished(self, reason: str) -> None:
         """One choice ended with finish_reason `reason`."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 router = APIRouter()
 
@@ -18,5 +18,5 @@ async def health(request: Request) -> JSONResponse:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    text = generate_latest(request.app.state.engine.metrics.registry)
+    text = request.app.state.engine.metrics.exposition()
     return Response(content=text, media_type=CONTENT_TYPE_LATEST)

@@ -139,11 +139,15 @@ class EngineCore:
               num_preemptions: int = 0) -> CoreStats:
         """Requests running (some choice holds KV blocks: it is in the scheduler's running list) / waiting,
         KV occupancy, and what the step just taken did."""
-        running = len({seq.request_id for seq in self.scheduler.running})
+        running = len(self.running_request_ids())
         u = self.kv.usage()
         return CoreStats(running, len(self.requests) - running, u.free_blocks, u.used_blocks, u.cached_blocks,
                          u.prefix_hit_rate, num_prefill_tokens, num_decode_tokens, num_preemptions,
                          u.prefix_queries, u.prefix_hits)
+
+    def running_request_ids(self) -> set[str]:
+        """Requests with a choice holding KV blocks (in the scheduler's running list)."""
+        return {seq.request_id for seq in self.scheduler.running}
 
     def kv_snapshot(self) -> dict:
         """The block map (kvcache.snapshot.block_map), each holder labelled with its request and choice;

@@ -1,18 +1,23 @@
-"""How the API process talks to its engine core: one interface, two carriers.
+"""How an API process talks to its engine core: one interface, three carriers.
 
-- `ProcessCoreClient` (serving): the core in its own spawned process, messages over ZeroMQ PUSH/PULL on
-  ipc:// sockets in a private temp dir, msgpack-encoded (msgspec). A receiver thread reads the core's
-  messages and watches the process sentinel, so a dead core is noticed at once.
+- `ProcessCoreClient` (serving): the core in its own spawned process, this process its parent. The core
+  binds a ZeroMQ ROUTER on an ipc:// socket in a private temp dir; the client connects a DEALER, says Hello
+  and waits for Ready; messages are msgpack-encoded (msgspec). A receiver thread reads the core's messages
+  and watches the process sentinel, so a dead core is noticed at once.
+- `AttachedCoreClient` (each API server of `--api-server-count N`): the same link to a core another process
+  started (the servers' supervisor); it watches the core's pid through a pidfd, and leaves the core's
+  shutdown to the process that started it.
 - `ThreadCoreClient` (unit tests, `--engine-in-process`): the same CoreLoop on a thread, messages passed as
   objects through a queue.
 
-Both call `on_message(msg)` and `on_death(reason)` on their own thread, never on an event loop.
+All call `on_message(msg)` and `on_death(reason)` on their own thread, never on an event loop.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import queue
 import shutil
 import tempfile
@@ -29,6 +34,7 @@ from server.engine.engine import EngineConfig, build_core
 from server.engine.wire import (
     CoreInfo,
     FromCore,
+    Hello,
     Ready,
     Shutdown,
     StartupFailed,
@@ -42,6 +48,7 @@ logger = logging.getLogger("pagewalk.engine")
 OnMessage = Callable[[FromCore], None]
 OnDeath = Callable[[str], None]
 RECEIVE_POLL_MS = 100  # the receiver looks at its stop flag this often
+IN_PROCESS = b"in-process"  # the thread client's id in its CoreLoop
 
 
 class CoreClient(Protocol):
@@ -52,7 +59,7 @@ class CoreClient(Protocol):
 
     def send(self, msg: ToCore) -> None: ...  # any thread
 
-    def close(self, timeout: float) -> None: ...  # Shutdown, then wait for the core to end
+    def close(self, timeout: float) -> None: ...  # Shutdown (if it started the core), then wait for its end
 
 
 class CoreStartupError(RuntimeError):
@@ -68,7 +75,12 @@ class ThreadCoreClient:
         self._thread: threading.Thread | None = None
 
     def start(self, on_message: OnMessage, on_death: OnDeath) -> None:
-        loop = CoreLoop(self.core, self._receive, on_message)
+        def send(_client, msg: FromCore) -> None:
+            if not isinstance(msg, Ready):  # the answer to our own Hello below
+                on_message(msg)
+
+        loop = CoreLoop(self.core, self.info, self._receive, send)
+        self._inbox.put(Hello())
 
         def run() -> None:
             try:
@@ -91,7 +103,7 @@ class ThreadCoreClient:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def _receive(self, timeout: float | None) -> list[ToCore]:
+    def _receive(self, timeout: float | None) -> list[tuple[bytes, ToCore]]:
         try:
             messages = [self._inbox.get(timeout=timeout) if timeout != 0 else self._inbox.get_nowait()]
         except queue.Empty:
@@ -100,53 +112,48 @@ class ThreadCoreClient:
             try:
                 messages.append(self._inbox.get_nowait())
             except queue.Empty:
-                return messages
+                return [(IN_PROCESS, m) for m in messages]
 
 
-class ProcessCoreClient:
+class _SocketCoreClient:
+    """A DEALER connected to the core's ROUTER, and the receiver thread that reads it. Subclasses give the
+    file descriptor that becomes readable when the core process ends, and what to say about its end."""
+
     mode = "process"
 
-    def __init__(self, config: EngineConfig, log_level: str = "info"):
-        self._dir = Path(tempfile.mkdtemp(prefix="pagewalk-core-"))
-        to_core, from_core = f"ipc://{self._dir}/to_core", f"ipc://{self._dir}/from_core"
+    def __init__(self, address: str):
+        self.address = address
         self._ctx = zmq.Context()
-        self._push, self._pull = self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL)
-        self._push.setsockopt(zmq.SNDHWM, 0)  # never block or drop: admission bounds what is queued
-        self._pull.setsockopt(zmq.RCVHWM, 0)
-        self._push.bind(to_core)
-        self._pull.bind(from_core)
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.SNDHWM, 0)  # never block or drop: admission bounds what is queued
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.connect(address)
         self._enc, self._dec = encoder(), from_core_decoder()
         self._send_lock = threading.Lock()  # zmq sockets are not thread-safe; sends come from any thread
         self._closing = False
         self._receiver: threading.Thread | None = None
-        ctx = multiprocessing.get_context("spawn")
-        self.process = ctx.Process(target=run_core_process, args=(config, to_core, from_core, log_level),
-                                   name="pagewalk-core", daemon=True)
-        self.process.start()
-        logger.info("engine core process started (pid %d)", self.process.pid)
-        try:
-            self.info = self._wait_ready()
-        except BaseException:
-            self._stop_process(timeout=5)
-            self._release()
-            raise
 
-    def _wait_ready(self) -> CoreInfo:
+    def _death_fd(self) -> int: ...
+
+    def _death_reason(self) -> str: ...
+
+    def _handshake(self, updates: bool = True) -> CoreInfo:
+        """Hello, then the core's Ready (its facts) or StartupFailed, or its process's end."""
+        self.send(Hello(updates))
         poller = zmq.Poller()
-        poller.register(self._pull, zmq.POLLIN)
-        poller.register(self.process.sentinel, zmq.POLLIN)
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._death_fd(), zmq.POLLIN)
         while True:
             ready = dict(poller.poll())
-            if self._pull in ready:
-                msg = self._dec.decode(self._pull.recv())
+            if self._sock in ready:
+                msg = self._dec.decode(self._sock.recv())
                 if isinstance(msg, Ready):
                     return msg.info
-                assert isinstance(msg, StartupFailed), msg
-                raise CoreStartupError(f"the engine core failed to start: {msg.error}")
-            if self.process.sentinel in ready:
-                self.process.join()
-                raise CoreStartupError(
-                    f"the engine core process exited during start-up (exit code {self.process.exitcode})")
+                if isinstance(msg, StartupFailed):
+                    raise CoreStartupError(f"the engine core failed to start: {msg.error}")
+            elif ready:
+                reason = self._death_reason()
+                raise CoreStartupError(f"the engine core process exited during start-up ({reason})")
 
     def start(self, on_message: OnMessage, on_death: OnDeath) -> None:
         self._receiver = threading.Thread(target=self._receive_loop, args=(on_message, on_death),
@@ -157,7 +164,68 @@ class ProcessCoreClient:
         data = self._enc.encode(msg)
         with self._send_lock:
             if not self._closing or isinstance(msg, Shutdown):
-                self._push.send(data, copy=False)
+                self._sock.send(data, copy=False)
+
+    def _receive_loop(self, on_message: OnMessage, on_death: OnDeath) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        death = self._death_fd()
+        poller.register(death, zmq.POLLIN)
+        while True:
+            ready = dict(poller.poll(RECEIVE_POLL_MS))
+            if self._sock in ready:
+                self._drain(on_message)
+            elif death in ready:
+                self._drain(on_message)  # whatever it sent before it ended
+                if not self._closing:  # closing: close() reaps it (two threads reaping race on waitpid)
+                    reason = self._death_reason()
+                    logger.error("engine core process died (%s)", reason)
+                    on_death(reason)
+                return
+            elif self._closing:
+                return
+
+    def _drain(self, on_message: OnMessage) -> None:
+        while True:
+            try:
+                frame = self._sock.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                on_message(self._dec.decode(frame.buffer))
+            except Exception:  # a bug in a handler must not stop the receiver
+                logger.exception("could not handle a message from the engine core")
+
+    def _release(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+class ProcessCoreClient(_SocketCoreClient):
+    """Starts the core process and owns it: close() shuts it down. `updates` False: a client that only
+    controls the core (the supervisor of several API servers, which attach to it)."""
+
+    def __init__(self, config: EngineConfig, log_level: str = "info", updates: bool = True):
+        self._dir = Path(tempfile.mkdtemp(prefix="pagewalk-core-"))
+        super().__init__(f"ipc://{self._dir}/core")
+        ctx = multiprocessing.get_context("spawn")
+        self.process = ctx.Process(target=run_core_process, args=(config, self.address, log_level),
+                                   name="pagewalk-core", daemon=True)
+        self.process.start()
+        logger.info("engine core process started (pid %d)", self.process.pid)
+        try:
+            self.info = self._handshake(updates)
+        except BaseException:
+            self._stop_process(timeout=5)
+            self._release()
+            raise
+
+    def _death_fd(self) -> int:
+        return self.process.sentinel
+
+    def _death_reason(self) -> str:
+        self.process.join()
+        return f"exit code {self.process.exitcode}"
 
     def close(self, timeout: float) -> None:
         self._closing = True  # first: the receiver must not take the exit that follows for a death
@@ -167,35 +235,6 @@ class ProcessCoreClient:
         if self._receiver is not None:
             self._receiver.join(timeout)
         self._release()
-
-    def _receive_loop(self, on_message: OnMessage, on_death: OnDeath) -> None:
-        poller = zmq.Poller()
-        poller.register(self._pull, zmq.POLLIN)
-        poller.register(self.process.sentinel, zmq.POLLIN)
-        while True:
-            ready = dict(poller.poll(RECEIVE_POLL_MS))
-            if self._pull in ready:
-                self._drain(on_message)
-            elif self.process.sentinel in ready:
-                self._drain(on_message)  # whatever it sent before it ended
-                if not self._closing:  # closing: close() reaps it (two threads reaping race on waitpid)
-                    self.process.join()
-                    logger.error("engine core process died (exit code %s)", self.process.exitcode)
-                    on_death(f"exit code {self.process.exitcode}")
-                return
-            elif self._closing:
-                return
-
-    def _drain(self, on_message: OnMessage) -> None:
-        while True:
-            try:
-                frame = self._pull.recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                on_message(self._dec.decode(frame.buffer))
-            except Exception:  # a bug in a handler must not stop the receiver
-                logger.exception("could not handle a message from the engine core")
 
     def _stop_process(self, timeout: float) -> None:
         self.process.join(timeout)
@@ -208,7 +247,37 @@ class ProcessCoreClient:
             self.process.join()
 
     def _release(self) -> None:
-        self._push.close(linger=0)
-        self._pull.close(linger=0)
-        self._ctx.term()
+        super()._release()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class AttachedCoreClient(_SocketCoreClient):
+    """The link of one API server to a core that its supervisor started (process `pid`, bound at
+    `address`). The pidfd makes the core's end readable here as a child's sentinel is to its parent."""
+
+    def __init__(self, address: str, pid: int):
+        self.pid = pid
+        self._pidfd = os.pidfd_open(pid)  # Linux 5.3+
+        super().__init__(address)
+        try:
+            self.info = self._handshake()
+        except BaseException:
+            self._release()
+            raise
+
+    def _death_fd(self) -> int:
+        return self._pidfd
+
+    def _death_reason(self) -> str:
+        return f"pid {self.pid} exited"
+
+    def close(self, timeout: float) -> None:
+        """Stop reading; the core goes on (the supervisor shuts it down once every API server is done)."""
+        self._closing = True
+        if self._receiver is not None:
+            self._receiver.join(timeout)
+        self._release()
+
+    def _release(self) -> None:
+        super()._release()
+        os.close(self._pidfd)

@@ -1,33 +1,43 @@
 """CoreLoop: drives one EngineCore, in its own process or on a thread of the API process.
 
-Each turn takes every message waiting (adds, aborts, queries) without blocking, runs one step while there
-is work, and sends one StepUpdate carrying every choice that changed plus the core's stats. With no work
-it blocks until a message comes. The loop is the same whatever carries the messages: `receive(timeout)`
-returns the messages waiting (timeout None: block until one comes; 0: do not wait), `send` hands one on.
+Each turn takes every message waiting (hellos, adds, aborts, queries) without blocking, runs one step while
+there is work, and sends each client one StepUpdate: the choices of its requests that changed, the core's
+stats and how many running requests are its own. With no work it blocks until a message comes. Clients are
+the API processes (one, or one per API server with --api-server-count) and the supervisor; a client is
+known by the id `receive` gives with each of its messages, and says Hello first. The loop is the same
+whatever carries the messages: `receive(timeout)` returns the (client, message) pairs waiting (timeout
+None: block until one comes; 0: do not wait), `send(client, message)` hands one on.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Hashable
 
 import msgspec
 
 from server.engine.core import EngineCore
-from server.engine.outputs import EngineRequest, SeqUpdate, StepUpdate
-from server.engine.wire import Abort, FromCore, Query, Reply, Shutdown, ToCore
+from server.engine.outputs import CoreStats, EngineRequest, SeqUpdate, StepUpdate
+from server.engine.wire import Abort, CoreInfo, FromCore, Hello, Query, Ready, Reply, Shutdown, ToCore
 
 logger = logging.getLogger("pagewalk.engine")
 
 STALL_WAIT_S = 0.01  # a step that could schedule nothing (should not happen) waits this long: no spinning
 
+Client = Hashable  # a client's id: its ZeroMQ routing id, or a constant in-process
+
 
 class CoreLoop:
-    def __init__(self, core: EngineCore, receive: Callable[[float | None], list[ToCore]],
-                 send: Callable[[FromCore], None]):
-        self.core = core
+    def __init__(self, core: EngineCore, info: CoreInfo,
+                 receive: Callable[[float | None], list[tuple[Client, ToCore]]],
+                 send: Callable[[Client, FromCore], None]):
+        self.core, self.info = core, info
         self.receive = receive
         self.send = send
+        self.clients: dict[Client, None] = {}  # those that take StepUpdates, in the order they said Hello
+        self.owners: dict[str, Client] = {}  # request id -> the client that added it, until it ends
+        self.rejected: list[tuple[Client, list[SeqUpdate]]] = []  # adds refused before they had an owner
 
     def run(self) -> None:
         """Until a Shutdown message: every request still in the core is then aborted."""
@@ -36,37 +46,76 @@ class CoreLoop:
             timeout = (STALL_WAIT_S if stalled else 0.0) if core.has_work() else None
             messages = self.receive(timeout)
             updates: list[SeqUpdate] = []
-            stop = False
-            for msg in messages:
+            stop = changed = False
+            for client, msg in messages:
                 if isinstance(msg, EngineRequest):
-                    updates += self._add(msg)
+                    updates += self._add(client, msg)
+                    changed = True
                 elif isinstance(msg, Abort):
-                    updates += core.abort_request(msg.request_id, msg.index)
+                    if self.owners.get(msg.request_id) == client:
+                        updates += core.abort_request(msg.request_id, msg.index)
+                    changed = True
                 elif isinstance(msg, Query):
-                    self.send(Reply(msg.call_id, self._query(msg.name)))
+                    self.send(client, Reply(msg.call_id, self._query(msg.name)))
+                elif isinstance(msg, Hello):
+                    if msg.updates:
+                        self.clients[client] = None
+                    self.send(client, Ready(self.info))
                 elif isinstance(msg, Shutdown):
                     stop = True
             if stop:
                 updates += [u for rid in list(core.requests) for u in core.abort_request(rid)]
-                self.send(StepUpdate(updates, core.stats()))
+                self._publish(updates, core.stats())
                 return
             if core.has_work():
                 step = self._step()
                 ran = step.stats.num_prefill_tokens + step.stats.num_decode_tokens
                 stalled = not step.updates and ran == 0
                 updates += step.updates
-                self.send(StepUpdate(updates, step.stats))
-            elif updates or any(not isinstance(m, Query) for m in messages):
-                self.send(StepUpdate(updates, core.stats()))
+                self._publish(updates, step.stats)
+            elif updates or changed:
+                self._publish(updates, core.stats())
 
-    def _add(self, req: EngineRequest) -> list[SeqUpdate]:
+
+    def _add(self, client: Client, req: EngineRequest) -> list[SeqUpdate]:
+        rid = req.request_id
+        if rid in self.owners:  # a request in the engine has this id: its updates must not be taken over
+            self.rejected.append((client, _failed(req, f"ValueError: request id {rid!r} is already in the "
+                                                       "engine")))
+            return []
+        self.owners[rid] = client
         try:
             self.core.add_request(req)
             return []
         except Exception as e:  # this request alone fails
-            logger.warning("could not add request %s: %s", req.request_id, e)
-            error = f"{type(e).__name__}: {e}"
-            return [SeqUpdate(req.request_id, i, [], None, "error", None, error) for i in range(req.params.n)]
+            logger.warning("could not add request %s: %s", rid, e)
+            return _failed(req, f"{type(e).__name__}: {e}")
+
+    def _publish(self, updates: list[SeqUpdate], stats: CoreStats) -> None:
+        """One StepUpdate to every client; the owners of requests that ended are forgotten."""
+        owners, clients = self.owners, self.clients
+        rejected, self.rejected = self.rejected, []
+        if len(clients) == 1:  # one API process: everything is its own
+            (client,) = clients
+            for _, failed in rejected:
+                updates = updates + failed
+            self.send(client, StepUpdate(updates, stats, stats.running))
+        elif clients:
+            mine: dict[Client, list[SeqUpdate]] = {c: [] for c in clients}
+            for u in updates:
+                box = mine.get(owners.get(u.request_id))
+                if box is not None:
+                    box.append(u)
+            for client, failed in rejected:
+                if client in mine:
+                    mine[client] += failed
+            running = Counter(owners.get(rid) for rid in self.core.running_request_ids())
+            for client, own in mine.items():
+                self.send(client, StepUpdate(own, stats, running[client]))
+        requests = self.core.requests
+        for u in updates:
+            if u.finish_reason is not None and u.request_id not in requests:
+                owners.pop(u.request_id, None)
 
     def _step(self) -> StepUpdate:
         try:
@@ -85,3 +134,7 @@ class CoreLoop:
         if name == "kv_snapshot":
             return self.core.kv_snapshot()
         raise AssertionError(f"unknown query {name!r}")
+
+
+def _failed(req: EngineRequest, error: str) -> list[SeqUpdate]:
+    return [SeqUpdate(req.request_id, i, [], None, "error", None, error) for i in range(req.params.n)]

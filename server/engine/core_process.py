@@ -1,10 +1,12 @@
 """The engine-core process: builds the core (model, runner, KV cache) and runs its CoreLoop over ZeroMQ.
 
-Started with the spawn method (a fresh interpreter: CUDA is initialised here, never inherited). It
-connects a PULL socket (messages from the API process) and a PUSH socket (messages to it), sends Ready with
-the facts of what it built, or StartupFailed with the error, then loops. It ignores SIGINT and SIGTERM
-(a terminal's Ctrl-C reaches the whole process group, systemd signals the whole cgroup): the API process
-drains the requests first and then sends Shutdown. It exits by itself when its parent is gone.
+Started with the spawn method (a fresh interpreter: CUDA is initialised here, never inherited). It binds
+one ROUTER socket at the address its parent chose; every client (the API process, or each API server and
+their supervisor) connects a DEALER to it and says Hello, and the ROUTER's routing ids tell the clients
+apart. Once built, the core answers every Hello with Ready (the facts of what it built); if the build fails
+it answers the Hellos that came with StartupFailed and exits. It ignores SIGINT and SIGTERM (a terminal's
+Ctrl-C reaches the whole process group, systemd signals the whole cgroup): its clients drain the requests
+first and then one sends Shutdown. It exits by itself when its parent is gone.
 """
 
 from __future__ import annotations
@@ -13,63 +15,75 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 
 import zmq
 
-from server.engine.core_loop import CoreLoop
+from server.engine.core_loop import Client, CoreLoop
 from server.engine.engine import EngineConfig, build_core
-from server.engine.wire import FromCore, Ready, StartupFailed, ToCore, encoder, to_core_decoder
+from server.engine.wire import FromCore, Hello, StartupFailed, ToCore, encoder, to_core_decoder
 
 PARENT_CHECK_MS = 1000  # an idle core looks for its parent this often
+STARTUP_FAILED_WAIT_S = 5.0  # a core that could not be built waits this long for a Hello to answer
 
 
-def run_core_process(config: EngineConfig, to_core: str, from_core: str, log_level: str) -> None:
-    """Spawn target. `to_core` / `from_core`: the ipc:// addresses the API process bound."""
+def run_core_process(config: EngineConfig, address: str, log_level: str) -> None:
+    """Spawn target. `address`: the ipc:// address to bind."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parent = os.getppid()
     ctx = zmq.Context()
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    pull.connect(to_core)
-    push.connect(from_core)
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.SNDHWM, 0)  # never block or drop: the clients' admission bounds what is queued
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.bind(address)
     enc, dec = encoder(), to_core_decoder()
 
-    def send(msg: FromCore) -> None:
-        push.send(enc.encode(msg), copy=False)
+    def send(client: Client, msg: FromCore) -> None:
+        sock.send_multipart([client, enc.encode(msg)], copy=False)
 
     def check_parent() -> None:
         if os.getppid() != parent:
-            sys.exit("pagewalk engine core: the API process is gone")
+            sys.exit("pagewalk engine core: the process that started it is gone")
 
-    def receive(timeout: float | None) -> list[ToCore]:
+    def receive(timeout: float | None) -> list[tuple[Client, ToCore]]:
         check_parent()  # a busy core never blocks below, so it looks here too
         if timeout is None:
-            while not pull.poll(PARENT_CHECK_MS):
+            while not sock.poll(PARENT_CHECK_MS):
                 check_parent()
         elif timeout > 0:
-            pull.poll(int(timeout * 1000))
+            sock.poll(int(timeout * 1000))
         messages = []
         while True:
             try:
-                messages.append(dec.decode(pull.recv(zmq.NOBLOCK)))
+                client, frame = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return messages
+            messages.append((client, dec.decode(frame)))
 
     try:
         core, info = build_core(config)
-    except BaseException as e:  # reported to the parent, which raises it: the server does not start
+    except BaseException as e:  # reported to the clients, which raise it: the server does not start
         lines = traceback.format_exception(type(e), e, e.__traceback__)
-        send(StartupFailed(f"{type(e).__name__}: {e}\n{''.join(lines[-4:])}"))
-        push.close(linger=5000)
+        _answer_hellos(receive, send, StartupFailed(f"{type(e).__name__}: {e}\n{''.join(lines[-4:])}"))
+        sock.close(linger=5000)
         sys.exit(1)
-    send(Ready(info))
-    CoreLoop(core, receive, send).run()
-    push.close(linger=5000)  # the last StepUpdate (the aborts) reaches the API process before we go
-    pull.close(linger=0)
+    CoreLoop(core, info, receive, send).run()
+    sock.close(linger=5000)  # the last StepUpdates (the aborts) reach the clients before we go
     ctx.term()
     logging.shutdown()
     # The interpreter's own teardown (torch's modules, the model's tensors) takes ~0.8 s of the API process's
-    # shutdown budget on a 2-core machine and has nothing left to do: the sockets are flushed, logs written.
+    # shutdown budget on a 2-core machine and has nothing left to do: the socket is flushed, logs written.
     os._exit(0)
+
+
+def _answer_hellos(receive, send, failure: StartupFailed) -> None:
+    """Answer every Hello that came, or comes within STARTUP_FAILED_WAIT_S, with `failure`."""
+    deadline, answered = time.monotonic() + STARTUP_FAILED_WAIT_S, False
+    while not answered and (left := deadline - time.monotonic()) > 0:
+        for client, msg in receive(min(left, 0.1)):
+            if isinstance(msg, Hello):
+                send(client, failure)
+                answered = True

@@ -60,8 +60,10 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
 
 
 class StepUpdate(msgspec.Struct, tag="step", gc=False):
-    """One message per step (or per batch of adds/aborts when idle): every choice that changed."""
+    """One message per step (or per batch of adds/aborts when idle) to each client: every choice of its
+    requests that changed, the core's stats, and how many of the running requests are the client's."""
 
     updates: list[SeqUpdate]
     stats: CoreStats
+    client_running: int = 0
 

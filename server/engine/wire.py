@@ -1,8 +1,8 @@
 """The messages between the API process and the engine-core process, and their msgpack codecs.
 
-To the core: EngineRequest (add), Abort, Query, Shutdown. From the core: Ready (once, after start-up) or
-StartupFailed, then StepUpdates and Replies. Every message is a tagged msgspec Struct, so one decoder per
-direction reads them all.
+To the core: Hello (a client's first message), EngineRequest (add), Abort, Query, Shutdown. From the core:
+Ready (the answer to Hello, once the core is built) or StartupFailed, then StepUpdates and Replies. Every
+message is a tagged msgspec Struct, so one decoder per direction reads them all.
 """
 
 from __future__ import annotations
@@ -25,6 +25,14 @@ class CoreInfo(msgspec.Struct):
     capacity_tokens: int  # usable blocks x block_size
     max_model_len: int
     vocab_size: int
+
+
+class Hello(msgspec.Struct, tag="hello"):
+    """A client's first message: the core answers Ready (or StartupFailed) and from then on sends it a
+    StepUpdate every step, with the updates of the requests it added (`updates` False: a client that only
+    controls the core, the supervisor of several API servers, gets none)."""
+
+    updates: bool = True
 
 
 class Abort(msgspec.Struct, tag="abort"):
@@ -56,7 +64,7 @@ class Reply(msgspec.Struct, tag="reply"):
     value: dict
 
 
-ToCore = EngineRequest | Abort | Query | Shutdown
+ToCore = Hello | EngineRequest | Abort | Query | Shutdown
 FromCore = StepUpdate | Reply | Ready | StartupFailed
 
 QUERIES = ("stats", "kv_snapshot")

@@ -1,0 +1,107 @@
+"""`pagewalk serve --api-server-count N` (N > 1): N API server processes over one engine core.
+
+One API process carries ~30K streamed tokens/s on an H200 host (docs/benchmarks/serving_h200.md: it, not
+the core, is the HTTP ceiling above that). This process, the supervisor, runs no HTTP itself:
+1. it starts the engine core (ProcessCoreClient, as a control client that takes no StepUpdates) and waits
+   until it is built;
+2. it binds the listening socket and spawns N API servers (server.cli.run_api_server) that share it: the
+   kernel hands each new connection to one of them. Each attaches to the core (AttachedCoreClient) and
+   serves exactly as a single API process does; their Prometheus values go to files in a private directory
+   that any server's /metrics sums (server.api.metrics);
+3. on SIGTERM or SIGINT it passes SIGTERM on: each server drains its own requests and exits; then it shuts
+   the core down and exits 0.
+Failures end the whole server with a non-zero exit, so a supervisor above it restarts it: the core dies
+(each API server sees its pid end, fails its requests, answers 503 and exits 1), or an API server dies
+(the others are stopped as on SIGTERM; its requests cannot be finished by anyone else).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+
+logger = logging.getLogger("pagewalk")
+
+WAIT_S = 0.5  # how often the supervisor looks at its flags between process ends
+
+
+def supervise(args: argparse.Namespace) -> int:
+    from server.api.async_engine import ApiServer
+    from server.api.metrics import MULTIPROC_DIR_ENV
+    from server.cli import engine_config, run_api_server, startup_failed
+    from server.engine.core_client import CoreStartupError, ProcessCoreClient
+
+    metrics_dir = tempfile.mkdtemp(prefix="pagewalk-metrics-")
+    os.environ[MULTIPROC_DIR_ENV] = metrics_dir  # read by prometheus_client when each server imports it
+    try:
+        try:
+            core = ProcessCoreClient(engine_config(args), args.log_level, updates=False)
+        except CoreStartupError as e:
+            return startup_failed(e)
+        core_died = threading.Event()
+        core.start(lambda msg: None, lambda reason: core_died.set())
+        try:
+            sock = listen(args.host, args.port)
+        except OSError as e:
+            core.close(timeout=10)
+            return startup_failed(e)
+        ctx = multiprocessing.get_context("spawn")
+        n = args.api_server_count
+        servers = [ctx.Process(target=run_api_server, name=f"pagewalk-api-{i}",
+                               args=(args, ApiServer(i, n, core.address, core.process.pid), sock))
+                   for i in range(n)]
+        for p in servers:
+            p.start()
+        sock.close()  # the servers hold it now
+        logger.info("pagewalk: %d API servers (pids %s) on http://%s:%d, engine core pid %d", n,
+                    ", ".join(str(p.pid) for p in servers), args.host, args.port, core.process.pid)
+        failed = _wait(servers, core_died)
+        core.close(timeout=10)
+        return 1 if failed or core_died.is_set() else 0
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The servers' shared listening socket (what uvicorn binds for one process: SO_REUSEADDR, backlog
+    2048)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=2048)
+
+
+def _wait(servers: list, core_died: threading.Event) -> bool:
+    """Until every API server has exited; True if one failed (died, or exited non-zero) or the core died."""
+    stopping = threading.Event()
+
+    def stop(*_) -> None:
+        if not stopping.is_set():
+            stopping.set()
+            for p in servers:
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGTERM)  # never SIGINT: a second one makes uvicorn skip draining
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+    failed = False
+    alive = list(servers)
+    while alive:
+        multiprocessing.connection.wait([p.sentinel for p in alive], timeout=WAIT_S)
+        for p in [p for p in alive if not p.is_alive()]:
+            alive.remove(p)
+            p.join()
+            if p.exitcode != 0:
+                failed = True
+                logger.error("API server %s exited with code %s: stopping the server", p.name, p.exitcode)
+                stop()
+        if core_died.is_set() and not stopping.is_set():
+            logger.error("the engine core died: the API servers fail their requests and exit")
+            stopping.set()  # each server sees the core's end itself; they exit 1
+    return failed

@@ -1,0 +1,158 @@
+"""`pagewalk serve --api-server-count 2`: two API server processes share the port and one engine core.
+
+Requests through either complete and free their blocks, /metrics sums both servers, SIGTERM drains every
+stream, and a dead core or a dead API server ends the whole server with a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import re
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from server_helpers import GREEDY, Server
+
+from server.api.metrics import MULTIPROC_DIR_ENV
+
+
+def two_servers(tmp_path, *args: str) -> Server:
+    return Server(tmp_path, "--api-server-count", "2", "--num-blocks", "256", *args)
+
+
+def server_pids(srv: Server) -> list[int]:
+    match = re.search(r"2 API servers \(pids (\d+), (\d+)\)", srv.log.read_text())
+    assert match, srv.log.read_text()
+    return [int(match.group(1)), int(match.group(2))]
+
+
+def stream_tokens(srv: Server, max_tokens: int, started: threading.Event | None = None) -> list[str]:
+    body = {"prompt": "count on", "max_tokens": max_tokens, "stream": True, **GREEDY}
+    events = []
+    with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+                if started is not None:
+                    started.set()
+    return events
+
+
+def finish_reason(events: list[str]) -> str | None:
+    chunks = [json.loads(e) for e in events if e != "[DONE]"]
+    return next((c["choices"][0]["finish_reason"] for c in reversed(chunks) if c.get("choices")), None)
+
+
+def test_two_api_servers_serve_every_request_and_sum_their_metrics(tmp_path):
+    srv = two_servers(tmp_path)
+    try:
+        assert "api_server=1/2" in srv.log.read_text() or "api_server=2/2" in srv.log.read_text()
+        pids = server_pids(srv)
+        body = {"prompt": "hello there", "max_tokens": 8, **GREEDY}
+
+        def one(_) -> dict:
+            return httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60).json()
+
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(one, range(32)))
+        texts = {a["choices"][0]["text"] for a in answers}
+        assert len(texts) == 1 and all(a["usage"]["completion_tokens"] == 8 for a in answers)  # greedy
+        srv.wait_idle()  # the core's view, from either server: nothing running, every block free
+        assert srv.metric("pagewalk_request_success_total", {"finished_reason": "length"}) == 32
+        assert srv.metric("pagewalk_generation_tokens_total") == 32 * 8
+        assert all(os.path.exists(f"/proc/{pid}") for pid in pids)
+        assert srv.stop() == 0
+    finally:
+        srv.stop()
+
+
+def test_sigterm_drains_the_streams_of_every_api_server(tmp_path):
+    srv = two_servers(tmp_path)
+    try:
+        started = [threading.Event() for _ in range(6)]
+        with ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(stream_tokens, srv, 300, ev) for ev in started]
+            assert all(ev.wait(60) for ev in started)
+            srv.proc.send_signal(signal.SIGTERM)
+            results = [f.result(timeout=90) for f in futures]
+        assert all(r[-1] == "[DONE]" and finish_reason(r) == "length" for r in results)
+        assert srv.proc.wait(timeout=60) == 0
+    finally:
+        srv.stop()
+
+
+def test_a_dead_core_ends_every_stream_and_the_server(tmp_path):
+    srv = two_servers(tmp_path)
+    try:
+        started = [threading.Event() for _ in range(4)]
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(stream_tokens, srv, 2000, ev) for ev in started]
+            assert all(ev.wait(60) for ev in started)
+            os.kill(srv.core_pid(), signal.SIGKILL)
+            killed = time.monotonic()
+            results = [f.result(timeout=30) for f in futures]
+            ended = time.monotonic()
+        for events in results:
+            assert events[-1] == "[DONE]"
+            assert "engine core died" in json.loads(events[-2])["error"]["message"]
+        assert ended - killed < 3.0
+        assert srv.proc.wait(timeout=30) != 0
+    finally:
+        srv.stop()
+
+
+def test_a_dead_api_server_stops_the_server(tmp_path):
+    srv = two_servers(tmp_path)
+    try:
+        core = srv.core_pid()
+        os.kill(server_pids(srv)[0], signal.SIGKILL)
+        assert srv.proc.wait(timeout=60) != 0
+        assert "exited with code -9" in srv.log.read_text()
+        time.sleep(0.5)
+        assert not os.path.exists(f"/proc/{core}") or open(f"/proc/{core}/stat").read().split()[2] == "Z"
+    finally:
+        srv.stop()
+
+
+def _count_in_a_process(n: int) -> None:
+    from server.api.metrics import EngineMetrics
+
+    m = EngineMetrics("m", "torch", "cpu", "float32")
+    m.generation_tokens.inc(n)
+    m.inter_token_latency.observe(0.002)
+    m.num_requests_running.set(n)
+
+
+def test_metrics_of_several_processes_are_summed(tmp_path, monkeypatch):
+    # inherited by the spawned processes before their prometheus_client import, as the supervisor sets it
+    monkeypatch.setenv(MULTIPROC_DIR_ENV, str(tmp_path))
+    ctx = multiprocessing.get_context("spawn")
+    for n in (3, 4):
+        p = ctx.Process(target=_count_in_a_process, args=(n,))
+        p.start()
+        p.join(60)
+        assert p.exitcode == 0
+    reader = ctx.Process(target=_expose, args=(str(tmp_path / "out.txt"),))
+    reader.start()
+    reader.join(60)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families((tmp_path / "out.txt").read_text())
+               for s in f.samples}
+    label = (("model_name", "m"),)
+    assert samples[("pagewalk_generation_tokens_total", label)] == 7
+    assert samples[("pagewalk_inter_token_latency_seconds_count", label)] == 2
+    assert samples[("pagewalk_num_requests_running", label)] == 4  # a gauge: the most recent value
+    assert samples[("pagewalk_info", (("attention_backend", "torch"), ("device", "cpu"), ("dtype", "float32"),
+                                      ("model_name", "m")))] == 1
+
+
+def _expose(out: str) -> None:
+    from server.api.metrics import EngineMetrics
+
+    with open(out, "wb") as f:
+        f.write(EngineMetrics("m", "torch", "cpu", "float32").exposition())

@@ -1,0 +1,78 @@
+"""CoreLoop with several clients (the API servers of --api-server-count): each gets the updates of its own
+requests and its own running count; aborts and duplicate ids cannot reach another client's requests."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+from server.engine.core_loop import CoreLoop
+from server.engine.engine import EngineConfig, build_core
+from server.engine.outputs import EngineRequest, StepUpdate
+from server.engine.sampling_params import SamplingParams
+from server.engine.wire import Abort, Hello, Query, Ready, Reply, Shutdown
+
+CFG = EngineConfig(model="tiny", device="cpu", dtype="float32", block_size=16, num_blocks=128, max_num_seqs=8,
+                   max_num_batched_tokens=256, attention_backend="torch")
+
+
+def request(rid: str, max_tokens: int = 6) -> EngineRequest:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return EngineRequest(rid, [5, 6, 7, 8], params, time.monotonic())
+
+
+def run_loop(script: list[list[tuple[bytes, object]]]):
+    """Runs a CoreLoop whose receive() hands out one batch of `script` per call (then nothing while the
+    core has work, then Shutdown); returns every (client, message) it sent."""
+    core, info = build_core(CFG)
+    sent: list[tuple[bytes, object]] = []
+    batches = iter(script)
+
+    def receive(timeout):
+        batch = next(batches, None)
+        if batch is not None:
+            return batch
+        return [] if core.has_work() else [(b"ctl", Shutdown())]
+
+    CoreLoop(core, info, receive, lambda client, msg: sent.append((client, msg))).run()
+    return sent
+
+
+def updates_of(sent, client: bytes) -> dict[str, list]:
+    out = defaultdict(list)
+    for c, msg in sent:
+        if c == client and isinstance(msg, StepUpdate):
+            for u in msg.updates:
+                out[u.request_id].append(u)
+    return out
+
+
+def test_each_client_gets_its_own_requests_only():
+    sent = run_loop([[(b"a", Hello()), (b"b", Hello()), (b"ctl", Hello(updates=False))],
+                     [(b"a", request("r1")), (b"b", request("r2", 4))]])
+    assert sorted(c for c, m in sent if isinstance(m, Ready)) == [b"a", b"b", b"ctl"]
+    a, b = updates_of(sent, b"a"), updates_of(sent, b"b")
+    assert set(a) == {"r1"} and set(b) == {"r2"}
+    assert sum(len(u.new_token_ids) for u in a["r1"]) == 6 and a["r1"][-1].finish_reason == "length"
+    assert sum(len(u.new_token_ids) for u in b["r2"]) == 4 and b["r2"][-1].finish_reason == "length"
+    assert not any(c == b"ctl" and isinstance(m, StepUpdate) for c, m in sent)  # a control client: none
+    # while both ran, each was told one running request of its own (the core's stats say two)
+    both = [(c, m) for c, m in sent if isinstance(m, StepUpdate) and m.stats.running == 2]
+    assert both and all(m.client_running == 1 for _, m in both)
+
+
+def test_aborts_and_duplicate_ids_cannot_touch_another_clients_request():
+    sent = run_loop([[(b"a", Hello()), (b"b", Hello())],
+                     [(b"a", request("r1", 12))],
+                     [(b"b", Abort("r1")), (b"b", request("r1"))],
+                     [(b"a", request("r3", 12))], [(b"a", Abort("r3"))]])
+    a, b = updates_of(sent, b"a"), updates_of(sent, b"b")
+    assert a["r1"][-1].finish_reason == "length" and sum(len(u.new_token_ids) for u in a["r1"]) == 12
+    assert a["r3"][-1].finish_reason == "abort"  # its owner's abort does end it
+    assert [u.finish_reason for u in b["r1"]] == ["error"] and "already in the engine" in b["r1"][0].error
+
+
+def test_queries_are_answered_to_the_asker():
+    sent = run_loop([[(b"a", Hello()), (b"b", Hello())], [(b"b", Query(7, "stats"))]])
+    replies = [(c, m) for c, m in sent if isinstance(m, Reply)]
+    assert [(c, m.call_id) for c, m in replies] == [(b"b", 7)]
