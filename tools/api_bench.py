@@ -29,10 +29,11 @@ from pathlib import Path
 
 from server.engine.outputs import CoreStats, EngineRequest, SeqUpdate, StepUpdate
 from server.engine.wire import CoreInfo
-from tools.server_load import cpu_seconds
+from tools.server_load import child_pids, cpu_seconds
 from tools.server_wait import wait_healthy
 
 STEP_ENV = "PAGEWALK_API_BENCH_STEP_MS"
+CORE_PID_ENV = "PAGEWALK_API_BENCH_CORE_PID_FILE"  # the synthetic core writes its pid there
 
 
 class SyntheticCore:
@@ -116,8 +117,17 @@ def synthetic_core_process(config, address: str, log_level: str) -> None:
     """The core process's own entry (server.engine.core_process), building a SyntheticCore instead."""
     from server.engine import core_process
 
+    Path(os.environ[CORE_PID_ENV]).write_text(str(os.getpid()))
     core_process.build_core = synthetic_build_core
     core_process.run_core_process(config, address, log_level)
+
+
+def api_cpu_seconds(pid: int, core_pid_file: Path) -> float:
+    """CPU seconds of the API process `pid`, or with several API servers of all of them: the processes
+    `pid` started (the supervisor's children) but the core."""
+    core = int(core_pid_file.read_text())
+    servers = [p for p in child_pids(pid) if p != core]
+    return sum(cpu_seconds(p) or 0.0 for p in servers) if servers else cpu_seconds(pid)
 
 
 def serve(argv: list[str], profile: str | None) -> None:
@@ -183,16 +193,21 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=0,
                     help="prompt token ids per request (0: the text 'hello')")
     ap.add_argument("--step-ms", type=float, default=1.5, help="the synthetic core's step time")
+    ap.add_argument("--api-server-count", type=int, default=1,
+                    help="API server processes (their CPU is summed; the supervisor's is ~0)")
     ap.add_argument("--port", type=int, default=8017)
     ap.add_argument("--out", type=Path, default=Path("api_bench.json"))
     ap.add_argument("--profile", help="write the API event loop's cProfile stats to this file")
     args = ap.parse_args()
     os.environ[STEP_ENV] = str(args.step_ms)
+    core_pid_file = args.out.with_suffix(".core_pid")
+    os.environ[CORE_PID_ENV] = str(core_pid_file)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{args.port}"
     ctx = multiprocessing.get_context("spawn")
     server = ctx.Process(target=serve, args=(["serve", "--model", "tiny", "--port", str(args.port),
-                                              "--max-num-seqs", "1024", "--log-level", "warning"],
+                                              "--max-num-seqs", "1024", "--log-level", "warning",
+                                              "--api-server-count", str(args.api_server_count)],
                                              args.profile))
     server.start()
     results = []
@@ -200,9 +215,9 @@ def main() -> None:
         wait_healthy(url, server.is_alive, 120)
         for c in args.levels:
             asyncio.run(drive(args.port, c, min(8, c), args.output_len, args.input_len))  # warm-up
-            cpu0, t0 = cpu_seconds(server.pid), time.perf_counter()
+            cpu0, t0 = api_cpu_seconds(server.pid, core_pid_file), time.perf_counter()
             events = asyncio.run(drive(args.port, c, args.num_requests, args.output_len, args.input_len))
-            cpu, wall = cpu_seconds(server.pid) - cpu0, time.perf_counter() - t0
+            cpu, wall = api_cpu_seconds(server.pid, core_pid_file) - cpu0, time.perf_counter() - t0
             tokens = args.num_requests * args.output_len
             results.append({"concurrency": c, "output_tok_s": tokens / wall, "events": events,
                             "tokens_per_event": tokens / events, "api_cpu_s": cpu, "wall_s": wall,
@@ -213,11 +228,12 @@ def main() -> None:
             os.kill(server.pid, 15)
         server.join(30)
     meta = {"cpus": os.cpu_count(), "step_ms": args.step_ms, "output_len": args.output_len,
+            "api_server_count": args.api_server_count,
             "input_len": args.input_len,
             "num_requests": args.num_requests}
     args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    print(f"\nAPI process against a synthetic core ({args.step_ms} ms steps), tiny tokenizer, "
-          f"{args.output_len} tokens per request, {os.cpu_count()} CPUs")
+    print(f"\n{args.api_server_count} API process(es) against a synthetic core ({args.step_ms} ms steps), "
+          f"tiny tokenizer, {args.output_len} tokens per request, {os.cpu_count()} CPUs")
     print(f"{'conc':>5} {'tok/s':>9} {'tok/event':>10} {'API busy':>9} {'API us/event':>13} "
           f"{'API us/tok':>11} "
           f"{'tok/s/core':>11}")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -107,11 +108,18 @@ def stop_server(proc: subprocess.Popen) -> int:
         return -9
 
 
+def core_pid(out: Path) -> int | None:
+    """The engine core's pid, from the server's start-up log."""
+    match = re.search(r"engine core process started \(pid (\d+)\)", (out / "server.log").read_text())
+    return int(match.group(1)) if match else None
+
+
 def loadtest(out: Path, name: str, concurrency: int, num_requests: int, extra: list[str], seed: int,
              server_pid: int) -> dict | None:
-    """One loadtest run; its report gains the server's CPU over the measured window (the API process and
-    its busiest child, the engine core: tools/server_load.py); the loadtest reports the run's prefix-cache
-    hit rate itself (server_prefix_cache_hit_rate).
+    """One loadtest run; its report gains the server's CPU over the measured window (tools/server_load.py):
+    "core" the engine core's, "api" the API process's, or with --api-server-count the sum of the API
+    servers' (children of the supervisor) and "api_max" the busiest one's; the loadtest reports the run's
+    prefix-cache hit rate itself (server_prefix_cache_hit_rate).
     Every run has its own seed: with one seed, a run's prompts would be an earlier run's, served from the
     prefix cache (the same seed gives the same first N prompts whatever the request count)."""
     path = out / f"loadtest_{name}.json"
@@ -131,9 +139,11 @@ def loadtest(out: Path, name: str, concurrency: int, num_requests: int, extra: l
     rep.pop("requests", None)
     t0 = rep.get("start_perf_counter_s") or 0.0
     busy = sampler.busy(t0, t0 + rep.get("duration_s", 0.0))
-    children = {k: v for k, v in busy.items() if k != "api"}
-    rep["server_cpu"] = {"api": busy.get("api"), "core": max(children.values(), default=None),
-                         "processes": busy}
+    core = f"child {core_pid(out)}"
+    servers = [v for k, v in busy.items() if k not in ("api", core)] or [busy.get("api")]
+    servers = [v for v in servers if v is not None]
+    rep["server_cpu"] = {"api": sum(servers) if servers else None, "api_max": max(servers, default=None),
+                         "core": busy.get(core), "processes": busy}
     path.write_text(json.dumps(rep, indent=1))
     return rep
 
@@ -142,13 +152,14 @@ SAMPLED = ["--temperature", "0.8", "--top-p", "0.95"]
 
 
 def serving(out: Path, levels: list[int], num_requests: int, budgets: list[int], long: bool,
-            sampled: bool) -> dict:
+            sampled: bool, api_server_counts: tuple[int, ...] = (1,)) -> dict:
     reports, health, codes = {}, {}, {}
-    for budget in budgets:
-        suffix = "" if budget == budgets[0] else f"_b{budget}"
-        proc = start_server(out, ["--max-num-batched-tokens", str(budget)])
+    for budget, servers in [(b, n) for n in api_server_counts for b in budgets]:
+        suffix = ("" if budget == budgets[0] else f"_b{budget}") + ("" if servers == 1 else f"_a{servers}")
+        flags = ["--max-num-batched-tokens", str(budget), "--api-server-count", str(servers)]
+        proc = start_server(out, flags)
         try:
-            health[budget] = httpx.get(f"{URL}/health", timeout=5).json()
+            health[f"{budget}{suffix}"] = httpx.get(f"{URL}/health", timeout=5).json()
             runs = [(f"c{c}{suffix}", c, 32 if c == 1 else num_requests, []) for c in levels]
             if long:
                 runs += [(f"c{c}{suffix}_long", c, 4 * num_requests, []) for c in levels if c > 1]
@@ -164,9 +175,9 @@ def serving(out: Path, levels: list[int], num_requests: int, budgets: list[int],
                     reports[f"{name}_cached"] = loadtest(out, f"{name}_cached", c, num_requests, [],
                                                          seeds[name], proc.pid)
         finally:
-            codes[budget] = stop_server(proc)
+            codes[f"{budget}{suffix}"] = stop_server(proc)
     return {"health": health, "server_exit_codes": codes, "reports": reports, "sampled_args": SAMPLED,
-            "budgets": budgets}
+            "budgets": budgets, "api_server_counts": list(api_server_counts)}
 
 
 def offline(out: Path) -> dict | None:
@@ -265,7 +276,8 @@ def plot(res: dict, path: Path) -> None:
             continue
         c, _, kind = name[1:].partition("_")
         budget = kind.split("_")[0][1:] if kind.startswith("b") else str(res["serving"]["budgets"][0])
-        label = f"budget {budget}, {'4x' if kind.endswith('long') else '1x'} requests"
+        servers = next((part[1:] for part in kind.split("_") if part.startswith("a")), "1")
+        label = f"budget {budget}, {servers} API, {'4x' if kind.endswith('long') else '1x'} requests"
         series.setdefault(label, []).append((int(c), rep["output_throughput"]))
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for kind, points in series.items():
@@ -293,6 +305,8 @@ def main(argv=None) -> None:
     ap.add_argument("--budgets", type=int, nargs="+", default=[8192], help="--max-num-batched-tokens")
     ap.add_argument("--long", action="store_true", help="each level again with 4x the requests")
     ap.add_argument("--no-sampled", action="store_true", help="skip the sampled run at 64")
+    ap.add_argument("--api-server-counts", type=int, nargs="+", default=[1],
+                    help="the sweep once per --api-server-count (runs named _aN for N past the first)")
     ap.add_argument("--replot", type=Path, help="only redraw the PNG (and table) of a saved JSON")
     args = ap.parse_args(argv)
     if args.replot:
@@ -310,7 +324,8 @@ def main(argv=None) -> None:
                         "num_requests": args.num_requests},
            "model_bytes": dict(zip(("weights", "kv_per_token"), model_bytes(), strict=True))}
     res["serving"] = (serving(out, args.levels, args.num_requests, args.budgets, args.long,
-                              not args.no_sampled) if "serving" not in skip else {"reports": {}})
+                              not args.no_sampled, tuple(args.api_server_counts))
+                      if "serving" not in skip else {"reports": {}})
     res["engine"] = offline(out) if "engine" not in skip else None
     res["hf"] = hf(out) if "hf" not in skip else None
     (out / "serving_h200.json").write_text(json.dumps(res, indent=1))
