@@ -38,12 +38,19 @@ def supervise(args: argparse.Namespace) -> int:
     from server.api.metrics import MULTIPROC_DIR_ENV
     from server.cli import engine_config, run_api_server, startup_failed
     from server.engine.core_client import CoreStartupError, ProcessCoreClient
+    from server.model.loader import load_tokenizer
 
+    config = engine_config(args)
+    try:  # what each server loads first: a bad model, tokenizer or template fails here, once
+        load_tokenizer(config.model, config.tokenizer, config.chat_template)
+    except (ValueError, OSError) as e:
+        return startup_failed(e)
     metrics_dir = tempfile.mkdtemp(prefix="pagewalk-metrics-")
+    previous = os.environ.get(MULTIPROC_DIR_ENV)
     os.environ[MULTIPROC_DIR_ENV] = metrics_dir  # read by prometheus_client when each server imports it
     try:
         try:
-            core = ProcessCoreClient(engine_config(args), args.log_level, updates=False)
+            core = ProcessCoreClient(config, args.log_level, updates=False)
         except CoreStartupError as e:
             return startup_failed(e)
         core_died = threading.Event()
@@ -68,6 +75,10 @@ def supervise(args: argparse.Namespace) -> int:
         return 1 if failed or core_died.is_set() else 0
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)
+        if previous is None:  # main() may run inside another program (the tests): leave its environment
+            os.environ.pop(MULTIPROC_DIR_ENV, None)
+        else:
+            os.environ[MULTIPROC_DIR_ENV] = previous
 
 
 def listen(host: str, port: int) -> socket.socket:

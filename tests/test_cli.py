@@ -50,6 +50,8 @@ def test_vllm_flags_reach_the_engine_config():
     (["--gpu-memory-utilization", "1.5"], "must be a fraction in (0, 1]"),
     (["--kv-cache-memory", "0.9"], "--kv-cache-memory is retired: use --gpu-memory-utilization"),
     (["--dtype", "int8"], "invalid choice"),
+    (["--api-server-count", "0"], "--api-server-count must be at least 1"),
+    (["--api-server-count", "2", "--engine-in-process"], "excludes --api-server-count"),
 ])
 def test_bad_flags_are_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
@@ -84,6 +86,17 @@ def test_help_has_text_and_defaults_for_every_flag():
 ])
 def test_start_up_errors_are_one_line(capsys, argv, message):
     assert main(["serve", *argv, "--device", "cpu", "--engine-in-process"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pagewalk serve: error: ") and message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["/no/such/dir"], "neither a preset (tiny, bench) nor a checkpoint directory"),  # the supervisor's check
+    (["tiny", "--num-blocks", "1"], "num_blocks must be >= 2"),  # raised by the engine core
+])
+def test_start_up_errors_with_several_api_servers_are_one_line(capsys, argv, message):
+    assert main(["serve", *argv, "--device", "cpu", "--api-server-count", "2"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("pagewalk serve: error: ") and message in err
     assert err.count("\n") == 1 and "Traceback" not in err
