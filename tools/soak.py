@@ -111,7 +111,8 @@ async def drive(url: str, duration: float, concurrency: int, seed: int) -> dict:
 
 
 def rss_mb(pid: int) -> float:
-    """RSS of the server: the API process and its children (the engine core)."""
+    """RSS of the server: the API process and its children (the engine core; with several API servers, the
+    supervisor, the core and the servers)."""
     total = 0.0
     for p in [pid, *child_pids(pid)]:
         for line in Path(f"/proc/{p}/status").read_text().splitlines():
@@ -126,11 +127,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(log_path: Path) -> tuple[subprocess.Popen, str]:
+def start_server(log_path: Path, api_servers: int = 1) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--device", "cpu",
            "--attention-backend", "torch", "--num-blocks", "256", "--max-num-seqs", "16",
-           "--shutdown-timeout", "2"]
+           "--shutdown-timeout", "2", "--api-server-count", str(api_servers)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -151,11 +152,12 @@ def wait_idle(url: str, timeout: float = 20) -> dict:
         time.sleep(0.1)
 
 
-def soak(duration: float, concurrency: int, seed: int, url: str | None, out: Path | None) -> dict:
+def soak(duration: float, concurrency: int, seed: int, url: str | None, out: Path | None,
+         api_servers: int = 1) -> dict:
     log = Path(tempfile.mkdtemp(prefix="pagewalk-soak-")) / "server.log"
     proc = None
     if url is None:
-        proc, url = start_server(log)
+        proc, url = start_server(log, api_servers)
     pid = proc.pid if proc else None
     rss_start = rss_mb(pid) if pid else float("nan")
     stats = asyncio.run(drive(url, duration, concurrency, seed))
@@ -167,7 +169,8 @@ def soak(duration: float, concurrency: int, seed: int, url: str | None, out: Pat
         exit_code = proc.wait(timeout=30)
     lat = sorted(stats["latencies"]) or [float("nan")]
     result = {
-        "duration_s": duration, "concurrency": concurrency, "served": stats["served"],
+        "duration_s": duration, "concurrency": concurrency, "api_servers": api_servers,
+        "served": stats["served"],
         "hangups": stats["hangups"], "errors": dict(stats["errors"]),
         "p50_s": lat[len(lat) // 2], "p99_s": lat[min(len(lat) - 1, int(len(lat) * 0.99))],
         "rss_start_mb": rss_start, "rss_end_mb": rss_end, "idle_at_end": health["idle"],
@@ -197,8 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--url", default=None, help="an already running server (default: start one)")
     p.add_argument("--out", type=Path, default=None, help="directory for soak.json")
+    p.add_argument("--api-server-count", type=int, default=1, help="the server's --api-server-count")
     args = p.parse_args(argv)
-    r = soak(args.duration, args.concurrency, args.seed, args.url, args.out)
+    r = soak(args.duration, args.concurrency, args.seed, args.url, args.out, args.api_server_count)
     print_table(r)
     ok = not r["errors"] and r["idle_at_end"] and r["exit_code"] in (0, None) and not r["tracebacks"]
     return 0 if ok else 1
