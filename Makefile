@@ -35,10 +35,12 @@ bench: bench-kernel
 bench-kernel: $(STAMP)
 	$(VPY) -m tools.kernel_bench
 
-# a bounded mixed workload with hang-ups against the CPU server (tiny preset); SOAK_S seconds (default 300)
+# a bounded mixed workload with hang-ups against the CPU server (tiny preset); SOAK_S seconds (default 300),
+# SOAK_API_SERVERS its --api-server-count
 SOAK_S ?= 300
+SOAK_API_SERVERS ?= 1
 soak: $(STAMP)
-	$(VPY) -m tools.soak --duration $(SOAK_S)
+	$(VPY) -m tools.soak --duration $(SOAK_S) --api-server-count $(SOAK_API_SERVERS)
 
 lint: $(STAMP)
 	$(VPY) -m pip install -q ruff && $(VENV)/bin/ruff check .
