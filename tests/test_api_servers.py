@@ -53,6 +53,7 @@ def test_two_api_servers_serve_every_request_sum_their_metrics_and_drain_on_sigt
     try:
         assert "api_server=1/2" in srv.log.read_text() or "api_server=2/2" in srv.log.read_text()
         pids = server_pids(srv)
+        assert srv.health()["api_servers"] == 2
         body = {"prompt": "hello there", "max_tokens": 8, **GREEDY}
 
         def one(_) -> dict:

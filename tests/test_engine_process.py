@@ -68,6 +68,7 @@ def test_greedy_tokens_equal_in_process_and_across_processes(engine):
             assert c.finish_reason == "length"
     assert wait_until(lambda: engine.health()["kv_cache"]["used_blocks"] == 0)
     assert engine.health()["engine_core"] == "process" and engine.health()["waiting"] == 0
+    assert engine.health()["api_servers"] == 1
 
 
 def test_sampled_choices_with_logprobs_cross_the_wire_unchanged(engine):

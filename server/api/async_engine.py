@@ -244,7 +244,7 @@ class AsyncEngine:
         return {
             "status": status, "model": self.model_name, "device": self.device, "dtype": self.dtype,
             "attention_backend": self.attention_backend, "cuda_graphs": info.cuda_graphs,
-            "engine_core": self.client.mode,
+            "engine_core": self.client.mode, "api_servers": self.api_server.count,
             "kv_cache": {"block_size": info.block_size, "num_blocks": info.num_blocks,
                          "free_blocks": s.free_blocks, "used_blocks": s.used_blocks,
                          "cached_blocks": s.cached_blocks},
