@@ -89,7 +89,8 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def _wait(servers: list, core_died: threading.Event) -> bool:
-    """Until every API server has exited; True if one failed (died, or exited non-zero) or the core died."""
+    """Until every API server has exited; True if one failed (died, or exited non-zero). A dead core makes
+    every server exit non-zero by itself; the caller also looks at `core_died`."""
     stopping = threading.Event()
 
     def stop(*_) -> None:

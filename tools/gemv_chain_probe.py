@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from tools.kernel_bench import graph_us
+from tools.skinny_gemm_probe import SHAPES, cublas_chain, reference, rel_err
 
 
 @triton.jit
@@ -43,7 +44,6 @@ def _gemv(w_ptr, x_ptr, y_ptr, K: tl.constexpr, BLOCK_N: tl.constexpr, USE_GDC: 
         tl.store(y_ptr + b * 16384 + rn, tl.sum(w * x[None, :], 1).to(y_ptr.dtype.element_ty))
 
 
-SHAPES = ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192))  # (N, K) in order
 
 
 def main():
@@ -59,14 +59,8 @@ def main():
     batch = int(os.environ.get("PROBE_BATCH", "1"))
     buf = [torch.randn(batch, 16384, device=dev).to(dt) for _ in range(2)]  # ping-pong, row stride 16384
 
-    def ref():
-        x = buf[0][:, :2048].float()
-        for lw in ws:
-            for w in lw:
-                x = (x[:, :w.shape[1]] @ w.float().T).to(dt).float()
-        return x
-
-    expect = ref()
+    x0 = buf[0].clone()
+    expect = reference(ws, x0)
 
     def triton_chain(gdc, prefetch, bn_elems):
         def run():
@@ -82,40 +76,22 @@ def main():
             return buf[i % 2][:, :SHAPES[-1][0]]
         return run
 
-    def cublas():
-        i = 0
-        for lw in ws:
-            for w in lw:
-                src, dst = buf[i % 2][:, :w.shape[1]], buf[(i + 1) % 2][:, :w.shape[0]]
-                torch.nn.functional.linear(src, w, out=dst)
-                i += 1
-        return buf[i % 2][:, :SHAPES[-1][0]]
-
-    def check(name, fn):
-        x0 = buf[0].clone()
-        out = fn().float().clone()
-        buf[0].copy_(x0)
-        err = ((out - expect).abs().max() / expect.abs().max()).item()
-        return err
-
     if cpu:
         for gdc, pre in ((False, False), (False, True)):
-            print("triton", gdc, pre, "rel err", check("t", triton_chain(gdc, pre, 4096)))
+            print("triton", gdc, pre, "rel err", rel_err(triton_chain(gdc, pre, 4096), buf, x0, expect))
         return
     from tools.decode_forward_bench import copy_bandwidth
 
     copy_tbps = copy_bandwidth() / 1e12
     res["copy_TBps"] = copy_tbps
-    x0 = buf[0].clone()
-    variants = [("cuBLAS F.linear", cublas)]
+    variants = [("cuBLAS F.linear", cublas_chain(ws, buf))]
     for elems in (8192, 16384, 32768):
         variants += [(f"Triton plain tile {elems}", triton_chain(False, False, elems)),
                      (f"Triton PDL wait-first tile {elems}", triton_chain(True, False, elems)),
                      (f"Triton PDL prefetch tile {elems}", triton_chain(True, True, elems))]
     for name, fn in variants:
         try:
-            buf[0].copy_(x0)
-            err = check(name, fn)
+            err = rel_err(fn, buf, x0, expect)
             us = graph_us(fn, reps=30)
             tbps = total_bytes / us / 1e6
             row = {"name": name, "us": us, "TBps": tbps, "of_copy": tbps / copy_tbps, "rel_err": err}

@@ -80,7 +80,8 @@ def run_core_process(config: EngineConfig, address: str, log_level: str) -> None
 
 
 def _answer_hellos(receive, send, failure: StartupFailed) -> None:
-    """Answer every Hello that came, or comes within STARTUP_FAILED_WAIT_S, with `failure`."""
+    """Answer with `failure` the Hellos of the first batch of messages that holds one, waiting up to
+    STARTUP_FAILED_WAIT_S for it (the client that started the core says Hello at once)."""
     deadline, answered = time.monotonic() + STARTUP_FAILED_WAIT_S, False
     while not answered and (left := deadline - time.monotonic()) > 0:
         for client, msg in receive(min(left, 0.1)):
