@@ -10,6 +10,8 @@ CUDA graph keeps the launches' programmatic edges (measured there and in docs/ke
 Not used by the decode attention: launched this way (waiting first, letting the next GEMV launch at once)
 it made the batch-1 step slower, 0.894 ms against 0.870 on an H200 (tools/decode_forward_bench, two calls,
 the GEMM route 1.095 / 1.092 in each): the o_proj GEMV's early programs compete with attention's few.
+Nor with the wait first and the next launch allowed only after the tile loop: 0.930 ms against 0.871 for the
+plain launch in one call (2026-12-02, the plain kernel swapped back in for the second run).
 """
 
 from __future__ import annotations
