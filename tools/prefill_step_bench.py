@@ -8,7 +8,8 @@ step()'s wall time is the step's. Two kinds of step:
   (budget B + P: a chunk of one prompt when P is shorter, P / context whole prompts otherwise), so every
   measured step runs B decode tokens and P prefill tokens.
 - prefix hits: C requests sharing a cached prefix of K tokens, each with N new ones, prefilled in one step
-  (C chunks x N tokens, each attending to K + N keys through its block table; issue 20's 32 x 16 over 496).
+  (C chunks x N tokens, each attending to K + N keys through its block table; issue 20's 32 x 16 over 496);
+  with --prefix-async also back to back under async scheduling, C such requests for every step.
 Per case: wall ms of one step (median), the device's busy time (the sum of the kernels' durations, from
 torch.profiler), the share of the wall the device was busy, and the dense-matmul TFLOP/s of the step
 (2 x decoder weights x tokens + 2 x lm_head x sampled rows + causal attention). A busy share well under
@@ -146,6 +147,34 @@ def prefix_case(core, chunks: int, new: int, cached: int, repeats: int, gen) -> 
     return case.result(flops(core.runner.model, chunks * new, chunks, pairs), chunks * new)
 
 
+def prefix_async_case(core, chunks: int, new: int, cached: int, steps: int, gen) -> dict:
+    """Steady state of prefix hits with async scheduling as served: `chunks` requests sharing a cached prefix
+    of `cached` tokens arrive for every step, each with `new` tokens of its own (a shared system prompt
+    under load); a step()'s wall is the interval between steps, the host work of step N+1 (prefix lookups
+    included) overlapping step N on the device."""
+    vocab = core.runner.config.vocab_size
+    core.scheduler.max_num_batched_tokens = 8192
+    params = SamplingParams(max_tokens=1, **GREEDY)
+    shared = prompt(vocab, cached, gen)
+    core.add_request(EngineRequest("pa", shared + prompt(vocab, new, gen), params, time.monotonic()))
+    core.step()  # the prefix is computed and registered in the cache
+    drain(core)
+    core.scheduler.max_num_batched_tokens = chunks * new
+    core.async_scheduling = True
+    case = Case(core, f"prefix hits {chunks}x{new} over {cached} (async)")
+    for i in range((steps + 4) * chunks):
+        core.add_request(EngineRequest(f"pa-{i}", shared + prompt(vocab, new, gen), params, time.monotonic()))
+    for i in range(steps + 2):
+        update = case.step(profiled=i == steps + 1)
+        assert update.stats.num_prefill_tokens == chunks * new, update.stats  # the prefix came from the cache
+        if i == 0:
+            case.walls.clear()  # the first step has no step before it to overlap
+    drain(core)
+    core.async_scheduling = False  # switched only while the core is idle
+    pairs = chunks * new * (cached + new // 2)
+    return case.result(flops(core.runner.model, chunks * new, chunks, pairs), chunks * new)
+
+
 def mixed_case(core, batch: int, chunk: int, ctx: int, steps: int, gen, async_scheduling: bool) -> dict:
     """Steady state: every step decodes `batch` rows and prefills `chunk` prompt tokens; with async
     scheduling a step()'s wall is the interval between steps (the host work of step N+1 overlaps step N)."""
@@ -195,6 +224,9 @@ def run_mode(args, enforce_eager: bool) -> tuple[list[dict], object]:
         c, n, k = map(int, spec.split("x"))
         results.append(prefix_case(core, c, n, k, args.repeats, gen))
         print(results[-1]["case"], f"{results[-1]['wall_ms']:.2f} ms", flush=True)
+        if args.prefix_async:
+            results.append(prefix_async_case(core, c, n, k, args.repeats, gen))
+            print(results[-1]["case"], f"{results[-1]['wall_ms']:.2f} ms", flush=True)
     for async_scheduling in sorted({False, args.mixed_async}):
         for chunk in args.chunks:
             results.append(mixed_case(core, args.decode_batch, chunk, args.context, args.repeats, gen,
@@ -241,6 +273,8 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     ap.add_argument("--mixed-async", action="store_true", help="also run the mixed cases with async "
                     "scheduling as served (steady-state interval between steps)")
+    ap.add_argument("--prefix-async", action="store_true", help="also run the prefix hits back to back "
+                    "with async scheduling as served (steady-state interval between steps)")
     ap.add_argument("--cprofile", type=Path, default=None, help="run each case's timed steps under "
                     "cProfile (slower walls) and write its top functions under this directory")
     ap.add_argument("--out", type=Path, default=Path("prefill_step_bench.json"))

@@ -114,6 +114,13 @@ def core_pid(out: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def api_server_pids(out: Path) -> list[int]:
+    """The API servers' pids under `--api-server-count N > 1` (the supervisor's start-up log line); [] with
+    one API process, which is the server process itself."""
+    match = re.search(r"API servers \(pids ([\d, ]+)\)", (out / "server.log").read_text())
+    return [int(p) for p in match.group(1).split(",")] if match else []
+
+
 def loadtest(out: Path, name: str, concurrency: int, num_requests: int, extra: list[str], seed: int,
              server_pid: int) -> dict | None:
     """One loadtest run; its report gains the server's CPU over the measured window (tools/server_load.py):
@@ -140,8 +147,9 @@ def loadtest(out: Path, name: str, concurrency: int, num_requests: int, extra: l
     t0 = rep.get("start_perf_counter_s") or 0.0
     busy = sampler.busy(t0, t0 + rep.get("duration_s", 0.0))
     core = f"child {core_pid(out)}"
-    servers = [v for k, v in busy.items() if k not in ("api", core)] or [busy.get("api")]
-    servers = [v for v in servers if v is not None]
+    # the supervisor's other children (multiprocessing's resource tracker) are neither
+    names = [f"child {p}" for p in api_server_pids(out)] or ["api"]
+    servers = [busy[n] for n in names if busy.get(n) is not None]
     rep["server_cpu"] = {"api": sum(servers) if servers else None, "api_max": max(servers, default=None),
                          "core": busy.get(core), "processes": busy}
     path.write_text(json.dumps(rep, indent=1))

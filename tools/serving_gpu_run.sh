@@ -61,4 +61,6 @@ fi
 if has serving; then
   # shellcheck disable=SC2086
   python3 -m tools.serving_bench --out "$OUT" ${SERVING_ARGS:-} 2>&1 | tail -n 40
+  # the per-run reports and logs in one archive: a device call brings back a few files only
+  (cd "$OUT" && tar czf serving_runs.tgz loadtest_* ./*.log 2>/dev/null && rm -f loadtest_* server*.log)
 fi
