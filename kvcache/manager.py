@@ -115,7 +115,7 @@ class KVCacheManager:
             raise ValueError("allocate needs at least one token")
         hits = self._find_cached_prefix(token_ids, prefix_keys)
         num_new = self._num_blocks_for(len(token_ids)) - len(hits)
-        num_revived = sum(1 for b in hits if self.pool.ref_count(b) == 0)  # these leave the free queue
+        num_revived = self.pool.num_unreferenced(hits)  # these leave the free queue
         if num_new > self.pool.num_free_blocks - num_revived:
             return None
         self.pool.touch(hits)  # before take_new, so the hits cannot be evicted
