@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_helpers import GREEDY, Server
 
 from server.api.metrics import MULTIPROC_DIR_ENV
+from tools.serving_bench import api_server_pids
 
 
 def two_servers(tmp_path, *args: str) -> Server:
@@ -53,6 +54,7 @@ def test_two_api_servers_serve_every_request_sum_their_metrics_and_drain_on_sigt
     try:
         assert "api_server=1/2" in srv.log.read_text() or "api_server=2/2" in srv.log.read_text()
         pids = server_pids(srv)
+        assert api_server_pids(srv.log.read_text()) == pids  # how tools/serving_bench finds them
         assert srv.health()["api_servers"] == 2
         body = {"prompt": "hello there", "max_tokens": 8, **GREEDY}
 

@@ -23,6 +23,7 @@ from server.api.async_engine import AsyncEngine
 from server.engine.core_client import CoreStartupError
 from server.engine.engine import EngineConfig
 from server.engine.sampling_params import SamplingParams
+from tools.serving_bench import api_server_pids
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -153,6 +154,7 @@ def test_core_killed_mid_stream_fails_every_request_and_the_server_exits_non_zer
             t.start()
         assert first_events.wait(30)
         assert wait_until(lambda: srv.health()["running"] == 2, timeout=10)
+        assert api_server_pids(srv.log.read_text()) == []  # one API server: serving_bench times the server
         os.kill(srv.core_pid(), signal.SIGKILL)
         killed = time.monotonic()
         health = None

@@ -114,10 +114,10 @@ def core_pid(out: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def api_server_pids(out: Path) -> list[int]:
-    """The API servers' pids under `--api-server-count N > 1` (the supervisor's start-up log line); [] with
-    one API process, which is the server process itself."""
-    match = re.search(r"API servers \(pids ([\d, ]+)\)", (out / "server.log").read_text())
+def api_server_pids(log: str) -> list[int]:
+    """The API servers' pids under `--api-server-count N > 1`, from the supervisor's start-up line in the
+    server's log text; [] with one API process, which is the server process itself."""
+    match = re.search(r"API servers \(pids ([\d, ]+)\)", log)
     return [int(p) for p in match.group(1).split(",")] if match else []
 
 
@@ -148,7 +148,7 @@ def loadtest(out: Path, name: str, concurrency: int, num_requests: int, extra: l
     busy = sampler.busy(t0, t0 + rep.get("duration_s", 0.0))
     core = f"child {core_pid(out)}"
     # the supervisor's other children (multiprocessing's resource tracker) are neither
-    names = [f"child {p}" for p in api_server_pids(out)] or ["api"]
+    names = [f"child {p}" for p in api_server_pids((out / "server.log").read_text())] or ["api"]
     servers = [busy[n] for n in names if busy.get(n) is not None]
     rep["server_cpu"] = {"api": sum(servers) if servers else None, "api_max": max(servers, default=None),
                          "core": busy.get(core), "processes": busy}
