@@ -30,7 +30,7 @@ HQ, HKV, D, BLOCK, LAYERS, TABLE_BLOCKS = 32, 8, 64, 16, 16, 8192
 
 
 def graph_us(launch, replays: int = 20) -> float:
-    """µs a layer of `launch` (all LAYERS launches) captured once and replayed back to back."""
+    """µs a launch of `launch` (LAYERS launches: one a layer) captured once and replayed back to back."""
     launch()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

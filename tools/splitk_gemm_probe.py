@@ -27,8 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from tools.decode_split_probe import LAYERS, graph_us  # 16 launches a graph, µs a launch
+
 SHAPES = {"qkv": (3072, 2048), "o_proj": (2048, 2048), "gate_up": (16384, 2048), "down": (2048, 8192)}
-LAYERS = 16
 
 
 @triton.jit
@@ -67,26 +68,6 @@ def _splitk_gemm(X, W, Y, PART, TICKETS, M, N, K, k_per_split, split_k,
                 total += tl.load(part + s * m_pad * N)
             tl.store(y_ptrs, total.to(Y.dtype.element_ty), mask=m_ok)
             tl.store(counter, 0)
-
-
-def graph_us(launch, replays: int = 20) -> float:
-    """µs per projection of `launch` (LAYERS launches) captured once and replayed back to back."""
-    launch()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / replays / LAYERS)
-    return sorted(times)[2]
 
 
 def variants(m: int, n: int, k: int):
