@@ -108,9 +108,9 @@ def stop_server(proc: subprocess.Popen) -> int:
         return -9
 
 
-def core_pid(out: Path) -> int | None:
-    """The engine core's pid, from the server's start-up log."""
-    match = re.search(r"engine core process started \(pid (\d+)\)", (out / "server.log").read_text())
+def core_pid(log: str) -> int | None:
+    """The engine core's pid, from the server's start-up line in its log text."""
+    match = re.search(r"engine core process started \(pid (\d+)\)", log)
     return int(match.group(1)) if match else None
 
 
@@ -146,9 +146,10 @@ def loadtest(out: Path, name: str, concurrency: int, num_requests: int, extra: l
     rep.pop("requests", None)
     t0 = rep.get("start_perf_counter_s") or 0.0
     busy = sampler.busy(t0, t0 + rep.get("duration_s", 0.0))
-    core = f"child {core_pid(out)}"
+    log = (out / "server.log").read_text()
+    core = f"child {core_pid(log)}"
     # the supervisor's other children (multiprocessing's resource tracker) are neither
-    names = [f"child {p}" for p in api_server_pids((out / "server.log").read_text())] or ["api"]
+    names = [f"child {p}" for p in api_server_pids(log)] or ["api"]
     servers = [busy[n] for n in names if busy.get(n) is not None]
     rep["server_cpu"] = {"api": sum(servers) if servers else None, "api_max": max(servers, default=None),
                          "core": busy.get(core), "processes": busy}

@@ -76,7 +76,6 @@ class CoreLoop:
             elif updates or changed:
                 self._publish(updates, core.stats())
 
-
     def _add(self, client: Client, req: EngineRequest) -> list[SeqUpdate]:
         rid = req.request_id
         if rid in self.owners:  # a request in the engine has this id: its updates must not be taken over
