@@ -16,12 +16,16 @@ from server.engine.sampling_params import SamplingParams
 TINY = dict(model="tiny", dtype="float32", block_size=4, max_num_seqs=6, max_num_batched_tokens=48)
 
 
-def run_core(async_scheduling: bool, requests, device="cpu", abort_at: dict[str, int] | None = None, **cfg):
+def run_core(async_scheduling: bool, requests, device="cpu", abort_at: dict[str, int] | None = None,
+             static_graphs: bool = False, **cfg):
     """-> ({(request id, index): tokens}, {(request id, index): finish reason}, core)."""
     config = EngineConfig(**{**TINY, "device": device,
                              "attention_backend": "auto" if device == "cuda" else "torch",
                              **cfg}, async_scheduling=async_scheduling)
     core, _ = build_core(config)
+    if static_graphs:  # the decode-graph path on CPU: static buffers, the forward run eagerly on replay
+        core.runner.graphs = core.runner._decode_graphs(use_cuda_graphs=False)
+        core.runner.graphs.capture()
     for rid, prompt, params in requests:
         core.add_request(EngineRequest(rid, prompt, params, 0.0))
     tokens: dict[tuple[str, int], list[int]] = {}
@@ -65,6 +69,21 @@ def test_async_equals_sync_under_preemption_and_forks(temperature):
     for rid, _, params in reqs:
         for i in range(params.n):
             assert len(sync_tokens[(rid, i)]) == params.max_tokens and sync_finish[(rid, i)] == "length"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_decode_graph_steps_that_reuse_their_inputs_give_the_eager_tokens(temperature, async_scheduling):
+    """A decode-graph step that repeats the previous one's rows one position on replays on the inputs that
+    replay left (no host copy); the tokens equal the eager core's under preemption, forks and 4-token
+    blocks (rows gaining a block in a repeated step send just the table entries)."""
+    reqs = workload(temperature)
+    eager_tokens, eager_finish, _ = run_core(False, reqs, num_blocks=24)
+    tokens, finish, core = run_core(async_scheduling, reqs, num_blocks=24, static_graphs=True)
+    graphs = core.runner.graphs
+    assert core.scheduler.num_preemptions > 0
+    assert 0 < graphs.num_reused_inputs < graphs.num_replays
+    assert tokens == eager_tokens and finish == eager_finish
 
 
 def test_greedy_core_equals_a_dense_recompute_across_blocks_and_preemption():

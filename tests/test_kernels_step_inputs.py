@@ -67,6 +67,25 @@ def test_step_inputs_match_the_torch_derivation(monkeypatch, num_tokens, num_dec
     assert (got[2][num_tokens - num_pad:] == -1).all()  # padding writes no KV
 
 
+@pytest.mark.parametrize("num_tokens,num_pad", [(1, 0), (7, 2), (BLOCK + 5, 9)])
+@pytest.mark.parametrize("kernel", [False, True])
+def test_advance_leaves_the_next_decode_steps_tokens(num_tokens, num_pad, kernel):
+    """With advance the outputs are unchanged and the tokens become what the same rows' next decode step
+    packs: positions one on, ids -1 (pending: the device's last token), padding and rows untouched."""
+    state = random_state(rows=24, width=9, block_size=16, seed=num_tokens)
+    state.kernel_inputs = kernel
+    tokens = random_tokens(state, num_tokens, num_pad, seed=num_tokens)
+    before = tokens.clone()
+    want = state._derive(before, num_tokens, None)
+    ids, pos, meta = state.step_inputs(tokens, num_tokens, advance=True)
+    assert torch.equal(ids, want[0]) and torch.equal(pos, want[1])
+    assert torch.equal(meta.slot_mapping, want[2]) and torch.equal(meta.seq_lens, want[3])
+    real = num_tokens - num_pad
+    assert torch.equal(tokens[0], before[0])
+    assert torch.equal(tokens[1, :real], before[1, :real] + 1) and (tokens[2, :real] == -1).all()
+    assert torch.equal(tokens[:, real:], before[:, real:])
+
+
 def test_step_inputs_metadata_is_the_same_through_either_path():
     """BatchState.step_inputs with the kernel gives the metadata the torch path gives (chunks included)."""
     state = random_state(rows=8, width=5, block_size=16, seed=3)

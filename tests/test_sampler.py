@@ -184,14 +184,27 @@ def test_no_logprobs_when_nobody_asks():
 
 def test_rows_are_addressed_by_batch_row_not_position():
     """The step's rows are any subset of the persistent rows, in any order."""
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=0),
+    params = [SamplingParams(temperature=0.7, top_k=1), SamplingParams(temperature=0.0, logprobs=0),
               SamplingParams(temperature=0.0, frequency_penalty=2.0)]
     s = sampler_for(params, vocab=3)
     s.init_penalty_rows(torch.tensor([2]), torch.tensor([2]), torch.tensor([0]), torch.tensor([1]))
     logits = torch.tensor([[3.0, 2.0, 0.0], [3.0, 2.0, 0.0]])
     out = sample(s, logits, [params[2], params[0]], rows=[2, 0])
-    assert out.token_ids.tolist() == [1, 0]
+    assert out.token_ids.tolist() == [1, 0]  # row 0 draws from its one best token
     assert s.ints[:, 2].tolist()[:3] == [1, 0, 1]  # sample counts advanced for rows 2 and 0 only
+
+
+def test_a_step_that_draws_nothing_leaves_the_draw_counts():
+    """The counts are the seeded draws' Philox offsets: greedy rows never read theirs, so an all-greedy
+    step skips the update (two launches a step), and a sampled row's count still counts its draws."""
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=5)]
+    s = sampler_for(params, vocab=4)
+    logits = torch.randn(2, 4)
+    sample(s, logits[:1], params[:1], rows=[0])
+    assert s.ints[:, 2].tolist()[:2] == [0, 0]
+    sample(s, logits, params, rows=[0, 1])
+    sample(s, logits[1:], params[1:], rows=[1])
+    assert s.ints[:, 2].tolist()[:2] == [1, 2]
 
 
 def test_penalty_rows_count_outputs_and_mask_prompts_with_repeats_and_resets():

@@ -63,8 +63,8 @@ class BatchState:
         self.last_token.index_copy_(0, rows.long(), tokens)
 
     def step_inputs(self, tokens: torch.Tensor, num_decode_rows: int, num_decode: torch.Tensor | None = None,
-                    chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+                    chunks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                    advance: bool = False) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """A step's flat batch from device ints -> input_ids (T,), positions (T,), AttentionMetadata. Pure
         device ops (graph-capturable).
 
@@ -73,15 +73,20 @@ class BatchState:
         first num_decode_rows; with `num_decode` (a (1,) device count, the captured mixed steps) only that
         many of them are decode rows and the rest read nothing (seq_len 0). chunks: the prefill chunks'
         table rows (C,), query_start_loc (C + 1,) into the flat batch (chunk 0 starts after the decode rows)
-        and seq_lens (C,)."""
+        and seq_lens (C,). advance: then rewrite tokens in place as the same rows' next decode step reads
+        them (real positions one on, their ids -1: the token this step samples, recorded on the device)."""
         d = num_decode_rows
         if self.kernel_inputs:  # one Triton launch; imported here: triton is not on every CPU-only install
             from kernels.step_inputs import step_inputs as kernel
 
             input_ids, pos, slots, seq_lens = kernel(tokens, self.last_token, self.block_tables,
-                                                     self.block_size, d, num_decode)
+                                                     self.block_size, d, num_decode, advance)
         else:
             input_ids, pos, slots, seq_lens = self._derive(tokens, d, num_decode)
+            if advance:
+                valid = tokens[1] >= 0
+                tokens[1] += valid.int()
+                tokens[2].masked_fill_(valid, -1)
         prefill = None
         if chunks is not None:
             table_rows, qsl, lens = chunks

@@ -12,7 +12,11 @@ sequence lengths and slots. Padding is inert: padding tokens are the all-null pa
 (seq_len 0: the attention reads nothing; slot -1: the K/V store writes nothing), padding chunks are empty.
 
 DecodeGraphs (decode rows only) end with the final norm and the lm_head: their static output holds
-(size, vocab) logits in the model dtype. MixedGraphs run the decode kernel over 16, 64 or min(size, max_seqs)
+(size, vocab) logits in the model dtype. Having read its tokens, a decode graph rewrites them in the buffer
+as the same rows' next step reads them (kernels/step_inputs.py, ADVANCE: positions one on, ids -1), so a
+step that decodes exactly the rows of the previous decode replay one position further replays with no
+input copy at all (`replay(None, ...)`; the runner decides when, ModelRunner._repeats_last_decode).
+MixedGraphs run the decode kernel over 16, 64 or min(size, max_seqs)
 rows (the fewest that hold the step's decodes), of which the step's decode count (a device int in the buffer)
 are real and the rest read nothing, and the prefill kernel over every chunk, whose rows it finds from
 query_start_loc; their output is the final hidden states (size, hidden), and the runner computes the logits
@@ -111,6 +115,7 @@ class StepGraphs:
         self.output = torch.zeros(self.max_size, out_width, dtype=dtype, device=device)  # (n, out_width)
         self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
         self.num_replays = 0
+        self.num_reused_inputs = 0  # replays that ran on the inputs the previous one left (replay(None, ...))
         self.last_key: Hashable | None = None  # what the last replay ran (tests, benchmarks)
 
     def _keys(self) -> list[Hashable]:
@@ -176,10 +181,14 @@ class StepGraphs:
 
     # ---- replay -------------------------------------------------------------------------------------
 
-    def replay(self, flat: torch.Tensor, num: int, key) -> torch.Tensor:
-        """flat: (layout(key).length,) device int32, the step's flat batch padded to the key's layout. ->
-        (num, out_width), a view of the static output that the next replay overwrites."""
-        self.inputs[:flat.shape[0]].copy_(flat)
+    def replay(self, flat: torch.Tensor | None, num: int, key) -> torch.Tensor:
+        """flat: (layout(key).length,) device int32, the step's flat batch padded to the key's layout, or None
+        to run on the buffer as the last replay (of this key) left it. -> (num, out_width), a view of the
+        static output that the next replay overwrites."""
+        if flat is None:
+            self.num_reused_inputs += 1
+        else:
+            self.inputs[:flat.shape[0]].copy_(flat)
         if self.use_cuda_graphs:
             self.graphs[key].replay()
         else:
@@ -200,7 +209,7 @@ class DecodeGraphs(StepGraphs):
 
     def _body(self, size: int) -> None:
         tokens = self.layout(size).views(self.inputs)[0]
-        input_ids, positions, meta = self.state.step_inputs(tokens, size)
+        input_ids, positions, meta = self.state.step_inputs(tokens, size, advance=True)
         self.forward(input_ids, positions, meta, self.output[:size])  # writes the (size, vocab) logits
 
 

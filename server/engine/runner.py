@@ -79,6 +79,19 @@ class StepLogits:
     compact: torch.Tensor | None = None  # (K,) int64 device: the samples that draw from their best tokens
 
 
+@dataclass
+class _LastDecode:
+    """The last decode-graph step, for ModelRunner._repeats_last_decode: its graphs and key, rows and
+    positions in flat-batch order, sample sources, and its StepLogits (the sampler-side device tensors)."""
+
+    graphs: StepGraphs
+    key: object
+    rows: list[int]
+    positions: list[int]
+    sample_sources: list[int]
+    out: StepLogits
+
+
 class StepResult:
     """A launched step's samples on their way to the host: wait() blocks until they are there."""
 
@@ -132,6 +145,7 @@ class ModelRunner:
         self.state = self._new_batch_state()
         self.sampler = Sampler(max_num_seqs, self.config.vocab_size, self.device)
         self.packer = StepPacker(self.device)
+        self._last_decode: _LastDecode | None = None  # the last step, if it replayed a decode graph
         if num_blocks is None:
             num_blocks = self._auto_num_blocks(gpu_memory_utilization)
         if num_blocks < 2:
@@ -183,23 +197,18 @@ class ModelRunner:
         ids, and then logits only if `need_logits`."""
         assert not step.is_empty, "a step runs some chunk"
         graphs, key, layout = self._plan(step)
-        sections, num_logprobs, flags = self._pack(step, table_of, layout)
-        (flat, logit_rows, writes, init_rows, init_floats, init_ints, pen_rows, pen_token_rows, pen_tokens,
-         pen_is_output, sample_rows, sample_sources, copies, compact) = self.packer.send(sections)
-        self.state.apply_table_writes(writes)
-        sample_rows = sample_rows.long()  # once: the sampler and the batch state index with it
-        out = StepLogits(None, sample_rows, flags, num_logprobs,
-                         compact=compact.long() if compact.numel() else None)
-        if init_rows.numel():
-            n = init_rows.numel()
-            self.sampler.init_rows(init_rows, init_floats.view(torch.float32).view(n, FLOAT_FIELDS),
-                                   init_ints.view(n, INT_FIELDS))
-        if pen_rows.numel():
-            self.sampler.init_penalty_rows(pen_rows, pen_token_rows, pen_tokens, pen_is_output)
-        if graphs is self.graphs and graphs is not None:  # a decode graph: its output is the logits
+        decode_graph = graphs is self.graphs and graphs is not None
+        if decode_graph and self._repeats_last_decode(step, graphs, key):
+            flat, logit_rows, copies, sample_sources = None, None, None, None
+            out = self._repeat_inputs(step, table_of)
+        else:
+            flat, out, logit_rows, copies, sample_sources = self._send_inputs(step, table_of, layout)
+        if decode_graph:  # its output is the logits
             num_decode = len(step.decodes)
             logits = graphs.replay(flat, num_decode, key)
-            if not flags and not step.copies and len(step.samples) == num_decode:  # greedy, no forks
+            self._last_decode = _LastDecode(graphs, key, [s.row for s in step.decodes],
+                                            step.decode_positions, step.sample_sources, out)
+            if not out.flags and not step.copies and len(step.samples) == num_decode:  # greedy, no forks
                 # the argmax of the model-dtype logits, read before the next replay overwrites them: the
                 # fp32 copy below costs 22 us at batch 64 on an H200 (an in-graph argmax instead cost every
                 # sampled step 28 us more)
@@ -208,6 +217,7 @@ class ModelRunner:
                 return out
             logits = logits.to(torch.float32, copy=True)  # fresh: the next replay overwrites the output
         else:
+            self._last_decode = None
             if graphs is not None:
                 hidden = graphs.replay(flat, layout.num_tokens, key)  # (size, H), the static output
             else:
@@ -216,12 +226,58 @@ class ModelRunner:
                 out.logits = hidden[:0]
                 return out
             logits = self.model.compute_logits(hidden.index_select(0, logit_rows.long()))  # (L, V) fp32
-        if copies.numel():
+        if copies is not None and copies.numel():
             self.kv.copy_blocks(copies.view(-1, 2))
         if len(step.sample_sources) != logits.shape[0] or step.sample_sources[-1] != len(step.samples) - 1:
             logits = logits.index_select(0, sample_sources.long())  # (S, V): forks share their parent's row
         out.logits = logits
         return out
+
+    def _send_inputs(self, step: SchedulerOutput, table_of: TableOf, layout: FlatLayout):
+        """Pack and send the step's host ints; apply its table writes and its new rows' sampler state. ->
+        (flat batch, StepLogits without logits, logit rows, fork copies, sample sources), on the device."""
+        sections, num_logprobs, flags = self._pack(step, table_of, layout)
+        (flat, logit_rows, writes, init_rows, init_floats, init_ints, pen_rows, pen_token_rows, pen_tokens,
+         pen_is_output, sample_rows, sample_sources, copies, compact) = self.packer.send(sections)
+        self.state.apply_table_writes(writes)
+        out = StepLogits(None, sample_rows.long(), flags, num_logprobs,  # int64 once: sampler and state index
+                         compact=compact.long() if compact.numel() else None)
+        if init_rows.numel():
+            n = init_rows.numel()
+            self.sampler.init_rows(init_rows, init_floats.view(torch.float32).view(n, FLOAT_FIELDS),
+                                   init_ints.view(n, INT_FIELDS))
+        if pen_rows.numel():
+            self.sampler.init_penalty_rows(pen_rows, pen_token_rows, pen_tokens, pen_is_output)
+        return flat, out, logit_rows, copies, sample_sources
+
+    def _repeats_last_decode(self, step: SchedulerOutput, graphs: StepGraphs, key) -> bool:
+        """Whether `step` decodes exactly the rows of the last decode-graph replay, in its order, each one
+        position further, with the same samples and nothing else (no new rows, chunks or forks): the inputs
+        that replay left in the buffer (advanced in place) are then this step's, and its sampler-side
+        tensors too. Every row's token is then the one it sampled last, on the device."""
+        last = self._last_decode
+        if (last is None or last.graphs is not graphs or last.key != key or step.prefills or step.new_rows
+                or step.copies or len(step.decodes) != len(last.rows)
+                or step.sample_sources != last.sample_sources):
+            return False
+        for seq, pos, row, prev in zip(step.decodes, step.decode_positions, last.rows, last.positions,
+                                       strict=True):
+            if seq.row != row or pos != prev + 1:
+                return False
+        return True
+
+    def _repeat_inputs(self, step: SchedulerOutput, table_of: TableOf) -> StepLogits:
+        """A repeated decode step's only host input: the block-table entries of rows whose token starts a new
+        block (sent alone). -> its StepLogits without logits (the last decode's, reused)."""
+        writes: list[int] = []
+        covered = self.state.synced_tokens
+        for seq, pos in zip(step.decodes, step.decode_positions, strict=True):
+            if pos >= covered[seq.row]:
+                self.state.table_writes(seq.row, table_of(seq.seq_id), writes)
+        if writes:
+            self.state.apply_table_writes(self.packer.send([writes])[0])
+        last = self._last_decode.out
+        return StepLogits(None, last.rows, last.flags, last.num_logprobs, compact=last.compact)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         # input_ids, positions (T,) -> hidden (T, H)

@@ -149,7 +149,8 @@ class Sampler:
             tokens = greedy
         else:
             tokens, raw = self._draw_step(logits, rows, flags, compact)
-        self.ints[:, 2].index_add_(0, rows, torch.ones_like(rows))
+        if flags & SAMPLED:  # the draw counters (Philox offsets); a step without draws leaves them be
+            self.ints[:, 2].index_add_(0, rows, torch.ones_like(rows))
         if self.counts is not None:
             self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32),
                                    accumulate=True)

@@ -1,0 +1,181 @@
+"""Probe (GPU, not a test) behind kernels/l2_prefetch.py: `python -m tools.l2_prefetch_probe [--out DIR]`.
+
+Does pulling the next projections' weights into L2 on a side stream, while the attention runs, shorten the
+decode step? The `bench` preset in bf16 (576 cached tokens, block 16) behind ModelRunners whose CUDA graphs
+were captured with the shipped fused forward and with variants of it that fork a side stream after the qkv
+projection (RoPE + K/V store) and prefetch, beside the attention:
+- one row (the GEMV route): o_proj's weights, and the first MB of gate_up's gate and up halves (the rows its
+  first programs read), with or without the evict-last hint;
+- 64 rows (the GEMM route): o_proj's weights (8.4 MB; the attention streams 75 MB of K/V through L2 then).
+The side stream joins the main one before the final norm. A step is the graph replay plus the fp32 logits
+copy (tools/decode_forward_bench's step), timed in rounds that alternate every runner; logits of every
+variant must equal the shipped forward's bit for bit (a prefetch moves no data).
+Prints a table; writes l2_prefetch_<gpu>.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+
+import server.model.fused_forward as ff
+from kernels.gemv import gemv, gemv_rope_store
+from kernels.l2_prefetch import l2_prefetch
+from kernels.rmsnorm import rms_norm
+from server.model import load_model
+from tests.runner_chunks import run_chunks
+from tools.decode_forward_bench import Contexts, build_runner, copy_bandwidth, cuda_ms, graph_step
+
+SHIPPED = ff.fused_forward
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    o_proj: bool = True       # prefetch o_proj's weights
+    gate_up_mb: float = 0.0   # and this many MB of gate_up (half from each of the gate and up halves)
+    evict_last: bool = False
+
+
+VARIANTS = (
+    Variant("o"), Variant("o+gu8", gate_up_mb=8), Variant("o+gu16", gate_up_mb=16),
+    Variant("o+gu32", gate_up_mb=32), Variant("o el", evict_last=True),
+    Variant("o+gu16 el", gate_up_mb=16, evict_last=True),
+)
+
+
+def prefetch_weights(layer, v: Variant) -> None:
+    """On the current stream: the variant's share of this layer's o_proj and gate_up weights."""
+    if v.o_proj:
+        l2_prefetch(layer.self_attn.o_proj.weight, evict_last=v.evict_last)
+    if v.gate_up_mb:
+        w = layer.mlp.gate_up_proj.weight  # (2I, H): [gate | up]
+        n = w.shape[0] // 2
+        rows = min(n, int(v.gate_up_mb * 1e6 / 2 / (w.shape[1] * w.element_size())))
+        l2_prefetch(w[:rows], evict_last=v.evict_last)
+        l2_prefetch(w[n:n + rows], evict_last=v.evict_last)
+
+
+def forward_with_prefetch(v: Variant, side: torch.cuda.Stream):
+    """fused_forward with a side-stream prefetch forked after each layer's qkv projection."""
+
+    def fork(layer) -> None:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            prefetch_weights(layer, v)
+
+    def layer_one_row(layer, residual, cos, sin, attn) -> None:
+        mod, mlp = layer.self_attn, layer.mlp
+        norm = layer.input_layernorm
+        k_cache, v_cache, slots = attn.kv_destination(mod.layer_idx)
+        qkv = gemv_rope_store(residual, mod.qkv_proj.weight, mod.qkv_proj.bias, norm_weight=norm.weight,
+                              eps=norm.eps, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache,
+                              slot_mapping=slots, num_q_heads=mod.num_heads, num_kv_heads=mod.num_kv_heads)
+        fork(layer)
+        gemv(ff._attend(mod, qkv, attn), mod.o_proj.weight, mod.o_proj.bias, residual=residual)
+        norm = layer.post_attention_layernorm
+        act = gemv(residual, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm_weight=norm.weight,
+                   eps=norm.eps, gated=True)
+        gemv(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=residual)
+
+    def layer_rows(layer, prev, residual, cos, sin, attn):
+        norm = layer.input_layernorm
+        x = (rms_norm(residual, norm.weight, norm.eps) if prev is None
+             else rms_norm(prev, norm.weight, norm.eps, residual=residual))
+        mod = layer.self_attn
+        qkv = mod.qkv_proj(x)
+        fork(layer)
+        x = mod.o_proj(ff._rope_attend(mod, qkv, cos, sin, attn))
+        norm = layer.post_attention_layernorm
+        x = rms_norm(x, norm.weight, norm.eps, residual=residual)
+        mlp = layer.mlp
+        return mlp.down_proj(ff.silu_and_mul(mlp.gate_up_proj(x)))
+
+    def forward(model, input_ids, positions, attn):
+        inner = model.model
+        residual = inner.embed_tokens(input_ids)
+        cos, sin = inner.rotary.half_angles(positions)
+        main = torch.cuda.current_stream()
+        if ff.takes_one_row(input_ids):
+            for layer in inner.layers:
+                layer_one_row(layer, residual, cos, sin, attn)
+            main.wait_stream(side)
+            return rms_norm(residual, inner.norm.weight, inner.norm.eps)
+        out = None
+        for layer in inner.layers:
+            out = layer_rows(layer, out, residual, cos, sin, attn)
+        main.wait_stream(side)
+        return rms_norm(out, inner.norm.weight, inner.norm.eps, residual=residual)
+
+    return forward
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64])
+    ap.add_argument("--context", type=int, default=576)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=50)
+    args = ap.parse_args()
+    args.block_size, args.max_model_len = 16, None
+    logging.basicConfig(level=logging.WARNING)
+    torch.manual_seed(0)
+    copy_bw = copy_bandwidth()
+    model, _ = load_model("bench", "cuda", torch.bfloat16)
+    ctx = Contexts(max(args.batches), args.context, args.block_size)
+    side = torch.cuda.Stream()
+    runners = {"shipped": build_runner(model, "fused", ctx, args)[0]}
+    for v in VARIANTS:
+        ff.fused_forward = forward_with_prefetch(v, side)
+        try:
+            runners[v.name] = build_runner(model, "fused", ctx, args)[0]
+        finally:
+            ff.fused_forward = SHIPPED
+    model.set_decoder_ops("auto")
+    runners["shipped"].kv.data.normal_()
+    for name, r in runners.items():
+        if name != "shipped":
+            r.kv.data.copy_(runners["shipped"].kv.data)
+
+    rows = []
+    for batch in args.batches:
+        chunks = ctx.chunks(batch)
+        ref = run_chunks(runners["shipped"], chunks)
+        same = {n: bool(torch.equal(run_chunks(r, chunks), ref)) for n, r in runners.items()}
+        times = {n: [] for n in runners}
+        for _ in range(args.rounds):
+            for n, r in runners.items():
+                times[n].append(cuda_ms(graph_step(r, batch), args.iters, repeats=3))
+        base = statistics.median(times["shipped"])
+        for n in runners:
+            ms = statistics.median(times[n])
+            rows.append({"batch": batch, "variant": n, "step_ms": ms, "vs_shipped": base / ms,
+                         "logits_equal": same[n], "rounds_ms": times[n]})
+            print(f"b{batch} {n:12s} {ms:.4f} ms  x{base / ms:.3f}  equal={same[n]}", flush=True)
+
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "python": platform.python_version(), "context": args.context, "copy_bw_tb_s": copy_bw / 1e12,
+              "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name().split()[-1].lower()
+    path = args.out / f"l2_prefetch_{gpu}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"\n{result['gpu']}, torch {result['torch']}, triton {result['triton']}, copy "
+          f"{copy_bw / 1e12:.2f} TB/s; JSON {path}")
+    print(f"{'batch':>5} {'variant':>12} {'step ms':>8} {'speed':>6} {'equal':>6}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['variant']:>12} {r['step_ms']:>8.4f} {r['vs_shipped']:>6.3f} "
+              f"{str(r['logits_equal']):>6}")
+
+
+if __name__ == "__main__":
+    main()
