@@ -61,7 +61,7 @@ def _gemv_kernel(
     W, X, OUT, RESIDUAL, NORM_W, BIAS, N, eps,
     K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     NORM: tl.constexpr, GATED: tl.constexpr, ADD: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_GDC: tl.constexpr, HOLD: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)              # (BLOCK_N,) output rows
     rk = tl.arange(0, K_PAD)                                             # (K_PAD,) the whole reduction
@@ -69,8 +69,7 @@ def _gemv_kernel(
     k_mask = rk < K
     w_mask = n_mask[:, None] & k_mask[None, :]
     if USE_GDC:
-        if not HOLD:
-            tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch: it waits for our writes
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may launch: it waits for our writes itself
     # phase 1: the weights, which no earlier kernel writes: their reads start before the wait
     w_ptrs = W + rn.to(tl.int64)[:, None] * K + rk[None, :]
     w = tl.load(w_ptrs, mask=w_mask, other=0.0)                          # (BLOCK_N, K_PAD)
@@ -78,8 +77,6 @@ def _gemv_kernel(
         u = tl.load(w_ptrs + N * K, mask=w_mask, other=0.0)              # the up rows, N rows below
     if USE_GDC:
         tl.extra.cuda.gdc_wait()               # the kernel before us has finished and its writes are visible
-        if HOLD:
-            tl.extra.cuda.gdc_launch_dependents()  # only now: the next kernel's early reads stay off ours
     # phase 2: the input row; phase 3: the dot, then the epilogue
     x = _input_row(X, NORM_W, rk, k_mask, eps, K, NORM)
     dtype = OUT.dtype.element_ty
@@ -152,7 +149,7 @@ _gemv = CachedLauncher(_gemv_kernel, num_tensors=6)
 _gemv_rope_store = CachedLauncher(_gemv_rope_store_kernel, num_tensors=10)
 
 
-def _launch(weight, x, out, residual, norm_weight, bias, n, eps, gated, hold=False):
+def _launch(weight, x, out, residual, norm_weight, bias, n, eps, gated):
     """Grid (cdiv(N, BLOCK_N),): BLOCK_N = TILE // K_PAD rows a program (a power of two, at least 1); 4 warps
     keep 64 weight values a thread, 8 warps above an 8192-wide row."""
     k = x.shape[1]
@@ -161,7 +158,7 @@ def _launch(weight, x, out, residual, norm_weight, bias, n, eps, gated, hold=Fal
     _gemv((triton.cdiv(n, block_n),), weight, x, out, residual if residual is not None else out,
           norm_weight if norm_weight is not None else x, bias if bias is not None else x, n, eps,
           K=k, K_PAD=k_pad, BLOCK_N=block_n, NORM=norm_weight is not None, GATED=gated,
-          ADD=residual is not None, HAS_BIAS=bias is not None, HOLD=hold, num_warps=8 if k_pad > TILE else 4,
+          ADD=residual is not None, HAS_BIAS=bias is not None, num_warps=8 if k_pad > TILE else 4,
           num_stages=1, **pdl_options(x.device))
 
 
@@ -221,7 +218,7 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0, gated: bool = False,
-         residual: torch.Tensor | None = None, hold_dependents: bool = False) -> torch.Tensor:
+         residual: torch.Tensor | None = None) -> torch.Tensor:
     """x (1, K) -> x @ weight.T (+ bias) (1, N), in x's dtype; weight (N, K).
 
     norm_weight (K,): x is first rms_norm(x, norm_weight, eps). gated: weight is [gate | up] (2N, K) and the
@@ -229,7 +226,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """
     n = _check(x, weight, bias, norm_weight, residual, gated)
     out = residual if residual is not None else _new_output(n, x)
-    _launch(weight, x, out, residual, norm_weight, bias, n, float(eps), gated, hold_dependents)
+    _launch(weight, x, out, residual, norm_weight, bias, n, float(eps), gated)
     return out
 
 

@@ -1,4 +1,4 @@
-"""Probe (GPU, not a test) behind kernels/l2_prefetch.py: `python -m tools.l2_prefetch_probe [--out DIR]`.
+"""Probe (GPU, not a test): `python -m tools.l2_prefetch_probe [--out DIR]`.
 
 Does pulling the next projections' weights into L2 on a side stream, while the attention runs, shorten the
 decode step? The `bench` preset in bf16 (576 cached tokens, block 16) behind ModelRunners whose CUDA graphs
@@ -25,16 +25,50 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 
 import server.model.fused_forward as ff
 from kernels.gemv import gemv, gemv_rope_store
-from kernels.l2_prefetch import l2_prefetch
 from kernels.rmsnorm import rms_norm
 from server.model import load_model
 from tests.runner_chunks import run_chunks
 from tools.decode_forward_bench import Contexts, build_runner, copy_bandwidth, cuda_ms, graph_step
 
 SHIPPED = ff.fused_forward
+
+LINE = 128            # bytes a prefetch names (one L2 line)
+LINES_PER_PROGRAM = 1024  # 128 KiB a program: 8 prefetches a thread at 4 warps
+
+
+@triton.jit
+def _l2_prefetch_kernel(BASE, n_lines, LINES: tl.constexpr, EVICT_LAST: tl.constexpr):
+    """Program p prefetches lines [p LINES, (p + 1) LINES) of the range at BASE (uint8); the last program's
+    tail repeats the final line (a prefetch writes nothing, so a repeat costs one request)."""
+    line = tl.program_id(0) * LINES + tl.arange(0, LINES)
+    line = tl.minimum(line, n_lines - 1)
+    ptrs = BASE + line.to(tl.int64) * 128
+    if EVICT_LAST:
+        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; // $0", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+def l2_prefetch(t: torch.Tensor, nbytes: int | None = None, evict_last: bool = False) -> None:
+    """Prefetches the first `nbytes` (default: all) of contiguous CUDA tensor t into L2 on the current
+    stream."""
+    if t.device.type != "cuda" or not t.is_contiguous():
+        raise ValueError(f"l2_prefetch takes a contiguous CUDA tensor, got {t.device} "
+                         f"contiguous={t.is_contiguous()}")
+    total = t.numel() * t.element_size()
+    nbytes = total if nbytes is None else min(int(nbytes), total)
+    if nbytes <= 0:
+        return
+    n_lines = triton.cdiv(nbytes, LINE)
+    _l2_prefetch_kernel[(triton.cdiv(n_lines, LINES_PER_PROGRAM),)](
+        t.view(-1).view(torch.uint8), n_lines, LINES=LINES_PER_PROGRAM, EVICT_LAST=evict_last, num_warps=4)
+
 
 
 @dataclass(frozen=True)
