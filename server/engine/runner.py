@@ -10,8 +10,9 @@ backend) a batch of only single-token rows replays a captured CUDA graph instead
 (server/engine/cuda_graphs.py); mixed and prefill batches, and batches above the largest graph, run eagerly.
 A decode-graph step that decodes exactly the previous one's rows, one position on (steady decoding), sends
 nothing but the block-table entries of rows entering a new block: the graph left its inputs advanced in
-place, and the sampler-side tensors are the previous step's. On an H200 that took the batch-1 step's host
-time from 0.32 to 0.10 ms (tools/engine_step_bench, docs/benchmarks/serving_h200.md).
+place, and the sampler-side tensors are the previous step's. On an H200 host that took a batch-1 step's host
+work from 0.25 to 0.10 ms, and 0.86 to 0.53 ms at 256 rows (tools/engine_step_bench, old and new tree in one
+call: docs/benchmarks/serving_h200.md).
 The step's sampled ids reach the host through a non-blocking copy into pinned memory and an event
 (StepResult.wait), so the caller may plan and launch the next step first.
 
