@@ -24,7 +24,6 @@ import triton.language as tl
 
 from kernels.checks import check_decode_inputs
 from kernels.launch_cache import CachedLauncher, CompiledLaunch, current_stream
-from kernels.pdl import uses_pdl
 from kernels.split_heuristic import (
     MAX_SPLITS,
     KernelConfig,
@@ -37,7 +36,6 @@ from kernels.split_merge import MAX_FUSED_CHUNKS, merge_chunk, merge_group, merg
 from kernels.workspace import DecodeWorkspace
 
 LOG2E = 1.4426950408889634
-PDL_WAIT = [False]  # experiment (tools/pdl_attention_probe): launched with PDL, griddepcontrol.wait first
 NO_WINDOW = 1 << 30
 
 
@@ -95,11 +93,9 @@ def _paged_decode_stage1(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SPLITS_FROM_TABLE: tl.constexpr, OFFSETS_32: tl.constexpr,
     MERGE: tl.constexpr, MERGE_GROUP_PAD: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
-    MERGE_CHUNK_S: tl.constexpr, USE_GDC: tl.constexpr,
+    MERGE_CHUNK_S: tl.constexpr,
 ):
     # MERGE: 0 = one split (write the output), 1 = write partials (stage 2 merges), 2 = merge in this launch
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
     kvh = tl.program_id(0)
     seq = tl.program_id(1)
     split = tl.program_id(2)
@@ -201,9 +197,7 @@ class _DecodePlan:
                         SPLITS_FROM_TABLE=(splits_from_table or num_splits == 1) and window == NO_WINDOW,
                         OFFSETS_32=int32_offsets(block_size, num_splits) and _fits_int32(k_cache, v_cache),
                         MERGE=self.merge, MERGE_GROUP_PAD=group_pad, MERGE_BLOCK_S=block_s,
-                        MERGE_CHUNK_S=chunk1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                        **(dict(USE_GDC=True, launch_pdl=True) if PDL_WAIT[0] and uses_pdl(q.device)
-                           else dict(USE_GDC=False)))
+                        MERGE_CHUNK_S=chunk1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         self.kw2 = dict(HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_S=block_s, CHUNK_S=merge_chunk(block_s, d_pad),
                         num_warps=4, num_stages=1)
         self.part_numel = bsz * hq * num_splits * d          # o (B, Hq, S, D) then lse (B, Hq, S), fp32
