@@ -5,19 +5,21 @@ aborts; a choice's token computed after it finished is never emitted. The core r
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
 
 from server.engine.engine import EngineConfig, build_core
 from server.engine.outputs import EngineRequest
+from server.engine.sampler import Sampler
 from server.engine.sampling_params import SamplingParams
 
 TINY = dict(model="tiny", dtype="float32", block_size=4, max_num_seqs=6, max_num_batched_tokens=48)
 
 
 def run_core(async_scheduling: bool, requests, device="cpu", abort_at: dict[str, int] | None = None,
-             static_graphs: bool = False, **cfg):
+             static_graphs: bool = False, sampler_kernel: bool = False, **cfg):
     """-> ({(request id, index): tokens}, {(request id, index): finish reason}, core)."""
     config = EngineConfig(**{**TINY, "device": device,
                              "attention_backend": "auto" if device == "cuda" else "torch",
@@ -26,6 +28,9 @@ def run_core(async_scheduling: bool, requests, device="cpu", abort_at: dict[str,
     if static_graphs:  # the decode-graph path on CPU: static buffers, the forward run eagerly on replay
         core.runner.graphs = core.runner._decode_graphs(use_cuda_graphs=False)
         core.runner.graphs.capture()
+    if sampler_kernel:  # the Triton sampling kernel (interpreter), which draws from the graph's own logits
+        core.runner.sampler = Sampler(core.runner.max_num_seqs, core.runner.config.vocab_size,
+                                      core.runner.device, kernel=True)
     for rid, prompt, params in requests:
         core.add_request(EngineRequest(rid, prompt, params, 0.0))
     tokens: dict[tuple[str, int], list[int]] = {}
@@ -84,6 +89,17 @@ def test_decode_graph_steps_that_reuse_their_inputs_give_the_eager_tokens(temper
     assert core.scheduler.num_preemptions > 0
     assert 0 < graphs.num_reused_inputs < graphs.num_replays
     assert tokens == eager_tokens and finish == eager_finish
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the sampling kernel runs on CPU only "
+                    "under TRITON_INTERPRET=1")
+def test_sampled_decode_graph_steps_draw_from_the_graph_output_as_eager_steps_draw():
+    """With the sampling kernel a sampled decode-graph step hands it the graph's static output (no fp32
+    copy); the seeded tokens equal the eager core's, which draws from fresh fp32 logits."""
+    reqs = workload(0.8)[:5]
+    eager, _, _ = run_core(True, reqs, num_blocks=40, sampler_kernel=True)
+    graphs, _, core = run_core(True, reqs, num_blocks=40, static_graphs=True, sampler_kernel=True)
+    assert core.runner.graphs.num_replays > 0 and graphs == eager
 
 
 def test_greedy_core_equals_a_dense_recompute_across_blocks_and_preemption():

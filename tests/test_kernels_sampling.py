@@ -12,7 +12,7 @@ import torch
 
 from kernels.sampling import sample_logits
 from kernels.sampling_reference import filtered_sets as reference_sets
-from server.engine.sampler import SAMPLED, TOP, Sampler, row_fields, step_flags, uniform
+from server.engine.sampler import LOGPROBS, SAMPLED, TOP, Sampler, row_fields, step_flags, uniform
 from server.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 interpreter_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -171,6 +171,28 @@ def test_sampler_with_the_kernel_advances_counts_and_keeps_logprobs():
     again.init_rows(torch.arange(3), torch.tensor([f for f, _ in fields]),
                     torch.tensor([i for _, i in fields]))
     assert again(logits, torch.arange(3), flags).token_ids.tolist() == firsts[0]
+
+
+@interpreter_only
+def test_sampler_draws_from_model_dtype_logits_what_it_draws_from_their_fp32_copy():
+    """A step without penalties, logprobs or compact rows hands the kernel the model's fp16 logits (no fp32
+    copy): the kernel widens them as it loads them, so every row draws the token the copy gives; a step
+    asking for logprobs still gets fp32 logits (the raw row it returns)."""
+    V = 40
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=3), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.2, min_p=0.05, seed=4)]
+    fields = [row_fields(p, 100 + i, 0) for i, p in enumerate(params)]
+    flags = step_flags(params[0]) | step_flags(params[1]) | step_flags(params[2])
+    logits = (torch.randn(3, V, generator=torch.Generator().manual_seed(2)) * 3).half()
+    tokens = []
+    for x in (logits, logits.float()):
+        s = Sampler(3, V, torch.device("cpu"), kernel=True)
+        s.init_rows(torch.arange(3), torch.tensor([f for f, _ in fields]),
+                    torch.tensor([i for _, i in fields]))
+        assert s.reads_model_dtype(flags, None) and not s.reads_model_dtype(flags | LOGPROBS, None)
+        tokens.append([s(x, torch.arange(3), flags).token_ids.tolist() for _ in range(4)])
+    assert tokens[0] == tokens[1]
+    assert not Sampler(3, V, torch.device("cpu"), kernel=False).reads_model_dtype(flags, None)
 
 
 def test_wrapper_checks_shapes_and_dtypes():
@@ -333,7 +355,7 @@ def test_gpu_sampled_steps_compile_nothing_after_warm_up():
     import triton
     V, compiles = 128256, []
     s = Sampler(64, V, torch.device("cuda"), kernel=True)
-    s.warm_up()
+    s.warm_up(torch.bfloat16)
     torch.cuda.synchronize()
     previous = triton.knobs.runtime.jit_cache_hook
     triton.knobs.runtime.jit_cache_hook = lambda **kw: compiles.append(kw.get("repr"))
@@ -347,6 +369,8 @@ def test_gpu_sampled_steps_compile_nothing_after_warm_up():
             logits = torch.randn(S, V, device="cuda") * 3
             compact = rows if params.top_k else None
             s(logits, rows, step_flags(params), compact=compact)
+            if compact is None:  # a decode graph's bf16 logits, drawn from as they are
+                s(logits.bfloat16(), rows, step_flags(params))
         torch.cuda.synchronize()
     finally:
         triton.knobs.runtime.jit_cache_hook = previous

@@ -76,7 +76,8 @@ class HostSamples:
 class StepLogits:
     """What a step hands the sampler (ModelRunner.forward_step)."""
 
-    logits: torch.Tensor | None  # (S, V) fp32 each sample draws from; None when `greedy` stands in for them
+    logits: torch.Tensor | None  # (S, V) each sample draws from: fp32, or the model dtype where the sampler
+    # reads it (forward_step); None when `greedy` stands in for them
     rows: torch.Tensor  # (S,) int64 device: each sample's batch row
     flags: int  # OR of the samples' sampler flags
     num_logprobs: int  # the largest logprobs any sample asked
@@ -168,7 +169,7 @@ class ModelRunner:
             variants = warm_up_attention(self.kv, self.sliding_window, self.max_num_seqs,
                                          self.state.block_tables.shape[1], self.config.num_heads,
                                          self.decode_num_splits, self.decode_workspace)
-            self.sampler.warm_up()
+            self.sampler.warm_up(self.dtype)
             one_row = ""
             if self.model.decoder_ops_for(self.attention_backend) == "fused":
                 from server.model.fused_forward import warm_up_one_row  # imports triton
@@ -199,7 +200,9 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_step(self, step: SchedulerOutput, table_of: TableOf, need_logits: bool = True) -> StepLogits:
         """The step up to sampling (StepLogits). An all-greedy decode-graph step (no forks) carries its argmax
-        ids, and then logits only if `need_logits`."""
+        ids, and then logits only if `need_logits`; without `need_logits` a sampled one whose draw reads the
+        model dtype (Sampler.reads_model_dtype) carries the graph's static output itself, which the next
+        replay overwrites (the sampler's launch comes first on the stream)."""
         assert not step.is_empty, "a step runs some chunk"
         graphs, key, layout = self._plan(step)
         decode_graph = graphs is self.graphs and graphs is not None
@@ -219,6 +222,10 @@ class ModelRunner:
                 # sampled step 28 us more)
                 out.greedy = logits.argmax(dim=-1)
                 out.logits = logits.float() if need_logits else None
+                return out
+            if (not need_logits and not step.copies and len(step.samples) == num_decode
+                    and self.sampler.reads_model_dtype(out.flags, out.compact)):
+                out.logits = logits  # the static output: sampled (stream-ordered) before the next replay
                 return out
             logits = logits.to(torch.float32, copy=True)  # fresh: the next replay overwrites the output
         else:
