@@ -11,7 +11,9 @@ Not used by the decode attention: launched this way (waiting first, letting the 
 it made the batch-1 step slower, 0.894 ms against 0.870 on an H200 (tools/decode_forward_bench, two calls,
 the GEMM route 1.095 / 1.092 in each): the o_proj GEMV's early programs compete with attention's few.
 Nor with the wait first and the next launch allowed only after the tile loop: 0.930 ms against 0.871 for the
-plain launch in one call (2026-12-02, the plain kernel swapped back in for the second run).
+plain launch in one call (2026-12-02, the plain kernel swapped back in for the second run); nor letting the
+o_proj GEMV launch at the attention's start (0.916 against 0.879), nor waiting first with no early successor
+(0.895 against 0.876): docs/kernel.md, "Filling the attention's idle bandwidth".
 """
 
 from __future__ import annotations
