@@ -77,7 +77,7 @@ def test_two_api_servers_serve_every_request_sum_their_metrics_and_drain_on_sigt
             srv.proc.send_signal(signal.SIGTERM)
             results = [f.result(timeout=90) for f in futures]
         assert all(r[-1] == "[DONE]" and finish_reason(r) == "length" for r in results)
-        assert srv.proc.wait(timeout=60) == 0
+        assert srv.proc.wait(timeout=60) == 0, srv.log.read_text()[-4000:]
     finally:
         srv.stop()
 

@@ -171,7 +171,11 @@ class _SocketCoreClient:
         poller.register(self._sock, zmq.POLLIN)
         death = self._death_fd()
         poller.register(death, zmq.POLLIN)
-        while True:
+        # the stop flag is looked at every round, not only in quiet ones: a core serving other clients
+        # sends this one a StepUpdate every step, and close() must not wait out its join timeout and then
+        # close the socket under a receiver still polling it (an API server's drain on SIGTERM, while
+        # another server's streams run on)
+        while not self._closing:
             ready = dict(poller.poll(RECEIVE_POLL_MS))
             if self._sock in ready:
                 self._drain(on_message)
@@ -181,8 +185,6 @@ class _SocketCoreClient:
                     reason = self._death_reason()
                     logger.error("engine core process died (%s)", reason)
                     on_death(reason)
-                return
-            elif self._closing:
                 return
 
     def _drain(self, on_message: OnMessage) -> None:
