@@ -88,13 +88,12 @@ class StepLogits:
 @dataclass
 class _LastDecode:
     """The last decode-graph step, for ModelRunner._repeats_last_decode: its graphs and key, rows and
-    positions in flat-batch order, sample sources, and its StepLogits (the sampler-side device tensors)."""
+    positions in flat-batch order, and its StepLogits (the sampler-side device tensors)."""
 
     graphs: StepGraphs
     key: object
     rows: list[int]
     positions: list[int]
-    sample_sources: list[int]
     out: StepLogits
 
 
@@ -215,16 +214,16 @@ class ModelRunner:
             num_decode = len(step.decodes)
             logits = graphs.replay(flat, num_decode, key)
             self._last_decode = _LastDecode(graphs, key, [s.row for s in step.decodes],
-                                            step.decode_positions, step.sample_sources, out)
-            if not out.flags and not step.copies and len(step.samples) == num_decode:  # greedy, no forks
+                                            step.decode_positions, out)
+            one_per_row = not step.copies and len(step.samples) == num_decode  # no forks: sample i, row i
+            if one_per_row and not out.flags:  # greedy
                 # the argmax of the model-dtype logits, read before the next replay overwrites them: the
                 # fp32 copy below costs 22 us at batch 64 on an H200 (an in-graph argmax instead cost every
                 # sampled step 28 us more)
                 out.greedy = logits.argmax(dim=-1)
                 out.logits = logits.float() if need_logits else None
                 return out
-            if (not need_logits and not step.copies and len(step.samples) == num_decode
-                    and self.sampler.reads_model_dtype(out.flags, out.compact)):
+            if one_per_row and not need_logits and self.sampler.reads_model_dtype(out.flags, out.compact):
                 out.logits = logits  # the static output: sampled (stream-ordered) before the next replay
                 return out
             logits = logits.to(torch.float32, copy=True)  # fresh: the next replay overwrites the output
@@ -269,9 +268,8 @@ class ModelRunner:
         tensors too. Every row's token is then the one it sampled last, on the device."""
         last = self._last_decode
         if (last is None or last.graphs is not graphs or last.key != key or step.prefills or step.new_rows
-                or step.copies or len(step.decodes) != len(last.rows)
-                or step.sample_sources != last.sample_sources):
-            return False
+                or step.copies or len(step.decodes) != len(last.rows) or len(step.samples) != len(last.rows)):
+            return False  # (without chunks the samples are the decodes, each from its own logits row)
         for seq, pos, row, prev in zip(step.decodes, step.decode_positions, last.rows, last.positions,
                                        strict=True):
             if seq.row != row or pos != prev + 1:
