@@ -7,9 +7,11 @@ projection (RoPE + K/V store) and prefetch, beside the attention:
 - one row (the GEMV route): o_proj's weights, and the first MB of gate_up's gate and up halves (the rows its
   first programs read), with or without the evict-last hint;
 - 64 rows (the GEMM route): o_proj's weights (8.4 MB; the attention streams 75 MB of K/V through L2 then).
-The side stream joins the main one before the final norm. A step is the graph replay plus the fp32 logits
-copy (tools/decode_forward_bench's step), timed in rounds that alternate every runner; logits of every
-variant must equal the shipped forward's bit for bit (a prefetch moves no data).
+The side stream joins the main one when the forward returns (before the lm_head; in the recorded run,
+docs/benchmarks/l2_prefetch_h200.json with the probe as of 86e0638, it joined before the final norm). A step
+is the graph replay plus the fp32 logits copy (tools/decode_forward_bench's step), timed in rounds that
+alternate every runner; logits of every variant must equal the shipped forward's bit for bit (a prefetch
+moves no data).
 Prints a table; writes l2_prefetch_<gpu>.json under --out.
 """
 
@@ -28,13 +30,11 @@ import triton
 import triton.language as tl
 
 import server.model.fused_forward as ff
-from kernels.gemv import gemv, gemv_rope_store
-from kernels.rmsnorm import rms_norm
 from server.model import load_model
 from tests.runner_chunks import run_chunks
 from tools.decode_forward_bench import Contexts, build_runner, copy_bandwidth, cuda_ms, graph_step
 
-SHIPPED = ff.fused_forward
+SHIPPED, SHIPPED_ATTEND, SHIPPED_ROPE_ATTEND = ff.fused_forward, ff._attend, ff._rope_attend
 
 LINE = 128            # bytes a prefetch names (one L2 line)
 LINES_PER_PROGRAM = 1024  # 128 KiB a program: 8 prefetches a thread at 4 warps
@@ -98,56 +98,33 @@ def prefetch_weights(layer, v: Variant) -> None:
         l2_prefetch(w[n:n + rows], evict_last=v.evict_last)
 
 
-def forward_with_prefetch(v: Variant, side: torch.cuda.Stream):
-    """fused_forward with a side-stream prefetch forked after each layer's qkv projection."""
+def forward_with_prefetch(v: Variant, side: torch.cuda.Stream, layers):
+    """The shipped fused_forward with a side-stream prefetch forked after each layer's qkv projection: its
+    own `_attend` (one row, after the qkv GEMV with RoPE + K/V store) and `_rope_attend` (more rows, after
+    the qkv GEMM) are wrapped for the call, and the side stream joins once the forward returns."""
 
-    def fork(layer) -> None:
+    def fork(mod) -> None:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            prefetch_weights(layer, v)
+            prefetch_weights(layers[mod.layer_idx], v)
 
-    def layer_one_row(layer, residual, cos, sin, attn) -> None:
-        mod, mlp = layer.self_attn, layer.mlp
-        norm = layer.input_layernorm
-        k_cache, v_cache, slots = attn.kv_destination(mod.layer_idx)
-        qkv = gemv_rope_store(residual, mod.qkv_proj.weight, mod.qkv_proj.bias, norm_weight=norm.weight,
-                              eps=norm.eps, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache,
-                              slot_mapping=slots, num_q_heads=mod.num_heads, num_kv_heads=mod.num_kv_heads)
-        fork(layer)
-        gemv(ff._attend(mod, qkv, attn), mod.o_proj.weight, mod.o_proj.bias, residual=residual)
-        norm = layer.post_attention_layernorm
-        act = gemv(residual, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm_weight=norm.weight,
-                   eps=norm.eps, gated=True)
-        gemv(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=residual)
+    def attend(mod, qkv, attn):
+        if qkv.shape[0] == 1:  # the one-row route; more rows forked in rope_attend
+            fork(mod)
+        return SHIPPED_ATTEND(mod, qkv, attn)
 
-    def layer_rows(layer, prev, residual, cos, sin, attn):
-        norm = layer.input_layernorm
-        x = (rms_norm(residual, norm.weight, norm.eps) if prev is None
-             else rms_norm(prev, norm.weight, norm.eps, residual=residual))
-        mod = layer.self_attn
-        qkv = mod.qkv_proj(x)
-        fork(layer)
-        x = mod.o_proj(ff._rope_attend(mod, qkv, cos, sin, attn))
-        norm = layer.post_attention_layernorm
-        x = rms_norm(x, norm.weight, norm.eps, residual=residual)
-        mlp = layer.mlp
-        return mlp.down_proj(ff.silu_and_mul(mlp.gate_up_proj(x)))
+    def rope_attend(mod, qkv, cos, sin, attn):
+        fork(mod)
+        return SHIPPED_ROPE_ATTEND(mod, qkv, cos, sin, attn)
 
     def forward(model, input_ids, positions, attn):
-        inner = model.model
-        residual = inner.embed_tokens(input_ids)
-        cos, sin = inner.rotary.half_angles(positions)
-        main = torch.cuda.current_stream()
-        if ff.takes_one_row(input_ids):
-            for layer in inner.layers:
-                layer_one_row(layer, residual, cos, sin, attn)
-            main.wait_stream(side)
-            return rms_norm(residual, inner.norm.weight, inner.norm.eps)
-        out = None
-        for layer in inner.layers:
-            out = layer_rows(layer, out, residual, cos, sin, attn)
-        main.wait_stream(side)
-        return rms_norm(out, inner.norm.weight, inner.norm.eps, residual=residual)
+        ff._attend, ff._rope_attend = attend, rope_attend
+        try:
+            hidden = SHIPPED(model, input_ids, positions, attn)
+        finally:
+            ff._attend, ff._rope_attend = SHIPPED_ATTEND, SHIPPED_ROPE_ATTEND
+        torch.cuda.current_stream().wait_stream(side)
+        return hidden
 
     return forward
 
@@ -169,7 +146,7 @@ def main() -> None:
     side = torch.cuda.Stream()
     runners = {"shipped": build_runner(model, "fused", ctx, args)[0]}
     for v in VARIANTS:
-        ff.fused_forward = forward_with_prefetch(v, side)
+        ff.fused_forward = forward_with_prefetch(v, side, model.model.layers)
         try:
             runners[v.name] = build_runner(model, "fused", ctx, args)[0]
         finally:
