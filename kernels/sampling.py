@@ -227,10 +227,13 @@ def _sample_kernel(
 # direct launches after the first call of a specialisation (kernels/launch_cache.py)
 _sample = CachedLauncher(_sample_kernel, num_tensors=8)
 
-# The config shipped (CUDA): 2048-wide tiles over 8 warps for the 1-D passes (64 rows leave half an H200
-# idle, so each program wants many loads in flight); the threshold search counts 16 thresholds over
-# 256-wide tiles ((16, 256) compares per tile: 4 bits per pass, 8 passes over the row).
-BLOCK, BLOCK_K, NT, NUM_WARPS, NUM_STAGES = 2048, 256, 16, 8, 1
+# The config shipped (CUDA): 8192-wide tiles over 16 warps for the 1-D passes. One program walks a whole
+# row, so a pass is bound by the bytes and exps it keeps in flight: on an H200 (tools/sampling_tile_probe, V
+# 128256, docs/benchmarks/sampling_tile_h200.json) this took bf16 rows under top_p 0.95 from 0.079 / 0.137 /
+# 0.234 ms (2048 over 8 warps) to 0.052 / 0.089 / 0.170 ms at 1 / 64 / 256 rows, 0.66x over the probe's 16
+# cases; 16384-wide tiles, 32 warps or software-pipelining stages did no better. The threshold search counts
+# 16 thresholds over 256-wide tiles ((16, 256) compares per tile: 4 bits per pass, 8 passes over the row).
+BLOCK, BLOCK_K, NT, NUM_WARPS = 8192, 256, 16, 16
 # The interpreter (CPU) pays per tile op, not per element: small tiles keep the tests' rows multi-tile, and
 # 1024 thresholds a pass (10 bits) keep the top-k search to at most 3 passes
 INTERPRETER_BLOCK, INTERPRETER_BLOCK_K, INTERPRETER_NT = 32, 16, 1024
@@ -247,7 +250,7 @@ def _launch(logits, temperature, top_p, min_p, top_k, keys, counters, out, greed
         logits.stride(0), temperature.stride(0), top_p.stride(0), min_p.stride(0), top_k.stride(0),
         keys.stride(0), counters.stride(0),
         V=V, BLOCK=block, BLOCK_K=block_k, NT=NT if cuda else INTERPRETER_NT, MAX_ROUNDS=MAX_ROUNDS,
-        num_warps=NUM_WARPS if cuda else 1, num_stages=NUM_STAGES if cuda else 1,
+        num_warps=NUM_WARPS if cuda else 1, num_stages=1,
     )
     return out
 

@@ -1,20 +1,21 @@
 """Sampling-kernel launch-config probe (GPU, not a test): `python -m tools.sampling_tile_probe [--out JSON]`.
 
 kernels/sampling.py gives each row one program that walks the row's V logits tile by tile, pass after pass;
-with one program per row its passes are bound by how many bytes a program keeps in flight, which the tile
-width (BLOCK), the warps and the software-pipelining stages set. This times kernels.sampling.sample_logits
-(the kernel alone, no Sampler gathers) for each (BLOCK, num_warps, num_stages) over V = 128256 logits
-randn * 3, as bf16 (the decode graph's output, drawn from directly) and fp32, S in {1, 16, 64, 256} rows, under
-temperature 0.8 + top_p 0.95 (rejection rounds) and temperature 1.0 alone (one pass and a draw). Each timing is
-a CUDA graph of four calls with distinct draw counters, replayed; ms per call. Every token is checked against
-the float64 filtered set (kernels/sampling_reference.py) and compared with the shipped config's.
-Prints a table last (per config: ms at each S and dtype, and the ratio to the shipped config); writes JSON.
+with one program per row its passes are bound by how many bytes and exps a program keeps in flight, which
+the tile width (BLOCK) and the warps set. This times kernels.sampling.sample_logits (the kernel alone, no
+Sampler gathers) for each (BLOCK, num_warps) over V = 128256 logits randn * 3, as bf16 (the decode graph's
+output, drawn from directly) and fp32, S in {1, 16, 64, 256} rows, under temperature 0.8 + top_p 0.95
+(rejection rounds) and temperature 1.0 alone (one pass and a draw). Each timing is a CUDA graph of four
+calls with distinct draw counters, replayed; ms per call. Every token is checked against the float64
+filtered set (kernels/sampling_reference.py) and compared with the shipped config's.
+The recorded run (docs/benchmarks/sampling_tile_h200.json) also had a software-pipelining axis (num_stages 1
+or 3, a knob since removed): 3 stages timed the same as 1 in every case. Prints a table last (per config: ms
+at each S and dtype, and the ratio to the shipped config); writes JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 from pathlib import Path
 
@@ -28,10 +29,9 @@ from tools.sampler_bench import graph_ms
 V = 128256
 BATCHES = (1, 16, 64, 256)
 PARAMS = {"t0.8_p0.95": (0.8, 0.95), "t1.0": (1.0, 1.0)}
-SHIPPED = (ks.BLOCK, ks.NUM_WARPS, ks.NUM_STAGES)
-CONFIGS = [SHIPPED] + [(b, w, s) for (b, w), s in itertools.product(
-    [(2048, 4), (2048, 16), (4096, 4), (4096, 8), (4096, 16), (8192, 8), (8192, 16), (8192, 32),
-     (16384, 16), (16384, 32)], (1, 3))] + [(2048, 8, 3)]
+SHIPPED = (ks.BLOCK, ks.NUM_WARPS)
+CONFIGS = [SHIPPED] + [c for c in [(2048, 4), (2048, 8), (2048, 16), (4096, 4), (4096, 8), (4096, 16),
+                                   (8192, 8), (8192, 32), (16384, 16), (16384, 32)] if c != SHIPPED]
 DRAWS = 4  # calls per graph, each with its own counters
 
 
@@ -47,7 +47,7 @@ def case_inputs(S: int, dtype: torch.dtype, params, gen: torch.Generator) -> dic
 
 
 def run_config(cfg, case: dict) -> tuple[float, list[torch.Tensor]]:
-    ks.BLOCK, ks.NUM_WARPS, ks.NUM_STAGES = cfg
+    ks.BLOCK, ks.NUM_WARPS = cfg
 
     def calls():
         return [ks.sample_logits(case["logits"], case["temperature"], case["top_p"], case["min_p"],
@@ -82,17 +82,17 @@ def main() -> None:
             row = {"config": cfg, "case": key, "ms": ms, "bad": bad_tokens(case, PARAMS[key[2]], tokens)}
             if cfg == SHIPPED:
                 ref_tokens[key] = tokens
-            row["same_as_shipped"] = sum(int((a == b).sum()) for a, b in zip(tokens, ref_tokens[key])) / (
-                DRAWS * key[0])
+            same = sum(int((a == b).sum()) for a, b in zip(tokens, ref_tokens[key], strict=True))
+            row["same_as_shipped"] = same / (DRAWS * key[0])
             rows.append(row)
-    ks.BLOCK, ks.NUM_WARPS, ks.NUM_STAGES = SHIPPED
+    ks.BLOCK, ks.NUM_WARPS = SHIPPED
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "V": V, "shipped": SHIPPED}
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     base = {r["case"]: r["ms"] for r in rows if r["config"] == SHIPPED and "ms" in r}
     keys = list(cases)
     print(f"{meta['gpu']} torch {meta['torch']} triton {meta['triton']}: sampling kernel ms per call, V={V}")
-    print("config (BLOCK, warps, stages) | " + " | ".join(f"{S} {d[:4]} {n}" for S, d, n in keys)
+    print("config (BLOCK, warps) | " + " | ".join(f"{S} {d[:4]} {n}" for S, d, n in keys)
           + " | geo-mean vs shipped | bad | min same")
     for cfg in CONFIGS:
         got = {r["case"]: r for r in rows if r["config"] == cfg}
