@@ -42,3 +42,16 @@ def test_the_cached_closed_loop_replays_its_prompts_from_the_prefix_cache():
     assert r["cached"] and r["tokens"] == 5 * 3
     assert r["prefix_hit_rate"] == 32 / 48
     assert not core.has_work()
+
+
+def test_the_sampled_closed_loop_draws_with_the_sampled_parameters(monkeypatch):
+    core, _ = build_core(EngineConfig(model="tiny", device="cpu", dtype="float32", max_num_seqs=8,
+                                      max_num_batched_tokens=256))
+    params = []
+    add = core.add_request
+    monkeypatch.setattr(core, "add_request", lambda request: (params.append(request.params), add(request)))
+    r = engine_step_bench.closed_loop(core, concurrency=2, num_requests=3, prompt_len=20, output_len=4,
+                                      sampled=True)
+    assert r["sampled"] and not r["cached"] and r["tokens"] == 3 * 4
+    assert {(p.temperature, p.top_p) for p in params} == {(0.8, 0.95)} and not any(p.greedy for p in params)
+    assert not core.has_work()

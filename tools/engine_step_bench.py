@@ -35,6 +35,8 @@ from server.engine.engine import EngineConfig, build_core
 from server.engine.outputs import EngineRequest
 from server.engine.sampling_params import SamplingParams
 
+SAMPLED = {"temperature": 0.8, "top_p": 0.95}  # serving_bench's sampled run (its SAMPLED flags)
+
 MODES = {"greedy": {"temperature": 0.0}, "sample": {"temperature": 0.8, "top_p": 0.95}}
 
 
@@ -174,12 +176,13 @@ def run_batch(core, probe: Probe, batch: int, prompt_len: int, warmup: int, step
 
 
 def closed_loop(core, concurrency: int, num_requests: int, prompt_len: int, output_len: int,
-                cached: bool = False) -> dict:
+                cached: bool = False, sampled: bool = False) -> dict:
     """The HTTP benchmark's workload without HTTP: `concurrency` requests of `prompt_len` random prompt tokens
     and `output_len` greedy output tokens (ignore_eos) kept in flight on the core, a new one added as one
     finishes, until `num_requests` finished. -> output tok/s over the whole run (prefill included).
     cached=True runs the same prompts twice and reports the second run, served from the prefix cache (as
-    serving_bench's c64_cached / c256_cached), with the share of its prompt tokens found cached."""
+    serving_bench's c64_cached / c256_cached), with the share of its prompt tokens found cached.
+    sampled=True draws with SAMPLED (serving_bench's c64_sampled) instead of greedy."""
     if cached:
         closed_loop(core, concurrency, num_requests, prompt_len, output_len)
     usage0 = core.kv.usage()
@@ -187,7 +190,8 @@ def closed_loop(core, concurrency: int, num_requests: int, prompt_len: int, outp
     # seeds apart from run_batch's (the batch size): a prompt seen before would hit the prefix cache
     gen = torch.Generator().manual_seed(1_000_000 + 1_000 * concurrency + num_requests)
     prompts = [torch.randint(3, vocab, (prompt_len,), generator=gen).tolist() for _ in range(num_requests)]
-    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True,
+                            **(SAMPLED if sampled else {"temperature": 0.0}))
     added, finished, tokens = 0, 0, 0
     t0 = time.perf_counter()
     while finished < num_requests:
@@ -203,7 +207,7 @@ def closed_loop(core, concurrency: int, num_requests: int, prompt_len: int, outp
     queries = usage1.prefix_queries - usage0.prefix_queries
     return {"closed_loop": True, "concurrency": concurrency, "num_requests": num_requests,
             "prompt_len": prompt_len, "output_len": output_len, "async_scheduling": core.async_scheduling,
-            "cached": cached,
+            "cached": cached, "sampled": sampled,
             "prefix_hit_rate": (usage1.prefix_hits - usage0.prefix_hits) / queries if queries else 0.0,
             "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall}
 
@@ -235,10 +239,11 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="default: the model's, as `pagewalk serve` (the decode tables are that wide)")
     ap.add_argument("--out", type=Path, default=Path("engine_step_bench.json"))
-    ap.add_argument("--closed-loop", nargs="*", default=[], metavar="C:N[:cached]",
+    ap.add_argument("--closed-loop", nargs="*", default=[], metavar="C:N[:cached|:sampled]",
                     help="also the HTTP benchmark's workload offline: C requests in flight, N in all "
                          "(--prompt-len in, --output-len out), async scheduling on; :cached runs it twice "
-                         "and reports the second run, its prompts served from the prefix cache")
+                         "and reports the second run, its prompts served from the prefix cache; :sampled "
+                         "draws with temperature 0.8, top_p 0.95 instead of greedy")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--cprofile", type=Path, default=None,
                     help="also run the measured steps again under cProfile (its timings are not reported) "
@@ -269,9 +274,10 @@ def main() -> None:
     core.async_scheduling = True
     for spec in args.closed_loop:
         c, n, *flag = spec.split(":")
-        if flag not in ([], ["cached"]):
-            raise SystemExit(f"--closed-loop takes C:N or C:N:cached, got {spec!r}")
-        loops.append(closed_loop(core, int(c), int(n), args.prompt_len, args.output_len, cached=bool(flag)))
+        if flag not in ([], ["cached"], ["sampled"]):
+            raise SystemExit(f"--closed-loop takes C:N, C:N:cached or C:N:sampled, got {spec!r}")
+        loops.append(closed_loop(core, int(c), int(n), args.prompt_len, args.output_len,
+                                 cached=flag == ["cached"], sampled=flag == ["sampled"]))
         print(f"closed loop {spec}: {loops[-1]['tok_s']:.0f} tok/s, prefix hits "
               f"{loops[-1]['prefix_hit_rate']:.0%}", flush=True)
     meta = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -291,6 +297,7 @@ def main() -> None:
               + " ".join(f"{r[c]:>14.3f}" if c != "tok_s" else f"{r[c]:>14.0f}" for c in cols) + f"  {same}")
     for r in loops:
         cached = ", prompts cached" if r["cached"] else ""
+        cached += ", sampled" if r.get("sampled") else ""
         print(f"closed loop: {r['concurrency']} in flight, {r['num_requests']} requests of {r['prompt_len']} "
               f"in / {r['output_len']} out{cached}: {r['tok_s']:.0f} output tok/s ({r['wall_s']:.2f} s, "
               f"prefix hits {r['prefix_hit_rate']:.0%})")

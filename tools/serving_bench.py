@@ -193,8 +193,10 @@ def offline(out: Path) -> dict | None:
     path = out / "engine_step.json"
     if not Path("tools/engine_step_bench.py").exists():
         return None
-    # the HTTP levels' workloads offline, and c64_cached's / c256_cached's (the same prompts again)
-    loops = [f"{c}:{n}" for c in (64, 256) for n in (256, 1024)] + ["64:256:cached", "256:256:cached"]
+    # the HTTP levels' workloads offline, c64_cached's / c256_cached's (the same prompts again) and
+    # c64_sampled's
+    loops = [f"{c}:{n}" for c in (64, 256) for n in (256, 1024)] + ["64:256:cached", "256:256:cached",
+                                                                     "64:256:sampled"]
     run([sys.executable, "-m", "tools.engine_step_bench", "--out", str(path), "--closed-loop", *loops],
         out / "engine_step.log", 300)
     if not path.exists():
@@ -264,10 +266,10 @@ def table(res: dict) -> str:
                   "|---|---|---|---|"]
     for r in loops:
         name = (f"c{r['concurrency']}" + ("_long" if r["num_requests"] > 256 else "")
-                + ("_cached" if r.get("cached") else ""))
+                + ("_cached" if r.get("cached") else "") + ("_sampled" if r.get("sampled") else ""))
         thr = (res["serving"]["reports"].get(name) or {}).get("output_throughput")
         what = (f"{r['concurrency']} in flight, {r['num_requests']} requests"
-                + (", prompts cached" if r.get("cached") else ""))
+                + (", prompts cached" if r.get("cached") else "") + (", sampled" if r.get("sampled") else ""))
         lines.append(f"| {what} | {_f(r['tok_s'])} | "
                      f"{_f(thr)} | {_f(thr / r['tok_s'] if thr else None, '.0%')} |")
     return "\n".join(lines)
