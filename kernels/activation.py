@@ -3,6 +3,12 @@
 gate_up (T, 2I) holds [gate | up] per row (the loader stacks the two matrices); one pass reads both halves
 and writes the (T, I) product, in fp32 and rounded once, where the unfused path makes two passes and a
 temporary. Torch reference: kernels.fused_reference.silu_and_mul_reference.
+
+With `norm_of` the pre-MLP RMSNorm happens here, after the GEMM (the fused forward's folded norms,
+server/model/norm_folding.py): gate_up is then the projection of the un-normed residual row r by weights that
+hold the norm's weight, and each row is first scaled by rsqrt(mean(r^2) + eps) (a per-row scalar commutes
+with the GEMM), then gains the projection's bias. The row's mean square is reduced by each of its programs
+(a few per row: r is read from L2 after the first), which saves the norm's own launch.
 """
 
 from __future__ import annotations
@@ -18,9 +24,18 @@ BLOCK = 1024  # elements of one row per program: a few programs per row keep eve
 
 
 @triton.jit
+def row_rstd(ROW, eps, HIDDEN: tl.constexpr, H_BLOCK: tl.constexpr):
+    """rsqrt(mean(x^2) + eps) of the HIDDEN values at ROW, in fp32: the RMSNorm scale of one row."""
+    offs = tl.arange(0, H_BLOCK)
+    x = tl.load(ROW + offs, mask=offs < HIDDEN, other=0.0).to(tl.float32)
+    return tl.rsqrt(tl.sum(x * x, axis=0) / HIDDEN + eps)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
-    GATE_UP, OUT, stride_in, stride_out,
+    GATE_UP, OUT, RESIDUAL, BIAS, eps, stride_in, stride_out, stride_r,
     INTERMEDIATE: tl.constexpr, BLOCK: tl.constexpr,
+    NORM: tl.constexpr, HIDDEN: tl.constexpr, H_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)               # (BLOCK,) columns of the row
@@ -28,29 +43,60 @@ def _silu_and_mul_kernel(
     src = GATE_UP + row * stride_in + offs
     gate = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(src + INTERMEDIATE, mask=mask, other=0.0).to(tl.float32)
+    if NORM:  # the folded pre-MLP norm: scale the projection of the un-normed row
+        rstd = row_rstd(RESIDUAL + row * stride_r, eps, HIDDEN, H_BLOCK)
+        gate = gate * rstd
+        up = up * rstd
+    if HAS_BIAS:
+        gate += tl.load(BIAS + offs, mask=mask, other=0.0).to(tl.float32)
+        up += tl.load(BIAS + INTERMEDIATE + offs, mask=mask, other=0.0).to(tl.float32)
     y = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(OUT + row * stride_out + offs, y.to(OUT.dtype.element_ty), mask=mask)
 
 
-_silu_mul = CachedLauncher(_silu_and_mul_kernel, num_tensors=2)
+_silu_mul = CachedLauncher(_silu_and_mul_kernel, num_tensors=4)
 
 
-def _launch(gate_up, out):
+def _launch(gate_up, out, norm_of, eps, bias):
     """Grid (T, cdiv(I, block)); 4 warps give each thread 8 values of a 1024-wide block."""
     t, inter = out.shape
     block = min(BLOCK, triton.next_power_of_2(inter))
-    _silu_mul((t, triton.cdiv(inter, block)), gate_up, out, gate_up.stride(0), out.stride(0),
-              INTERMEDIATE=inter, BLOCK=block, num_warps=4, num_stages=1)
+    res = gate_up if norm_of is None else norm_of                       # unread without NORM
+    _silu_mul((t, triton.cdiv(inter, block)), gate_up, out, res, gate_up if bias is None else bias,
+              float(eps), gate_up.stride(0), out.stride(0), res.stride(0),
+              INTERMEDIATE=inter, BLOCK=block, NORM=norm_of is not None, HIDDEN=res.shape[1],
+              H_BLOCK=triton.next_power_of_2(res.shape[1]), HAS_BIAS=bias is not None,
+              num_warps=4, num_stages=1)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up (T, 2I) = [gate | up] -> silu(gate) * up (T, I) in gate_up's dtype."""
+def silu_and_mul(gate_up: torch.Tensor, *, norm_of: torch.Tensor | None = None, eps: float = 0.0,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """gate_up (T, 2I) = [gate | up] -> silu(gate) * up (T, I) in gate_up's dtype.
+
+    norm_of (T, H): each row of gate_up is first scaled by rsqrt(mean(norm_of_row^2) + eps); bias (2I,): then
+    added (the gate_up projection's own, left out of its GEMM)."""
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(-1) != 1:
         raise ValueError(f"gate_up must be (T, 2I) with contiguous rows, got shape {tuple(gate_up.shape)} "
                          f"strides {gate_up.stride()}")
     if gate_up.dtype not in DTYPES:
         raise ValueError(f"silu_and_mul supports {DTYPES}, got {gate_up.dtype}")
+    check_row_extras(gate_up, norm_of, bias)
     out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype, device=gate_up.device)
     if gate_up.shape[0]:
-        _launch(gate_up, out)
+        _launch(gate_up, out, norm_of, eps, bias)
     return out
+
+
+def check_row_extras(x: torch.Tensor, norm_of: torch.Tensor | None, bias: torch.Tensor | None) -> None:
+    """ValueError unless norm_of is (T, H) with contiguous rows and bias (x's width,) contiguous, both in
+    x's dtype and on its device: the folded norm's row and the projection's bias that a kernel applies to the
+    projection x (T, N) (also the checks of kernels.rope_store.rope_store_kv)."""
+    if norm_of is not None and (norm_of.dim() != 2 or norm_of.shape[0] != x.shape[0]
+                                or norm_of.stride(-1) != 1 or norm_of.dtype != x.dtype
+                                or norm_of.device != x.device):
+        raise ValueError(f"norm_of must be ({x.shape[0]}, H) {x.dtype} with contiguous rows on {x.device}, "
+                         f"got {tuple(norm_of.shape)} {norm_of.dtype} strides {norm_of.stride()}")
+    if bias is not None and (bias.shape != (x.shape[1],) or not bias.is_contiguous()
+                             or bias.dtype != x.dtype or bias.device != x.device):
+        raise ValueError(f"bias must be a contiguous ({x.shape[1]},) {x.dtype} tensor on {x.device}, got "
+                         f"{tuple(bias.shape)} {bias.dtype}")

@@ -23,21 +23,34 @@ def rms_norm_reference(x, weight, eps: float, residual=None) -> torch.Tensor:
     return (xf * rstd * weight.float()).to(x.dtype)
 
 
-def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up (T, 2I) = [gate | up] -> silu(gate) * up (T, I)."""
-    gate, up = gate_up.float().chunk(2, dim=-1)
+def scaled_projection(x: torch.Tensor, norm_of=None, eps: float = 0.0, bias=None) -> torch.Tensor:
+    """x (T, N) in fp32, scaled per row by rsqrt(mean(norm_of^2) + eps) (norm_of (T, H)), plus bias (N,):
+    a projection of un-normed rows as the kernels finish it (a folded RMSNorm, kernels/activation.py)."""
+    x = x.float()
+    if norm_of is not None:
+        x = x * torch.rsqrt(norm_of.float().pow(2).mean(dim=-1, keepdim=True) + eps)
+    return x if bias is None else x + bias.float()
+
+
+def silu_and_mul_reference(gate_up: torch.Tensor, norm_of=None, eps: float = 0.0, bias=None) -> torch.Tensor:
+    """gate_up (T, 2I) = [gate | up] -> silu(gate) * up (T, I); norm_of, eps, bias as scaled_projection."""
+    gate, up = scaled_projection(gate_up, norm_of, eps, bias).chunk(2, dim=-1)
     return (gate / (1.0 + torch.exp(-gate)) * up).to(gate_up.dtype)
 
 
 def rope_store_reference(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads: int,
-                         num_kv_heads: int) -> None:
+                         num_kv_heads: int, norm_of=None, eps: float = 0.0, bias=None) -> None:
     """Rotate q and k of qkv (T, (Hq + 2 Hkv) D) in place (rotate-half RoPE; cos/sin (T, D/2) fp32), then
-    write the rotated k and v into the caches (N, block_size, Hkv, D) at slot_mapping (T,); slot < 0 skips."""
+    write the rotated k and v into the caches (N, block_size, Hkv, D) at slot_mapping (T,); slot < 0 skips.
+    norm_of, eps, bias as scaled_projection, applied to every head first (in fp32: q and k are rounded once,
+    after RoPE; v is rounded and written back in place)."""
     t = qkv.shape[0]
     d = k_cache.shape[-1]
     half = d // 2
+    scaled = scaled_projection(qkv, norm_of, eps, bias).view(t, num_q_heads + 2 * num_kv_heads, d)
     heads = qkv.view(t, num_q_heads + 2 * num_kv_heads, d)  # (T, Hq + 2 Hkv, D)
-    qk = heads[:, : num_q_heads + num_kv_heads].float()  # (T, Hq + Hkv, D)
+    heads[:, num_q_heads + num_kv_heads :] = scaled[:, num_q_heads + num_kv_heads :].to(qkv.dtype)
+    qk = scaled[:, : num_q_heads + num_kv_heads]  # (T, Hq + Hkv, D) fp32
     x1, x2 = qk[..., :half], qk[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]  # (T, 1, D/2)
     rotated = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)  # (T, Hq + Hkv, D)

@@ -5,6 +5,11 @@ One program per token rotates its q and k heads in place (rotate-half layout: el
 i + D/2) and writes the rotated k and the v into the cache slot the slot mapping gives
 (slot = block_id * block_size + offset; slot < 0 is a padding row and stores nothing). The unfused path
 spends about six elementwise launches on RoPE and one on the store; this reads qkv once.
+
+With `norm_of` the pre-attention RMSNorm happens here, after the GEMM (the fused forward's folded norms,
+server/model/norm_folding.py): qkv is then the projection of the un-normed residual row r by weights that hold
+the norm's weight, and every head (v too, written back into its row, which the prefill kernel reads) is first
+scaled by rsqrt(mean(r^2) + eps), then gains the projection's bias, before RoPE and the store.
 Torch reference: kernels.fused_reference.rope_store_reference.
 """
 
@@ -14,17 +19,31 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.activation import check_row_extras, row_rstd
 from kernels.launch_cache import CachedLauncher
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _rotate_heads(HEADS, offs_h, offs_i, mask, cos, sin, HALF: tl.constexpr):
-    """Rotates the (heads, 2 * HALF) tile at HEADS in place; -> its two rotated halves in fp32."""
+def _load_heads(HEADS, BIAS, offs_h, offs_i, mask, scale, HALF: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The (heads, 2 * HALF) tile at HEADS as two fp32 halves, scaled, plus the bias at BIAS (same layout)."""
+    tile = offs_h[:, None] * (2 * HALF) + offs_i[None, :]              # (HP, HALF_PAD)
+    x1 = tl.load(HEADS + tile, mask=mask, other=0.0).to(tl.float32) * scale
+    x2 = tl.load(HEADS + tile + HALF, mask=mask, other=0.0).to(tl.float32) * scale
+    if HAS_BIAS:
+        x1 += tl.load(BIAS + tile, mask=mask, other=0.0).to(tl.float32)
+        x2 += tl.load(BIAS + tile + HALF, mask=mask, other=0.0).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def _rotate_heads(HEADS, BIAS, offs_h, offs_i, mask, cos, sin, scale, HALF: tl.constexpr,
+                  HAS_BIAS: tl.constexpr):
+    """Rotates the (heads, 2 * HALF) tile at HEADS in place (scaled and biased first); -> its two rotated
+    halves in fp32."""
     first = HEADS + offs_h[:, None] * (2 * HALF) + offs_i[None, :]       # (HP, HALF_PAD)
-    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    x1, x2 = _load_heads(HEADS, BIAS, offs_h, offs_i, mask, scale, HALF, HAS_BIAS)
     o1 = x1 * cos[None, :] - x2 * sin[None, :]
     o2 = x2 * cos[None, :] + x1 * sin[None, :]
     tl.store(first, o1.to(HEADS.dtype.element_ty), mask=mask)
@@ -34,12 +53,14 @@ def _rotate_heads(HEADS, offs_h, offs_i, mask, cos, sin, HALF: tl.constexpr):
 
 @triton.jit
 def _rope_store_kernel(
-    QKV, COS, SIN, K_CACHE, V_CACHE, SLOTS, block_size,
-    stride_t, stride_cos, stride_sin,
+    QKV, COS, SIN, K_CACHE, V_CACHE, SLOTS, RESIDUAL, BIAS, block_size, eps,
+    stride_t, stride_cos, stride_sin, stride_r,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PAD: tl.constexpr, KV_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    NORM: tl.constexpr, HIDDEN: tl.constexpr, H_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
+    REWRITE_V: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_i = tl.arange(0, HALF_PAD)                                     # (HALF_PAD,) pair index
@@ -47,15 +68,29 @@ def _rope_store_kernel(
     cos = tl.load(COS + t * stride_cos + offs_i, mask=in_half, other=0.0)
     sin = tl.load(SIN + t * stride_sin + offs_i, mask=in_half, other=0.0)
     row = QKV + t * stride_t
+    scale = 1.0
+    if NORM:  # the folded pre-attention norm: scale the projection of the un-normed row
+        scale = row_rstd(RESIDUAL + t * stride_r, eps, HIDDEN, H_BLOCK)
     # phase 1: q heads, rotated in place
     offs_q = tl.arange(0, Q_PAD)
     q_mask = (offs_q[:, None] < NUM_Q_HEADS) & in_half[None, :]
-    _rotate_heads(row, offs_q, offs_i, q_mask, cos, sin, HALF)
+    _rotate_heads(row, BIAS, offs_q, offs_i, q_mask, cos, sin, scale, HALF, HAS_BIAS)
     # phase 2: k heads, rotated in place and kept in registers for the store
     offs_k = tl.arange(0, KV_PAD)
     kv_mask = (offs_k[:, None] < NUM_KV_HEADS) & in_half[None, :]
-    k1, k2 = _rotate_heads(row + NUM_Q_HEADS * 2 * HALF, offs_k, offs_i, kv_mask, cos, sin, HALF)
-    # phase 3: rotated k and plain v into the token's cache slot
+    k_off = NUM_Q_HEADS * 2 * HALF
+    k1, k2 = _rotate_heads(row + k_off, BIAS + k_off, offs_k, offs_i, kv_mask, cos, sin, scale, HALF,
+                           HAS_BIAS)
+    # phase 3: v heads, scaled and biased in place (their row is what attention reads of the new tokens)
+    v_off = (NUM_Q_HEADS + NUM_KV_HEADS) * 2 * HALF
+    v1, v2 = _load_heads(row + v_off, BIAS + v_off, offs_k, offs_i, kv_mask, scale, HALF, HAS_BIAS)
+    v1 = v1.to(QKV.dtype.element_ty)
+    v2 = v2.to(QKV.dtype.element_ty)
+    if REWRITE_V:  # NORM or HAS_BIAS
+        src_v = row + v_off + offs_k[:, None] * (2 * HALF) + offs_i[None, :]
+        tl.store(src_v, v1, mask=kv_mask)
+        tl.store(src_v + HALF, v2, mask=kv_mask)
+    # phase 4: rotated k and v into the token's cache slot
     slot = tl.load(SLOTS + t).to(tl.int64)
     if slot >= 0:
         blk = slot // block_size
@@ -64,43 +99,48 @@ def _rope_store_kernel(
                  + offs_i[None, :] * stride_kd)
         tl.store(dst_k, k1.to(K_CACHE.dtype.element_ty), mask=kv_mask)
         tl.store(dst_k + HALF * stride_kd, k2.to(K_CACHE.dtype.element_ty), mask=kv_mask)
-        v_heads = row + (NUM_Q_HEADS + NUM_KV_HEADS) * 2 * HALF
-        src_v = v_heads + offs_k[:, None] * (2 * HALF) + offs_i[None, :]
         dst_v = (V_CACHE + blk * stride_vb + off * stride_vt + offs_k[:, None] * stride_vh
                  + offs_i[None, :] * stride_vd)
-        v1 = tl.load(src_v, mask=kv_mask)
-        v2 = tl.load(src_v + HALF, mask=kv_mask)
         tl.store(dst_v, v1.to(V_CACHE.dtype.element_ty), mask=kv_mask)
         tl.store(dst_v + HALF * stride_vd, v2.to(V_CACHE.dtype.element_ty), mask=kv_mask)
 
 
-_rope_store = CachedLauncher(_rope_store_kernel, num_tensors=6)
+_rope_store = CachedLauncher(_rope_store_kernel, num_tensors=8)
 
 
-def _launch(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads):
+def _launch(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads, norm_of, eps, bias):
     """Grid (T,): q and k tiles padded to powers of two (heads x D/2) and masked."""
     half = k_cache.shape[-1] // 2
     q_pad, kv_pad = triton.next_power_of_2(num_q_heads), triton.next_power_of_2(num_kv_heads)
     half_pad = triton.next_power_of_2(half)
     warps = 4 if q_pad * half_pad >= 1024 else 1
+    res = qkv if norm_of is None else norm_of                           # unread without NORM
     _rope_store(
-        (qkv.shape[0],), qkv, cos, sin, k_cache, v_cache, slot_mapping, k_cache.shape[1],
-        qkv.stride(0), cos.stride(0), sin.stride(0), *k_cache.stride(), *v_cache.stride(),
+        (qkv.shape[0],), qkv, cos, sin, k_cache, v_cache, slot_mapping, res,
+        qkv if bias is None else bias, k_cache.shape[1], float(eps),
+        qkv.stride(0), cos.stride(0), sin.stride(0), res.stride(0), *k_cache.stride(), *v_cache.stride(),
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, Q_PAD=q_pad, KV_PAD=kv_pad, HALF=half,
-        HALF_PAD=half_pad, num_warps=warps, num_stages=1)
+        HALF_PAD=half_pad, NORM=norm_of is not None, HIDDEN=res.shape[1],
+        H_BLOCK=triton.next_power_of_2(res.shape[1]), HAS_BIAS=bias is not None,
+        REWRITE_V=norm_of is not None or bias is not None, num_warps=warps, num_stages=1)
 
 
 def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_q_heads: int,
-                  num_kv_heads: int) -> None:
+                  num_kv_heads: int, *, norm_of: torch.Tensor | None = None, eps: float = 0.0,
+                  bias: torch.Tensor | None = None) -> None:
     """RoPE on q and k of qkv (T, (Hq + 2 Hkv) D), in place, and the rotated k and v stored into
     k_cache / v_cache (num_blocks, block_size, Hkv, D; any strides) at slot_mapping (T,) (< 0: skip).
 
     cos, sin (T, D/2) fp32: the angle of pair i of token t, cos(position_t * inv_freq_i).
+    norm_of (T, H): every row of qkv is first scaled by rsqrt(mean(norm_of_row^2) + eps); bias
+    ((Hq + 2 Hkv) D,): then added (the qkv projection's own, left out of its GEMM); v is then rewritten in
+    place too.
     """
     check_rope_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads)
+    check_row_extras(qkv, norm_of, bias)
     if qkv.shape[0]:
-        _launch(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads)
+        _launch(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads, norm_of, eps, bias)
 
 
 def check_rope_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads: int,

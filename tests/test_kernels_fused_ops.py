@@ -103,6 +103,45 @@ def test_silu_and_mul_rejects_an_odd_width():
         silu_and_mul(torch.zeros(2, 7))
 
 
+def folded_norm_row_scale(residual: torch.Tensor, eps: float) -> torch.Tensor:
+    """(T, 1) fp32: the RMSNorm scale of each residual row, written out as the model's norm computes it."""
+    r = residual.float()
+    return 1.0 / torch.sqrt((r * r).sum(-1, keepdim=True) / r.shape[1] + eps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens,inter,hidden,with_bias", [(1, 40, 24, False), (7, 48, 100, True),
+                                                           (2, 1500, 64, True)])
+def test_silu_and_mul_applies_a_folded_norm_and_the_bias(dtype, tokens, inter, hidden, with_bias):
+    """The folded pre-MLP norm: each row scaled by its residual row's RMSNorm scale, then the bias added."""
+    gen = torch.Generator().manual_seed(inter + hidden)
+    gate_up = rows(tokens, 2 * inter, dtype, gen, pad=8) * 20
+    residual = rows(tokens, hidden, dtype, gen, pad=4) * 5
+    bias = (torch.randn(2 * inter, generator=gen) * 0.5).to(dtype) if with_bias else None
+    with poisoned_empty():
+        out = silu_and_mul(gate_up, norm_of=residual, eps=1e-5, bias=bias)
+    torch.testing.assert_close(out, silu_and_mul_reference(gate_up, residual, 1e-5, bias), **TOL[dtype])
+    x = gate_up.float() * folded_norm_row_scale(residual, 1e-5) + (0.0 if bias is None else bias.float())
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(out.float(), torch.nn.functional.silu(gate) * up, **TOL[dtype])
+    assert not torch.allclose(out, silu_and_mul(gate_up), **TOL[dtype])  # the scale is applied
+
+
+def test_the_folded_norm_inputs_are_checked():
+    gate_up = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="norm_of"):
+        silu_and_mul(gate_up, norm_of=torch.randn(2, 5))
+    with pytest.raises(ValueError, match="norm_of"):
+        silu_and_mul(gate_up, norm_of=torch.randn(3, 5).half())
+    with pytest.raises(ValueError, match="bias"):
+        silu_and_mul(gate_up, bias=torch.randn(4))
+    qkv, cos, sin, k_cache, v_cache, slots = rope_case(3, 4, 2, 16, 4, torch.float32, False, 2)
+    with pytest.raises(ValueError, match="norm_of"):
+        rope_store_kv(qkv, cos, sin, k_cache, v_cache, slots, 4, 2, norm_of=torch.randn(3, 10)[:, ::2])
+    with pytest.raises(ValueError, match="bias"):
+        rope_store_kv(qkv, cos, sin, k_cache, v_cache, slots, 4, 2, bias=torch.randn(qkv.shape[1] - 1))
+
+
 # ---- RoPE + K/V store -----------------------------------------------------------------------------------
 
 
@@ -143,6 +182,34 @@ def test_rope_store_matches_reference(dtype, tokens, hq, hkv, d, block_size, str
     assert torch.equal(stored, written)  # the -1 row and every other slot stay poisoned
     v = qkv.view(tokens, hq + 2 * hkv, d)[:, hq + hkv :]
     assert torch.equal(v_cache.flatten(0, 1)[slots[slots >= 0].long()], v[slots >= 0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens,hq,hkv,d,hidden,with_bias", [
+    (1, 4, 2, 16, 24, True), (7, 4, 2, 80, 96, False), (7, 3, 1, 32, 40, True)])
+def test_rope_store_applies_a_folded_norm_and_the_bias(dtype, tokens, hq, hkv, d, hidden, with_bias):
+    """The folded pre-attention norm: every head, v included (rewritten in its row), scaled by the residual
+    row's RMSNorm scale, then biased, before RoPE and the store."""
+    qkv, cos, sin, k_cache, v_cache, slots = rope_case(tokens, hq, hkv, d, 16, dtype, True, d + hidden)
+    gen = torch.Generator().manual_seed(hidden)
+    qkv.mul_(20)
+    residual = rows(tokens, hidden, dtype, gen, pad=4) * 5
+    bias = (torch.randn(qkv.shape[1], generator=gen) * 0.5).to(dtype) if with_bias else None
+    raw = qkv.clone()
+    qkv_ref, k_ref, v_ref = qkv.clone(), k_cache.clone(), v_cache.clone()
+    rope_store_kv(qkv, cos, sin, k_cache, v_cache, slots, hq, hkv, norm_of=residual, eps=1e-6, bias=bias)
+    rope_store_reference(qkv_ref, cos, sin, k_ref, v_ref, slots, hq, hkv, norm_of=residual, eps=1e-6,
+                         bias=bias)
+    torch.testing.assert_close(qkv, qkv_ref, **TOL[dtype])
+    torch.testing.assert_close(k_cache, k_ref, equal_nan=True, **TOL[dtype])
+    torch.testing.assert_close(v_cache, v_ref, equal_nan=True, **TOL[dtype])
+    # v: the scaled, biased projection, in its row and in the cache slots; every other slot poisoned
+    expect_v = raw.float() * folded_norm_row_scale(residual, 1e-6) + (0.0 if bias is None else bias.float())
+    v = qkv.view(tokens, hq + 2 * hkv, d)[:, hq + hkv :]
+    torch.testing.assert_close(v.float(), expect_v.view(tokens, hq + 2 * hkv, d)[:, hq + hkv :], **TOL[dtype])
+    kept = slots >= 0
+    assert torch.equal(v_cache.flatten(0, 1)[slots[kept].long()], v[kept])
+    assert int((~v_cache.flatten(0, 1).isnan().any(-1).any(-1)).sum()) == int(kept.sum())
 
 
 def test_rope_reference_is_the_models_rotation():

@@ -85,8 +85,9 @@ def test_fused_forward_equals_torch_on_the_interpreter(tiny, block_size, lengths
     for a, b in zip(got, expect, strict=True):
         assert a.dtype == torch.float32 and a.shape == b.shape
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    # the same slots written with the same K/V; the poison left everywhere else, the null block included
-    torch.testing.assert_close(runners["fused"].kv.data, runners["torch"].kv.data, rtol=1e-5, atol=1e-5)
+    # the same slots written with the same K/V (to fp32 rounding: the fused forward scales each row after the
+    # qkv GEMM, on folded norms); the poison left everywhere else, the null block included
+    torch.testing.assert_close(runners["fused"].kv.data, runners["torch"].kv.data, rtol=1e-4, atol=1e-4)
     assert (runners["fused"].kv.data[:, :, 0] == -3.0).all()
 
 

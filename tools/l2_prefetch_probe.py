@@ -34,7 +34,7 @@ from server.model import load_model
 from tests.runner_chunks import run_chunks
 from tools.decode_forward_bench import Contexts, build_runner, copy_bandwidth, cuda_ms, graph_step
 
-SHIPPED, SHIPPED_ATTEND, SHIPPED_ROPE_ATTEND = ff.fused_forward, ff._attend, ff._rope_attend
+SHIPPED, SHIPPED_ATTEND = ff.fused_forward, ff._attend
 
 LINE = 128            # bytes a prefetch names (one L2 line)
 LINES_PER_PROGRAM = 1024  # 128 KiB a program: 8 prefetches a thread at 4 warps
@@ -100,8 +100,8 @@ def prefetch_weights(layer, v: Variant) -> None:
 
 def forward_with_prefetch(v: Variant, side: torch.cuda.Stream, layers):
     """The shipped fused_forward with a side-stream prefetch forked after each layer's qkv projection: its
-    own `_attend` (one row, after the qkv GEMV with RoPE + K/V store) and `_rope_attend` (more rows, after
-    the qkv GEMM) are wrapped for the call, and the side stream joins once the forward returns."""
+    own `_attend` (called after the qkv GEMV or GEMM and RoPE + K/V store, on either route) is wrapped for
+    the call, and the side stream joins once the forward returns."""
 
     def fork(mod) -> None:
         side.wait_stream(torch.cuda.current_stream())
@@ -109,20 +109,15 @@ def forward_with_prefetch(v: Variant, side: torch.cuda.Stream, layers):
             prefetch_weights(layers[mod.layer_idx], v)
 
     def attend(mod, qkv, attn):
-        if qkv.shape[0] == 1:  # the one-row route; more rows forked in rope_attend
-            fork(mod)
+        fork(mod)
         return SHIPPED_ATTEND(mod, qkv, attn)
 
-    def rope_attend(mod, qkv, cos, sin, attn):
-        fork(mod)
-        return SHIPPED_ROPE_ATTEND(mod, qkv, cos, sin, attn)
-
     def forward(model, input_ids, positions, attn):
-        ff._attend, ff._rope_attend = attend, rope_attend
+        ff._attend = attend
         try:
             hidden = SHIPPED(model, input_ids, positions, attn)
         finally:
-            ff._attend, ff._rope_attend = SHIPPED_ATTEND, SHIPPED_ROPE_ATTEND
+            ff._attend = SHIPPED_ATTEND
         torch.cuda.current_stream().wait_stream(side)
         return hidden
 

@@ -132,6 +132,7 @@ class ModelRunner:
         self.device, self.dtype = model.device, model.dtype
         self.block_size = block_size
         self.attention_backend = kernels.resolve_backend(self.device, attention_backend)
+        model.prepare_decoder_ops(model.decoder_ops_for(self.attention_backend))  # before the profiling step
         self.sliding_window = self.config.sliding_window
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.max_model_len = max_model_len or self.config.max_position_embeddings

@@ -1,24 +1,28 @@
 """The decoder forward on fused Triton kernels: the math of llama.py's torch modules in fewer launches.
 
-Per layer: add + RMSNorm -> qkv GEMM -> RoPE(q, k) + K/V store -> paged attention -> o_proj -> add + RMSNorm
--> gate_up GEMM -> SiLU-and-mul -> down GEMM. Each sublayer's output joins the residual stream inside the
-next norm's kernel (the final norm included), so the stream is read once per norm rather than three times,
-and it stays in the model dtype, rounded after every add, as in the eager
-`x = x + sublayer(x)`.
+Per layer, on the folded norms (server/model/norm_folding.py: each norm's weight lives in the projection
+after it): qkv GEMM of the residual stream -> the norm's row scale + bias, RoPE(q, k), K/V store (one
+kernel) -> paged attention -> o_proj GEMM that adds into the stream -> gate_up GEMM of the stream -> the
+norm's row scale + bias, SiLU-and-mul (one kernel) -> down GEMM that adds into the stream. Five launches a
+layer with attention, no norm kernel: the row scale rsqrt(mean(r^2) + eps) commutes with the GEMM, so the
+kernel reading the GEMM's output applies it; the residual adds are the GEMMs' own (cuBLAS, beta = 1),
+rounded to the model dtype once per add as the eager `x = x + sublayer(x)`. The final norm is a kernel.
 
 It reads the same parameters as the torch modules and needs paged attention: RoPE writes the new tokens'
 K/V into the cache itself, then `attn.attend` runs on the stored K/V. A decode step of this forward is what
 the runner captures in a CUDA graph, the final norm included.
 
 One token row (the batch-1 decode step) takes another route: each projection is kernels/gemv.py's GEMV with
-the ops before and after it fused in (the norms as prologues; RoPE + K/V store, SwiGLU and the residual
-adds as epilogues), five launches per layer with attention, where the GEMM route runs nine or ten. Its
-rounding is the same: every op's result is rounded to the model dtype where the unfused op rounds it.
+the ops before and after it fused in (the norms as prologues, their weights ones after folding; RoPE + K/V
+store, SwiGLU and the residual adds as epilogues), five launches per layer with attention. Its rounding is
+the unfused ops': every op's result is rounded to the model dtype where the unfused op rounds it.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from kernels.activation import silu_and_mul
 from kernels.gemv import gemv, gemv_rope_store
@@ -30,6 +34,7 @@ from server.model.llama import Attention, AttentionFn, DecoderLayer, LlamaForCau
 def fused_forward(model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
                   attn: AttentionFn) -> torch.Tensor:
     """input_ids, positions (T,) -> final-normed hidden states (T, H), as LlamaForCausalLM.forward."""
+    assert model.norms_folded, "the fused forward runs on folded norms (LlamaForCausalLM.prepare_decoder_ops)"
     inner = model.model
     residual = inner.embed_tokens(input_ids)  # (T, H): the residual stream, advanced in place by the norms
     cos, sin = inner.rotary.half_angles(positions)  # (T, D/2) fp32, shared by every layer
@@ -37,10 +42,9 @@ def fused_forward(model: LlamaForCausalLM, input_ids: torch.Tensor, positions: t
         for layer in inner.layers:
             _layer_one_row(layer, residual, cos, sin, attn)
         return rms_norm(residual, inner.norm.weight, inner.norm.eps)
-    out = None  # the previous layer's MLP output; None before the first layer
     for layer in inner.layers:
-        out = _layer(layer, out, residual, cos, sin, attn)
-    return rms_norm(out, inner.norm.weight, inner.norm.eps, residual=residual)
+        _layer(layer, residual, cos, sin, attn)
+    return rms_norm(residual, inner.norm.weight, inner.norm.eps)
 
 
 def warm_up_one_row(model: LlamaForCausalLM, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -73,19 +77,27 @@ def takes_one_row(input_ids: torch.Tensor) -> bool:
     return input_ids.shape[0] == 1
 
 
-def _layer(layer: DecoderLayer, prev: torch.Tensor | None, residual: torch.Tensor, cos, sin,
-           attn: AttentionFn) -> torch.Tensor:
-    """-> this layer's MLP output (T, H); residual gains prev and the attention output."""
-    norm = layer.input_layernorm
-    if prev is None:
-        x = rms_norm(residual, norm.weight, norm.eps)  # the embeddings: nothing to add yet
+def _layer(layer: DecoderLayer, residual: torch.Tensor, cos, sin, attn: AttentionFn) -> None:
+    """residual (T, H) gains this layer's attention and MLP outputs, in place (folded norms)."""
+    mod, mlp = layer.self_attn, layer.mlp
+    qkv = F.linear(residual, mod.qkv_proj.weight)  # (T, (Hq + 2 Hkv) D): the un-normed stream's projection
+    k_cache, v_cache, slots = attn.kv_destination(mod.layer_idx)
+    rope_store_kv(qkv, cos, sin, k_cache, v_cache, slots, mod.num_heads, mod.num_kv_heads, norm_of=residual,
+                  eps=layer.input_layernorm.eps, bias=mod.qkv_proj.bias)  # scaled, rotated, stored
+    _add_projection(residual, _attend(mod, qkv, attn), mod.o_proj)
+    gate_up = F.linear(residual, mlp.gate_up_proj.weight)  # (T, 2I)
+    act = silu_and_mul(gate_up, norm_of=residual, eps=layer.post_attention_layernorm.eps,
+                       bias=mlp.gate_up_proj.bias)  # (T, I)
+    _add_projection(residual, act, mlp.down_proj)
+
+
+def _add_projection(residual: torch.Tensor, x: torch.Tensor, proj: nn.Linear) -> None:
+    """residual (T, H) += x (T, K) W^T (+ b), in place: one GEMM with beta = 1 (no bias: every preset and
+    Llama/Qwen2/Mistral checkpoint) rounds the sum once, as the eager add does."""
+    if proj.bias is None:
+        residual.addmm_(x, proj.weight.t())
     else:
-        x = rms_norm(prev, norm.weight, norm.eps, residual=residual)
-    x = _attention(layer.self_attn, x, cos, sin, attn)  # (T, H)
-    norm = layer.post_attention_layernorm
-    x = rms_norm(x, norm.weight, norm.eps, residual=residual)
-    mlp = layer.mlp
-    return mlp.down_proj(silu_and_mul(mlp.gate_up_proj(x)))  # (T, 2I) -> (T, I) -> (T, H)
+        residual.add_(F.linear(x, proj.weight, proj.bias))
 
 
 def _layer_one_row(layer: DecoderLayer, residual: torch.Tensor, cos, sin, attn: AttentionFn) -> None:
@@ -101,17 +113,6 @@ def _layer_one_row(layer: DecoderLayer, residual: torch.Tensor, cos, sin, attn: 
     act = gemv(residual, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm_weight=norm.weight,
                eps=norm.eps, gated=True)  # (1, I)
     gemv(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=residual)
-
-
-def _attention(mod: Attention, x: torch.Tensor, cos, sin, attn: AttentionFn) -> torch.Tensor:
-    return mod.o_proj(_rope_attend(mod, mod.qkv_proj(x), cos, sin, attn))
-
-
-def _rope_attend(mod: Attention, qkv: torch.Tensor, cos, sin, attn: AttentionFn) -> torch.Tensor:
-    """qkv (T, (Hq + 2 Hkv) D) -> the attention output (T, Hq D), before o_proj; stores the new K/V."""
-    k_cache, v_cache, slots = attn.kv_destination(mod.layer_idx)
-    rope_store_kv(qkv, cos, sin, k_cache, v_cache, slots, mod.num_heads, mod.num_kv_heads)  # q, k in place
-    return _attend(mod, qkv, attn)
 
 
 def _attend(mod: Attention, qkv: torch.Tensor, attn: AttentionFn) -> torch.Tensor:

@@ -100,6 +100,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_weights()
         self.decoder_ops = "auto"  # see set_decoder_ops
         self._logged_ops: str | None = None
+        self.norms_folded = False  # server/model/norm_folding.py: the fused forward runs on folded norms
 
     def tie_weights(self) -> None:
         """Re-point lm_head at the embedding (needed again after materialising from the meta device)."""
@@ -116,10 +117,21 @@ class LlamaForCausalLM(nn.Module):
 
     def set_decoder_ops(self, ops: str) -> None:
         """"auto": fused Triton kernels over paged attention on CUDA with the Triton backend, torch modules
-        otherwise; "fused" / "torch" force one (tests run "fused" on CPU under the Triton interpreter)."""
+        otherwise; "fused" / "torch" force one (tests run "fused" on CPU under the Triton interpreter).
+        "fused" folds the norms (prepare_decoder_ops)."""
         if ops not in DECODER_OPS:
             raise ValueError(f"decoder ops must be one of {DECODER_OPS}, got {ops!r}")
         self.decoder_ops = ops
+        if ops == "fused":
+            self.prepare_decoder_ops("fused")
+
+    def prepare_decoder_ops(self, ops: str) -> None:
+        """Readies the weights for forwards on `ops` (before any is run or captured): the fused forward's
+        folded norms (server/model/norm_folding.py; the torch modules compute the same function on them)."""
+        if ops == "fused":
+            from server.model.norm_folding import fold_norms
+
+            fold_norms(self)
 
     def resolve_decoder_ops(self, attn: AttentionFn | None) -> str:
         """"fused" or "torch" for a forward over `attn`; the contiguous (attn None) path is always torch."""
