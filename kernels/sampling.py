@@ -1,7 +1,8 @@
 """Triton sampling without a sort: one token per row of logits under temperature, top-k, top-p and min-p.
 
 One launch, grid (S,): a program owns one row and walks its V logits in tiles, in passes. p_i = exp((x_i -
-max) / T) is recomputed from the logits in every pass (cheaper than writing it), so the best token has p = 1.
+max) * (1 / T)) is recomputed from the logits in every pass (cheaper than writing it), so the best token has
+p = 1.
   1. max, first argmax and Z = sum p, online. Greedy rows (T < greedy_below) and rows whose logits are all
      -inf store the argmax and stop.
   2. top-k rows (0 < top_k < V): a floor t_k with {p >= t_k} = the top k, by a search over fp32 bit patterns
@@ -59,18 +60,19 @@ def _uniform(key, counter, r):
 
 
 @triton.jit
-def _tile_probs(row, start, m, t, V: tl.constexpr, BLOCK: tl.constexpr):
-    """Offsets (BLOCK,) and p = exp((x - m) / t) (BLOCK,): 0 for -inf or NaN logits and past V."""
+def _tile_probs(row, start, m, inv_t, V: tl.constexpr, BLOCK: tl.constexpr):
+    """Offsets (BLOCK,) and p = exp((x - m) * inv_t) (BLOCK,): 0 for -inf or NaN logits and past V."""
     offs = start + tl.arange(0, BLOCK)
     x = tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
     x = tl.minimum(tl.where(x != x, float("-inf"), x), FLOAT_MAX)
-    return offs, tl.exp((x - m) / t)
+    return offs, tl.exp((x - m) * inv_t)
 
 
 @triton.jit
-def _max_argmax_mass(row, t, V: tl.constexpr, BLOCK: tl.constexpr):
-    """Pass 1: the row's max logit, its first index, and Z = sum exp((x - max) / t). Each lane keeps its own
-    running max, first index of it and rescaled mass (no reduction inside the loop); the lanes merge last."""
+def _max_argmax_mass(row, inv_t, V: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass 1: the row's max logit, its first index, and Z = sum exp((x - max) * inv_t). Each lane keeps its
+    own running max, first index of it and rescaled mass (no reduction inside the loop); the lanes merge
+    last."""
     m_lane = tl.full([BLOCK], float("-inf"), tl.float32)
     best_lane = tl.zeros([BLOCK], tl.int32)
     z_lane = tl.zeros([BLOCK], tl.float32)
@@ -82,17 +84,17 @@ def _max_argmax_mass(row, t, V: tl.constexpr, BLOCK: tl.constexpr):
         best_lane = tl.where(x > m_lane, offs, best_lane)           # strictly: a lane keeps its first max
         m_new = tl.maximum(m_lane, x)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)       # no -inf - -inf before a finite logit
-        z_lane = z_lane * tl.exp((m_lane - m_safe) / t) + tl.exp((x - m_safe) / t)
+        z_lane = z_lane * tl.exp((m_lane - m_safe) * inv_t) + tl.exp((x - m_safe) * inv_t)
         m_lane = m_new
     m = tl.max(m_lane, 0)
     best = tl.min(tl.where(m_lane == m, best_lane, V), 0)          # the first max of the row, as torch's
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    z = tl.sum(z_lane * tl.exp((m_lane - m_safe) / t), 0)
+    z = tl.sum(z_lane * tl.exp((m_lane - m_safe) * inv_t), 0)
     return m, best, z
 
 
 @triton.jit
-def _top_k_floor(row, m, t, k, z, V: tl.constexpr, BLOCK_K: tl.constexpr, NT: tl.constexpr):
+def _top_k_floor(row, m, inv_t, k, z, V: tl.constexpr, BLOCK_K: tl.constexpr, NT: tl.constexpr):
     """(t_k, Z_k): a floor with {p >= t_k} = the k largest p (all ties at the k-th kept), and its mass; z is
     the row's whole mass. A search over fp32 bit patterns with the invariant count(p >= bits lo) >= k >
     count(p >= bits hi): each pass counts NT thresholds in [lo, hi) and narrows to one step of them; it stops
@@ -108,7 +110,7 @@ def _top_k_floor(row, m, t, k, z, V: tl.constexpr, BLOCK_K: tl.constexpr, NT: tl
         counts = tl.zeros([NT, BLOCK_K], tl.int32)                  # per (threshold, lane): no reduction
         masses = tl.zeros([NT, BLOCK_K], tl.float32)                # inside the loop
         for start in range(0, V, BLOCK_K):
-            _, p = _tile_probs(row, start, m, t, V, BLOCK_K)
+            _, p = _tile_probs(row, start, m, inv_t, V, BLOCK_K)
             ge = p[None, :] >= th[:, None]                          # (NT, BLOCK_K)
             counts += ge.to(tl.int32)
             masses += tl.where(ge, p[None, :], 0.0)
@@ -123,16 +125,16 @@ def _top_k_floor(row, m, t, k, z, V: tl.constexpr, BLOCK_K: tl.constexpr, NT: tl
 
 
 @triton.jit
-def _mass_at_least(row, m, t, lo, V: tl.constexpr, BLOCK: tl.constexpr):
+def _mass_at_least(row, m, inv_t, lo, V: tl.constexpr, BLOCK: tl.constexpr):
     z = tl.zeros([BLOCK], tl.float32)
     for start in range(0, V, BLOCK):
-        _, p = _tile_probs(row, start, m, t, V, BLOCK)
+        _, p = _tile_probs(row, start, m, inv_t, V, BLOCK)
         z += tl.where(p >= lo, p, 0.0)
     return tl.sum(z, 0)
 
 
 @triton.jit
-def _draw(row, m, t, pivot, target, best, V: tl.constexpr, BLOCK: tl.constexpr):
+def _draw(row, m, inv_t, pivot, target, best, V: tl.constexpr, BLOCK: tl.constexpr):
     """(j, p_j): the first token of C = {p > pivot} whose running mass exceeds target (its p is > 0: the
     running mass rises only at such tokens). If float rounding leaves target uncrossed (target within an
     ulp of Z_C), the best token, which is in every C."""
@@ -142,7 +144,7 @@ def _draw(row, m, t, pivot, target, best, V: tl.constexpr, BLOCK: tl.constexpr):
     found = 0
     start = 0
     while (start < V) & (found == 0):
-        offs, p = _tile_probs(row, start, m, t, V, BLOCK)
+        offs, p = _tile_probs(row, start, m, inv_t, V, BLOCK)
         p = tl.where(p > pivot, p, 0.0)
         cum = tl.cumsum(p, 0) + run                                 # (BLOCK,) mass of C up to each token
         first = tl.min(tl.where(cum > target, offs, V), 0)
@@ -156,12 +158,12 @@ def _draw(row, m, t, pivot, target, best, V: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _above(row, m, t, pj, V: tl.constexpr, BLOCK: tl.constexpr):
+def _above(row, m, inv_t, pj, V: tl.constexpr, BLOCK: tl.constexpr):
     """(count, mass) of the tokens with p > pj."""
     count = tl.zeros([BLOCK], tl.int32)
     mass = tl.zeros([BLOCK], tl.float32)
     for start in range(0, V, BLOCK):
-        _, p = _tile_probs(row, start, m, t, V, BLOCK)
+        _, p = _tile_probs(row, start, m, inv_t, V, BLOCK)
         gt = p > pj
         count += gt.to(tl.int32)
         mass += tl.where(gt, p, 0.0)
@@ -180,9 +182,10 @@ def _sample_kernel(
     t = tl.load(TEMPERATURE + s * stride_t)
     greedy = t < greedy_below
     t = tl.where(greedy, 1.0, t)                                    # a tiny T would make every p 0 or NaN
+    inv_t = 1.0 / t                                                 # each pass multiplies (no division)
 
     # ---- pass 1: max, argmax, Z
-    m, best, z = _max_argmax_mass(row, t, V, BLOCK)
+    m, best, z = _max_argmax_mass(row, inv_t, V, BLOCK)
     if greedy | (m == float("-inf")):
         tl.store(OUT + s, best.to(tl.int64))
         return
@@ -194,11 +197,11 @@ def _sample_kernel(
     lo = 0.0
     z_lo = z
     if (k > 0) & (k < V):
-        lo, z_lo = _top_k_floor(row, m, t, k.to(tl.int32), z, V, BLOCK_K, NT)
+        lo, z_lo = _top_k_floor(row, m, inv_t, k.to(tl.int32), z, V, BLOCK_K, NT)
     z_ref = z_lo
     if min_p > lo:
         lo = min_p
-        z_lo = _mass_at_least(row, m, t, lo, V, BLOCK)
+        z_lo = _mass_at_least(row, m, inv_t, lo, V, BLOCK)
     # C = {p > pivot}: the float just below lo, or below 0 when everything is a candidate
     pivot = tl.where(lo > 0.0, (lo.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True), -1.0)
 
@@ -210,10 +213,10 @@ def _sample_kernel(
     done = 0
     while (r < MAX_ROUNDS) & (done == 0):
         u = _uniform(key, counter, r.to(tl.uint32))
-        j, pj = _draw(row, m, t, pivot, u * z_lo, best, V, BLOCK)
+        j, pj = _draw(row, m, inv_t, pivot, u * z_lo, best, V, BLOCK)
         keep = top_p >= 1.0                                         # every candidate passes top-p = 1
         if top_p < 1.0:
-            count, mass = _above(row, m, t, pj, V, BLOCK)
+            count, mass = _above(row, m, inv_t, pj, V, BLOCK)
             keep = (count == 0) | (mass < top_p * z_ref)
             z_lo = mass                                             # C's mass if j is rejected
         if keep:

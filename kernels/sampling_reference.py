@@ -2,7 +2,7 @@
 
 top-k, then top-p over the renormalised top-k, then min-p relative to the best token, the best token always
 kept, ties at a threshold all kept: token i is kept if no token has a larger p, or if fewer than k tokens have
-a larger p, their mass is below top_p * Z_k, and p_i >= min_p (p = exp((x - max) / T), the best has 1).
+a larger p, their mass is below top_p * Z_k, and p_i >= min_p (p = exp((x - max) * (1 / T)), the best has 1).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def filtered_sets(logits: torch.Tensor, temperature, top_p, top_k, min_p, tol: f
     dev = logits.device
     t, tp, tk, mp = (torch.as_tensor(v, device=dev).expand(S) for v in (temperature, top_p, top_k, min_p))
     x = logits.float().nan_to_num(nan=float("-inf"), posinf=FMAX, neginf=float("-inf"))
-    p = ((x - x.max(-1, keepdim=True).values) / t.float()[:, None]).double().exp()  # (S, V), best 1
+    p = ((x - x.max(-1, keepdim=True).values) * (1.0 / t.float())[:, None]).double().exp()  # (S, V), best 1
     asc = p.sort(-1).values
     above = V - torch.searchsorted(asc, p, right=True)  # (S, V) tokens with a larger p
     prefix = torch.cat([torch.zeros(S, 1, dtype=p.dtype, device=dev), asc.flip(-1).cumsum(-1)], -1)
