@@ -112,14 +112,21 @@ def folded_norm_row_scale(residual: torch.Tensor, eps: float) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("tokens,inter,hidden,with_bias", [(1, 40, 24, False), (7, 48, 100, True),
                                                            (2, 1500, 64, True)])
-def test_silu_and_mul_applies_a_folded_norm_and_the_bias(dtype, tokens, inter, hidden, with_bias):
-    """The folded pre-MLP norm: each row scaled by its residual row's RMSNorm scale, then the bias added."""
+@pytest.mark.parametrize("row_program_tokens", [1, 1024])
+def test_silu_and_mul_applies_a_folded_norm_and_the_bias(dtype, tokens, inter, hidden, with_bias,
+                                                         row_program_tokens, monkeypatch):
+    """The folded pre-MLP norm: each row scaled by its residual row's RMSNorm scale, then the bias added; on
+    a program per tile and on one per row (the interpreter's 32-wide tiles make the 1500 columns 47)."""
+    import kernels.activation as activation
+
+    monkeypatch.setattr(activation, "BLOCK", 32)
     gen = torch.Generator().manual_seed(inter + hidden)
     gate_up = rows(tokens, 2 * inter, dtype, gen, pad=8) * 20
     residual = rows(tokens, hidden, dtype, gen, pad=4) * 5
     bias = (torch.randn(2 * inter, generator=gen) * 0.5).to(dtype) if with_bias else None
     with poisoned_empty():
-        out = silu_and_mul(gate_up, norm_of=residual, eps=1e-5, bias=bias)
+        out = silu_and_mul(gate_up, norm_of=residual, eps=1e-5, bias=bias,
+                           row_program_tokens=row_program_tokens)
     torch.testing.assert_close(out, silu_and_mul_reference(gate_up, residual, 1e-5, bias), **TOL[dtype])
     x = gate_up.float() * folded_norm_row_scale(residual, 1e-5) + (0.0 if bias is None else bias.float())
     gate, up = x.chunk(2, dim=-1)
