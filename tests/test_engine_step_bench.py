@@ -50,8 +50,11 @@ def test_the_sampled_closed_loop_draws_with_the_sampled_parameters(monkeypatch):
     params = []
     add = core.add_request
     monkeypatch.setattr(core, "add_request", lambda request: (params.append(request.params), add(request)))
-    r = engine_step_bench.closed_loop(core, concurrency=2, num_requests=3, prompt_len=20, output_len=4,
+    engine_step_bench.closed_loop(core, concurrency=2, num_requests=3, prompt_len=48, output_len=4)
+    params.clear()
+    r = engine_step_bench.closed_loop(core, concurrency=2, num_requests=3, prompt_len=48, output_len=4,
                                       sampled=True)
     assert r["sampled"] and not r["cached"] and r["tokens"] == 3 * 4
+    assert r["prefix_hit_rate"] == 0.0  # not the greedy run's prompts
     assert {(p.temperature, p.top_p) for p in params} == {(0.8, 0.95)} and not any(p.greedy for p in params)
     assert not core.has_work()

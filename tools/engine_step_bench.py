@@ -188,7 +188,8 @@ def closed_loop(core, concurrency: int, num_requests: int, prompt_len: int, outp
     usage0 = core.kv.usage()
     vocab = core.runner.config.vocab_size
     # seeds apart from run_batch's (the batch size): a prompt seen before would hit the prefix cache
-    gen = torch.Generator().manual_seed(1_000_000 + 1_000 * concurrency + num_requests)
+    # and a sampled run's apart from the greedy one's of the same size (its prompts would be cached)
+    gen = torch.Generator().manual_seed(1_000_000 + 1_000 * concurrency + num_requests + 500_000 * sampled)
     prompts = [torch.randint(3, vocab, (prompt_len,), generator=gen).tolist() for _ in range(num_requests)]
     params = SamplingParams(max_tokens=output_len, ignore_eos=True,
                             **(SAMPLED if sampled else {"temperature": 0.0}))
