@@ -5,12 +5,13 @@ and writes the (T, I) product, in fp32 and rounded once, where the unfused path 
 temporary. Torch reference: kernels.fused_reference.silu_and_mul_reference.
 
 With `norm_of` the pre-MLP RMSNorm happens here, after the GEMM (the fused forward's folded norms,
-server/model/norm_folding.py): gate_up is then the projection of the un-normed residual row r by weights that
-hold the norm's weight, and each row is first scaled by rsqrt(mean(r^2) + eps) (a per-row scalar commutes
-with the GEMM), then gains the projection's bias. This saves the norm's own launch. The row's mean square
-is reduced by each of the row's programs: at decode sizes a few per row (r comes from L2 after the first);
-from NORM_ROW_PROGRAM_TOKENS rows on, one program per row walks all its columns, since there a re-read per
-1024 columns cost a prefill step of 16 x 512 tokens 1.0 ms more in its SiLU kernels (H200, bench preset).
+server/model/norm_folding.py; the scale: kernels.rmsnorm.row_rstd): gate_up is then the projection of the
+un-normed residual row r by weights that hold the norm's weight, and each row is first scaled by
+rsqrt(mean(r^2) + eps) (a per-row scalar commutes with the GEMM), then gains the projection's bias. This
+saves the norm's own launch. The row's mean square is reduced by each of the row's programs: at decode sizes
+a few per row (r comes from L2 after the first); from NORM_ROW_PROGRAM_TOKENS rows on, one program per row
+walks all its columns, since there a re-read per 1024 columns cost a prefill step of 16 x 512 tokens 1.0 ms
+more in its SiLU kernels (H200, bench preset).
 """
 
 from __future__ import annotations
@@ -20,18 +21,11 @@ import triton
 import triton.language as tl
 
 from kernels.launch_cache import CachedLauncher
+from kernels.rmsnorm import check_row_extras, row_rstd
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK = 1024  # elements of one row per tile: a tile per program keeps every SM busy at batch 1
 NORM_ROW_PROGRAM_TOKENS = 1024  # with norm_of, from this many rows on a program walks its row's every tile
-
-
-@triton.jit
-def row_rstd(ROW, eps, HIDDEN: tl.constexpr, H_BLOCK: tl.constexpr):
-    """rsqrt(mean(x^2) + eps) of the HIDDEN values at ROW, in fp32: the RMSNorm scale of one row."""
-    offs = tl.arange(0, H_BLOCK)
-    x = tl.load(ROW + offs, mask=offs < HIDDEN, other=0.0).to(tl.float32)
-    return tl.rsqrt(tl.sum(x * x, axis=0) / HIDDEN + eps)
 
 
 @triton.jit
@@ -61,11 +55,11 @@ def _silu_and_mul_kernel(
 _silu_mul = CachedLauncher(_silu_and_mul_kernel, num_tensors=4)
 
 
-def _launch(gate_up, out, norm_of, eps, bias, row_program_tokens):
+def _launch(gate_up, out, norm_of, eps, bias):
     """Grid (T, cdiv(I, block * tiles)); 4 warps give each thread 8 values of a 1024-wide block."""
     t, inter = out.shape
     block = min(BLOCK, triton.next_power_of_2(inter))
-    tiles = triton.cdiv(inter, block) if norm_of is not None and t >= row_program_tokens else 1
+    tiles = triton.cdiv(inter, block) if norm_of is not None and t >= NORM_ROW_PROGRAM_TOKENS else 1
     res = gate_up if norm_of is None else norm_of                       # unread without NORM
     _silu_mul((t, triton.cdiv(inter, block * tiles)), gate_up, out, res, gate_up if bias is None else bias,
               float(eps), gate_up.stride(0), out.stride(0), res.stride(0),
@@ -75,13 +69,11 @@ def _launch(gate_up, out, norm_of, eps, bias, row_program_tokens):
 
 
 def silu_and_mul(gate_up: torch.Tensor, *, norm_of: torch.Tensor | None = None, eps: float = 0.0,
-                 bias: torch.Tensor | None = None,
-                 row_program_tokens: int = NORM_ROW_PROGRAM_TOKENS) -> torch.Tensor:
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """gate_up (T, 2I) = [gate | up] -> silu(gate) * up (T, I) in gate_up's dtype.
 
     norm_of (T, H): each row of gate_up is first scaled by rsqrt(mean(norm_of_row^2) + eps); bias (2I,): then
-    added (the gate_up projection's own, left out of its GEMM). row_program_tokens: see
-    NORM_ROW_PROGRAM_TOKENS (tests lower it to run the one-program-per-row grid on a few rows)."""
+    added (the gate_up projection's own, left out of its GEMM)."""
     if gate_up.dim() != 2 or gate_up.shape[1] % 2 or gate_up.stride(-1) != 1:
         raise ValueError(f"gate_up must be (T, 2I) with contiguous rows, got shape {tuple(gate_up.shape)} "
                          f"strides {gate_up.stride()}")
@@ -90,20 +82,6 @@ def silu_and_mul(gate_up: torch.Tensor, *, norm_of: torch.Tensor | None = None, 
     check_row_extras(gate_up, norm_of, bias)
     out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=gate_up.dtype, device=gate_up.device)
     if gate_up.shape[0]:
-        _launch(gate_up, out, norm_of, eps, bias, row_program_tokens)
+        _launch(gate_up, out, norm_of, eps, bias)
     return out
 
-
-def check_row_extras(x: torch.Tensor, norm_of: torch.Tensor | None, bias: torch.Tensor | None) -> None:
-    """ValueError unless norm_of is (T, H) with contiguous rows and bias (x's width,) contiguous, both in
-    x's dtype and on its device: the folded norm's row and the projection's bias that a kernel applies to the
-    projection x (T, N) (also the checks of kernels.rope_store.rope_store_kv)."""
-    if norm_of is not None and (norm_of.dim() != 2 or norm_of.shape[0] != x.shape[0]
-                                or norm_of.stride(-1) != 1 or norm_of.dtype != x.dtype
-                                or norm_of.device != x.device):
-        raise ValueError(f"norm_of must be ({x.shape[0]}, H) {x.dtype} with contiguous rows on {x.device}, "
-                         f"got {tuple(norm_of.shape)} {norm_of.dtype} strides {norm_of.stride()}")
-    if bias is not None and (bias.shape != (x.shape[1],) or not bias.is_contiguous()
-                             or bias.dtype != x.dtype or bias.device != x.device):
-        raise ValueError(f"bias must be a contiguous ({x.shape[1]},) {x.dtype} tensor on {x.device}, got "
-                         f"{tuple(bias.shape)} {bias.dtype}")

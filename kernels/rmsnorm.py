@@ -75,3 +75,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if x.shape[0]:
         _launch(x, residual, weight, out, float(eps))
     return out
+
+
+# ---- the folded norms' row scale, applied after a GEMM (server/model/norm_folding.py) ------------------
+
+
+@triton.jit
+def row_rstd(ROW, eps, HIDDEN: tl.constexpr, H_BLOCK: tl.constexpr):
+    """rsqrt(mean(x^2) + eps) of the HIDDEN values at ROW, in fp32: the RMSNorm scale of one row."""
+    offs = tl.arange(0, H_BLOCK)
+    x = tl.load(ROW + offs, mask=offs < HIDDEN, other=0.0).to(tl.float32)
+    return tl.rsqrt(tl.sum(x * x, axis=0) / HIDDEN + eps)
+
+
+def check_row_extras(x: torch.Tensor, norm_of: torch.Tensor | None, bias: torch.Tensor | None) -> None:
+    """ValueError unless norm_of is (T, H) with contiguous rows and bias (x's width,) contiguous, both in
+    x's dtype and on its device: the folded norm's row and the projection's bias that a kernel applies to the
+    projection x (T, N) (the checks of kernels.rope_store.rope_store_kv and
+    kernels.activation.silu_and_mul)."""
+    if norm_of is not None and (norm_of.dim() != 2 or norm_of.shape[0] != x.shape[0]
+                                or norm_of.stride(-1) != 1 or norm_of.dtype != x.dtype
+                                or norm_of.device != x.device):
+        raise ValueError(f"norm_of must be ({x.shape[0]}, H) {x.dtype} with contiguous rows on {x.device}, "
+                         f"got {tuple(norm_of.shape)} {norm_of.dtype} strides {norm_of.stride()}")
+    if bias is not None and (bias.shape != (x.shape[1],) or not bias.is_contiguous()
+                             or bias.dtype != x.dtype or bias.device != x.device):
+        raise ValueError(f"bias must be a contiguous ({x.shape[1]},) {x.dtype} tensor on {x.device}, got "
+                         f"{tuple(bias.shape)} {bias.dtype}")

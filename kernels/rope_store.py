@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.activation import check_row_extras, row_rstd
 from kernels.launch_cache import CachedLauncher
+from kernels.rmsnorm import check_row_extras, row_rstd
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

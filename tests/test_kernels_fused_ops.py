@@ -120,13 +120,13 @@ def test_silu_and_mul_applies_a_folded_norm_and_the_bias(dtype, tokens, inter, h
     import kernels.activation as activation
 
     monkeypatch.setattr(activation, "BLOCK", 32)
+    monkeypatch.setattr(activation, "NORM_ROW_PROGRAM_TOKENS", row_program_tokens)
     gen = torch.Generator().manual_seed(inter + hidden)
     gate_up = rows(tokens, 2 * inter, dtype, gen, pad=8) * 20
     residual = rows(tokens, hidden, dtype, gen, pad=4) * 5
     bias = (torch.randn(2 * inter, generator=gen) * 0.5).to(dtype) if with_bias else None
     with poisoned_empty():
-        out = silu_and_mul(gate_up, norm_of=residual, eps=1e-5, bias=bias,
-                           row_program_tokens=row_program_tokens)
+        out = silu_and_mul(gate_up, norm_of=residual, eps=1e-5, bias=bias)
     torch.testing.assert_close(out, silu_and_mul_reference(gate_up, residual, 1e-5, bias), **TOL[dtype])
     x = gate_up.float() * folded_norm_row_scale(residual, 1e-5) + (0.0 if bias is None else bias.float())
     gate, up = x.chunk(2, dim=-1)

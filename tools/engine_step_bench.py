@@ -35,8 +35,6 @@ from server.engine.engine import EngineConfig, build_core
 from server.engine.outputs import EngineRequest
 from server.engine.sampling_params import SamplingParams
 
-SAMPLED = {"temperature": 0.8, "top_p": 0.95}  # serving_bench's sampled run (its SAMPLED flags)
-
 MODES = {"greedy": {"temperature": 0.0}, "sample": {"temperature": 0.8, "top_p": 0.95}}
 
 
@@ -182,7 +180,7 @@ def closed_loop(core, concurrency: int, num_requests: int, prompt_len: int, outp
     finishes, until `num_requests` finished. -> output tok/s over the whole run (prefill included).
     cached=True runs the same prompts twice and reports the second run, served from the prefix cache (as
     serving_bench's c64_cached / c256_cached), with the share of its prompt tokens found cached.
-    sampled=True draws with SAMPLED (serving_bench's c64_sampled) instead of greedy."""
+    sampled=True draws as MODES["sample"] (serving_bench's c64_sampled) instead of greedy."""
     if cached:
         closed_loop(core, concurrency, num_requests, prompt_len, output_len)
     usage0 = core.kv.usage()
@@ -192,7 +190,7 @@ def closed_loop(core, concurrency: int, num_requests: int, prompt_len: int, outp
     gen = torch.Generator().manual_seed(1_000_000 + 1_000 * concurrency + num_requests + 500_000 * sampled)
     prompts = [torch.randint(3, vocab, (prompt_len,), generator=gen).tolist() for _ in range(num_requests)]
     params = SamplingParams(max_tokens=output_len, ignore_eos=True,
-                            **(SAMPLED if sampled else {"temperature": 0.0}))
+                            **MODES["sample" if sampled else "greedy"])
     added, finished, tokens = 0, 0, 0
     t0 = time.perf_counter()
     while finished < num_requests:

@@ -36,7 +36,7 @@ def fused_forward(model: LlamaForCausalLM, input_ids: torch.Tensor, positions: t
     """input_ids, positions (T,) -> final-normed hidden states (T, H), as LlamaForCausalLM.forward."""
     assert model.norms_folded, "the fused forward runs on folded norms (LlamaForCausalLM.prepare_decoder_ops)"
     inner = model.model
-    residual = inner.embed_tokens(input_ids)  # (T, H): the residual stream, advanced in place by the norms
+    residual = inner.embed_tokens(input_ids)  # (T, H): the residual stream, each sublayer adds in place
     cos, sin = inner.rotary.half_angles(positions)  # (T, D/2) fp32, shared by every layer
     if takes_one_row(input_ids):
         for layer in inner.layers:
