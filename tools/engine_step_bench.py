@@ -192,13 +192,18 @@ def closed_loop(core, concurrency: int, num_requests: int, prompt_len: int, outp
     params = SamplingParams(max_tokens=output_len, ignore_eos=True,
                             **MODES["sample" if sampled else "greedy"])
     added, finished, tokens = 0, 0, 0
+    timeline = StepTimeline(core.async_scheduling)
     t0 = time.perf_counter()
     while finished < num_requests:
+        t_add = time.perf_counter()
         while added < num_requests and added - finished < concurrency:
             request = EngineRequest(f"cl{concurrency}-{added}", prompts[added], params, time.monotonic())
             core.add_request(request)
             added += 1
-        for u in core.step().updates:
+        t_step = time.perf_counter()
+        update = core.step()
+        timeline.add(t_step - t_add, time.perf_counter() - t_step, update.stats)
+        for u in update.updates:
             tokens += len(u.new_token_ids)
             finished += u.finish_reason is not None
     wall = time.perf_counter() - t0
@@ -208,7 +213,36 @@ def closed_loop(core, concurrency: int, num_requests: int, prompt_len: int, outp
             "prompt_len": prompt_len, "output_len": output_len, "async_scheduling": core.async_scheduling,
             "cached": cached, "sampled": sampled,
             "prefix_hit_rate": (usage1.prefix_hits - usage0.prefix_hits) / queries if queries else 0.0,
-            "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall}
+            "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "steps": timeline.summary()}
+
+
+class StepTimeline:
+    """Where a closed loop's wall time goes, by kind of step: step() walls summed over steps with prompt
+    tokens (prefill and mixed) and over decode-only steps, and the host time spent adding requests. With
+    async scheduling a step() call waits for the step launched by the call before, so its wall is charged
+    to that step's kind."""
+
+    def __init__(self, async_scheduling: bool) -> None:
+        self.async_scheduling = async_scheduling
+        self.add_s = 0.0
+        self.kinds: dict[str, dict[str, float]] = {}
+        self._launched = None  # the stats of the step the next call waits for (async)
+
+    def add(self, add_s: float, step_s: float, stats) -> None:
+        self.add_s += add_s
+        waited = self._launched if self.async_scheduling else stats
+        self._launched = stats
+        if waited is None:
+            return
+        kind = "with_prompt_tokens" if waited.num_prefill_tokens else "decode_only"
+        k = self.kinds.setdefault(kind, {"steps": 0, "wall_s": 0.0, "prefill_tokens": 0, "decode_tokens": 0})
+        k["steps"] += 1
+        k["wall_s"] += step_s
+        k["prefill_tokens"] += waited.num_prefill_tokens
+        k["decode_tokens"] += waited.num_decode_tokens
+
+    def summary(self) -> dict:
+        return {"add_request_s": self.add_s, **self.kinds}
 
 
 def write_profile(core, probe: Probe, args, batch: int, mode: str, async_scheduling: bool) -> None:
@@ -300,6 +334,12 @@ def main() -> None:
         print(f"closed loop: {r['concurrency']} in flight, {r['num_requests']} requests of {r['prompt_len']} "
               f"in / {r['output_len']} out{cached}: {r['tok_s']:.0f} output tok/s ({r['wall_s']:.2f} s, "
               f"prefix hits {r['prefix_hit_rate']:.0%})")
+        for kind, k in r["steps"].items():
+            if kind != "add_request_s":
+                print(f"  {kind}: {k['steps']} steps, {k['wall_s'] * 1e3:.1f} ms "
+                      f"({k['wall_s'] * 1e3 / max(k['steps'], 1):.3f} ms a step), "
+                      f"{k['prefill_tokens']} prompt tokens, {k['decode_tokens']} decode tokens")
+        print(f"  adding requests: {r['steps']['add_request_s'] * 1e3:.1f} ms")
     print(f"JSON: {args.out}")
 
 
