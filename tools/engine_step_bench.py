@@ -227,6 +227,7 @@ class StepTimeline:
         self.add_s = 0.0
         self.kinds: dict[str, dict[str, float]] = {}
         self._launched = None  # the stats of the step the next call waits for (async)
+        self.trace: list[tuple[float, int, int]] = []  # per waited step: (wall ms, prompt tokens, decodes)
 
     def add(self, add_s: float, step_s: float, stats) -> None:
         self.add_s += add_s
@@ -240,9 +241,10 @@ class StepTimeline:
         k["wall_s"] += step_s
         k["prefill_tokens"] += waited.num_prefill_tokens
         k["decode_tokens"] += waited.num_decode_tokens
+        self.trace.append((round(step_s * 1e3, 4), waited.num_prefill_tokens, waited.num_decode_tokens))
 
     def summary(self) -> dict:
-        return {"add_request_s": self.add_s, **self.kinds}
+        return {"add_request_s": self.add_s, **self.kinds, "trace": self.trace}
 
 
 def write_profile(core, probe: Probe, args, batch: int, mode: str, async_scheduling: bool) -> None:
@@ -335,7 +337,7 @@ def main() -> None:
               f"in / {r['output_len']} out{cached}: {r['tok_s']:.0f} output tok/s ({r['wall_s']:.2f} s, "
               f"prefix hits {r['prefix_hit_rate']:.0%})")
         for kind, k in r["steps"].items():
-            if kind != "add_request_s":
+            if kind not in ("add_request_s", "trace"):
                 print(f"  {kind}: {k['steps']} steps, {k['wall_s'] * 1e3:.1f} ms "
                       f"({k['wall_s'] * 1e3 / max(k['steps'], 1):.3f} ms a step), "
                       f"{k['prefill_tokens']} prompt tokens, {k['decode_tokens']} decode tokens")
