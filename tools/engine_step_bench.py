@@ -217,34 +217,34 @@ def closed_loop(core, concurrency: int, num_requests: int, prompt_len: int, outp
 
 
 class StepTimeline:
-    """Where a closed loop's wall time goes, by kind of step: step() walls summed over steps with prompt
-    tokens (prefill and mixed) and over decode-only steps, and the host time spent adding requests. With
-    async scheduling a step() call waits for the step launched by the call before, so its wall is charged
-    to that step's kind."""
+    """Where a closed loop's wall time goes: every waited step's (wall ms, prompt tokens, decode rows), and
+    the host time spent adding requests. With async scheduling a step() call waits for the step launched by
+    the call before, so its wall is charged to that step."""
 
     def __init__(self, async_scheduling: bool) -> None:
         self.async_scheduling = async_scheduling
         self.add_s = 0.0
-        self.kinds: dict[str, dict[str, float]] = {}
         self._launched = None  # the stats of the step the next call waits for (async)
-        self.trace: list[tuple[float, int, int]] = []  # per waited step: (wall ms, prompt tokens, decodes)
+        self.trace: list[tuple[float, int, int]] = []
 
     def add(self, add_s: float, step_s: float, stats) -> None:
         self.add_s += add_s
         waited = self._launched if self.async_scheduling else stats
         self._launched = stats
-        if waited is None:
-            return
-        kind = "with_prompt_tokens" if waited.num_prefill_tokens else "decode_only"
-        k = self.kinds.setdefault(kind, {"steps": 0, "wall_s": 0.0, "prefill_tokens": 0, "decode_tokens": 0})
-        k["steps"] += 1
-        k["wall_s"] += step_s
-        k["prefill_tokens"] += waited.num_prefill_tokens
-        k["decode_tokens"] += waited.num_decode_tokens
-        self.trace.append((round(step_s * 1e3, 4), waited.num_prefill_tokens, waited.num_decode_tokens))
+        if waited is not None:
+            self.trace.append((round(step_s * 1e3, 4), waited.num_prefill_tokens, waited.num_decode_tokens))
 
     def summary(self) -> dict:
-        return {"add_request_s": self.add_s, **self.kinds, "trace": self.trace}
+        """The trace, and its sums over steps with prompt tokens (prefill and mixed) and decode-only steps."""
+        kinds = {}
+        for wall_ms, prefill, decode in self.trace:
+            k = kinds.setdefault("with_prompt_tokens" if prefill else "decode_only",
+                                 {"steps": 0, "wall_s": 0.0, "prefill_tokens": 0, "decode_tokens": 0})
+            k["steps"] += 1
+            k["wall_s"] += wall_ms / 1e3
+            k["prefill_tokens"] += prefill
+            k["decode_tokens"] += decode
+        return {"add_request_s": self.add_s, "kinds": kinds, "trace": self.trace}
 
 
 def write_profile(core, probe: Probe, args, batch: int, mode: str, async_scheduling: bool) -> None:
@@ -336,11 +336,10 @@ def main() -> None:
         print(f"closed loop: {r['concurrency']} in flight, {r['num_requests']} requests of {r['prompt_len']} "
               f"in / {r['output_len']} out{cached}: {r['tok_s']:.0f} output tok/s ({r['wall_s']:.2f} s, "
               f"prefix hits {r['prefix_hit_rate']:.0%})")
-        for kind, k in r["steps"].items():
-            if kind not in ("add_request_s", "trace"):
-                print(f"  {kind}: {k['steps']} steps, {k['wall_s'] * 1e3:.1f} ms "
-                      f"({k['wall_s'] * 1e3 / max(k['steps'], 1):.3f} ms a step), "
-                      f"{k['prefill_tokens']} prompt tokens, {k['decode_tokens']} decode tokens")
+        for kind, k in r["steps"]["kinds"].items():
+            print(f"  {kind}: {k['steps']} steps, {k['wall_s'] * 1e3:.1f} ms "
+                  f"({k['wall_s'] * 1e3 / k['steps']:.3f} ms a step), "
+                  f"{k['prefill_tokens']} prompt tokens, {k['decode_tokens']} decode tokens")
         print(f"  adding requests: {r['steps']['add_request_s'] * 1e3:.1f} ms")
     print(f"JSON: {args.out}")
 
