@@ -204,6 +204,8 @@ def offline(out: Path) -> dict | None:
     res = json.loads(path.read_text())
     for row in res["results"]:
         row.pop("steps", None)                          # per-step samples: the medians are kept
+    for loop in res.get("closed_loop", []):
+        loop.get("steps", {}).pop("trace", None)        # per-step trace: the per-kind sums are kept
     path.write_text(json.dumps(res, indent=1))
     return res
 
