@@ -219,3 +219,17 @@ def test_gpu_core_process_serves_the_same_greedy_tokens_as_in_process():
     for r, s in zip(results[False], results[True], strict=True):
         assert r.error is None and {i: c.token_ids for i, c in r.choices.items()} == \
             {i: c.token_ids for i, c in s.choices.items()}
+
+
+def test_the_core_process_freezes_its_start_up_heap(capfd):
+    # a full collection over the start-up heap stalls every stream (server/heap.py): the core freezes it once
+    # built, before it serves
+    e = make_engine(in_process=False, num_blocks=24)
+    try:
+        run_all(e, [("h0", [5, 6, 7], greedy(2))])
+    finally:
+        e.shutdown(timeout=5)
+    err = capfd.readouterr().err
+    frozen = [int(line.rsplit("(", 1)[1].split()[0]) for line in err.splitlines()
+              if "engine core: start-up heap frozen" in line]
+    assert len(frozen) == 1 and frozen[0] > 10_000, err

@@ -34,6 +34,7 @@ from server.engine import runner as runner_module
 from server.engine.engine import EngineConfig, build_core
 from server.engine.outputs import EngineRequest
 from server.engine.sampling_params import SamplingParams
+from server.heap import freeze_startup_heap
 
 MODES = {"greedy": {"temperature": 0.0}, "sample": {"temperature": 0.8, "top_p": 0.95}}
 
@@ -174,13 +175,14 @@ def run_batch(core, probe: Probe, batch: int, prompt_len: int, warmup: int, step
 
 
 def closed_loop(core, concurrency: int, num_requests: int, prompt_len: int, output_len: int,
-                cached: bool = False, sampled: bool = False) -> dict:
+                cached: bool = False, sampled: bool = False, probe: Probe | None = None) -> dict:
     """The HTTP benchmark's workload without HTTP: `concurrency` requests of `prompt_len` random prompt tokens
     and `output_len` greedy output tokens (ignore_eos) kept in flight on the core, a new one added as one
     finishes, until `num_requests` finished. -> output tok/s over the whole run (prefill included).
     cached=True runs the same prompts twice and reports the second run, served from the prefix cache (as
     serving_bench's c64_cached / c256_cached), with the share of its prompt tokens found cached.
-    sampled=True draws as MODES["sample"] (serving_bench's c64_sampled) instead of greedy."""
+    sampled=True draws as MODES["sample"] (serving_bench's c64_sampled) instead of greedy. With the core's
+    `probe`, each step of the trace carries its call's host phases (schedule, execute: the launch, wait)."""
     if cached:
         closed_loop(core, concurrency, num_requests, prompt_len, output_len)
     usage0 = core.kv.usage()
@@ -200,9 +202,12 @@ def closed_loop(core, concurrency: int, num_requests: int, prompt_len: int, outp
             request = EngineRequest(f"cl{concurrency}-{added}", prompts[added], params, time.monotonic())
             core.add_request(request)
             added += 1
+        if probe is not None:
+            probe.phases = {}
         t_step = time.perf_counter()
         update = core.step()
-        timeline.add(t_step - t_add, time.perf_counter() - t_step, update.stats)
+        timeline.add(t_step - t_add, time.perf_counter() - t_step, update.stats,
+                     probe.phases if probe is not None else None)
         for u in update.updates:
             tokens += len(u.new_token_ids)
             finished += u.finish_reason is not None
@@ -217,27 +222,31 @@ def closed_loop(core, concurrency: int, num_requests: int, prompt_len: int, outp
 
 
 class StepTimeline:
-    """Where a closed loop's wall time goes: every waited step's (wall ms, prompt tokens, decode rows), and
-    the host time spent adding requests. With async scheduling a step() call waits for the step launched by
-    the call before, so its wall is charged to that step."""
+    """Where a closed loop's wall time goes: every waited step's (wall ms, prompt tokens, decode rows[,
+    schedule, execute, wait ms]), and the host time spent adding requests. With async scheduling a step()
+    call waits for the step launched by the call before, so its wall is charged to that step; its phases
+    are the call's (schedule and execute: the launch of the next step)."""
 
     def __init__(self, async_scheduling: bool) -> None:
         self.async_scheduling = async_scheduling
         self.add_s = 0.0
         self._launched = None  # the stats of the step the next call waits for (async)
-        self.trace: list[tuple[float, int, int]] = []
+        self.trace: list[tuple] = []
 
-    def add(self, add_s: float, step_s: float, stats) -> None:
+    def add(self, add_s: float, step_s: float, stats, phases: dict[str, float] | None = None) -> None:
         self.add_s += add_s
         waited = self._launched if self.async_scheduling else stats
         self._launched = stats
         if waited is not None:
-            self.trace.append((round(step_s * 1e3, 4), waited.num_prefill_tokens, waited.num_decode_tokens))
+            row = (round(step_s * 1e3, 4), waited.num_prefill_tokens, waited.num_decode_tokens)
+            if phases is not None:
+                row += tuple(round(phases.get(k, 0.0) * 1e3, 4) for k in ("schedule", "execute", "wait"))
+            self.trace.append(row)
 
     def summary(self) -> dict:
         """The trace, and its sums over steps with prompt tokens (prefill and mixed) and decode-only steps."""
         kinds = {}
-        for wall_ms, prefill, decode in self.trace:
+        for wall_ms, prefill, decode, *_ in self.trace:
             k = kinds.setdefault("with_prompt_tokens" if prefill else "decode_only",
                                  {"steps": 0, "wall_s": 0.0, "prefill_tokens": 0, "decode_tokens": 0})
             k["steps"] += 1
@@ -290,6 +299,7 @@ def main() -> None:
                           max_model_len=args.max_model_len,
                           gpu_memory_utilization=args.gpu_memory_utilization)
     core, info = build_core(config)
+    freeze_startup_heap()  # as the engine-core process does once its core is built
     probe = Probe(core)
     for batch in args.batches:
         prime_prefix_cache(core, batch, args.prompt_len)
@@ -312,7 +322,7 @@ def main() -> None:
         if flag not in ([], ["cached"], ["sampled"]):
             raise SystemExit(f"--closed-loop takes C:N, C:N:cached or C:N:sampled, got {spec!r}")
         loops.append(closed_loop(core, int(c), int(n), args.prompt_len, args.output_len,
-                                 cached=flag == ["cached"], sampled=flag == ["sampled"]))
+                                 cached=flag == ["cached"], sampled=flag == ["sampled"], probe=probe))
         print(f"closed loop {spec}: {loops[-1]['tok_s']:.0f} tok/s, prefix hits "
               f"{loops[-1]['prefix_hit_rate']:.0%}", flush=True)
     meta = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

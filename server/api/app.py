@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -17,6 +16,7 @@ from server.api.auth import BearerAuthMiddleware
 from server.api.errors import CatchAllMiddleware, install_error_handlers
 from server.api.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimitMiddleware
 from server.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from server.heap import freeze_startup_heap
 
 logger = logging.getLogger("pagewalk.api")
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
@@ -56,23 +56,6 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = DEFAULT
         app.add_middleware(BearerAuthMiddleware, api_key=api_key)
     app.add_middleware(CatchAllMiddleware)
     return app
-
-
-FULL_COLLECTION_EVERY = 100  # collections of generation 1 per full one (Python's default: 10)
-
-
-def freeze_startup_heap() -> None:
-    """Moves what start-up built (torch, FastAPI, pydantic, the tokenizer: ~220K objects) out of the
-    collector's reach, once per process: a full collection then walks only what requests allocate. Every
-    stream allocates per token, so collections run all the time; tools/api_bench measured them at ~1/3 of the
-    API process's CPU at 256 streams before this (docs/benchmarks/api_cpu.md). Full collections, which walk
-    every live stream's objects (~100K at 256 streams, 30-50 ms each), come 10x less often: what they free
-    is the rare request garbage in reference cycles, which refcounting leaves them."""
-    if gc.get_freeze_count() == 0:
-        gc.collect()
-        gc.freeze()
-        first, second, _ = gc.get_threshold()
-        gc.set_threshold(first, second, FULL_COLLECTION_EVERY)
 
 
 async def stop_engine(app: FastAPI) -> None:

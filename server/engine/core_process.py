@@ -23,6 +23,7 @@ import zmq
 from server.engine.core_loop import Client, CoreLoop
 from server.engine.engine import EngineConfig, build_core
 from server.engine.wire import FromCore, Hello, StartupFailed, ToCore, encoder, to_core_decoder
+from server.heap import freeze_startup_heap
 
 PARENT_CHECK_MS = 1000  # an idle core looks for its parent this often
 STARTUP_FAILED_WAIT_S = 5.0  # a core that could not be built waits this long for a Hello to answer
@@ -70,6 +71,8 @@ def run_core_process(config: EngineConfig, address: str, log_level: str) -> None
         _answer_hellos(receive, send, StartupFailed(f"{type(e).__name__}: {e}\n{''.join(lines[-4:])}"))
         sock.close(linger=5000)
         sys.exit(1)
+    logging.getLogger("pagewalk.engine").info("engine core: start-up heap frozen (%d objects)",
+                                              freeze_startup_heap())
     CoreLoop(core, info, receive, send).run()
     sock.close(linger=5000)  # the last StepUpdates (the aborts) reach the clients before we go
     ctx.term()
