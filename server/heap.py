@@ -4,8 +4,8 @@ Start-up builds a large heap that lives as long as the process: torch, Triton, F
 tokenizer, the model's modules, ~220-300K tracked objects. Requests allocate all the time (per token in the
 API process's streams, per step in the core's scheduler), so collections run all the time, and a full
 collection walks that whole heap: 30-50 ms of an API process's CPU (docs/benchmarks/api_cpu.md) and, in the
-engine core, a stall of every stream (a 28 ms decode step among 1.5 ms ones in engine_step_bench's closed
-loop on an H200; 180 ms for the `tiny` core's 300K objects on this project's CI CPU).
+engine core, a stall of every stream while it runs (180 ms for the `tiny` core's 300K objects on this
+project's CI CPU; tools/closed_loop_stalls times it for the `bench` core on a GPU host).
 """
 
 from __future__ import annotations

@@ -1,0 +1,132 @@
+"""Where a closed loop's slow steps stall the host: `python -m tools.closed_loop_stalls`.
+
+engine_step_bench's closed loop (C requests of --prompt-len in / --output-len out kept in flight on one
+EngineCore built as `pagewalk serve` builds it, its start-up heap frozen as the core process does) runs once
+to warm up, then again under torch.profiler (CPU and CUDA runtime activity). Printed last: the loop's slow
+calls (wall > --slow-ms) with their schedule / execute / wait split, and the CUDA runtime calls and CPU ops
+that took longer than --slow-ms inside the profiled run (a synchronising call, a pinned allocation, a
+JIT compile show there). Details as JSON under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import json
+import time
+from pathlib import Path
+
+import torch
+import triton
+from torch.profiler import ProfilerActivity, profile
+
+from server.engine.engine import EngineConfig, build_core
+from server.heap import freeze_startup_heap
+from tools.engine_step_bench import Probe, closed_loop
+
+ALLOCATOR_COUNTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams",
+                    "num_ooms")
+
+
+def watch_allocations(core) -> list[tuple[int, int, float]]:
+    """Wraps core.step: -> the list it fills with (call, device segments allocated, wall ms) for each call
+    that made the caching allocator take memory from the device."""
+    calls: list[tuple[int, int, float]] = []
+    step, count = core.step, [0]
+
+    def watched():
+        before = torch.cuda.memory_stats().get("num_device_alloc", 0)
+        t0 = time.perf_counter()
+        out = step()
+        wall = (time.perf_counter() - t0) * 1e3
+        new = torch.cuda.memory_stats().get("num_device_alloc", 0) - before
+        if new:
+            calls.append((count[0], new, round(wall, 3)))
+        count[0] += 1
+        return out
+
+    core.step = watched
+    return calls
+
+
+def slow_calls(loop: dict, slow_ms: float) -> list[dict]:
+    """A closed loop's decode-only calls slower than slow_ms, with their trace rows."""
+    return [{"call": i, "row": row} for i, row in enumerate(loop["steps"]["trace"])
+            if row[0] >= slow_ms and not row[1]]
+
+
+def long_events(prof, slow_ms: float) -> list[dict]:
+    """The profiled run's events longer than slow_ms (runtime API calls and CPU ops), longest first."""
+    out = []
+    for e in prof.events():
+        ms = e.cpu_time_total / 1e3 if e.device_type == torch.autograd.DeviceType.CPU else 0.0
+        if ms >= slow_ms:
+            out.append({"name": e.name, "ms": round(ms, 3), "start_ms": round(e.time_range.start / 1e3, 3)})
+    return sorted(out, key=lambda r: -r["ms"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="bench")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="as engine_step_bench's batches 64 256")
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--slow-ms", type=float, default=2.5)
+    ap.add_argument("--out", type=Path, default=Path("closed_loop_stalls.json"))
+    args = ap.parse_args()
+    core, info = build_core(EngineConfig(model=args.model, device="cuda", dtype="bfloat16",
+                                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=8192,
+                                         gpu_memory_utilization=0.8))
+    t0 = time.perf_counter()
+    gc.collect()  # what a full collection over the start-up heap costs (the freeze below spares the loop it)
+    full_collection_ms = (time.perf_counter() - t0) * 1e3
+    heap_objects = freeze_startup_heap()
+    probe = Probe(core)
+    allocs = watch_allocations(core)
+    core.async_scheduling = True
+    loop = dict(concurrency=args.concurrency, num_requests=args.num_requests, prompt_len=args.prompt_len,
+                output_len=args.output_len, probe=probe)
+    mem0 = torch.cuda.memory_stats()
+    warm = closed_loop(core, **loop)
+    warm_allocs, allocs[:] = list(allocs), []
+    mem1 = torch.cuda.memory_stats()
+    compiles: list[str] = []
+    triton.knobs.runtime.jit_cache_hook = lambda *, repr, **_: compiles.append(repr)  # noqa: A002
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        # other prompts than the warm-up's (no prefix hits): the seed follows num_requests
+        r = closed_loop(core, **{**loop, "num_requests": args.num_requests + 1})
+    mem2 = torch.cuda.memory_stats()
+    slow, warm_slow = slow_calls(r, args.slow_ms), slow_calls(warm, args.slow_ms)
+    allocator = {k: [mem1.get(k, 0) - mem0.get(k, 0), mem2.get(k, 0) - mem1.get(k, 0)]
+                 for k in ALLOCATOR_COUNTS}
+    events = long_events(prof, args.slow_ms)
+    by_name = collections.Counter(e["name"] for e in events)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                    "warm_tok_s": warm["tok_s"], "profiled_tok_s": r["tok_s"],
+                                    "slow_decode_calls": slow, "warm_slow_decode_calls": warm_slow,
+                                    "allocator_warm_profiled": allocator,
+                                    "warm_alloc_calls": warm_allocs, "full_collection_ms": full_collection_ms,
+                                    "heap_objects": heap_objects, "compiles": compiles,
+                                    "long_events": events[:300]}, indent=1))
+    print(f"warm-up loop {warm['tok_s']:.0f} tok/s, profiled loop {r['tok_s']:.0f} tok/s")
+    print(f"Triton compiles in the profiled loop: {len(compiles)} {compiles[:5]}")
+    print(f"a full collection over the start-up heap ({heap_objects} objects): {full_collection_ms:.1f} ms")
+    print(f"caching allocator counts in the warm-up / profiled loop: {allocator}")
+    print(f"warm-up calls that allocated device memory (call, new segments, wall ms): {warm_allocs}")
+    print("slow decode-only calls (wall ms, prompt, decodes, schedule, execute, wait), warm-up loop:")
+    for s in warm_slow:
+        print(f"  call {s['call']}: {s['row']}")
+    print("the profiled loop:")
+    for s in slow:
+        print(f"  call {s['call']}: {s['row']}")
+    print(f"events >= {args.slow_ms} ms by name (count): {dict(by_name.most_common(25))}")
+    for e in events[:40]:
+        print(f"  {e['ms']:9.3f} ms  {e['name'][:100]}")
+
+
+if __name__ == "__main__":
+    main()
