@@ -29,25 +29,47 @@ ALLOCATOR_COUNTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", 
                     "num_ooms")
 
 
-def watch_allocations(core) -> list[tuple[int, int, float]]:
-    """Wraps core.step: -> the list it fills with (call, device segments allocated, wall ms) for each call
-    that made the caching allocator take memory from the device."""
-    calls: list[tuple[int, int, float]] = []
-    step, count = core.step, [0]
+class CallWatch:
+    """Wraps core.step and numbers its calls; records, per call, what can stall the host inside it: device
+    memory taken by the caching allocator, Triton compiles (jit cache misses), the collector's runs (gc
+    callbacks, with their generation and duration). events: (call, kind, detail, ms)."""
 
-    def watched():
-        before = torch.cuda.memory_stats().get("num_device_alloc", 0)
-        t0 = time.perf_counter()
-        out = step()
-        wall = (time.perf_counter() - t0) * 1e3
-        new = torch.cuda.memory_stats().get("num_device_alloc", 0) - before
-        if new:
-            calls.append((count[0], new, round(wall, 3)))
-        count[0] += 1
-        return out
+    def __init__(self, core) -> None:
+        self.events: list[tuple[int, str, str, float]] = []
+        self.call = 0
+        self._gc_start = 0.0
+        step = core.step
 
-    core.step = watched
-    return calls
+        def watched():
+            before = torch.cuda.memory_stats().get("num_device_alloc", 0)
+            t0 = time.perf_counter()
+            out = step()
+            wall = (time.perf_counter() - t0) * 1e3
+            new = torch.cuda.memory_stats().get("num_device_alloc", 0) - before
+            if new:
+                self.events.append((self.call, "device_alloc", f"{new} segments", round(wall, 3)))
+            self.call += 1
+            return out
+
+        core.step = watched
+        triton.knobs.runtime.jit_cache_hook = self._on_compile
+        gc.callbacks.append(self._on_gc)
+
+    def _on_compile(self, *, repr: str, **_) -> None:  # noqa: A002 (Triton's keyword)
+        self.events.append((self.call, "triton_compile", repr[:160], 0.0))
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+            return
+        ms = (time.perf_counter() - self._gc_start) * 1e3
+        if info["generation"] == 2 or ms > 0.5:
+            self.events.append((self.call, "gc", f"generation {info['generation']}", round(ms, 3)))
+
+    def take(self) -> list[tuple[int, str, str, float]]:
+        """The events so far (the list is emptied and the call count restarts)."""
+        events, self.events, self.call = self.events, [], 0
+        return events
 
 
 def slow_calls(loop: dict, slow_ms: float) -> list[dict]:
@@ -85,20 +107,19 @@ def main() -> None:
     full_collection_ms = (time.perf_counter() - t0) * 1e3
     heap_objects = freeze_startup_heap()
     probe = Probe(core)
-    allocs = watch_allocations(core)
+    watch = CallWatch(core)
     core.async_scheduling = True
     loop = dict(concurrency=args.concurrency, num_requests=args.num_requests, prompt_len=args.prompt_len,
                 output_len=args.output_len, probe=probe)
     mem0 = torch.cuda.memory_stats()
     warm = closed_loop(core, **loop)
-    warm_allocs, allocs[:] = list(allocs), []
+    warm_events = watch.take()
     mem1 = torch.cuda.memory_stats()
-    compiles: list[str] = []
-    triton.knobs.runtime.jit_cache_hook = lambda *, repr, **_: compiles.append(repr)  # noqa: A002
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         # other prompts than the warm-up's (no prefix hits): the seed follows num_requests
         r = closed_loop(core, **{**loop, "num_requests": args.num_requests + 1})
     mem2 = torch.cuda.memory_stats()
+    events_profiled = watch.take()
     slow, warm_slow = slow_calls(r, args.slow_ms), slow_calls(warm, args.slow_ms)
     allocator = {k: [mem1.get(k, 0) - mem0.get(k, 0), mem2.get(k, 0) - mem1.get(k, 0)]
                  for k in ALLOCATOR_COUNTS}
@@ -109,14 +130,14 @@ def main() -> None:
                                     "warm_tok_s": warm["tok_s"], "profiled_tok_s": r["tok_s"],
                                     "slow_decode_calls": slow, "warm_slow_decode_calls": warm_slow,
                                     "allocator_warm_profiled": allocator,
-                                    "warm_alloc_calls": warm_allocs, "full_collection_ms": full_collection_ms,
-                                    "heap_objects": heap_objects, "compiles": compiles,
+                                    "warm_call_events": warm_events, "profiled_call_events": events_profiled,
+                                    "full_collection_ms": full_collection_ms, "heap_objects": heap_objects,
                                     "long_events": events[:300]}, indent=1))
     print(f"warm-up loop {warm['tok_s']:.0f} tok/s, profiled loop {r['tok_s']:.0f} tok/s")
-    print(f"Triton compiles in the profiled loop: {len(compiles)} {compiles[:5]}")
     print(f"a full collection over the start-up heap ({heap_objects} objects): {full_collection_ms:.1f} ms")
     print(f"caching allocator counts in the warm-up / profiled loop: {allocator}")
-    print(f"warm-up calls that allocated device memory (call, new segments, wall ms): {warm_allocs}")
+    print(f"events inside calls (call, kind, detail, ms), warm-up loop: {warm_events[:30]}")
+    print(f"profiled loop: {events_profiled[:30]}")
     print("slow decode-only calls (wall ms, prompt, decodes, schedule, execute, wait), warm-up loop:")
     for s in warm_slow:
         print(f"  call {s['call']}: {s['row']}")
