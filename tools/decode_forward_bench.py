@@ -5,8 +5,9 @@ torch decoder ops (the unfused baseline), the fused Triton ops, and the fused op
 GEMM route instead of the GEMVs (fused_gemm, the baseline of that route), each with its CUDA decode graphs
 captured as the server captures them (final norm and lm_head inside). Every sequence holds --context cached
 tokens (random K/V in shuffled blocks) and decodes one more. Per batch size, timed with CUDA events over
-back-to-back steps: one step = the graph replay plus the fp32 copy of the real rows' logits, i.e. what
-`runner.execute` puts on the GPU for a decode step. Also `runner.execute` wall time per step (host packing
+back-to-back steps: one step = the graph replay plus the argmax of the real rows' model-dtype logits, i.e.
+what `runner.execute` puts on the GPU for an all-greedy decode step (a sampled one reads the graph's output
+in place, without a copy, in the sampling kernel). Also `runner.execute` wall time per step (host packing
 and copies included, synchronised), the logits' agreement between the two ops, the achieved bandwidth
 (weights + KV bytes read) / time and the fraction of the roofline, whose bandwidth is a large device-to-device
 copy timed in the same run. Last, a torch.profiler split of one replayed step at each --profile-batches size,
@@ -122,14 +123,14 @@ def build_runner(model, ops: str, ctx: Contexts, args) -> tuple[ModelRunner, dic
 
 
 def graph_step(runner: ModelRunner, batch: int):
-    """One decode step as execute() runs it on the GPU, minus the input copies: replay, fp32 logits."""
+    """One greedy decode step as execute() runs it on the GPU, minus the input copies: replay, argmax."""
     graphs = runner.graphs
     size = graphs.padded_size(batch)
     graph = graphs.graphs[size]
 
     def step():
         graph.replay()
-        return graphs.output[:batch].float()
+        return graphs.output[:batch].argmax(dim=-1)
 
     return step
 
