@@ -29,9 +29,15 @@ ALLOCATOR_COUNTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", 
                     "num_ooms")
 
 
+def _pinned_blocks() -> int:
+    """Pinned host blocks the host caching allocator has taken (cudaHostAlloc), all time."""
+    return torch.cuda.host_memory_stats().get("allocations.allocated", 0)
+
+
 class CallWatch:
     """Wraps core.step and numbers its calls; records, per call, what can stall the host inside it: device
-    memory taken by the caching allocator, Triton compiles (jit cache misses), the collector's runs (gc
+    memory taken by the caching allocator, pinned host blocks taken by the host allocator, Triton compiles
+    (jit cache misses), the collector's runs (gc
     callbacks, with their generation and duration). events: (call, kind, detail, ms)."""
 
     def __init__(self, core) -> None:
@@ -42,12 +48,15 @@ class CallWatch:
 
         def watched():
             before = torch.cuda.memory_stats().get("num_device_alloc", 0)
+            pinned = _pinned_blocks()
             t0 = time.perf_counter()
             out = step()
             wall = (time.perf_counter() - t0) * 1e3
             new = torch.cuda.memory_stats().get("num_device_alloc", 0) - before
             if new:
                 self.events.append((self.call, "device_alloc", f"{new} segments", round(wall, 3)))
+            if (new_pinned := _pinned_blocks() - pinned):
+                self.events.append((self.call, "pinned_alloc", f"{new_pinned} blocks", round(wall, 3)))
             self.call += 1
             return out
 
