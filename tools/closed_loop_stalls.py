@@ -82,8 +82,9 @@ class CallWatch:
 
 
 def slow_calls(loop: dict, slow_ms: float) -> list[dict]:
-    """A closed loop's decode-only calls slower than slow_ms, with their trace rows."""
-    return [{"call": i, "row": row} for i, row in enumerate(loop["steps"]["trace"])
+    """A closed loop's decode-only calls slower than slow_ms, with their trace rows, numbered as CallWatch
+    numbers calls: the loop runs async, so the first call waits for no step and trace row i is call i + 1."""
+    return [{"call": i + 1, "row": row} for i, row in enumerate(loop["steps"]["trace"])
             if row[0] >= slow_ms and not row[1]]
 
 
