@@ -1,4 +1,5 @@
-"""Torch references for the fused decoder ops (kernels/rmsnorm.py, rope_store.py, activation.py, gemv.py).
+"""Torch references for the fused decoder ops (kernels/rmsnorm.py, rope_store.py, activation.py, gemv.py,
+gated_gemm.py).
 
 Each computes in fp32 and rounds once into the output dtype, as its kernel does; the one extra rounding is
 the residual sum, which is stored in the residual's own dtype before it is normed (the unfused `x + h`).
@@ -36,6 +37,13 @@ def silu_and_mul_reference(gate_up: torch.Tensor, norm_of=None, eps: float = 0.0
     """gate_up (T, 2I) = [gate | up] -> silu(gate) * up (T, I); norm_of, eps, bias as scaled_projection."""
     gate, up = scaled_projection(gate_up, norm_of, eps, bias).chunk(2, dim=-1)
     return (gate / (1.0 + torch.exp(-gate)) * up).to(gate_up.dtype)
+
+
+def gated_gemm_reference(x, weight, bias=None, *, norm: bool = False, eps: float = 0.0) -> torch.Tensor:
+    """kernels.gated_gemm.gated_gemm as the GEMM route computes it: the [gate | up] projection of x (M, K)
+    rounded to x's dtype, then silu_and_mul with x's rows as the folded norm's -> (M, I)."""
+    gate_up = (x.float() @ weight.float().T).to(x.dtype)  # (M, 2I)
+    return silu_and_mul_reference(gate_up, x if norm else None, eps, bias)
 
 
 def rope_store_reference(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads: int,

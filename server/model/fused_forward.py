@@ -7,6 +7,8 @@ norm's row scale + bias, SiLU-and-mul (one kernel) -> down GEMM that adds into t
 layer with attention, no norm kernel: the row scale rsqrt(mean(r^2) + eps) commutes with the GEMM, so the
 kernel reading the GEMM's output applies it; the residual adds are the GEMMs' own (cuBLAS, beta = 1),
 rounded to the model dtype once per add as the eager `x = x + sublayer(x)`. The final norm is a kernel.
+Up to kernels.gated_gemm.MAX_ROWS rows (the decode steps of a few sequences) the gate_up GEMM and the
+SiLU-and-mul are one Triton kernel (kernels/gated_gemm.py), four launches a layer.
 
 It reads the same parameters as the torch modules and needs paged attention: RoPE writes the new tokens'
 K/V into the cache itself, then `attn.attend` runs on the stored K/V. A decode step of this forward is what
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import gated_gemm as gated
 from kernels.activation import silu_and_mul
 from kernels.gemv import gemv, gemv_rope_store
 from kernels.rmsnorm import rms_norm
@@ -85,10 +88,17 @@ def _layer(layer: DecoderLayer, residual: torch.Tensor, cos, sin, attn: Attentio
     rope_store_kv(qkv, cos, sin, k_cache, v_cache, slots, mod.num_heads, mod.num_kv_heads, norm_of=residual,
                   eps=layer.input_layernorm.eps, bias=mod.qkv_proj.bias)  # scaled, rotated, stored
     _add_projection(residual, _attend(mod, qkv, attn), mod.o_proj)
-    gate_up = F.linear(residual, mlp.gate_up_proj.weight)  # (T, 2I)
-    act = silu_and_mul(gate_up, norm_of=residual, eps=layer.post_attention_layernorm.eps,
-                       bias=mlp.gate_up_proj.bias)  # (T, I)
-    _add_projection(residual, act, mlp.down_proj)
+    _add_projection(residual, _mlp_activation(layer, residual), mlp.down_proj)
+
+
+def _mlp_activation(layer: DecoderLayer, residual: torch.Tensor) -> torch.Tensor:
+    """residual (T, H) -> silu(gate) * up (T, I) of its folded-normed row: one kernel up to
+    kernels.gated_gemm.MAX_ROWS rows, else the cuBLAS GEMM and the SiLU-and-mul kernel."""
+    proj, eps = layer.mlp.gate_up_proj, layer.post_attention_layernorm.eps
+    if residual.shape[0] <= gated.MAX_ROWS:
+        return gated.gated_gemm(residual, proj.weight, proj.bias, norm=True, eps=eps)
+    gate_up = F.linear(residual, proj.weight)  # (T, 2I)
+    return silu_and_mul(gate_up, norm_of=residual, eps=eps, bias=proj.bias)
 
 
 def _add_projection(residual: torch.Tensor, x: torch.Tensor, proj: nn.Linear) -> None:
