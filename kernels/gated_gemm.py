@@ -88,7 +88,8 @@ _gated_gemm = CachedLauncher(_gated_gemm_kernel, num_tensors=4)
 
 def _launch(x, weight, out, bias, norm, eps):
     """Grid (cdiv(I, BLOCK_N), cdiv(M, BLOCK_M)): BLOCK_M the rows padded to a tensor-core tile (16..64);
-    4 stages of (x + 2 weight tiles) = 48 KB each at the bench shape, in the H200's 228 KB of shared memory."""
+    4 stages of (x + 2 weight tiles) = 48 KB each at the bench shape, in the H200's 228 KB of shared
+    memory."""
     m, k = x.shape
     inter = out.shape[1]
     block_m = min(BLOCK_M, max(16, triton.next_power_of_2(m)))

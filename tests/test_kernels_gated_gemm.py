@@ -33,7 +33,7 @@ def make(m, inter, k, dtype, device, bias, seed):
     return cast(x), cast(w), cast(b)
 
 
-CASES = [  # (M, I, K, norm, bias): one row, ragged rows, a full 64-row tile and two tiles; I and K off the tile
+CASES = [  # (M, I, K, norm, bias): one row, ragged rows, a full 64-row tile, two tiles; I and K off the tile
     (1, 64, 128, True, False),
     (5, 40, 96, True, True),
     (16, 96, 256, False, False),
