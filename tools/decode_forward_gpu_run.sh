@@ -3,11 +3,11 @@
 # tools/decode_forward_bench on the previous checkout (BEFORE=dir holding it, optional) and on this one in
 # the same run; the two step tables last.
 # Usage on the device machine, from the repo root: OUT=/some/dir [BEFORE=.base] [BATCHES=16,64,256]
-#   [PROBE_ROWS="2 8 16 32 64 128"] bash tools/decode_forward_gpu_run.sh
+#   [PROBE_ROWS="8 16 32 64 128"] bash tools/decode_forward_gpu_run.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/decode_forward_gpu_run}
 BATCHES=${BATCHES:-1,16,64,256}
-PROBE_ROWS=${PROBE_ROWS:-2 8 16 32 64 128}
+PROBE_ROWS=${PROBE_ROWS:-8 16 32 64 128}
 mkdir -p "$OUT/before" "$OUT/after"
 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gated_gemm.py tests/test_model_fused_forward.py \
   tests/test_kernels_gemv.py 2>&1 | tail -n 8 | tee "$OUT/gpu_tests.txt"

@@ -15,7 +15,6 @@ It decides the kernel's tile and the largest batch the fused forward gives it (k
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 
@@ -29,8 +28,12 @@ from kernels.fused_reference import gated_gemm_reference
 from tools.decode_split_probe import LAYERS, graph_us  # 16 launches a graph, µs a launch
 
 HIDDEN, INTER, EPS = 2048, 8192, 1e-5
-TILES = [dict(BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=s, NUM_WARPS=w)
-         for bn, bk, s, w in itertools.product((32, 64, 128), (64, 128), (3, 4), (4, 8))]
+# (BLOCK_N, BLOCK_K, stages, warps): deeper pipelines where the stage fits (a BN64 BK128 stage is 48 KB of the
+# H200's 228 KB; tools/splitk_gemm_probe.py found 4 stages ahead of 3 at these shapes)
+TILES = [dict(BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=s, NUM_WARPS=w) for bn, bk, s, w in (
+    (32, 128, 4, 4), (32, 128, 6, 4), (32, 64, 8, 4),
+    (64, 128, 3, 4), (64, 128, 4, 4), (64, 128, 4, 8), (64, 64, 4, 4), (64, 64, 6, 4), (64, 64, 8, 4),
+    (128, 64, 4, 4), (128, 64, 4, 8))]
 
 
 def with_tile(tile: dict):
@@ -78,7 +81,7 @@ def rows_for(m: int, ws, gen) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[2, 8, 16, 32, 64, 128])
+    ap.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 64, 128])
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     ws = [torch.randn(2 * INTER, HIDDEN, generator=gen, device="cuda", dtype=torch.bfloat16) * HIDDEN ** -0.5
