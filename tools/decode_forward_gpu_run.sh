@@ -9,12 +9,12 @@ OUT=${OUT:-/tmp/decode_forward_gpu_run}
 BATCHES=${BATCHES:-1,16,64,256}
 PROBE_ROWS=${PROBE_ROWS:-8 16 32 64 128}
 mkdir -p "$OUT/before" "$OUT/after"
-python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gated_gemm.py tests/test_model_fused_forward.py \
+python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_fused_gemm.py tests/test_model_fused_forward.py \
   tests/test_kernels_gemv.py 2>&1 | tail -n 8 | tee "$OUT/gpu_tests.txt"
 if [ -n "$PROBE_ROWS" ]; then
   # shellcheck disable=SC2086
-  python3 -m tools.gated_gemm_probe --rows $PROBE_ROWS > "$OUT/gated_gemm_probe.txt" 2>&1
-  tail -n 12 "$OUT/gated_gemm_probe.txt"
+  python3 -m tools.fused_gemm_probe --rows $PROBE_ROWS > "$OUT/fused_gemm_probe.txt" 2>&1
+  tail -n 12 "$OUT/fused_gemm_probe.txt"
 fi
 if [ -n "${BEFORE:-}" ]; then
   (cd "$BEFORE" && python3 -m tools.decode_forward_bench --batches "$BATCHES" --profile-batches 64 \
