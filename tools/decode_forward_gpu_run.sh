@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One GPU call for the fused decode forward (issue 16): its GPU tests, the gated-GEMM probe, then
 # tools/decode_forward_bench on the previous checkout (BEFORE=dir holding it, optional) and on this one in
-# the same run; the two step tables last.
+# the same run, and with ENGINE=1 the engine core's decode steps and the 64:256 closed loop on each
+# (tools/engine_step_bench); the tables last.
 # Usage on the device machine, from the repo root: OUT=/some/dir [BEFORE=.base] [BATCHES=16,64,256]
-#   [PROBE_ROWS="8 16 32 64 128"] bash tools/decode_forward_gpu_run.sh
+#   [PROBE_ROWS="8 16 32 64 128"] [ENGINE=1] bash tools/decode_forward_gpu_run.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/decode_forward_gpu_run}
 BATCHES=${BATCHES:-1,16,64,256}
@@ -14,14 +15,23 @@ python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_fused_gemm.py
 if [ -n "$PROBE_ROWS" ]; then
   # shellcheck disable=SC2086
   python3 -m tools.fused_gemm_probe --rows $PROBE_ROWS > "$OUT/fused_gemm_probe.txt" 2>&1
-  tail -n 12 "$OUT/fused_gemm_probe.txt"
+  tail -n 14 "$OUT/fused_gemm_probe.txt"
 fi
+bench() {  # $1: before | after, run in the current directory
+  python3 -m tools.decode_forward_bench --batches "$BATCHES" --profile-batches 64 --out "$OUT/$1" \
+    > "$OUT/$1/log.txt" 2>&1
+  if [ -n "${ENGINE:-}" ]; then
+    python3 -m tools.engine_step_bench --batches 16 64 --modes greedy --steps 32 --closed-loop 64:256 \
+      --out "$OUT/$1/engine.json" > "$OUT/$1/engine.txt" 2>&1
+  fi
+}
 if [ -n "${BEFORE:-}" ]; then
-  (cd "$BEFORE" && python3 -m tools.decode_forward_bench --batches "$BATCHES" --profile-batches 64 \
-     --out "$OUT/before" > "$OUT/before/log.txt" 2>&1)
+  (cd "$BEFORE" && bench before)
 fi
-python3 -m tools.decode_forward_bench --batches "$BATCHES" --profile-batches 64 --out "$OUT/after" \
-  > "$OUT/after/log.txt" 2>&1
+bench after
 for side in before after; do
-  [ -s "$OUT/$side/log.txt" ] && { echo "== $side"; tail -n $(( $(echo "$BATCHES" | tr ',' '\n' | wc -l) + 4 )) "$OUT/$side/log.txt"; }
+  [ -s "$OUT/$side/log.txt" ] || continue
+  echo "== $side"
+  tail -n $(( $(echo "$BATCHES" | tr ',' '\n' | wc -l) + 4 )) "$OUT/$side/log.txt"
+  [ -s "$OUT/$side/engine.txt" ] && tail -n 8 "$OUT/$side/engine.txt"
 done
