@@ -10,6 +10,8 @@ weight rows that its epilogue combines, so the epilogue needs nothing from anoth
 - `gemm_rope_store`, the qkv projection: rotation pairs, element j of a head and the element D/2 after it
   (the two RoPE mixes), then RoPE on q and k and the K/V store into the paged cache (kernels/rope_store.py's
   work) -> qkv (M, (Hq + 2 Hkv) D).
+`gemm_add` is the plain GEMM of the two projections that add into the stream (o_proj): residual += x W^T,
+each output tile read and written by the program that computes it.
 One launch each where the GEMM route runs a cuBLAS GEMM and then the elementwise kernel, and no re-read of
 the GEMM's output. Rounding is the GEMM route's: each product is rounded to the model dtype (as the cuBLAS
 output is), then scaled, biased and finished in fp32 and rounded once, as the elementwise kernels do.
@@ -34,6 +36,7 @@ MAX_ROWS = 64  # the largest batch the fused forward gives these kernels (one ro
 BLOCK_M = 64   # the largest row tile
 BLOCK_N = 64   # gated: gate columns a program (and as many up columns): 128 programs for I = 8192
 BLOCK_P = 16   # rope: rotation pairs a program: 96 programs for the bench's 48 heads of 64
+BLOCK_ADD_N = 16  # gemm_add: output columns a program: 128 programs for o_proj's N = 2048
 BLOCK_K = 128
 NUM_WARPS = 4
 NUM_STAGES = 4
@@ -42,9 +45,10 @@ NUM_STAGES = 4
 @triton.jit
 def _paired_dot(X, W, stride_x, rm, m_ok, rows_a, rows_b, n_ok,
                 K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                PRECISION: tl.constexpr):
+                PRECISION: tl.constexpr, PAIRED: tl.constexpr = True):
     """-> (x W[rows_a]^T, x W[rows_b]^T, sum of x^2 per row) in fp32, (BLOCK_M, BLOCK_N) twice and
-    (BLOCK_M,), for x = X's rows rm (M, K) and W (N, K) row-major; rows past m_ok / n_ok read as 0."""
+    (BLOCK_M,), for x = X's rows rm (M, K) and W (N, K) row-major; rows past m_ok / n_ok read as 0.
+    Not PAIRED: the second product is left 0 (rows_b unread)."""
     rk = tl.arange(0, BLOCK_K)
     x_ptrs = X + rm.to(tl.int64)[:, None] * stride_x + rk[None, :]       # (BLOCK_M, BLOCK_K)
     a_ptrs = W + rows_a.to(tl.int64)[:, None] * K + rk[None, :]          # (BLOCK_N, BLOCK_K)
@@ -57,9 +61,10 @@ def _paired_dot(X, W, stride_x, rm, m_ok, rows_a, rows_b, n_ok,
         x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w_mask = n_ok[:, None] & k_ok[None, :]
         wa = tl.load(a_ptrs, mask=w_mask, other=0.0)
-        wb = tl.load(b_ptrs, mask=w_mask, other=0.0)
         acc_a = tl.dot(x, tl.trans(wa), acc_a, input_precision=PRECISION)
-        acc_b = tl.dot(x, tl.trans(wb), acc_b, input_precision=PRECISION)
+        if PAIRED:
+            wb = tl.load(b_ptrs, mask=w_mask, other=0.0)
+            acc_b = tl.dot(x, tl.trans(wb), acc_b, input_precision=PRECISION)
         xf = x.to(tl.float32)
         sum_sq += tl.sum(xf * xf, axis=1)
         x_ptrs += BLOCK_K
@@ -155,7 +160,32 @@ def _gemm_rope_store_kernel(
     tl.store(dst_v + HALF * stride_vd, o2.to(V_CACHE.dtype.element_ty), mask=is_v)
 
 
+@triton.jit
+def _gemm_add_kernel(
+    X, W, RESIDUAL, BIAS, M, stride_x, stride_r,
+    K: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Program (n, m) adds x W^T (+ bias) into RESIDUAL[m tile, n tile], the one program that reads and
+    writes those elements: the sum in fp32, rounded once (cuBLAS addmm with beta = 1; with a bias, the
+    biased product is rounded before the add)."""
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    acc, _, _ = _paired_dot(X, W, stride_x, rm, m_ok, rn, rn, n_ok, K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+                            PAIRED=False)
+    if HAS_BIAS:  # the projection's output rounded first, as residual.add_(F.linear(x, w, b)) rounds it
+        acc += tl.load(BIAS + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc = acc.to(RESIDUAL.dtype.element_ty).to(tl.float32)
+    ptrs = RESIDUAL + rm.to(tl.int64)[:, None] * stride_r + rn[None, :]
+    tile_ok = m_ok[:, None] & n_ok[None, :]
+    y = acc + tl.load(ptrs, mask=tile_ok, other=0.0).to(tl.float32)
+    tl.store(ptrs, y.to(RESIDUAL.dtype.element_ty), mask=tile_ok)
+
+
 _gated_gemm = CachedLauncher(_gated_gemm_kernel, num_tensors=4)
+_gemm_add = CachedLauncher(_gemm_add_kernel, num_tensors=4)
 _gemm_rope_store = CachedLauncher(_gemm_rope_store_kernel, num_tensors=9)
 
 
@@ -194,6 +224,17 @@ def _launch_rope_store(x, weight, qkv, bias, norm, eps, cos, sin, k_cache, v_cac
                      *k_cache.stride(), *v_cache.stride(),
                      K=k, HALF=half, NUM_Q_HEADS=hq, NUM_KV_HEADS=hkv, BLOCK_M=block_m, BLOCK_P=block_p,
                      BLOCK_K=_tile(k, BLOCK_K), NORM=norm, HAS_BIAS=bias is not None, **_options(x))
+
+
+def _launch_add(x, weight, residual, bias):
+    """Grid (cdiv(N, BLOCK_ADD_N), cdiv(M, BLOCK_M))."""
+    m, k = x.shape
+    n = weight.shape[0]
+    block_m, block_n = _tile(m, BLOCK_M), _tile(n, BLOCK_ADD_N)
+    _gemm_add((triton.cdiv(n, block_n), triton.cdiv(m, block_m)), x, weight, residual,
+              x if bias is None else bias, m, x.stride(0), residual.stride(0),
+              K=k, N=n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_tile(k, BLOCK_K),
+              HAS_BIAS=bias is not None, **_options(x))
 
 
 def _new_output(m: int, n: int, x: torch.Tensor) -> torch.Tensor:
@@ -248,3 +289,29 @@ def gemm_rope_store(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         _launch_rope_store(x, weight, qkv, bias, norm, eps, cos, sin, k_cache, v_cache, slot_mapping,
                            num_q_heads, num_kv_heads)
     return qkv
+
+
+def gemm_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """residual (M, N) += x (M, K) @ weight.T (N, K) (+ bias (N,)), in place, each sum rounded once to
+    residual's dtype as residual.addmm_(x, weight.t()) rounds it; -> residual. x must not overlap residual
+    (every program reads its x rows whole while others write their residual tiles)."""
+    _check(x, weight, bias, gated=False)
+    m, n = x.shape[0], weight.shape[0]
+    if (residual.shape != (m, n) or residual.stride(-1) != 1 or residual.dtype != x.dtype
+            or residual.device != x.device):
+        raise ValueError(f"residual must be ({m}, {n}) {x.dtype} on {x.device} with contiguous rows, got "
+                         f"{tuple(residual.shape)} {residual.dtype} on {residual.device}")
+    if _overlap(x, residual):
+        raise ValueError("x and residual overlap: the epilogue writes residual tiles that programs read as x")
+    if m:
+        _launch_add(x, weight, residual, bias)
+    return residual
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of two row-strided tensors intersect."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1 = a0 + ((a.shape[0] - 1) * a.stride(0) + a.shape[1]) * a.element_size()
+    b1 = b0 + ((b.shape[0] - 1) * b.stride(0) + b.shape[1]) * b.element_size()
+    return a.numel() > 0 and b.numel() > 0 and a0 < b1 and b0 < a1

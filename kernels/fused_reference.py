@@ -107,3 +107,13 @@ def gemm_rope_store_reference(x, weight, bias=None, *, norm: bool, eps: float, c
     rope_store_reference(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads,
                          x if norm else None, eps, bias)
     return qkv
+
+
+def gemm_add_reference(x, weight, residual, bias=None) -> torch.Tensor:
+    """kernels.fused_gemm.gemm_add as the GEMM route computes it: residual += x W^T (+ b), in place, the sum
+    rounded once (with a bias, the biased product rounded before the add) -> residual."""
+    y = x.float() @ weight.float().T
+    if bias is not None:
+        y = (y + bias.float()).to(x.dtype).float()
+    residual.copy_(residual.float() + y)
+    return residual

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import kernels.fused_gemm as fused_mod
-from kernels.fused_gemm import gated_gemm, gemm_rope_store
-from kernels.fused_reference import gated_gemm_reference, gemm_rope_store_reference
+from kernels.fused_gemm import gated_gemm, gemm_add, gemm_rope_store
+from kernels.fused_reference import gated_gemm_reference, gemm_add_reference, gemm_rope_store_reference
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -132,3 +132,28 @@ def test_gemm_rope_store_equals_the_gemm_route(poisoned, device, dtype, m, hq, h
         torch.testing.assert_close(caches[name].float(), ref_caches[name].float(), rtol=rtol, atol=atol)
         flat, before = caches[name].flatten(0, 1).cpu(), untouched[name].flatten(0, 1).cpu()
         assert torch.equal(flat[~written], before[~written])
+
+
+ADD_CASES = [(1, 64, 128, False), (5, 40, 96, True), (64, 48, 200, False), (70, 33, 64, True)]  # M N K bias
+
+
+@pytest.mark.parametrize("device,dtype", [("cpu", torch.float32), ("cpu", torch.float16),
+                                          pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("m,n,k,bias", ADD_CASES)
+def test_gemm_add_equals_addmm(device, dtype, m, n, k, bias):
+    device_or_skip(device)
+    x, w, b = make(m, n, k, dtype, device, bias, seed=m + n + k)
+    residual = torch.randn(m, n, generator=torch.Generator().manual_seed(m)).to(device=device, dtype=dtype)
+    expect = gemm_add_reference(x, w, residual.clone(), b)
+    got = residual.clone()
+    assert gemm_add(x, w, got, b) is got
+    rtol, atol = tolerance(dtype)
+    torch.testing.assert_close(got.float(), expect.float(), rtol=rtol, atol=atol)
+
+
+def test_gemm_add_refuses_a_residual_it_cannot_write():
+    x, w = torch.randn(3, 16), torch.randn(16, 16)
+    with pytest.raises(ValueError, match="residual must be"):
+        gemm_add(x, w, torch.zeros(3, 8))
+    with pytest.raises(ValueError, match="overlap"):
+        gemm_add(x, w, x)
