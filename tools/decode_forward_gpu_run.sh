@@ -15,7 +15,7 @@ python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_fused_gemm.py
 if [ -n "$PROBE_ROWS" ]; then
   # shellcheck disable=SC2086
   python3 -m tools.fused_gemm_probe --rows $PROBE_ROWS > "$OUT/fused_gemm_probe.txt" 2>&1
-  tail -n 14 "$OUT/fused_gemm_probe.txt"
+  tail -n 19 "$OUT/fused_gemm_probe.txt"
 fi
 bench() {  # $1: before | after, run in the current directory
   python3 -m tools.decode_forward_bench --batches "$BATCHES" --profile-batches 64 --out "$OUT/$1" \

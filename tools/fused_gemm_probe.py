@@ -9,6 +9,8 @@ residual stream x (M, 2048) on folded norms:
 - qkv (3072 x 2048, 12.6 MB; 32 q heads, 8 kv heads of 64): cuBLAS F.linear, then
   kernels.rope_store.rope_store_kv with the row scale (the K/V of each row stored into a paged cache),
   against kernels.fused_gemm.gemm_rope_store;
+- o_proj (2048 x 2048, 8.4 MB) adding into the stream: cuBLAS addmm_ (beta = 1, as the fused forward runs
+  it), against kernels.fused_gemm.gemm_add;
 each fused kernel at the shipped tile and at each tile of a short list (columns or pairs a program, BLOCK_K,
 stages, warps). Prints µs a layer, TB/s of weight bytes, the speed against the GEMM route and the max error
 of each against the fp32 reference (the GEMM route's own error beside it); the table last. JSON to
@@ -39,6 +41,8 @@ TILES = {
     "gate_up": ("BLOCK_N", [(32, 128, 4, 4), (32, 128, 6, 4), (32, 64, 8, 4), (64, 128, 3, 4),
                             (64, 128, 4, 4), (64, 128, 4, 8), (64, 64, 4, 4), (64, 64, 6, 4), (64, 64, 8, 4),
                             (128, 64, 4, 4), (128, 64, 4, 8)]),
+    "o_proj": ("BLOCK_ADD_N", [(16, 128, 4, 4), (16, 128, 6, 4), (16, 128, 8, 4), (16, 64, 8, 4),
+                                (32, 128, 4, 4), (32, 128, 6, 4), (32, 64, 8, 4)]),
     "qkv": ("BLOCK_P", [(16, 128, 4, 4), (16, 128, 6, 4), (16, 128, 8, 4), (16, 64, 8, 4), (16, 256, 4, 4),
                         (32, 128, 4, 4), (32, 128, 6, 4), (32, 64, 8, 4), (32, 128, 4, 8)]),
 }
@@ -90,14 +94,32 @@ def qkv_case(m: int, gen):
     return ws, ref, route, fused
 
 
-CASES = {"gate_up": gate_up_case, "qkv": qkv_case}
+def o_proj_case(m: int, gen):
+    ws = [torch.randn(HIDDEN, HQ * D, generator=gen, device="cuda", dtype=torch.bfloat16) * HIDDEN ** -0.5
+          for _ in range(LAYERS)]
+    x = torch.randn(m, HQ * D, generator=gen, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn(m, HIDDEN, generator=gen, device="cuda", dtype=torch.bfloat16)
+    start = residual.clone()
+    ref = (start.float() + x.float() @ ws[0].float().T)
+
+    def from_start(add):  # one add onto the same residual (what the error compares); the timing adds 16
+        residual.copy_(start)
+        return add(ws[0])
+
+    route = lambda w: residual.addmm_(x, w.t())  # noqa: E731
+    fused = lambda w: fg.gemm_add(x, w, residual)  # noqa: E731
+    return ws, ref, route, fused, from_start
+
+
+CASES = {"gate_up": gate_up_case, "qkv": qkv_case, "o_proj": o_proj_case}
 
 
 def rows_for(name: str, m: int, gen) -> list[dict]:
-    ws, ref, route, fused = CASES[name](m, gen)
+    ws, ref, route, fused, *once = CASES[name](m, gen)
+    first = once[0] if once else (lambda add: add(ws[0]))
     wbytes = ws[0].numel() * 2
     scale = float(ref.abs().max())
-    err = lambda fn: float((fn(ws[0]).float() - ref).abs().max()) / scale  # noqa: E731
+    err = lambda fn: float((first(fn).float() - ref).abs().max()) / scale  # noqa: E731
     out = [{"rows": m, "projection": name, "variant": "GEMM route", "err": err(route),
             "us": graph_us(lambda: [route(w) for w in ws])}]
     width_name, tiles = TILES[name]
