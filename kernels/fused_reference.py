@@ -1,5 +1,4 @@
-"""Torch references for the fused decoder ops (kernels/rmsnorm.py, rope_store.py, activation.py, gemv.py,
-fused_gemm.py).
+"""Torch references for the fused decoder ops (kernels/rmsnorm.py, rope_store.py, activation.py, gemv.py).
 
 Each computes in fp32 and rounds once into the output dtype, as its kernel does; the one extra rounding is
 the residual sum, which is stored in the residual's own dtype before it is normed (the unfused `x + h`).
@@ -37,13 +36,6 @@ def silu_and_mul_reference(gate_up: torch.Tensor, norm_of=None, eps: float = 0.0
     """gate_up (T, 2I) = [gate | up] -> silu(gate) * up (T, I); norm_of, eps, bias as scaled_projection."""
     gate, up = scaled_projection(gate_up, norm_of, eps, bias).chunk(2, dim=-1)
     return (gate / (1.0 + torch.exp(-gate)) * up).to(gate_up.dtype)
-
-
-def gated_gemm_reference(x, weight, bias=None, *, norm: bool = False, eps: float = 0.0) -> torch.Tensor:
-    """kernels.fused_gemm.gated_gemm as the GEMM route computes it: the [gate | up] projection of x (M, K)
-    rounded to x's dtype, then silu_and_mul with x's rows as the folded norm's -> (M, I)."""
-    gate_up = (x.float() @ weight.float().T).to(x.dtype)  # (M, 2I)
-    return silu_and_mul_reference(gate_up, x if norm else None, eps, bias)
 
 
 def rope_store_reference(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads: int,
@@ -97,23 +89,3 @@ def gemv_rope_store_reference(x, weight, bias, *, norm_weight, eps, cos, sin, k_
     qkv = gemv_reference(x, weight, bias, norm_weight=norm_weight, eps=eps)
     rope_store_reference(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads)
     return qkv
-
-
-def gemm_rope_store_reference(x, weight, bias=None, *, norm: bool, eps: float, cos, sin, k_cache, v_cache,
-                              slot_mapping, num_q_heads: int, num_kv_heads: int) -> torch.Tensor:
-    """kernels.fused_gemm.gemm_rope_store as the GEMM route computes it: the qkv projection of x (M, K)
-    rounded to x's dtype, then RoPE + store in place with x's rows as the folded norm's -> qkv."""
-    qkv = (x.float() @ weight.float().T).to(x.dtype)
-    rope_store_reference(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads,
-                         x if norm else None, eps, bias)
-    return qkv
-
-
-def gemm_add_reference(x, weight, residual, bias=None) -> torch.Tensor:
-    """kernels.fused_gemm.gemm_add as the GEMM route computes it: residual += x W^T (+ b), in place, the sum
-    rounded once (with a bias, the biased product rounded before the add) -> residual."""
-    y = x.float() @ weight.float().T
-    if bias is not None:
-        y = (y + bias.float()).to(x.dtype).float()
-    residual.copy_(residual.float() + y)
-    return residual

@@ -7,9 +7,6 @@ norm's row scale + bias, SiLU-and-mul (one kernel) -> down GEMM that adds into t
 layer with attention, no norm kernel: the row scale rsqrt(mean(r^2) + eps) commutes with the GEMM, so the
 kernel reading the GEMM's output applies it; the residual adds are the GEMMs' own (cuBLAS, beta = 1),
 rounded to the model dtype once per add as the eager `x = x + sublayer(x)`. The final norm is a kernel.
-Up to kernels.fused_gemm.MAX_ROWS rows (the decode steps of a few sequences) each of the two GEMM + kernel
-pairs is one Triton GEMM with the kernel's work as its epilogue (kernels/fused_gemm.py): three launches a
-layer with attention.
 
 It reads the same parameters as the torch modules and needs paged attention: RoPE writes the new tokens'
 K/V into the cache itself, then `attn.attend` runs on the stored K/V. A decode step of this forward is what
@@ -27,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import fused_gemm
 from kernels.activation import silu_and_mul
 from kernels.gemv import gemv, gemv_rope_store
 from kernels.rmsnorm import rms_norm
@@ -84,36 +80,15 @@ def takes_one_row(input_ids: torch.Tensor) -> bool:
 def _layer(layer: DecoderLayer, residual: torch.Tensor, cos, sin, attn: AttentionFn) -> None:
     """residual (T, H) gains this layer's attention and MLP outputs, in place (folded norms)."""
     mod, mlp = layer.self_attn, layer.mlp
-    qkv = _qkv_stored(layer, residual, cos, sin, attn)
-    _add_projection(residual, _attend(mod, qkv, attn), mod.o_proj)
-    _add_projection(residual, _mlp_activation(layer, residual), mlp.down_proj)
-
-
-def _qkv_stored(layer: DecoderLayer, residual: torch.Tensor, cos, sin, attn: AttentionFn) -> torch.Tensor:
-    """residual (T, H) -> qkv (T, (Hq + 2 Hkv) D) of its folded-normed rows, q and k rotated, the new K/V
-    stored: one kernel up to kernels.fused_gemm.MAX_ROWS rows, else the cuBLAS GEMM and the RoPE + store
-    kernel."""
-    mod, eps = layer.self_attn, layer.input_layernorm.eps
-    k_cache, v_cache, slots = attn.kv_destination(mod.layer_idx)
-    if residual.shape[0] <= fused_gemm.MAX_ROWS:
-        return fused_gemm.gemm_rope_store(residual, mod.qkv_proj.weight, mod.qkv_proj.bias, norm=True,
-                                          eps=eps, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache,
-                                          slot_mapping=slots, num_q_heads=mod.num_heads,
-                                          num_kv_heads=mod.num_kv_heads)
     qkv = F.linear(residual, mod.qkv_proj.weight)  # (T, (Hq + 2 Hkv) D): the un-normed stream's projection
+    k_cache, v_cache, slots = attn.kv_destination(mod.layer_idx)
     rope_store_kv(qkv, cos, sin, k_cache, v_cache, slots, mod.num_heads, mod.num_kv_heads, norm_of=residual,
-                  eps=eps, bias=mod.qkv_proj.bias)  # scaled, rotated, stored
-    return qkv
-
-
-def _mlp_activation(layer: DecoderLayer, residual: torch.Tensor) -> torch.Tensor:
-    """residual (T, H) -> silu(gate) * up (T, I) of its folded-normed rows: one kernel up to
-    kernels.fused_gemm.MAX_ROWS rows, else the cuBLAS GEMM and the SiLU-and-mul kernel."""
-    proj, eps = layer.mlp.gate_up_proj, layer.post_attention_layernorm.eps
-    if residual.shape[0] <= fused_gemm.MAX_ROWS:
-        return fused_gemm.gated_gemm(residual, proj.weight, proj.bias, norm=True, eps=eps)
-    gate_up = F.linear(residual, proj.weight)  # (T, 2I)
-    return silu_and_mul(gate_up, norm_of=residual, eps=eps, bias=proj.bias)
+                  eps=layer.input_layernorm.eps, bias=mod.qkv_proj.bias)  # scaled, rotated, stored
+    _add_projection(residual, _attend(mod, qkv, attn), mod.o_proj)
+    gate_up = F.linear(residual, mlp.gate_up_proj.weight)  # (T, 2I)
+    act = silu_and_mul(gate_up, norm_of=residual, eps=layer.post_attention_layernorm.eps,
+                       bias=mlp.gate_up_proj.bias)  # (T, I)
+    _add_projection(residual, act, mlp.down_proj)
 
 
 def _add_projection(residual: torch.Tensor, x: torch.Tensor, proj: nn.Linear) -> None:
