@@ -1,22 +1,18 @@
 #!/usr/bin/env bash
-# One GPU call for the fused decode forward (issue 16): its GPU tests, the gated-GEMM probe, then
-# tools/decode_forward_bench on the previous checkout (BEFORE=dir holding it, optional) and on this one in
-# the same run, and with ENGINE=1 the engine core's decode steps and the 64:256 closed loop on each
+# One GPU call for the fused decode forward (issue 16): its GPU tests, the greedy argmax against torch's
+# (tools/argmax_bench), then tools/decode_forward_bench on the previous checkout (BEFORE=dir holding it,
+# optional) and on this one in the same run, and with ENGINE=1 the engine core's decode steps and the 64:256 closed loop on each
 # (tools/engine_step_bench); the tables last.
 # Usage on the device machine, from the repo root: OUT=/some/dir [BEFORE=.base] [BATCHES=16,64,256]
-#   [PROBE_ROWS="8 16 32 64 128"] [ENGINE=1] bash tools/decode_forward_gpu_run.sh
+#   [ENGINE=1] bash tools/decode_forward_gpu_run.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/decode_forward_gpu_run}
 BATCHES=${BATCHES:-1,16,64,256}
-PROBE_ROWS=${PROBE_ROWS:-8 16 32 64 128}
 mkdir -p "$OUT/before" "$OUT/after"
-python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_fused_gemm.py tests/test_model_fused_forward.py \
-  tests/test_kernels_gemv.py 2>&1 | tail -n 8 | tee "$OUT/gpu_tests.txt"
-if [ -n "$PROBE_ROWS" ]; then
-  # shellcheck disable=SC2086
-  python3 -m tools.fused_gemm_probe --rows $PROBE_ROWS > "$OUT/fused_gemm_probe.txt" 2>&1
-  tail -n 19 "$OUT/fused_gemm_probe.txt"
-fi
+python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_argmax.py tests/test_model_fused_forward.py \
+  tests/test_kernels_gemv.py tests/test_runner_gpu.py 2>&1 | tail -n 8 | tee "$OUT/gpu_tests.txt"
+python3 -m tools.argmax_bench --out "$OUT/argmax.json" > "$OUT/argmax.txt" 2>&1
+tail -n 11 "$OUT/argmax.txt"
 bench() {  # $1: before | after, run in the current directory
   python3 -m tools.decode_forward_bench --batches "$BATCHES" --profile-batches 64 --out "$OUT/$1" \
     > "$OUT/$1/log.txt" 2>&1

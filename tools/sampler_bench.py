@@ -140,11 +140,12 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def out_path(out: Path, device: str) -> Path:
+def out_path(out: Path, device: str, stem: str = "sampler") -> Path:
+    """--out as given when a .json path, else DIR/<stem>_<gpu>.json."""
     if out.suffix == ".json":
         return out
     slug = "h200" if "H200" in device else re.sub(r"[^a-z0-9]+", "_", device.lower()).strip("_")
-    return out / f"sampler_{slug}.json"
+    return out / f"{stem}_{slug}.json"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -87,9 +87,14 @@ class Sampler:
         n = max_rows + 1
         self.vocab_size, self.device = vocab_size, device
         self.kernel = torch.device(device).type == "cuda" if kernel is None else kernel
+        # greedy ids (S, V) -> (S,) int64: on CUDA the split-row kernel (kernels/argmax.py: 64 rows of 128256
+        # in bf16 take torch.argmax 36 us on an H200, one block per row)
+        self.argmax = _torch_argmax
         if self.kernel:
-            from kernels.sampling import sample_logits  # Triton loads only where the kernel runs
+            from kernels import argmax  # Triton loads only where the kernels run
+            from kernels.sampling import sample_logits
             self._sample_logits = sample_logits
+            self.argmax, self._warm_up_argmax = argmax.argmax_rows, argmax.warm_up
         self.floats = torch.zeros(n, FLOAT_FIELDS, device=device)  # (R, 6)
         self.ints = torch.zeros(n, INT_FIELDS, dtype=torch.int64, device=device)  # (R, 3)
         self.counts: torch.Tensor | None = None  # (R, V) int32 generated-token counts, once penalties appear
@@ -103,6 +108,8 @@ class Sampler:
         and changes no state."""
         if not self.kernel:
             return
+        for dtype in dict.fromkeys((torch.float32, model_dtype)):
+            self._warm_up_argmax(self.floats.shape[0] - 1, self.vocab_size, dtype, self.device)
         rows = torch.zeros(1, dtype=torch.long, device=self.device)
         floats, ints = self.floats[rows], self.ints[rows]
         for dtype in dict.fromkeys((torch.float32, model_dtype)):
@@ -182,7 +189,7 @@ class Sampler:
             logits = self._apply_penalties(logits, rows, floats)
         if flags & SAMPLED:
             return self._sample(logits, floats, ints, flags, compact), raw
-        return logits.argmax(dim=-1), raw
+        return self.argmax(logits), raw
 
     def _apply_penalties(self, logits: torch.Tensor, rows: torch.Tensor,
                          floats: torch.Tensor) -> torch.Tensor:
@@ -230,6 +237,11 @@ class Sampler:
         picked = self._sample_logits(values, f[:, 0], f[:, 1], f[:, 2], i[:, 0], i[:, 1], i[:, 2],
                                      GREEDY_TEMPERATURE)
         return ids.gather(1, picked[:, None]).squeeze(1)
+
+
+def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """(S, V) -> (S,) int64: the first index of each row's max."""
+    return logits.argmax(dim=-1)
 
 
 def _best_tokens(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

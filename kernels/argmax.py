@@ -1,0 +1,121 @@
+"""Triton row argmax of a step's logits: the greedy decode step's token ids, torch.argmax's answer.
+
+torch.argmax over (S, V) logits runs one block per row: at V = 128256 a decode step of 64 rows took 36 µs on
+an H200 for 16 MB (docs/benchmarks/decode_forward_h200.md), ~2% of the step. Here the work splits two ways:
+  1. program (row, c) walks chunk c of the row in BLOCK-wide tiles, each lane keeping its own running max
+     and the first column holding it (no reduction inside the loop), and writes the chunk's (key, column);
+  2. program row merges its chunks: the largest key, the smallest column among ties.
+The chunks per row grow as the rows shrink so that about TARGET_PROGRAMS programs read the logits.
+
+The comparison key reproduces torch.argmax exactly: an int32 that orders floats as their values do (the bit
+pattern, its magnitude bits flipped when negative), -0.0 taken as +0.0, and NaN above everything (torch's
+argmax returns the first NaN); ties go to the first column. Torch reference: argmax_reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.launch_cache import CachedLauncher
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+BLOCK = 2048  # columns of one tile: 4 warps load 16 per thread (two 16-byte loads in bf16)
+NUM_WARPS = 4
+TARGET_PROGRAMS = 512  # stage-1 programs aimed at: ~4 per SM on a 132-SM H200
+KEY_NAN = tl.constexpr(2**31 - 1)  # above +inf's key (0x7F800000)
+
+
+@triton.jit
+def _order_key(x):
+    """(BLOCK,) floats -> int32 keys ordered as the values, -0.0 as +0.0, NaN the largest."""
+    x = tl.where(x == 0.0, 0.0, x.to(tl.float32))
+    bits = x.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return tl.where(x != x, KEY_NAN, key)
+
+
+@triton.jit
+def _chunk_argmax_kernel(LOGITS, PART_KEY, PART_COL, stride_row, V, chunk, num_chunks,
+                         BLOCK: tl.constexpr):
+    """Program (row, c): columns [c * chunk, min((c + 1) * chunk, V)) -> PART_KEY/PART_COL[row, c]."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    lanes = tl.arange(0, BLOCK)
+    key_lane = tl.full([BLOCK], -2**31, tl.int32)  # below every float's key (-inf is 0x807FFFFF)
+    col_lane = tl.zeros([BLOCK], tl.int32)
+    start = c * chunk
+    end = tl.minimum(start + chunk, V)
+    for tile in range(start, end, BLOCK):
+        cols = tile + lanes
+        x = tl.load(LOGITS + row * stride_row + cols, mask=cols < end, other=float("-inf"))
+        key = tl.where(cols < end, _order_key(x), -2**31)
+        col_lane = tl.where(key > key_lane, cols, col_lane)  # strictly: a lane keeps its first max
+        key_lane = tl.maximum(key_lane, key)
+    best = tl.max(key_lane, 0)
+    col = tl.min(tl.where(key_lane == best, col_lane, 2**31 - 1), 0)
+    tl.store(PART_KEY + row * num_chunks + c, best)
+    tl.store(PART_COL + row * num_chunks + c, col)
+
+
+@triton.jit
+def _merge_chunks_kernel(PART_KEY, PART_COL, OUT, num_chunks, BLOCK_C: tl.constexpr):
+    """Program row: the largest chunk key, the smallest column among ties -> OUT[row] (int64)."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_C)
+    mask = c < num_chunks
+    key = tl.load(PART_KEY + row * num_chunks + c, mask=mask, other=-2**31)
+    col = tl.load(PART_COL + row * num_chunks + c, mask=mask, other=2**31 - 1)
+    best = tl.max(key, 0)
+    tl.store(OUT + row, tl.min(tl.where(key == best, col, 2**31 - 1), 0).to(tl.int64))
+
+
+_chunk_argmax = CachedLauncher(_chunk_argmax_kernel, num_tensors=3)
+_merge_chunks = CachedLauncher(_merge_chunks_kernel, num_tensors=3)
+
+
+def num_chunks(rows: int, vocab: int) -> int:
+    """Chunks per row: enough that rows * chunks reaches TARGET_PROGRAMS, at most one tile each."""
+    return max(1, min(triton.cdiv(vocab, BLOCK), triton.cdiv(TARGET_PROGRAMS, rows)))
+
+
+def _chunking(rows: int, vocab: int) -> tuple[int, int]:
+    """-> (columns per chunk, chunks per row): whole tiles per chunk, about num_chunks(rows, vocab) chunks."""
+    chunk = triton.cdiv(triton.cdiv(vocab, BLOCK), num_chunks(rows, vocab)) * BLOCK
+    return chunk, triton.cdiv(vocab, chunk)
+
+
+def warm_up(max_rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Compiles every variant argmax_rows launches for 1..max_rows rows of (rows, vocab) `dtype` logits
+    with unit row stride over a contiguous buffer (a Triton compile mid-serving stalls every stream);
+    -> the number of distinct chunkings run."""
+    logits = torch.zeros(max_rows, vocab, dtype=dtype, device=device)
+    first_rows = {}  # chunking -> the fewest rows that launch it
+    for rows in range(1, max_rows + 1):
+        first_rows.setdefault(_chunking(rows, vocab), rows)
+    for rows in first_rows.values():
+        argmax_rows(logits[:rows])
+    return len(first_rows)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits (S, V) fp32/bf16/fp16 with unit stride over V -> (S,) int64: each row's argmax, as
+    torch.argmax(logits, dim=-1) gives it (first index of the max; NaN counts as the max)."""
+    if logits.dim() != 2 or logits.dtype not in DTYPES:
+        raise ValueError(f"logits must be (S, V) in {DTYPES}, got {tuple(logits.shape)} {logits.dtype}")
+    rows, vocab = logits.shape
+    if vocab == 0 or vocab >= 2**31 or logits.stride(1) != 1:
+        raise ValueError(f"logits must have 0 < V < 2**31 and unit stride over V, got {tuple(logits.shape)} "
+                         f"strides {logits.stride()}")
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return out
+    chunk, chunks = _chunking(rows, vocab)
+    part_key = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
+    part_col = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
+    _chunk_argmax((rows, chunks), logits, part_key, part_col, logits.stride(0), vocab, chunk, chunks,
+                  BLOCK=BLOCK, num_warps=NUM_WARPS, num_stages=1)
+    _merge_chunks((rows,), part_key, part_col, out, chunks, BLOCK_C=triton.next_power_of_2(chunks),
+                  num_warps=1, num_stages=1)
+    return out

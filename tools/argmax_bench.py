@@ -1,0 +1,113 @@
+"""Greedy argmax benchmark (GPU, not a test): `python -m tools.argmax_bench [--out DIR_OR_JSON]`.
+
+The greedy decode step's token ids from (S, V) logits at V = 128256 (the bench model's vocabulary) in bf16
+(the decode graph's output, what the runner reads) and fp32 (a prefill or penalised step's), S in
+{1, 16, 64, 256}: torch.argmax(dim=-1) against kernels/argmax.py's argmax_rows. Device µs per call: CALLS
+back-to-back calls captured in one CUDA graph, replayed and timed with CUDA events (pure device time, no
+launch gaps), and the bandwidth that makes of the S * V logits read once. Every call's ids are checked
+equal to torch.argmax's; a difference exits non-zero. Prints a table last; writes JSON to --out (a .json
+path, or a directory that gets argmax_<gpu>.json). `--dry-run` runs on CPU at V = 300 under
+TRITON_INTERPRET=1 (no timing): a check of the tool, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from kernels.argmax import argmax_rows, num_chunks
+from tools.decode_forward_bench import cuda_ms
+from tools.sampler_bench import out_path
+
+V_BENCH = 128256
+BATCHES = (1, 16, 64, 256)
+CALLS = 20  # argmaxes per captured graph: one replay's launch overhead spread over them
+PATHS = {"torch": lambda logits: logits.argmax(dim=-1), "kernel": argmax_rows}
+
+
+def graph_us(fn, logits: torch.Tensor, iters: int) -> float:
+    """Device µs per call of fn(logits), CALLS calls captured in one CUDA graph (warmed up on a side
+    stream first)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(logits)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn(logits)
+    return cuda_ms(graph.replay, iters) * 1e3 / CALLS
+
+
+def bench(S: int, dtype: torch.dtype, V: int, device: torch.device, args) -> list[dict]:
+    gen = torch.Generator(device=device).manual_seed(S)
+    logits = (torch.randn(S, V, generator=gen, device=device) * 3).to(dtype)  # (S, V)
+    want = logits.argmax(dim=-1)
+    rows = []
+    for path, fn in PATHS.items():
+        out = {"S": S, "dtype": str(dtype).removeprefix("torch."), "path": path,
+               "mismatches": int((fn(logits) != want).sum()), "us": None, "gb_s": None}
+        if device.type == "cuda":
+            out["us"] = graph_us(fn, logits, args.iters)
+            out["gb_s"] = logits.numel() * logits.element_size() / out["us"] / 1e3
+        rows.append(out)
+    rows[-1]["chunks_per_row"] = num_chunks(S, V)
+    return rows
+
+
+def run(args) -> dict:
+    cuda = not args.dry_run
+    if cuda and not torch.cuda.is_available():
+        sys.exit("argmax_bench: no CUDA device (use --dry-run for the CPU check of the tool)")
+    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("argmax_bench --dry-run: set TRITON_INTERPRET=1 (the kernel runs on CPU in the interpreter)")
+    device = torch.device("cuda" if cuda else "cpu")
+    V, batches = (V_BENCH, args.batches) if cuda else (300, [1, 4])
+    dtypes = (torch.bfloat16, torch.float32) if cuda else (torch.float16, torch.float32)
+    results = [r for S in batches for dtype in dtypes for r in bench(S, dtype, V, device, args)]
+    versions = {"torch": torch.__version__, "triton": __import__("triton").__version__}
+    return {"device": torch.cuda.get_device_name() if cuda else "cpu (dry run)", "V": V, "calls": CALLS,
+            "iters": args.iters, **versions, "results": results}
+
+
+def table(report: dict) -> str:
+    """Per (S, dtype): each path's device µs per call and GB/s, and torch / kernel."""
+    by = {(r["S"], r["dtype"], r["path"]): r for r in report["results"]}
+    lines = [f"V={report['V']} {report['device']} torch {report['torch']} triton {report['triton']}: "
+             "device µs per argmax (GB/s of logits read)",
+             f"{'S':>4} {'dtype':<9} {'torch':>16} {'kernel':>16} {'torch/kernel':>12}"]
+    fmt = lambda r: f"{r['us'] or 0:.1f} ({r['gb_s'] or 0:.0f})"  # noqa: E731
+    for S, dtype, _ in [k for k in by if k[2] == "torch"]:
+        t, k = by[(S, dtype, "torch")], by[(S, dtype, "kernel")]
+        ratio = t["us"] / k["us"] if k["us"] else float("nan")
+        lines.append(f"{S:>4} {dtype:<9} {fmt(t):>16} {fmt(k):>16} {ratio:>12.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks"),
+                    help="a .json path, or a directory that gets argmax_<gpu>.json")
+    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=list(BATCHES))
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--dry-run", action="store_true", help="CPU, V=300, interpreter: checks the tool only")
+    args = ap.parse_args(argv)
+    report = run(args)
+    path = out_path(args.out, report["device"], stem="argmax")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
+    print(table(report))
+    bad = [r for r in report["results"] if r["mismatches"]]
+    if bad:
+        sys.exit(f"argmax_bench: ids other than torch.argmax's: {bad}")
+
+
+if __name__ == "__main__":
+    main()
