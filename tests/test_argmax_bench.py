@@ -28,6 +28,19 @@ def test_dry_run_checks_both_paths(tmp_path, capsys):
     assert "torch/kernel" in capsys.readouterr().out.splitlines()[-5]
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the dry run needs the interpreter")
+def test_dry_run_sweep_restores_the_shipped_settings(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(argmax_bench.SWEEP, "BLOCK", (64, 128))
+    monkeypatch.setitem(argmax_bench.SWEEP, "TARGET_PROGRAMS", (2, 512))
+    shipped = {name: getattr(argmax_bench.argmax_mod, name) for name in argmax_bench.SWEEP}
+    argmax_bench.main(["--dry-run", "--sweep", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "argmax_cpu_dry_run.json").read_text())
+    assert len(report["sweep"]) == 2 * 2 * 2 * 2  # blocks x warps x targets x rows (1, 4)
+    assert all(r["mismatches"] == 0 and r["dtype"] == "float16" for r in report["sweep"])
+    assert {name: getattr(argmax_bench.argmax_mod, name) for name in argmax_bench.SWEEP} == shipped
+    assert "kernel µs per call" in capsys.readouterr().out
+
+
 def test_a_wrong_id_exits_non_zero(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setitem(argmax_bench.PATHS, "kernel", lambda logits: logits.argmin(dim=-1))

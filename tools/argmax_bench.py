@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from kernels import argmax as argmax_mod
 from kernels.argmax import argmax_rows, num_chunks
 from tools.decode_forward_bench import cuda_ms
 from tools.sampler_bench import out_path
@@ -28,6 +29,7 @@ V_BENCH = 128256
 BATCHES = (1, 16, 64, 256)
 CALLS = 20  # argmaxes per captured graph: one replay's launch overhead spread over them
 PATHS = {"torch": lambda logits: logits.argmax(dim=-1), "kernel": argmax_rows}
+SWEEP = {"BLOCK": (2048, 4096, 8192), "NUM_WARPS": (4, 8), "TARGET_PROGRAMS": (512, 1024, 2048)}
 
 
 def graph_us(fn, logits: torch.Tensor, iters: int) -> float:
@@ -61,6 +63,41 @@ def bench(S: int, dtype: torch.dtype, V: int, device: torch.device, args) -> lis
     return rows
 
 
+def sweep(batches: list[int], V: int, dtype: torch.dtype, device: torch.device, args) -> list[dict]:
+    """The kernel's µs per call on `dtype` logits at each (BLOCK, NUM_WARPS, TARGET_PROGRAMS) of SWEEP, the
+    module's settings patched for the call (ids checked as above)."""
+    shipped = {name: getattr(argmax_mod, name) for name in SWEEP}
+    rows = []
+    try:
+        for block in SWEEP["BLOCK"]:
+            for warps in SWEEP["NUM_WARPS"]:
+                for target in SWEEP["TARGET_PROGRAMS"]:
+                    argmax_mod.BLOCK, argmax_mod.NUM_WARPS, argmax_mod.TARGET_PROGRAMS = block, warps, target
+                    for r in bench_kernel(batches, V, dtype, device, args):
+                        rows.append({"BLOCK": block, "NUM_WARPS": warps, "TARGET_PROGRAMS": target, **r})
+    finally:
+        for name, value in shipped.items():
+            setattr(argmax_mod, name, value)
+    return rows
+
+
+def bench_kernel(batches: list[int], V: int, dtype: torch.dtype, device: torch.device, args) -> list[dict]:
+    return [r for S in batches for r in bench(S, dtype, V, device, args) if r["path"] == "kernel"]
+
+
+def sweep_table(rows: list[dict]) -> str:
+    """µs per (config, S), the shipped config marked *."""
+    batches = sorted({r["S"] for r in rows})
+    lines = [f"{rows[0]['dtype']} kernel µs per call: BLOCK / warps / target programs, by rows",
+             f"{'config':<18}" + "".join(f"{S:>8}" for S in batches)]
+    shipped = (argmax_mod.BLOCK, argmax_mod.NUM_WARPS, argmax_mod.TARGET_PROGRAMS)
+    for cfg in dict.fromkeys((r["BLOCK"], r["NUM_WARPS"], r["TARGET_PROGRAMS"]) for r in rows):
+        us = {r["S"]: r["us"] or 0 for r in rows if (r["BLOCK"], r["NUM_WARPS"], r["TARGET_PROGRAMS"]) == cfg}
+        mark = "*" if cfg == shipped else " "
+        lines.append(f"{mark}{'/'.join(map(str, cfg)):<17}" + "".join(f"{us[S]:>8.1f}" for S in batches))
+    return "\n".join(lines)
+
+
 def run(args) -> dict:
     cuda = not args.dry_run
     if cuda and not torch.cuda.is_available():
@@ -71,9 +108,10 @@ def run(args) -> dict:
     V, batches = (V_BENCH, args.batches) if cuda else (300, [1, 4])
     dtypes = (torch.bfloat16, torch.float32) if cuda else (torch.float16, torch.float32)
     results = [r for S in batches for dtype in dtypes for r in bench(S, dtype, V, device, args)]
+    swept = sweep(batches, V, dtypes[0], device, args) if args.sweep else []
     versions = {"torch": torch.__version__, "triton": __import__("triton").__version__}
     return {"device": torch.cuda.get_device_name() if cuda else "cpu (dry run)", "V": V, "calls": CALLS,
-            "iters": args.iters, **versions, "results": results}
+            "iters": args.iters, **versions, "results": results, "sweep": swept}
 
 
 def table(report: dict) -> str:
@@ -96,6 +134,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="a .json path, or a directory that gets argmax_<gpu>.json")
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=list(BATCHES))
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time the kernel's settings in SWEEP (bf16; fp16 in a dry run)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, V=300, interpreter: checks the tool only")
     args = ap.parse_args(argv)
     report = run(args)
@@ -103,8 +143,10 @@ def main(argv: list[str] | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path}")
+    if report["sweep"]:
+        print(sweep_table(report["sweep"]))
     print(table(report))
-    bad = [r for r in report["results"] if r["mismatches"]]
+    bad = [r for r in report["results"] + report["sweep"] if r["mismatches"]]
     if bad:
         sys.exit(f"argmax_bench: ids other than torch.argmax's: {bad}")
 
