@@ -18,7 +18,7 @@ interpreter_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 def hostile_rows(V: int, dtype, gen: torch.Generator) -> torch.Tensor:
     """(8, V) rows: random; a max repeated in three far-apart columns; +inf twice among randoms; a NaN
-    after a +inf; all -inf; -0.0 before +0.0 as the max of negatives; coarse ties; one -inf-masked third."""
+    after a +inf and more NaNs later in its lane; all -inf; -0.0 before +0.0 as the max of negatives; coarse ties; one -inf-masked third."""
     rand = lambda: torch.randn(V, generator=gen) * 3  # noqa: E731
     rows = [rand() for _ in range(8)]
     top = float(rows[1].max()) + 1.0
@@ -26,6 +26,7 @@ def hostile_rows(V: int, dtype, gen: torch.Generator) -> torch.Tensor:
         rows[1][col] = top                       # first max at column 5
     rows[2][[V // 3, V - 2]] = float("inf")
     rows[3][[1, V // 2]] = torch.tensor([float("inf"), float("nan")])
+    rows[3][[c for c in (V // 2 + 64, V // 2 + 2048) if c < V]] = float("nan")  # later NaNs, same lane
     rows[4].fill_(float("-inf"))
     rows[5] = -rows[5].abs() - 1.0
     rows[5][[V // 4, V // 2]] = torch.tensor([-0.0, 0.0])
@@ -44,8 +45,12 @@ def check(logits: torch.Tensor) -> None:
 @interpreter_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("V,block", [(300, 64), (4099, 2048), (1000, 1024)])
-def test_equals_torch_argmax_on_hostile_rows(monkeypatch, dtype, V, block):
+@pytest.mark.parametrize("target", [512, 1], ids=["tile_a_chunk", "row_a_chunk"])
+def test_equals_torch_argmax_on_hostile_rows(monkeypatch, dtype, V, block, target):
+    """8 rows: TARGET_PROGRAMS 512 gives each tile its own chunk (the merge decides), 1 one chunk a row (the
+    lanes' running maxima decide)."""
     monkeypatch.setattr(argmax_mod, "BLOCK", block)
+    monkeypatch.setattr(argmax_mod, "TARGET_PROGRAMS", target)
     check(hostile_rows(V, dtype, torch.Generator().manual_seed(V)))
 
 
