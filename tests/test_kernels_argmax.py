@@ -18,7 +18,8 @@ interpreter_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 def hostile_rows(V: int, dtype, gen: torch.Generator) -> torch.Tensor:
     """(8, V) rows: random; a max repeated in three far-apart columns; +inf twice among randoms; a NaN
-    after a +inf and more NaNs later in its lane; all -inf; -0.0 before +0.0 as the max of negatives; coarse ties; one -inf-masked third."""
+    after a +inf and more NaNs later in its lane; all -inf; -0.0 before +0.0 as the max of negatives;
+    coarse ties; one -inf-masked third."""
     rand = lambda: torch.randn(V, generator=gen) * 3  # noqa: E731
     rows = [rand() for _ in range(8)]
     top = float(rows[1].max()) + 1.0
