@@ -1,7 +1,7 @@
 """Triton row argmax of a step's logits: the greedy decode step's token ids, torch.argmax's answer.
 
-torch.argmax over (S, V) logits runs one block per row: at V = 128256 a decode step of 64 rows took 36 µs on
-an H200 for 16 MB (docs/benchmarks/decode_forward_h200.md), ~2% of the step. Here the work splits two ways:
+torch.argmax over (S, V) logits runs one block per row: at V = 128256 and 64 rows of bf16 (16 MB) it takes
+27 µs on an H200, this kernel 7.5 (tools/argmax_bench; docs/benchmarks/decode_forward_h200.md). Here the work splits two ways:
   1. program (row, c) walks chunk c of the row in BLOCK-wide tiles, each lane keeping its own running max
      and the first column holding it (no reduction inside the loop), and writes the chunk's (key, column)
      from the lanes' maxima;
@@ -22,8 +22,10 @@ import triton.language as tl
 from kernels.launch_cache import CachedLauncher
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-BLOCK = 2048  # columns of one tile: 4 warps load 16 per thread (two 16-byte loads in bf16)
-NUM_WARPS = 4
+# tile, warps and program target: the best of 18 settings in bf16 at 1/16/64/256 rows of 128256 on an H200
+# (tools/argmax_bench --sweep; docs/benchmarks/argmax_h200.json): 3.0/4.7/7.5/24.0 µs
+BLOCK = 2048  # columns of one tile: 8 warps load 8 per thread (one 16-byte load in bf16)
+NUM_WARPS = 8
 TARGET_PROGRAMS = 512  # stage-1 programs aimed at: ~4 per SM on a 132-SM H200
 KEY_NAN = tl.constexpr(2**31 - 1)  # above +inf's key (0x7F800000)
 
