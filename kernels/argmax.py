@@ -1,7 +1,8 @@
 """Triton row argmax of a step's logits: the greedy decode step's token ids, torch.argmax's answer.
 
 torch.argmax over (S, V) logits runs one block per row: at V = 128256 and 64 rows of bf16 (16 MB) it takes
-27 µs on an H200, this kernel 7.5 (tools/argmax_bench; docs/benchmarks/decode_forward_h200.md). Here the work splits two ways:
+27 µs on an H200, this kernel 7.5 (tools/argmax_bench; docs/benchmarks/decode_forward_h200.md). The work
+splits two ways:
   1. program (row, c) walks chunk c of the row in BLOCK-wide tiles, each lane keeping its own running max
      and the first column holding it (no reduction inside the loop), and writes the chunk's (key, column)
      from the lanes' maxima;
