@@ -216,11 +216,11 @@ def run_mode(args, enforce_eager: bool) -> tuple[list[dict], object]:
     core.async_scheduling = False
     gen = torch.Generator().manual_seed(0)
     results = []
-    for spec in args.prefills.split(","):
+    for spec in filter(None, args.prefills.split(",")):  # "" runs none
         r, length = map(int, spec.split("x"))
         results.append(prefill_case(core, r, length, args.repeats, gen))
         print(results[-1]["case"], f"{results[-1]['wall_ms']:.2f} ms", flush=True)
-    for spec in args.prefix_hits.split(","):
+    for spec in filter(None, args.prefix_hits.split(",")):
         c, n, k = map(int, spec.split("x"))
         results.append(prefix_case(core, c, n, k, args.repeats, gen))
         print(results[-1]["case"], f"{results[-1]['wall_ms']:.2f} ms", flush=True)
@@ -259,9 +259,9 @@ def main() -> None:
     ap.add_argument("--model", default="bench")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--prefills", default="1x512,4x512,16x512", help="RxL list")
+    ap.add_argument("--prefills", default="1x512,4x512,16x512", help="RxL list (\"\": none)")
     ap.add_argument("--prefix-hits", default="32x16x496", help="CxNxK list: C chunks of N new tokens over "
-                    "a cached prefix of K")
+                    "a cached prefix of K (\"\": none)")
     ap.add_argument("--decode-batch", type=int, default=64)
     ap.add_argument("--chunks", type=int, nargs="+", default=[0, 128, 256, 512, 1024, 2048],
                     help="prefill tokens of the mixed steps; 0: a decode-only step (the marginal rate's "
