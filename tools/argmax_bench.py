@@ -4,7 +4,8 @@ The greedy decode step's token ids from (S, V) logits at V = 128256 (the bench m
 (the decode graph's output, what the runner reads) and fp32 (a prefill or penalised step's), S in
 {1, 16, 64, 256}: torch.argmax(dim=-1) against kernels/argmax.py's argmax_rows. Device µs per call: CALLS
 back-to-back calls captured in one CUDA graph, replayed and timed with CUDA events (pure device time, no
-launch gaps), and the bandwidth that makes of the S * V logits read once. Every call's ids are checked
+launch gaps), and the bandwidth that makes of the S * V logits read once; host µs per eager call (HOST_CALLS
+calls back to back, no synchronisation: what a step's Python pays to launch it). Every call's ids are checked
 equal to torch.argmax's; a difference exits non-zero. Prints a table last; writes JSON to --out (a .json
 path, or a directory that gets argmax_<gpu>.json). `--dry-run` runs on CPU at V = 300 under
 TRITON_INTERPRET=1 (no timing): a check of the tool, not a measurement.
@@ -15,7 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -28,6 +31,7 @@ from tools.sampler_bench import out_path
 V_BENCH = 128256
 BATCHES = (1, 16, 64, 256)
 CALLS = 20  # argmaxes per captured graph: one replay's launch overhead spread over them
+HOST_CALLS = 50  # eager calls per round of the host timing: their device work (<= 50 x 46 µs) queues behind
 PATHS = {"torch": lambda logits: logits.argmax(dim=-1), "kernel": argmax_rows}
 SWEEP = {"BLOCK": (2048, 4096, 8192), "NUM_WARPS": (4, 8), "TARGET_PROGRAMS": (512, 1024, 2048)}
 
@@ -47,6 +51,21 @@ def graph_us(fn, logits: torch.Tensor, iters: int) -> float:
     return cuda_ms(graph.replay, iters) * 1e3 / CALLS
 
 
+def host_us(fn, logits: torch.Tensor, iters: int) -> float:
+    """Host µs per eager call: `iters` calls back to back with no synchronisation in between (the launches
+    run ahead of the device: the wall is their host work), the median of 5 rounds."""
+    fn(logits)
+    torch.cuda.synchronize()
+    rounds = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn(logits)
+        rounds.append((time.perf_counter() - t0) / iters * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(rounds)
+
+
 def bench(S: int, dtype: torch.dtype, V: int, device: torch.device, args) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(S)
     logits = (torch.randn(S, V, generator=gen, device=device) * 3).to(dtype)  # (S, V)
@@ -54,9 +73,10 @@ def bench(S: int, dtype: torch.dtype, V: int, device: torch.device, args) -> lis
     rows = []
     for path, fn in PATHS.items():
         out = {"S": S, "dtype": str(dtype).removeprefix("torch."), "path": path,
-               "mismatches": int((fn(logits) != want).sum()), "us": None, "gb_s": None}
+               "mismatches": int((fn(logits) != want).sum()), "us": None, "gb_s": None, "host_us": None}
         if device.type == "cuda":
             out["us"] = graph_us(fn, logits, args.iters)
+            out["host_us"] = host_us(fn, logits, HOST_CALLS)
             out["gb_s"] = logits.numel() * logits.element_size() / out["us"] / 1e3
         rows.append(out)
     rows[-1]["chunks_per_row"] = num_chunks(S, V)
@@ -118,13 +138,13 @@ def table(report: dict) -> str:
     """Per (S, dtype): each path's device µs per call and GB/s, and torch / kernel."""
     by = {(r["S"], r["dtype"], r["path"]): r for r in report["results"]}
     lines = [f"V={report['V']} {report['device']} torch {report['torch']} triton {report['triton']}: "
-             "device µs per argmax (GB/s of logits read)",
-             f"{'S':>4} {'dtype':<9} {'torch':>16} {'kernel':>16} {'torch/kernel':>12}"]
-    fmt = lambda r: f"{r['us'] or 0:.1f} ({r['gb_s'] or 0:.0f})"  # noqa: E731
+             "device µs per argmax (GB/s of logits read) / host µs per eager call",
+             f"{'S':>4} {'dtype':<9} {'torch':>22} {'kernel':>22} {'torch/kernel':>12}"]
+    fmt = lambda r: f"{r['us'] or 0:.1f} ({r['gb_s'] or 0:.0f}) / {r['host_us'] or 0:.1f}"  # noqa: E731
     for S, dtype, _ in [k for k in by if k[2] == "torch"]:
         t, k = by[(S, dtype, "torch")], by[(S, dtype, "kernel")]
         ratio = t["us"] / k["us"] if k["us"] else float("nan")
-        lines.append(f"{S:>4} {dtype:<9} {fmt(t):>16} {fmt(k):>16} {ratio:>12.2f}")
+        lines.append(f"{S:>4} {dtype:<9} {fmt(t):>22} {fmt(k):>22} {ratio:>12.2f}")
     return "\n".join(lines)
 
 
