@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch_cache import CachedLauncher
+from kernels.launch_cache import CachedLauncher, CompiledLaunch, current_stream
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # tile, warps and program target: the best of 18 settings in bf16 at 1/16/64/256 rows of 128256 on an H200
@@ -108,23 +108,72 @@ def warm_up(max_rows: int, vocab: int, dtype: torch.dtype, device: torch.device)
     return len(first_rows)
 
 
+class _Plan:
+    """The two launches for one logits signature (shape, row stride, dtype, device, alignment, settings):
+    sizes, grids and integer arguments computed once; after the first call (through the JIT) the compiled
+    kernels are launched directly with raw pointers, as kernels/paged_decode.py's plans do. A step's argmax
+    is then two torch.empty and two launches of host work."""
+
+    def __init__(self, logits: torch.Tensor):
+        rows, vocab = logits.shape
+        chunk, chunks = _chunking(rows, vocab)
+        self.rows, self.parts = rows, rows * chunks
+        self.device_index = logits.get_device()
+        self.grid1, self.grid2 = (rows, chunks, 1), (rows, 1, 1)
+        self.ints1 = (logits.stride(0), vocab, chunk, chunks)
+        self.kw1 = dict(BLOCK=BLOCK, num_warps=NUM_WARPS, num_stages=1)
+        self.kw2 = dict(BLOCK_C=triton.next_power_of_2(chunks), num_warps=1, num_stages=1)
+        self.bound = None  # (stage 1, stage 2) CompiledLaunch once compiled, with their constexpr tails
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(self.rows, dtype=torch.int64, device=logits.device)
+        parts = torch.empty(2, self.parts, dtype=torch.int32, device=logits.device)  # keys, then columns
+        if self.bound is None or not logits.is_cuda:
+            return self._first_call(logits, parts, out)
+        stage1, tail1, stage2, tail2 = self.bound
+        stream = current_stream(self.device_index)
+        keys = parts.data_ptr()
+        cols = keys + 4 * self.parts
+        stage1(self.grid1, stream, (logits.data_ptr(), keys, cols, *self.ints1, *tail1))
+        stage2(self.grid2, stream, (keys, cols, out.data_ptr(), self.ints1[3], *tail2))
+        return out
+
+    def _first_call(self, logits: torch.Tensor, parts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Through the JIT with tensors (compiling if needed); binds the compiled kernels for later calls."""
+        args1 = (logits, parts[0], parts[1], *self.ints1)
+        args2 = (parts[0], parts[1], out, self.ints1[3])
+        bound1 = _chunk_argmax(self.grid1[:2], *args1, **self.kw1)
+        bound2 = _merge_chunks(self.grid2[:1], *args2, **self.kw2)
+        if isinstance(bound1, CompiledLaunch) and isinstance(bound2, CompiledLaunch):
+            self.bound = (bound1, _chunk_argmax.tail(len(args1), self.kw1),
+                          bound2, _merge_chunks.tail(len(args2), self.kw2))
+        return out
+
+
+# one plan per call signature; bounded so that ever-new shapes cannot grow it forever
+_PLANS: dict = {}
+MAX_PLANS = 4096
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits (S, V) fp32/bf16/fp16 with unit stride over V -> (S,) int64: each row's argmax, as
     torch.argmax(logits, dim=-1) gives it (first index of the max; NaN counts as the max)."""
+    key = (logits.shape, logits.stride(), logits.dtype, logits.device, logits.data_ptr() & 15 == 0,
+           BLOCK, NUM_WARPS, TARGET_PROGRAMS)
+    plan = _PLANS.get(key)
+    if plan is None:
+        _check(logits)
+        if logits.shape[0] == 0:
+            return torch.empty(0, dtype=torch.int64, device=logits.device)
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = _Plan(logits)
+    return plan(logits)
+
+
+def _check(logits: torch.Tensor) -> None:
     if logits.dim() != 2 or logits.dtype not in DTYPES:
         raise ValueError(f"logits must be (S, V) in {DTYPES}, got {tuple(logits.shape)} {logits.dtype}")
-    rows, vocab = logits.shape
-    if vocab == 0 or vocab >= 2**31 or logits.stride(1) != 1:
+    if logits.shape[1] == 0 or logits.shape[1] >= 2**31 or logits.stride(1) != 1:
         raise ValueError(f"logits must have 0 < V < 2**31 and unit stride over V, got {tuple(logits.shape)} "
                          f"strides {logits.stride()}")
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    if rows == 0:
-        return out
-    chunk, chunks = _chunking(rows, vocab)
-    part_key = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
-    part_col = torch.empty(rows, chunks, dtype=torch.int32, device=logits.device)
-    _chunk_argmax((rows, chunks), logits, part_key, part_col, logits.stride(0), vocab, chunk, chunks,
-                  BLOCK=BLOCK, num_warps=NUM_WARPS, num_stages=1)
-    _merge_chunks((rows,), part_key, part_col, out, chunks, BLOCK_C=triton.next_power_of_2(chunks),
-                  num_warps=1, num_stages=1)
-    return out

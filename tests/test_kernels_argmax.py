@@ -86,10 +86,29 @@ def test_refuses_what_it_cannot_read():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 7, 64, 256])
 def test_gpu_vocab_sized_rows(dtype, rows):
+    """The first call of a shape goes through the JIT and binds its plan; the later ones launch the bound
+    kernels with raw pointers: each of three calls reads its own tensor."""
     gen = torch.Generator().manual_seed(rows)
     V = 128256
-    logits = torch.cat([hostile_rows(V, torch.float32, gen)] * (rows // 8 + 1))[:rows]
-    check(logits.to(dtype).cuda())
+    for _ in range(3):
+        logits = torch.cat([hostile_rows(V, torch.float32, gen)] * (rows // 8 + 1))[:rows]
+        check(logits[torch.randperm(rows, generator=gen)].to(dtype).cuda())
+
+
+@interpreter_only
+def test_a_plan_serves_its_shape_only(monkeypatch):
+    """Calls of one signature share a plan; another shape, dtype or setting gets its own (a BLOCK patched
+    by a test must not reuse a plan sized for the old one)."""
+    monkeypatch.setattr(argmax_mod, "_PLANS", {})
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        check(torch.randn(3, 200, generator=gen))
+    assert len(argmax_mod._PLANS) == 1
+    check(torch.randn(4, 200, generator=gen))
+    check(torch.randn(3, 200, generator=gen).half())
+    monkeypatch.setattr(argmax_mod, "BLOCK", 32)
+    check(torch.randn(3, 200, generator=gen))
+    assert len(argmax_mod._PLANS) == 4
 
 
 @interpreter_only
