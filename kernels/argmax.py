@@ -11,7 +11,8 @@ The chunks per row grow as the rows shrink so that about TARGET_PROGRAMS program
 
 The comparison key reproduces torch.argmax exactly: an int32 that orders floats as their values do (the bit
 pattern, its magnitude bits flipped when negative), -0.0 taken as +0.0, and NaN above everything (torch's
-argmax returns the first NaN); ties go to the first column. Torch reference: argmax_reference.
+argmax returns the first NaN); ties go to the first column. The reference is torch.argmax itself, over the
+widened values (tests/test_kernels_argmax.py).
 """
 
 from __future__ import annotations
