@@ -121,7 +121,7 @@ class _Plan:
         self.rows, self.parts = rows, rows * chunks
         self.device_index = logits.get_device()
         self.grid1, self.grid2 = (rows, chunks, 1), (rows, 1, 1)
-        self.ints1 = (logits.stride(0), vocab, chunk, chunks)
+        self.ints1, self.ints2 = (logits.stride(0), vocab, chunk, chunks), (chunks,)
         self.kw1 = dict(BLOCK=BLOCK, num_warps=NUM_WARPS, num_stages=1)
         self.kw2 = dict(BLOCK_C=triton.next_power_of_2(chunks), num_warps=1, num_stages=1)
         self.bound = None  # (stage 1, stage 2) CompiledLaunch once compiled, with their constexpr tails
@@ -136,13 +136,13 @@ class _Plan:
         keys = parts.data_ptr()
         cols = keys + 4 * self.parts
         stage1(self.grid1, stream, (logits.data_ptr(), keys, cols, *self.ints1, *tail1))
-        stage2(self.grid2, stream, (keys, cols, out.data_ptr(), self.ints1[3], *tail2))
+        stage2(self.grid2, stream, (keys, cols, out.data_ptr(), *self.ints2, *tail2))
         return out
 
     def _first_call(self, logits: torch.Tensor, parts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Through the JIT with tensors (compiling if needed); binds the compiled kernels for later calls."""
         args1 = (logits, parts[0], parts[1], *self.ints1)
-        args2 = (parts[0], parts[1], out, self.ints1[3])
+        args2 = (parts[0], parts[1], out, *self.ints2)
         bound1 = _chunk_argmax(self.grid1[:2], *args1, **self.kw1)
         bound2 = _merge_chunks(self.grid2[:1], *args2, **self.kw2)
         if isinstance(bound1, CompiledLaunch) and isinstance(bound2, CompiledLaunch):

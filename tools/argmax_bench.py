@@ -14,6 +14,7 @@ TRITON_INTERPRET=1 (no timing): a check of the tool, not a measurement.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -25,8 +26,7 @@ import torch
 
 from kernels import argmax as argmax_mod
 from kernels.argmax import argmax_rows, num_chunks
-from tools.decode_forward_bench import cuda_ms
-from tools.sampler_bench import out_path
+from tools.sampler_bench import graph_ms, out_path
 
 V_BENCH = 128256
 BATCHES = (1, 16, 64, 256)
@@ -37,18 +37,8 @@ SWEEP = {"BLOCK": (2048, 4096, 8192), "NUM_WARPS": (4, 8), "TARGET_PROGRAMS": (5
 
 
 def graph_us(fn, logits: torch.Tensor, iters: int) -> float:
-    """Device µs per call of fn(logits), CALLS calls captured in one CUDA graph (warmed up on a side
-    stream first)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn(logits)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn(logits)
-    return cuda_ms(graph.replay, iters) * 1e3 / CALLS
+    """Device µs per call of fn(logits), CALLS calls captured in one CUDA graph."""
+    return graph_ms(lambda: [fn(logits) for _ in range(CALLS)], iters) * 1e3 / CALLS
 
 
 def host_us(fn, logits: torch.Tensor, iters: int) -> float:
@@ -89,20 +79,16 @@ def sweep(batches: list[int], V: int, dtype: torch.dtype, device: torch.device, 
     shipped = {name: getattr(argmax_mod, name) for name in SWEEP}
     rows = []
     try:
-        for block in SWEEP["BLOCK"]:
-            for warps in SWEEP["NUM_WARPS"]:
-                for target in SWEEP["TARGET_PROGRAMS"]:
-                    argmax_mod.BLOCK, argmax_mod.NUM_WARPS, argmax_mod.TARGET_PROGRAMS = block, warps, target
-                    for r in bench_kernel(batches, V, dtype, device, args):
-                        rows.append({"BLOCK": block, "NUM_WARPS": warps, "TARGET_PROGRAMS": target, **r})
+        for values in itertools.product(*SWEEP.values()):
+            setting = dict(zip(SWEEP, values, strict=True))
+            for name, value in setting.items():
+                setattr(argmax_mod, name, value)
+            for S in batches:
+                rows += [{**setting, **r} for r in bench(S, dtype, V, device, args) if r["path"] == "kernel"]
     finally:
         for name, value in shipped.items():
             setattr(argmax_mod, name, value)
     return rows
-
-
-def bench_kernel(batches: list[int], V: int, dtype: torch.dtype, device: torch.device, args) -> list[dict]:
-    return [r for S in batches for r in bench(S, dtype, V, device, args) if r["path"] == "kernel"]
 
 
 def sweep_table(rows: list[dict]) -> str:

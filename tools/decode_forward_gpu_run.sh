@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU call for the fused decode forward (issue 16): its GPU tests, the greedy argmax against torch's
 # (tools/argmax_bench), then tools/decode_forward_bench on the previous checkout (BEFORE=dir holding it,
-# optional) and on this one in the same run, and with ENGINE=1 the engine core's decode steps and the 64:256 closed loop on each
-# (tools/engine_step_bench); the tables last.
+# optional) and on this one in the same run, and with ENGINE=1 the engine core's decode steps and the
+# 64:256 closed loop on each (tools/engine_step_bench); the tables last.
 # Usage on the device machine, from the repo root: OUT=/some/dir [BEFORE=.base] [BATCHES=16,64,256]
 #   [ENGINE=1] bash tools/decode_forward_gpu_run.sh
 set -uo pipefail
