@@ -4,17 +4,18 @@
 # optional) and on this one in the same run, and with ENGINE=1 the engine core's decode steps and the
 # 64:256 closed loop on each (tools/engine_step_bench); the tables last.
 # Usage on the device machine, from the repo root: OUT=/some/dir [BEFORE=.base] [BATCHES=16,64,256]
-#   [ENGINE=1] bash tools/decode_forward_gpu_run.sh
+#   [PROFILE=1,64] [ENGINE=1] bash tools/decode_forward_gpu_run.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/decode_forward_gpu_run}
 BATCHES=${BATCHES:-1,16,64,256}
+PROFILE=${PROFILE:-64}  # the batches whose replayed step is profiled per kernel
 mkdir -p "$OUT/before" "$OUT/after"
 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_argmax.py tests/test_model_fused_forward.py \
   tests/test_kernels_gemv.py tests/test_runner_gpu.py 2>&1 | tail -n 8 | tee "$OUT/gpu_tests.txt"
 python3 -m tools.argmax_bench --out "$OUT/argmax.json" > "$OUT/argmax.txt" 2>&1
 tail -n 11 "$OUT/argmax.txt"
 bench() {  # $1: before | after, run in the current directory
-  python3 -m tools.decode_forward_bench --batches "$BATCHES" --profile-batches 64 --out "$OUT/$1" \
+  python3 -m tools.decode_forward_bench --batches "$BATCHES" --profile-batches "$PROFILE" --out "$OUT/$1" \
     > "$OUT/$1/log.txt" 2>&1
   if [ -n "${ENGINE:-}" ]; then
     python3 -m tools.engine_step_bench --batches 16 64 --modes greedy --steps 32 --closed-loop 64:256 \
