@@ -1,4 +1,5 @@
-"""Torch references for the fused decoder ops (kernels/rmsnorm.py, rope_store.py, activation.py, gemv.py).
+"""Torch references for the fused decoder ops (kernels/rmsnorm.py, rope_store.py, activation.py, gemv.py,
+splitk_add.py).
 
 Each computes in fp32 and rounds once into the output dtype, as its kernel does; the one extra rounding is
 the residual sum, which is stored in the residual's own dtype before it is normed (the unfused `x + h`).
@@ -81,6 +82,13 @@ def gemv_reference(x, weight, bias=None, *, norm_weight=None, eps: float = 0.0, 
         residual.copy_(residual.float() + y.float())
         return residual
     return y
+
+
+def splitk_add_reference(residual, x, weight) -> torch.Tensor:
+    """kernels.splitk_add.splitk_add: residual (M, N) += x (M, K) weight (N, K)^T in place, the product and
+    the sum in fp32, rounded once (cuBLAS's addmm with beta = 1)."""
+    residual.copy_(residual.float() + x.float() @ weight.float().T)
+    return residual
 
 
 def gemv_rope_store_reference(x, weight, bias, *, norm_weight, eps, cos, sin, k_cache, v_cache, slot_mapping,

@@ -10,7 +10,7 @@ OUT=${OUT:-/tmp/decode_forward_gpu_run}
 BATCHES=${BATCHES:-1,16,64,256}
 PROFILE=${PROFILE:-64}  # the batches whose replayed step is profiled per kernel
 mkdir -p "$OUT/before" "$OUT/after"
-python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_argmax.py tests/test_model_fused_forward.py \
+python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_argmax.py tests/test_kernels_splitk_add.py tests/test_model_fused_forward.py \
   tests/test_kernels_gemv.py tests/test_runner_gpu.py 2>&1 | tail -n 8 | tee "$OUT/gpu_tests.txt"
 python3 -m tools.argmax_bench --out "$OUT/argmax.json" > "$OUT/argmax.txt" 2>&1
 tail -n 11 "$OUT/argmax.txt"

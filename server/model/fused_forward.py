@@ -6,7 +6,9 @@ kernel) -> paged attention -> o_proj GEMM that adds into the stream -> gate_up G
 norm's row scale + bias, SiLU-and-mul (one kernel) -> down GEMM that adds into the stream. Five launches a
 layer with attention, no norm kernel: the row scale rsqrt(mean(r^2) + eps) commutes with the GEMM, so the
 kernel reading the GEMM's output applies it; the residual adds are the GEMMs' own (cuBLAS, beta = 1),
-rounded to the model dtype once per add as the eager `x = x + sublayer(x)`. The final norm is a kernel.
+rounded to the model dtype once per add as the eager `x = x + sublayer(x)`. Up to SPLITK_MAX_ROWS rows the
+down GEMM is kernels/splitk_add.py's (one launch where cuBLAS takes a split-K GEMM and a reduce kernel),
+rounded the same way. The final norm is a kernel.
 
 It reads the same parameters as the torch modules and needs paged attention: RoPE writes the new tokens'
 K/V into the cache itself, then `attn.attend` runs on the stored K/V. A decode step of this forward is what
@@ -28,6 +30,8 @@ from kernels.activation import silu_and_mul
 from kernels.gemv import gemv, gemv_rope_store
 from kernels.rmsnorm import rms_norm
 from kernels.rope_store import rope_store_kv
+from kernels.splitk_add import SPLITK_MAX_ROWS, splitk_add
+from kernels.splitk_add import warm_up as warm_up_splitk
 from server.model.llama import Attention, AttentionFn, DecoderLayer, LlamaForCausalLM
 
 
@@ -71,6 +75,16 @@ def warm_up_one_row(model: LlamaForCausalLM, k_cache: torch.Tensor, v_cache: tor
     rms_norm(row, inner.norm.weight, inner.norm.eps)
 
 
+def warm_up_down_projection(model: LlamaForCausalLM) -> None:
+    """Makes the split-K down projection's tile counters (before any graph capture) and compiles its tile
+    configs on scratch rows (layer 0's weight), so that an eager server compiles none mid-serving."""
+    weight = model.model.layers[0].mlp.down_proj.weight  # (H, I)
+    warm_up_splitk(weight.device)
+    for rows in (2, 16, 17, SPLITK_MAX_ROWS):  # both tiles of tile_config, Triton's M % 16 cases of each
+        act = torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        splitk_add(torch.zeros(rows, weight.shape[0], dtype=weight.dtype, device=weight.device), act, weight)
+
+
 def takes_one_row(input_ids: torch.Tensor) -> bool:
     """Whether the forward takes the one-row GEMV route (tools/decode_forward_bench times the GEMM route at
     one row too, by replacing this)."""
@@ -88,7 +102,17 @@ def _layer(layer: DecoderLayer, residual: torch.Tensor, cos, sin, attn: Attentio
     gate_up = F.linear(residual, mlp.gate_up_proj.weight)  # (T, 2I)
     act = silu_and_mul(gate_up, norm_of=residual, eps=layer.post_attention_layernorm.eps,
                        bias=mlp.gate_up_proj.bias)  # (T, I)
-    _add_projection(residual, act, mlp.down_proj)
+    _add_down_projection(residual, act, mlp.down_proj)
+
+
+def _add_down_projection(residual: torch.Tensor, act: torch.Tensor, proj: nn.Linear) -> None:
+    """residual (T, H) += act (T, I) W^T: up to SPLITK_MAX_ROWS rows kernels/splitk_add.py's one launch (its
+    split-K merge adds into the stream), which beats cuBLAS's split-K GEMM + reduce kernel there; else the
+    addmm."""
+    if proj.bias is None and residual.shape[0] <= SPLITK_MAX_ROWS:
+        splitk_add(residual, act, proj.weight)
+    else:
+        _add_projection(residual, act, proj)
 
 
 def _add_projection(residual: torch.Tensor, x: torch.Tensor, proj: nn.Linear) -> None:
