@@ -30,17 +30,18 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SPLITK_MAX_ROWS = 64  # up to here this kernel beats cuBLAS's split-K + reduce on the down projection
 SPLIT_K = 4           # the probe's best at 16 and 64 rows (K ranges of 2048 at K = 8192)
 BLOCK_K = 128
-NUM_STAGES = 4
+NUM_STAGES = 4        # 2-byte dtypes: 4 x (x + w tiles) = 128 KiB of shared memory at 64 x 64 x 128
 MAX_TILES = 4096      # (row tile, column tile) counters a device holds: N / 32 x 4 row tiles up to N = 32768
 
 
 @triton.jit
 def _splitk_add_kernel(X, W, RES, PART, TICKETS, M, N, K, stride_x, stride_r, k_per_split,
                        SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+                       BLOCK_K: tl.constexpr, EVEN: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """RES (M, N) += X (M, K) W (N, K)^T for the program's (BLOCK_M, BLOCK_N) tile and K range
     [pid_k * k_per_split, + k_per_split) (a multiple of BLOCK_K). EVEN: N % BLOCK_N == 0 and
-    K == SPLIT_K * k_per_split, so that the weight loads need no mask. PART: (SPLIT_K, M_PAD, N) fp32."""
+    K == SPLIT_K * k_per_split, so that the weight loads need no mask. PART: (SPLIT_K, M_PAD, N) fp32.
+    DOT_PRECISION "ieee" for fp32 operands (as torch's fp32 matmul, no TF32), else "tf32" (unused)."""
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                    # (BN,) output columns
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                    # (BM,) rows
@@ -57,7 +58,7 @@ def _splitk_add_kernel(X, W, RES, PART, TICKETS, M, N, K, stride_x, stride_r, k_
             k_ok = rk + k < K                                       # (a split's range ends in K)
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)                           # (BM, BN) fp32
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)  # (BM, BN) fp32
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     res_ptrs = RES + rm[:, None].to(tl.int64) * stride_r + rn[None, :]
@@ -134,4 +135,5 @@ def splitk_add(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) ->
     even = n % block_n == 0 and k == SPLIT_K * k_per_split
     _kernel(grid, x, weight, residual, part, tickets, m, n, k, x.stride(0), residual.stride(0), k_per_split,
             SPLIT_K=SPLIT_K, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, EVEN=even,
-            num_warps=4, num_stages=NUM_STAGES)
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            num_warps=4, num_stages=NUM_STAGES if x.element_size() <= 2 else NUM_STAGES // 2)  # fp32: 128 KiB

@@ -1,7 +1,7 @@
 """The split-K residual GEMM (kernels/splitk_add.py) against its fp32 torch reference: random data, the
 output poisoned where it must not be written, tile shapes that divide and that do not, every row count of
 both tile configs, the ticket counters back at zero after each launch. CPU runs the interpreter in
-fp32/fp16; `-m gpu` checks bf16 at the bench shape's down projection and its bit-identical repeat."""
+fp32/fp16; `-m gpu` checks bf16 and fp32 at the bench shape's down projection and its bit-identical repeat."""
 
 from __future__ import annotations
 
@@ -86,11 +86,13 @@ def test_refuses_what_it_does_not_serve():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("m", [1, 7, 16, 33, 64])
-def test_gpu_bf16_down_projection(m):
-    """The bench shape's down projection (N 2048, K 8192) in bf16: within bf16 rounding of the fp32
-    reference, and the same bits on a repeat (the merge sums the splits in a fixed order)."""
-    storage, x, weight = operands(m, 2048, 8192, torch.bfloat16, "cuda", seed=m, row_pad=8)
+def test_gpu_down_projection(m, dtype):
+    """The bench shape's down projection (N 2048, K 8192) in bf16 and fp32 (its tiles need fewer pipeline
+    stages to fit shared memory): within the dtype's rounding of the fp32 reference (fp32: IEEE dots), and
+    the same bits on a repeat (the merge sums the splits in a fixed order)."""
+    storage, x, weight = operands(m, 2048, 8192, dtype, "cuda", seed=m, row_pad=8)
     residual = storage[:, :2048]
     start = residual.clone()
     want = splitk_add_reference(residual.clone(), x, weight).float()
