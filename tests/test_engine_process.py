@@ -108,6 +108,34 @@ def test_stop_string_ends_the_choice_and_aborts_it_in_the_core(engine):
     assert wait_until(idle)
 
 
+def test_extreme_seeds_and_top_k_cross_the_wire_and_a_failed_send_leaves_nothing(engine, monkeypatch):
+    """The int64 ends of seed and the largest top_k cross the process wire (msgpack); a request whose send
+    fails (here: the encoder refuses) raises to its caller and is not left counted as waiting."""
+    prompt = engine.tokenizer.encode("edges")
+    edge = [(f"edge{i}", prompt, SamplingParams(max_tokens=3, temperature=0.7, seed=seed, top_k=2**63 - 1))
+            for i, seed in enumerate((-2**63, 2**63 - 1))]
+    for r in run_all(engine, edge):
+        assert r.error is None and len(r.choices[0].token_ids) == 3
+    real_send = engine.client.send
+
+    def refusing_send(msg):
+        if getattr(msg, "request_id", None) == "refused":
+            raise OverflowError("can't serialize")
+        real_send(msg)
+
+    monkeypatch.setattr(engine.client, "send", refusing_send)
+
+    async def refused():
+        with pytest.raises(OverflowError):
+            async for _ in engine.generate("refused", prompt, greedy(3)):
+                pass
+
+    asyncio.run(refused())
+    assert engine.num_waiting_here() == 0
+    (after,) = run_all(engine, [("after-refused", prompt, greedy(3))])  # the id is free, the engine serves
+    assert after.error is None
+
+
 def test_kv_snapshot_and_stats_come_from_the_core_process(engine):
     async def main():
         agen = engine.generate("snap", engine.tokenizer.encode("y" * 40), greedy(300))

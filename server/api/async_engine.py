@@ -198,8 +198,12 @@ class AsyncEngine:
             if request_id in self._live:
                 raise RequestRejected(400, f"request id {request_id!r} is already in use")
             self._live[request_id] = live
+        try:
+            self.client.send(EngineRequest(request_id, live.prompt_token_ids, params, live.arrival_time))
+        except BaseException:  # never reached the core: nothing will ever end it there
+            self._forget(request_id)
+            raise
         self.metrics.prompt_tokens.inc(len(live.prompt_token_ids))
-        self.client.send(EngineRequest(request_id, live.prompt_token_ids, params, live.arrival_time))
         finished = False
         try:
             while not finished:
@@ -209,6 +213,12 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._live.pop(request_id, None)
+            if not self._live:
+                self._idle.notify_all()
 
     def abort(self, request_id: str) -> None:
         """Abort a request (its blocks are freed at the core's next turn). Unknown ids are ignored."""

@@ -16,7 +16,7 @@ def sampling_params(req: _SamplingRequest, max_tokens: int, logprobs: int | None
         max_tokens=max_tokens,
         temperature=_or(req.temperature, 1.0),
         top_p=_or(req.top_p, 1.0),
-        top_k=_or(req.top_k, 0),
+        top_k=_top_k(req.top_k, vocab_size),
         min_p=_or(req.min_p, 0.0),
         seed=req.seed,
         stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
@@ -42,6 +42,11 @@ def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
         if not 0 <= t < vocab_size:
             raise APIError(400, f"token id {t} in '{param}' is outside the vocabulary [0, {vocab_size})",
                            param, "invalid_token_id")
+
+
+def _top_k(top_k: int | None, vocab_size: int) -> int:
+    """The request's top_k; one that keeps the whole vocabulary (>= its size) disables the cut: 0."""
+    return 0 if top_k is None or top_k >= vocab_size else top_k
 
 
 def _or(value, default):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 MAX_N = 64
+MAX_INT64 = 2**63 - 1  # seeds and top_k cross the core's wire (msgpack) as int64, as vLLM bounds its seed
 GREEDY_TEMPERATURE = 1e-5  # below it a choice takes the argmax: dividing logits by it would overflow
 
 
@@ -50,8 +51,8 @@ class SamplingParams:
                f"max_tokens must be an integer >= 1, got {self.max_tokens}")
         _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0,
-               f"top_k must be an integer >= 0 (0 or -1 disables it), got {self.top_k}")
+        _check(isinstance(self.top_k, int) and 0 <= self.top_k <= MAX_INT64,
+               f"top_k must be an integer in [0, 2**63) (0 or -1 disables it), got {self.top_k}")
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
         _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}], got {self.n}")
         lp = self.logprobs
@@ -70,7 +71,8 @@ class SamplingParams:
         for t in self.stop_token_ids:
             _check(isinstance(t, int) and 0 <= t < vocab_size,
                    f"stop_token_ids must be in [0, {vocab_size}), got {t}")
-        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed}")
+        _check(self.seed is None or (isinstance(self.seed, int) and -MAX_INT64 - 1 <= self.seed <= MAX_INT64),
+               f"seed must be an integer in [-2**63, 2**63), got {self.seed}")
 
 
 def _check(ok: bool, message: str) -> None:
