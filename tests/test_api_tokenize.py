@@ -73,6 +73,25 @@ def test_add_special_tokens_and_template_kwargs(tmp_path):
         assert ids == tok.encode("héllo 東京plain")
 
 
+def test_template_kwargs_of_any_name_and_type_are_the_requests_fault_not_the_servers():
+    """A variable called `self` is accepted (it collided with the render methods' own parameter: a 500), and
+    a value the template's expressions cannot use (a Hub template iterating `tools` given an int) is a 400
+    naming the messages, as a template's own refusal is."""
+    template = ("{% for t in tools or [] %}[{{ t.name }}]{% endfor %}"
+                "{% for m in messages %}{{ m.content }}{% endfor %}")
+    with started_engine(model="tiny", chat_template=template, **CFG) as engine:
+        app, tok = create_app(engine), engine.tokenizer
+        ok = call(app, "POST", "/tokenize", {"messages": MESSAGES[1:], "chat_template_kwargs":
+                                             {"self": "me:", "tools": [{"name": "f"}]}})
+        assert ok.status_code == 200 and ok.json()["tokens"] == tok.encode("[f]héllo 東京"), ok.text
+        for path in ("/tokenize", "/v1/chat/completions"):
+            bad = call(app, "POST", path, {"messages": MESSAGES[1:], "max_tokens": 1,
+                                           "chat_template_kwargs": {"tools": 5}})
+            assert bad.status_code == 400, bad.text
+            err = bad.json()["error"]
+            assert "TypeError" in err["message"] and err["type"] == "invalid_request_error"
+
+
 def test_detokenize_round_trips(tiny):
     app, engine = tiny
     ids = engine.tokenizer.encode("a €5 🙂", add_bos=False)

@@ -67,7 +67,7 @@ def test_one_split_adds_directly(monkeypatch):
 @interpreter_only
 def test_repeated_launches_reuse_the_counters():
     """Counters are zero after every launch, so back-to-back launches (one stream) merge correctly."""
-    for seed in range(3):
+    for _ in range(3):
         check(16, 64, 512, torch.float32, row_pad=0, atol=1e-4)
         check(40, 128, 640, torch.float32)
 

@@ -70,16 +70,22 @@ class ChatTemplate:
             raise ValueError(f"chat template from {origin} does not compile: {e.message} (line {e.lineno})") \
                 from None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:
-        """`variables`: special tokens (bos_token, ...) and any extra ones. Raises ChatTemplateError when the
-        template rejects the messages."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, /, **variables) -> str:
+        """`variables`: special tokens (bos_token, ...) and any extra ones, any names (positional-only
+        parameters and a context dict: a variable called `self` collides with nothing). Raises
+        ChatTemplateError when the template rejects the messages or its variables: a jinja error, or a
+        Python one its expressions raise on the request's values (iterating an int given as `tools`)."""
+        context = {**variables, "messages": [_plain_message(m) for m in messages],
+                   "add_generation_prompt": add_generation_prompt}
         try:
-            return self._template.render(messages=[_plain_message(m) for m in messages],
-                                         add_generation_prompt=add_generation_prompt, **variables)
+            return self._template.render(context)
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as e:
             raise ChatTemplateError(str(e)) from None
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError, ArithmeticError) as e:
+            raise ChatTemplateError(f"the chat template failed on this request: {type(e).__name__}: {e}") \
+                from None
 
 
 def load_chat_template(value: str) -> ChatTemplate:

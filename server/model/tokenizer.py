@@ -58,11 +58,11 @@ class ByteTokenizer:
     def decode_bytes(self, ids: list[int]) -> bytes:
         return bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < self.NUM_IDS)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, /,
                             **variables) -> str:
         return self.chat_template.render(messages, add_generation_prompt, **variables)
 
-    def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+    def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True, /,
                        **variables) -> list[int]:
         # no text can spell BOS here, so the rendered prompt gets it as a plain prompt does
         text = self.apply_chat_template(messages, add_generation_prompt, **variables)
@@ -134,7 +134,7 @@ class HFTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, /,
                             **variables) -> str:
         if self.chat_template is None:
             raise NoChatTemplateError(
@@ -144,7 +144,7 @@ class HFTokenizer:
         variables = {**self.special_tokens, **variables}
         return self.chat_template.render(messages, add_generation_prompt, **variables)
 
-    def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+    def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True, /,
                        **variables) -> list[int]:
         text = self.apply_chat_template(messages, add_generation_prompt, **variables)
         return self.encode(text, add_bos=False)
