@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from engine_helpers import collect, make_engine, run_all, run_one, wait_until
@@ -244,3 +245,46 @@ def test_core_refuses_prompt_ids_outside_the_vocabulary(ids, bad):
         core.add_request(EngineRequest("bad", ids, greedy(2), time.monotonic()))
     core.add_request(EngineRequest("ok", [5, np.int64(7), vocab - 1], greedy(2), time.monotonic()))
     assert "ok" in core.requests and "bad" not in core.requests
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_drain_finishes_every_prompt_of_an_admitted_windowed_request(stream):
+    """A request of 6 prompts with a window of 2 in the engine at once is admitted whole; a drain that
+    starts while its first window runs serves its later prompts too (they used to get 503 "shutting down",
+    and the drain ended as soon as the first window did), while a new request gets its 503."""
+    import threading
+
+    import httpx
+
+    from server.api.admission import RequestLimits
+    from server.api.app import create_app
+
+    e = make_engine(max_num_seqs=4)
+    app = create_app(e, limits=RequestLimits(max_seqs_per_request=2))
+    body = {"prompt": [f"prompt {i}" for i in range(6)], "max_tokens": 12, "ignore_eos": True,
+            "temperature": 0.0, "stream": stream}
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            big = asyncio.create_task(c.post("/v1/completions", json=body, timeout=60))
+            assert await asyncio.to_thread(wait_until, lambda: e.health()["running"] > 0)
+            drain = threading.Thread(target=e.shutdown, args=(20.0,))
+            drain.start()
+            await asyncio.sleep(0.05)
+            late = await c.post("/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=60)
+            r = await big
+            await asyncio.to_thread(drain.join)
+            return r, late
+
+    r, late = asyncio.run(main())
+    assert late.status_code == 503
+    assert r.status_code == 200, r.text
+    if stream:
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and not any('"error"' in ev for ev in events), r.text[-500:]
+        finished = [c for ev in events[:-1] for c in json.loads(ev)["choices"] if c["finish_reason"]]
+    else:
+        finished = r.json()["choices"]
+    assert sorted(c["index"] for c in finished) == list(range(6))
+    assert all(c["finish_reason"] == "length" for c in finished)
+    assert e.reserved == 0 and not e.client.is_alive()

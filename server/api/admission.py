@@ -99,7 +99,15 @@ class AdmissionGate:
 
     def __init__(self, engine):
         self.engine = engine
-        self.pending = 0
+
+    @property
+    def pending(self) -> int:
+        """Queue places reserved and not handed over; kept on the engine, whose drain waits for them."""
+        return self.engine.reserved
+
+    @pending.setter
+    def pending(self, value: int) -> None:
+        self.engine.reserved = value
 
     def reserve(self, prompts: list[list[int]], params: SamplingParams) -> Reservation:
         engine = self.engine

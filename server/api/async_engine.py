@@ -33,6 +33,7 @@ from server.model.loader import load_tokenizer
 logger = logging.getLogger("pagewalk.engine")
 
 ABORT_WAIT_S = 5.0  # after the drain deadline, how long the aborts of what is left may take
+RESERVED_POLL_S = 0.05  # how often a drain re-reads the admission's reservations
 
 
 class RequestRejected(Exception):
@@ -106,6 +107,10 @@ class AsyncEngine:
         self.max_waiting = -(-config.max_waiting // self.api_server.count)
         self._prefix_counts = (0, 0)  # the core's cumulative prefix-cache (queries, hits) last counted
         self._accepting = True
+        self._serving_admitted = True  # False once the drain's wait is over: admitted prompts refused too
+        # queue places the API's admission (server/api/admission.py) holds for prompts of admitted
+        # requests not registered here yet (a window's later prompts): the drain waits for them too
+        self.reserved = 0
         self._started = self._closed = False
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._call_ids = itertools.count()
@@ -128,6 +133,7 @@ class AsyncEngine:
         if self._started:
             self._wait_idle(timeout)
             with self._lock:
+                self._serving_admitted = False
                 left = list(self._live)
             for rid in left:
                 self.client.send(Abort(rid))
@@ -135,17 +141,23 @@ class AsyncEngine:
         self.client.close(timeout=10.0)
 
     def _wait_idle(self, timeout: float) -> None:
+        """Until no request is live and no admitted prompt is still to come (or the core died, or
+        `timeout` s). The reservations change on the event loop's thread, unnotified: polled."""
         deadline = time.monotonic() + timeout
         with self._idle:
-            while self._live and self.dead is None and (left := deadline - time.monotonic()) > 0:
-                self._idle.wait(left)
+            while ((self._live or self.reserved) and self.dead is None
+                   and (left := deadline - time.monotonic()) > 0):
+                self._idle.wait(min(left, RESERVED_POLL_S) if self.reserved else left)
 
     # ---- admission --------------------------------------------------------------------------------
-    def check_admissible(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        """Raise RequestRejected(status, message, param) if a request of this size cannot be served now."""
+    def check_admissible(self, num_prompt_tokens: int, params: SamplingParams,
+                         admitted: bool = False) -> None:
+        """Raise RequestRejected(status, message, param) if a request of this size cannot be served now.
+        `admitted`: a prompt of a request already admitted (it holds a reservation), which a drain still
+        serves until its wait is over."""
         if self.dead is not None:
             raise RequestRejected(503, f"the engine is not running: {self.dead}")
-        if not self._accepting:
+        if not self._accepting and not (admitted and self._serving_admitted):
             raise RequestRejected(503, "the engine is shutting down")
         if num_prompt_tokens < 1:
             raise RequestRejected(400, "the prompt must contain at least one token", "prompt")
@@ -181,10 +193,11 @@ class AsyncEngine:
         return max(self._stats.waiting, self._num_waiting())
 
     # ---- requests ---------------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       admitted: bool = False) -> AsyncIterator[RequestOutput]:
         """Stream of RequestOutputs, the last with finished=True; what arrived while the reader was busy
-        comes merged into one. Closing the stream early aborts the request."""
+        comes merged into one. Closing the stream early aborts the request. `admitted`: as
+        check_admissible's."""
         try:
             params.validate(self.vocab_size)
         except ValueError as e:
@@ -194,7 +207,7 @@ class AsyncEngine:
                            [ChoiceStream(i, params, self.tokenizer, self._text_of) for i in range(params.n)],
                            time.monotonic(), params.n, [None] * params.n)
         with self._lock:
-            self.check_admissible(len(live.prompt_token_ids), params)
+            self.check_admissible(len(live.prompt_token_ids), params, admitted)
             if request_id in self._live:
                 raise RequestRejected(400, f"request id {request_id!r} is already in use")
             self._live[request_id] = live

@@ -87,7 +87,7 @@ async def merged_outputs(engine, request_id: str, prompts: list[list[int]], para
     take = reservation.take if reservation is not None else _nothing
     if len(prompts) == 1:
         take()  # the same turn as generate's registration: no await in between
-        async with aclosing(engine.generate(request_id, prompts[0], params)) as gen:
+        async with aclosing(engine.generate(request_id, prompts[0], params, reservation is not None)) as gen:
             async for out in gen:
                 yield 0, out
         return
@@ -98,7 +98,8 @@ async def merged_outputs(engine, request_id: str, prompts: list[list[int]], para
         try:
             async with window:
                 take()
-                async with aclosing(engine.generate(f"{request_id}-{i}", ids, params)) as gen:
+                async with aclosing(engine.generate(f"{request_id}-{i}", ids, params,
+                                                    reservation is not None)) as gen:
                     async for out in gen:
                         queue.put_nowait((i, out))
         except Exception as e:  # handed to the consumer, which raises it
