@@ -96,6 +96,20 @@ def test_stop_token_id_ends_the_choice(engine):
     assert (c.finish_reason, c.stop_reason) == ("stop", target)
 
 
+def test_a_long_stop_token_id_list_is_kept_distinct_and_matched_as_a_set(engine):
+    """Repeats collapse (in order) where the params are made, so the wire carries each id once, and the
+    core checks a token against a set: the same ending as the short list, whatever the list's length."""
+    prompt = prompt_of(engine, "stop token")
+    full = run_one(engine, "stoptok-ref", prompt, greedy(20)).choices[0].token_ids
+    target = full[5]
+    unused = [t for t in range(engine.vocab_size) if t not in full][:5000]
+    params = greedy(20, stop_token_ids=unused * 20 + [target] * 3)
+    assert params.stop_token_ids == unused + [target] and target in params.stop_token_set
+    c = run_one(engine, "stoptok-long", prompt, params).choices[0]
+    assert c.token_ids == full[:full.index(target) + 1]
+    assert (c.finish_reason, c.stop_reason) == ("stop", target)
+
+
 def test_logprobs_top_k_and_sampled(engine):
     res = run_one(engine, "lp", prompt_of(engine, "logprobs"), greedy(5, logprobs=3))
     c = res.choices[0]

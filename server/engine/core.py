@@ -180,7 +180,7 @@ class EngineCore:
             if samples.logprobs is not None and p.logprobs is not None else None
         num_output = len(token_ids) - len(seq.prompt_token_ids)
         reason, stop_token = None, None
-        if p.stop_token_ids and token in p.stop_token_ids:
+        if p.stop_token_ids and token in p.stop_token_set:
             reason, stop_token = "stop", token
         elif token in self.eos_token_ids and not p.ignore_eos:
             reason = "stop"
