@@ -124,7 +124,7 @@ def add_server_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set)")
     s.add_argument("--max-body-bytes", type=int, default=None,
-                   help="request body limit, 413 above it (default: 8 MiB)")
+                   help="request body limit in bytes, 413 above it (default: 1 MiB)")
     s.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may take to finish on SIGTERM/SIGINT before they are "
                         "aborted; the process exits (0) at most ~2 s later whatever the clients do")

@@ -93,6 +93,29 @@ def test_echo_logprobs_n_prompts_and_stream(tiny):
                for c in echoes)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_masked_ids_report_the_logprob_floor_not_null(tiny, stream):
+    """The presets mask unprintable ids (-inf logits): an echoed prompt of them and top lists reaching
+    them report -9999.0 (vLLM's floor), never null or -Infinity; only the first prompt token has none."""
+    app, _ = tiny
+    body = {"prompt": [1, 2, 3], "max_tokens": 3, "echo": True, "logprobs": 5, "temperature": 0.0,
+            "stream": stream}
+    r = post(app, body)
+    assert r.status_code == 200 and "Infinity" not in r.text and "NaN" not in r.text, r.text
+    if stream:
+        events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+        lps = [e["choices"][0]["logprobs"] for e in events if e["choices"][0].get("logprobs")]
+        token_lps = [x for lp in lps for x in lp["token_logprobs"]]
+        tops = [t for lp in lps for t in lp["top_logprobs"]]
+    else:
+        lp = r.json()["choices"][0]["logprobs"]
+        token_lps, tops = lp["token_logprobs"], lp["top_logprobs"]
+    assert token_lps[0] is None and tops[0] is None
+    assert all(isinstance(x, float) and x >= -9999.0 for x in token_lps[1:])
+    values = [v for t in tops[1:] for v in t.values()]
+    assert all(isinstance(v, float) and v >= -9999.0 for v in values) and -9999.0 in values + token_lps[1:]
+
+
 def test_prompt_logprobs_is_validated():
     SamplingParams(prompt_logprobs=20).validate(259)
     with pytest.raises(ValueError, match="prompt_logprobs must be in"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from server.api.outputs import ChoiceDelta, TokenLogprob
+from server.api.outputs import ChoiceDelta, TokenLogprob, reported_logprob
 from server.api.stop_strings import StopStrings
 from server.engine.outputs import SeqUpdate
 from server.engine.sampling_params import SamplingParams
@@ -85,5 +85,6 @@ class ChoiceStream:
         if not self.want_logprobs or u.logprobs is None:
             return None
         text_of = self.text_of
-        return [TokenLogprob(token, text_of(token), lp, [(t, text_of(t), tlp) for t, tlp in top])
+        return [TokenLogprob(token, text_of(token), reported_logprob(lp),
+                             [(t, text_of(t), reported_logprob(tlp)) for t, tlp in top])
                 for token, (lp, top) in zip(u.new_token_ids[:taken], u.logprobs[:taken], strict=True)]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from server.api.outputs import TokenLogprob
+from server.api.outputs import TokenLogprob, reported_logprob
 from server.api.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 
@@ -33,9 +33,10 @@ def echo_logprobs(tokenizer, prompt_ids: list[int], entries: list) -> Completion
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)
             continue
-        logprob, top = entry
+        logprob, top = reported_logprob(entry[0]), entry[1]
         out.token_logprobs.append(logprob)
-        out.top_logprobs.append({**{tokenizer.decode([t]): lp for t, lp in top}, text: logprob})
+        top_of = {tokenizer.decode([t]): reported_logprob(lp) for t, lp in top}
+        out.top_logprobs.append({**top_of, text: logprob})
     return out
 
 

@@ -4,6 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# the floor of a reported logprob: a token the model masks (-inf) reads -9999.0, as vLLM reports it, where
+# JSON has no -inf (pydantic would write null, json.dumps -Infinity)
+MIN_LOGPROB = -9999.0
+
+
+def reported_logprob(logprob: float) -> float:
+    return logprob if logprob > MIN_LOGPROB else MIN_LOGPROB
+
 
 @dataclass
 class TokenLogprob:
