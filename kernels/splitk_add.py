@@ -20,6 +20,8 @@ kernels.fused_reference.splitk_add_reference.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -28,10 +30,24 @@ from kernels.launch_cache import CachedLauncher
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SPLITK_MAX_ROWS = 64  # up to here this kernel beats cuBLAS's split-K + reduce on the down projection
-SPLIT_K = 4           # the probe's best at 16 and 64 rows (K ranges of 2048 at K = 8192)
-BLOCK_K = 128
-NUM_STAGES = 4        # 2-byte dtypes: 4 x (x + w tiles) = 128 KiB of shared memory at 64 x 64 x 128
 MAX_TILES = 4096      # (row tile, column tile) counters a device holds: N / 32 x 4 row tiles up to N = 32768
+
+
+class Tiles(NamedTuple):
+    """One launch's configuration: the output tile, the K step, the K splits, pipeline stages, warps."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_stages: int  # for 2-byte dtypes; fp32 takes half (4 stages of 64 x 64 x 128 fp32 tiles need 256 KiB)
+    num_warps: int
+
+
+# tools/splitk_gemm_probe's best on the H200 at the bench shape (16 rows: 16 x 32, 64 rows: 64 x 64; K
+# ranges of 2048 at K = 8192, 4 stages, 4 warps)
+SMALL_TILES = Tiles(16, 32, 128, 4, 4, 4)  # up to 16 rows
+LARGE_TILES = Tiles(64, 64, 128, 4, 4, 4)  # 17 to SPLITK_MAX_ROWS rows
 
 
 @triton.jit
@@ -87,9 +103,9 @@ _kernel = CachedLauncher(_splitk_add_kernel, num_tensors=5)
 _tickets: dict[torch.device, torch.Tensor] = {}
 
 
-def tile_config(rows: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) for `rows` rows: the probe's best tiles (16 rows: 16 x 32; 64 rows: 64 x 64)."""
-    return (16, 32) if rows <= 16 else (64, 64)
+def tile_config(rows: int) -> Tiles:
+    """The launch configuration for `rows` rows."""
+    return SMALL_TILES if rows <= 16 else LARGE_TILES
 
 
 def warm_up(device: torch.device) -> None:
@@ -125,15 +141,15 @@ def splitk_add(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) ->
         raise ValueError("splitk_add needs rows of x and residual contiguous and a contiguous weight")
     if m == 0:
         return
-    block_m, block_n = tile_config(m)
-    k_per_split = triton.cdiv(triton.cdiv(k, SPLIT_K), BLOCK_K) * BLOCK_K
-    grid = (triton.cdiv(n, block_n), SPLIT_K, triton.cdiv(m, block_m))
+    t = tile_config(m)
+    k_per_split = triton.cdiv(triton.cdiv(k, t.split_k), t.block_k) * t.block_k
+    grid = (triton.cdiv(n, t.block_n), t.split_k, triton.cdiv(m, t.block_m))
     tickets = _device_tickets(x.device)
     if grid[0] * grid[2] > tickets.numel():
         raise ValueError(f"splitk_add holds {tickets.numel()} tile counters, {grid[0] * grid[2]} needed")
-    part = torch.empty(SPLIT_K * grid[2] * block_m * n, dtype=torch.float32, device=x.device)
-    even = n % block_n == 0 and k == SPLIT_K * k_per_split
+    part = torch.empty(t.split_k * grid[2] * t.block_m * n, dtype=torch.float32, device=x.device)
+    even = n % t.block_n == 0 and k == t.split_k * k_per_split
     _kernel(grid, x, weight, residual, part, tickets, m, n, k, x.stride(0), residual.stride(0), k_per_split,
-            SPLIT_K=SPLIT_K, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, EVEN=even,
-            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            num_warps=4, num_stages=NUM_STAGES if x.element_size() <= 2 else NUM_STAGES // 2)  # fp32: 128 KiB
+            SPLIT_K=t.split_k, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, EVEN=even,
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=t.num_warps,
+            num_stages=t.num_stages if x.element_size() <= 2 else max(1, t.num_stages // 2))

@@ -47,8 +47,8 @@ def check(m, n, k, dtype, row_pad=0, device="cpu", atol=None):
 @pytest.mark.parametrize("m", [1, 5, 16, 17, 64])
 def test_equals_reference_on_dividing_tiles(dtype, m):
     """N a multiple of the tile, K = SPLIT_K x whole BLOCK_K ranges (the unmasked weight loads)."""
-    block_n = splitk_mod.tile_config(m)[1]
-    check(m, 2 * block_n, splitk_mod.SPLIT_K * splitk_mod.BLOCK_K, dtype, row_pad=3)
+    t = splitk_mod.tile_config(m)
+    check(m, 2 * t.block_n, t.split_k * t.block_k, dtype, row_pad=3)
 
 
 @interpreter_only
@@ -60,7 +60,7 @@ def test_equals_reference_on_ragged_shapes(m, n, k):
 
 @interpreter_only
 def test_one_split_adds_directly(monkeypatch):
-    monkeypatch.setattr(splitk_mod, "SPLIT_K", 1)
+    monkeypatch.setattr(splitk_mod, "SMALL_TILES", splitk_mod.SMALL_TILES._replace(split_k=1))
     check(9, 64, 256, torch.float32)
 
 
