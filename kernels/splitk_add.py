@@ -44,10 +44,14 @@ class Tiles(NamedTuple):
     num_warps: int
 
 
-# tools/splitk_gemm_probe's best on the H200 at the bench shape (16 rows: 16 x 32, 64 rows: 64 x 64; K
-# ranges of 2048 at K = 8192, 4 stages, 4 warps)
-SMALL_TILES = Tiles(16, 32, 128, 4, 4, 4)  # up to 16 rows
-LARGE_TILES = Tiles(64, 64, 128, 4, 4, 4)  # 17 to SPLITK_MAX_ROWS rows
+# tools/splitk_add_bench --sweep's best on the H200 at the bench shape (docs/benchmarks/splitk_add_h200.json:
+# 36 configurations at 16, 32 and 64 rows): K ranges of 2048 at K = 8192, 4 stages, 4 warps; the tile
+# grows with the rows. (the most rows, tiles), in increasing rows.
+TILE_CLASSES = (
+    (16, Tiles(16, 32, 128, 4, 4, 4)),               # 11.9 us a layer at 16 rows (cuBLAS addmm_ 14.0)
+    (32, Tiles(32, 32, 128, 4, 4, 4)),               # 12.7 at 32 (64-row tiles 13.7, cuBLAS 14.3)
+    (SPLITK_MAX_ROWS, Tiles(64, 64, 128, 4, 4, 4)),  # 13.8 at 64 (cuBLAS 14.6)
+)
 
 
 @triton.jit
@@ -104,8 +108,8 @@ _tickets: dict[torch.device, torch.Tensor] = {}
 
 
 def tile_config(rows: int) -> Tiles:
-    """The launch configuration for `rows` rows."""
-    return SMALL_TILES if rows <= 16 else LARGE_TILES
+    """The launch configuration for `rows` (<= SPLITK_MAX_ROWS) rows."""
+    return next(tiles for most, tiles in TILE_CLASSES if rows <= most)
 
 
 def warm_up(device: torch.device) -> None:

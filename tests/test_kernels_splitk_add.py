@@ -44,7 +44,7 @@ def check(m, n, k, dtype, row_pad=0, device="cpu", atol=None):
 
 @interpreter_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("m", [1, 5, 16, 17, 64])
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 32, 33, 64])
 def test_equals_reference_on_dividing_tiles(dtype, m):
     """N a multiple of the tile, K = SPLIT_K x whole BLOCK_K ranges (the unmasked weight loads)."""
     t = splitk_mod.tile_config(m)
@@ -60,7 +60,8 @@ def test_equals_reference_on_ragged_shapes(m, n, k):
 
 @interpreter_only
 def test_one_split_adds_directly(monkeypatch):
-    monkeypatch.setattr(splitk_mod, "SMALL_TILES", splitk_mod.SMALL_TILES._replace(split_k=1))
+    (most, tiles), *rest = splitk_mod.TILE_CLASSES
+    monkeypatch.setattr(splitk_mod, "TILE_CLASSES", ((most, tiles._replace(split_k=1)), *rest))
     check(9, 64, 256, torch.float32)
 
 

@@ -7,7 +7,7 @@ layer for cuBLAS (`residual.addmm_`, what the fused forward ran before: nvjet sp
 and kernels/splitk_add.py (the shipped tiles), M in ROWS; the bandwidth that makes of the weight read once.
 Every result is checked against the fp32 reference (a wrong one exits non-zero). `--sweep` also times
 each configuration of SWEEP at 16 / 32 / 64 rows and prints the best per row count (it decides the
-shipped SMALL_TILES / LARGE_TILES). Prints a table last; writes JSON to --out (a .json path, or a directory
+shipped TILE_CLASSES). Prints a table last; writes JSON to --out (a .json path, or a directory
 that gets splitk_add_<gpu>.json).
 """
 

@@ -30,7 +30,7 @@ from kernels.activation import silu_and_mul
 from kernels.gemv import gemv, gemv_rope_store
 from kernels.rmsnorm import rms_norm
 from kernels.rope_store import rope_store_kv
-from kernels.splitk_add import SPLITK_MAX_ROWS, splitk_add
+from kernels.splitk_add import SPLITK_MAX_ROWS, TILE_CLASSES, splitk_add
 from kernels.splitk_add import warm_up as warm_up_splitk
 from server.model.llama import Attention, AttentionFn, DecoderLayer, LlamaForCausalLM
 
@@ -80,9 +80,13 @@ def warm_up_down_projection(model: LlamaForCausalLM) -> None:
     configs on scratch rows (layer 0's weight), so that an eager server compiles none mid-serving."""
     weight = model.model.layers[0].mlp.down_proj.weight  # (H, I)
     warm_up_splitk(weight.device)
-    for rows in (2, 16, 17, SPLITK_MAX_ROWS):  # both tiles of tile_config, Triton's M % 16 cases of each
-        act = torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-        splitk_add(torch.zeros(rows, weight.shape[0], dtype=weight.dtype, device=weight.device), act, weight)
+    least = 1
+    for most, _ in TILE_CLASSES:  # every tile class, Triton's M % 16 == 0 and != 0 cases of each
+        for rows in sorted({max(least, 2), most}):
+            act = torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+            out = torch.zeros(rows, weight.shape[0], dtype=weight.dtype, device=weight.device)
+            splitk_add(out, act, weight)
+        least = most + 1
 
 
 def takes_one_row(input_ids: torch.Tensor) -> bool:
