@@ -88,7 +88,7 @@ def test_refuses_what_it_does_not_serve():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("m", [1, 7, 16, 33, 64])
+@pytest.mark.parametrize("m", [1, 7, 16, 24, 32, 33, 64])
 def test_gpu_down_projection(m, dtype):
     """The bench shape's down projection (N 2048, K 8192) in bf16 and fp32 (its tiles need fewer pipeline
     stages to fit shared memory): within the dtype's rounding of the fp32 reference (fp32: IEEE dots), and
