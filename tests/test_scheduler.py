@@ -219,6 +219,37 @@ def test_fork_shares_the_prefill_and_copies_the_partial_block(async_):
     assert all(s.output_token_ids == expected_output(prompt, 3) for s in seqs)
 
 
+@pytest.mark.parametrize("async_", [False, True])
+def test_a_prompt_ending_in_a_one_token_chunk_still_forks_there(async_):
+    """n = 3 and a 7-token prompt over a 6-token budget: the last prompt token runs alone. That chunk is
+    the parent's prefill end, so the siblings fork from it and all three decode side by side (it was taken
+    for a decode: the children stayed pending while the parent decoded, and a preemption of the parent
+    then forked them with its generated tokens counted as computed)."""
+    h = Harness(block_size=4, max_tokens_per_step=6, async_=async_)
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    seqs = h.add(prompt, max_tokens=4, n=3)
+    assert [c.num_tokens for c in h.step().chunks] == [6]
+    out = h.step()
+    assert [(c.seq.index, c.num_tokens) for c in out.prefills] == [(0, 1)] and not out.decodes
+    assert all(s.status is SeqStatus.RUNNING for s in seqs) and len(out.samples) == 3
+    h.run()
+    assert all(s.output_token_ids == expected_output(prompt, 4) for s in seqs)
+    assert h.kv.usage().used_blocks == 0
+
+
+def test_an_aborted_pending_choice_is_never_forked():
+    """One choice of n = 2 aborted while its parent still prefills: it leaves the parent's fork list (it was
+    marked finished but forked anyway, and finished a second time)."""
+    h = Harness(block_size=4, max_tokens_per_step=4)
+    parent, child = h.add(list(range(1, 11)), max_tokens=3, n=2)
+    h.step()
+    h.sched.finish(child)
+    assert parent.fork_children == [] and parent.width == 1
+    h.run()
+    assert child.status is SeqStatus.FINISHED and child.output_token_ids == []
+    assert parent.output_token_ids == expected_output(list(range(1, 11)), 3)
+
+
 def test_finish_of_waiting_and_running_sequences_releases_everything():
     h = Harness(max_num_seqs=1)
     a = h.add([1, 2, 3], max_tokens=50)[0]

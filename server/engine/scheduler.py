@@ -13,6 +13,8 @@ generated tokens are prefilled again (prefix caching usually makes that cheap).
 
 from __future__ import annotations
 
+import itertools
+
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -93,6 +95,11 @@ class Scheduler:
             self._release_row(seq)
         elif seq.status is SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq.status is SeqStatus.FORK_PENDING:  # one choice aborted before its parent's prefill ended
+            for parent in itertools.chain(self.running, self.waiting):
+                if seq in parent.fork_children:
+                    parent.fork_children.remove(seq)
+                    break
         for child in seq.fork_children:
             child.status = SeqStatus.FINISHED
         seq.fork_children = []
@@ -111,8 +118,8 @@ class Scheduler:
                 continue
             # seq.num_tokens, inlined: once per row per step
             num_tokens = len(seq.token_ids) + seq.num_pending
-            if num_tokens - seq.num_computed_tokens != 1:
-                prefills.append(seq)
+            if num_tokens - seq.num_computed_tokens != 1 or seq.fork_children:
+                prefills.append(seq)  # (a fork parent's last prompt token is a chunk: it forks there)
             elif num_tokens - len(seq.prompt_token_ids) >= seq.params.max_tokens:
                 continue  # its last token is in flight: it finishes when that token arrives
             elif ensure_slots(seq.seq_id, num_tokens) or self._reserve_slots(seq, out):  # else: preempt
@@ -126,7 +133,8 @@ class Scheduler:
         for seq in prefills:  # 2) running prefills (chunked), in admission order
             if budget == 0:
                 break
-            if seq.status is SeqStatus.RUNNING and not seq.is_decode and self._reserve_slots(seq, out):
+            if (seq.status is SeqStatus.RUNNING and (not seq.is_decode or seq.fork_children)
+                    and self._reserve_slots(seq, out)):
                 budget -= self._add_prefill(seq, budget, out)
         slots = self.num_running_slots() if self.waiting else 0  # counted once: admission adds widths
         while self.waiting and budget > 0 and not out.preempted:  # 3) FCFS admission
@@ -195,6 +203,7 @@ class Scheduler:
         """Parent's last prefill chunk is scheduled: share its blocks with its n-1 siblings, who sample from
         its logits this step. The partial last block is copied after the forward writes it. A child that
         cannot get a block re-queues at the front and prefills on its own (hitting the prefix cache)."""
+        assert len(parent.token_ids) == len(parent.prompt_token_ids), "a parent forks at its prompt's end"
         forked: list[Sequence] = []
         for child in reversed(parent.fork_children):
             pairs = self.kv.fork(parent.seq_id, child.seq_id)
