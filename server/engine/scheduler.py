@@ -14,7 +14,6 @@ generated tokens are prefilled again (prefix caching usually makes that cheap).
 from __future__ import annotations
 
 import itertools
-
 from collections import deque
 from dataclasses import dataclass, field
 
