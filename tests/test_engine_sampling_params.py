@@ -19,7 +19,7 @@ def test_defaults_validate_and_normalise():
     ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
     ({"max_tokens": 0}, "max_tokens must be an integer >= 1, got 0"),
     ({"temperature": -0.1}, "temperature must be >= 0, got -0.1"),
-    ({"top_k": -3}, "top_k must be an integer >= 0"),
+    ({"top_k": -3}, "top_k must be an integer in [0, 2**63)"),
     ({"min_p": 1.2}, "min_p must be in [0, 1], got 1.2"),
     ({"n": 0}, "n must be in [1, 64], got 0"),
     ({"logprobs": 21}, "logprobs must be in [0, 20], got 21"),

@@ -157,6 +157,27 @@ def test_seeded_rows_do_not_depend_on_batch_neighbours():
     assert len(set(alone)) > 1  # the counter advances: not one draw repeated
 
 
+@pytest.mark.parametrize("mine", [SamplingParams(temperature=1.0, seed=8),
+                                  SamplingParams(temperature=0.7, min_p=0.05, seed=8)],
+                         ids=["plain", "min_p"])
+def test_a_row_without_top_filters_draws_the_same_beside_rows_with_them(mine):
+    """A neighbour's top_p or top_k sends the whole step down the sorted path on the CPU: the unfiltered
+    row's token must be the one it draws alone (the sorted walk of the same uniform picked another)."""
+    torch.manual_seed(5)
+    steps = torch.randn(6, 300) * 3
+    neighbours = {"alone": [], "greedy": [SamplingParams(temperature=0.0)],
+                  "top_p": [SamplingParams(temperature=1.0, top_p=0.9)],
+                  "top_k": [SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=0.5)]}
+    runs = {}
+    for name, others in neighbours.items():
+        params = [mine, *others]
+        s = sampler_for(params, [seed_key(8, 0)] + [99 + i for i in range(len(others))], vocab=300)
+        runs[name] = [sample(s, torch.cat([steps[i:i + 1], torch.randn(len(others), 300)]), params)
+                      .token_ids[0].item() for i in range(6)]
+    assert all(r == runs["alone"] for r in runs.values()), runs
+    assert len(set(runs["alone"])) > 1
+
+
 def test_choices_of_one_seed_get_distinct_streams_and_uniforms_cover_the_unit_interval():
     assert seed_key(5, 0) != seed_key(5, 1) and seed_key(5, 1) == seed_key(5, 1)
     assert all(0 <= seed_key(s, i) < 2**31 for s in (0, 1, 2**62, -3) for i in range(3))

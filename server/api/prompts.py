@@ -30,8 +30,8 @@ def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation_promp
     plain, variables = chat_messages(messages), template_kwargs or {}
     with template_errors():
         if add_special_tokens is None:
-            return tokenizer.chat_token_ids(plain, add_generation_prompt, **variables)
-        text = tokenizer.apply_chat_template(plain, add_generation_prompt, **variables)
+            return tokenizer.chat_token_ids(plain, add_generation_prompt, variables)
+        text = tokenizer.apply_chat_template(plain, add_generation_prompt, variables)
     return tokenizer.encode(text, add_bos=add_special_tokens)
 
 

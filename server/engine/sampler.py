@@ -271,17 +271,19 @@ def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def _draw_sorted(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
                  u: torch.Tensor) -> torch.Tensor:
-    """top-k, then top-p over the renormalised top-k, then min-p, on the sorted row; the best token always
-    survives (so a top_p that underflows to 0 keeps exactly it)."""
+    """top-k, then top-p over the renormalised top-k, then min-p, found on the sorted row; the best token
+    always survives (so a top_p that underflows to 0 keeps exactly it). The kept masses go back to
+    vocabulary order for the draw, and a row without top-k or top-p keeps its masses untouched: its token is
+    the one the plain draw gives, whether or not a batch neighbour's filter sent the step here."""
     V = scaled.shape[-1]
     sorted_scaled, order = scaled.sort(dim=-1, descending=True)  # (S, V)
     ranks = torch.arange(V, device=scaled.device)[None, :]  # (1, V)
     k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))  # (S,)
     probs = sorted_scaled.exp().masked_fill(ranks >= k[:, None], 0.0)  # unnormalised, best = 1
     cdf = probs.cumsum(dim=-1)
-    beyond_p = (cdf - probs >= top_p[:, None] * cdf[:, -1:]) & (ranks > 0)
+    beyond_p = (cdf - probs >= top_p[:, None] * cdf[:, -1:]) & (ranks > 0) & (top_p < 1.0)[:, None]
     probs = probs.masked_fill(beyond_p | (probs < min_p[:, None]), 0.0)
-    return order.gather(1, _draw(probs, u)[:, None]).squeeze(1)
+    return _draw(torch.zeros_like(probs).scatter_(1, order, probs), u)  # (S, V) kept masses, vocab order
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

@@ -70,12 +70,14 @@ class ChatTemplate:
             raise ValueError(f"chat template from {origin} does not compile: {e.message} (line {e.lineno})") \
                 from None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, /, **variables) -> str:
-        """`variables`: special tokens (bos_token, ...) and any extra ones, any names (positional-only
-        parameters and a context dict: a variable called `self` collides with nothing). Raises
-        ChatTemplateError when the template rejects the messages or its variables: a jinja error, or a
-        Python one its expressions raise on the request's values (iterating an int given as `tools`)."""
-        context = {**variables, "messages": [_plain_message(m) for m in messages],
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, variables: dict | None = None,
+               **named) -> str:
+        """`variables` (a request's chat_template_kwargs) and `named`: special tokens (bos_token, ...) and any
+        extra ones, of any names (they go to jinja as one context dict: a variable called `self` collides
+        with nothing). Raises ChatTemplateError when the template rejects the messages or its variables: a
+        jinja error, or a Python one its expressions raise on the request's values (iterating an int given
+        as `tools`)."""
+        context = {**named, **(variables or {}), "messages": [_plain_message(m) for m in messages],
                    "add_generation_prompt": add_generation_prompt}
         try:
             return self._template.render(context)

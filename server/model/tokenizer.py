@@ -2,8 +2,9 @@
 
 Both expose the same surface: encode(text, add_bos=True), decode(ids, skip_special_tokens=True), vocab_size,
 bos_token_id, eos_token_ids, pad_token_id, chat_template (a ChatTemplate or None),
-apply_chat_template(messages, add_generation_prompt=True, **variables) -> str and
-chat_token_ids(messages, ...) -> ids (`variables`: extra template variables, vLLM's chat_template_kwargs).
+apply_chat_template(messages, add_generation_prompt=True, variables=None) -> str and
+chat_token_ids(messages, ...) -> ids (`variables`: a dict of extra template variables, vLLM's
+chat_template_kwargs).
 """
 
 from __future__ import annotations
@@ -58,14 +59,14 @@ class ByteTokenizer:
     def decode_bytes(self, ids: list[int]) -> bytes:
         return bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < self.NUM_IDS)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, /,
-                            **variables) -> str:
-        return self.chat_template.render(messages, add_generation_prompt, **variables)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            variables: dict | None = None) -> str:
+        return self.chat_template.render(messages, add_generation_prompt, variables)
 
-    def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True, /,
-                       **variables) -> list[int]:
+    def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+                       variables: dict | None = None) -> list[int]:
         # no text can spell BOS here, so the rendered prompt gets it as a plain prompt does
-        text = self.apply_chat_template(messages, add_generation_prompt, **variables)
+        text = self.apply_chat_template(messages, add_generation_prompt, variables)
         return self.encode(text, add_bos=True)
 
 
@@ -134,19 +135,19 @@ class HFTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, /,
-                            **variables) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            variables: dict | None = None) -> str:
         if self.chat_template is None:
             raise NoChatTemplateError(
                 "this model defines no chat template (none in its tokenizer_config.json or "
                 "chat_template.jinja) and the server was started without --chat-template; use "
                 "/v1/completions, or restart with --chat-template FILE")
-        variables = {**self.special_tokens, **variables}
-        return self.chat_template.render(messages, add_generation_prompt, **variables)
+        variables = {**self.special_tokens, **(variables or {})}
+        return self.chat_template.render(messages, add_generation_prompt, variables)
 
-    def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True, /,
-                       **variables) -> list[int]:
-        text = self.apply_chat_template(messages, add_generation_prompt, **variables)
+    def chat_token_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+                       variables: dict | None = None) -> list[int]:
+        text = self.apply_chat_template(messages, add_generation_prompt, variables)
         return self.encode(text, add_bos=False)
 
 
