@@ -68,6 +68,9 @@ def test_two_api_servers_serve_every_request_sum_their_metrics_and_drain_on_sigt
         srv.wait_idle()  # the core's view, from either server: nothing running, every block free
         assert srv.metric("pagewalk_request_success_total", {"finished_reason": "length"}) == 32
         assert srv.metric("pagewalk_generation_tokens_total") == 32 * 8
+        # the block map's totals are the core's, whichever server answers
+        totals = [httpx.get(f"{srv.url}/debug/kvcache", timeout=30).json()["totals"] for _ in range(6)]
+        assert all(t["generated_tokens"] == 32 * 8 and t == totals[0] for t in totals), totals
         assert all(os.path.exists(f"/proc/{pid}") for pid in pids)
         # SIGTERM with streams in flight: every server drains its own, then the core stops
         started = [threading.Event() for _ in range(6)]

@@ -13,6 +13,7 @@ import pytest
 from server.api import debug
 from server.api.app import create_app
 from server.api.playground import ASSETS
+from server.engine.outputs import CoreStats
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -21,20 +22,18 @@ MAP = {"block_size": 16, "num_blocks": 8, "free_blocks": 6, "used_blocks": 1, "c
        "cached": [[2, 1]]}
 
 
-class FakeMetrics:
-    def value(self, name: str, labels=None) -> float | None:
-        return {"pagewalk_generation_tokens_total": 5.0, "pagewalk_num_preemptions_total": 1.0}.get(name)
-
-
 class FakeEngine:
-    """What the debug routes use of an engine: kv_snapshot, health, metrics, num_prefill_tokens."""
+    """What the debug routes use of an engine: kv_snapshot, health, the core's last stats,
+    num_prefill_tokens."""
 
     def __init__(self, with_snapshot: bool = True):
         self.calls = 0
-        self.metrics = FakeMetrics()
         self.num_prefill_tokens = 7
         if not with_snapshot:
             self.kv_snapshot = None
+
+    def last_core_stats(self) -> CoreStats:
+        return CoreStats(1, 2, 10, 3, 1, 0.0, generated_tokens=5, preemptions=1)
 
     async def kv_snapshot(self) -> dict:
         self.calls += 1

@@ -179,6 +179,10 @@ class AsyncEngine:
             raise RequestRejected(429, f"too many requests waiting ({waiting}, max_waiting="
                                   f"{self.max_waiting}); retry later")
 
+    def last_core_stats(self) -> CoreStats:
+        """The core's stats as its last step reported them."""
+        return self._stats
+
     def num_waiting_here(self) -> int:
         with self._lock:
             return self._num_waiting()

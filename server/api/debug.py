@@ -68,10 +68,10 @@ async def read_snapshot(engine) -> dict:
 
 
 def engine_totals(engine) -> dict:
-    value = engine.metrics.value
+    """The core's all-time totals (from its last step's stats: the same in every API server)."""
+    stats = engine.last_core_stats()
     return {"prefill_tokens": int(getattr(engine, "num_prefill_tokens", 0)),
-            "generated_tokens": int(value("pagewalk_generation_tokens_total") or 0),
-            "preemptions": int(value("pagewalk_num_preemptions_total") or 0)}
+            "generated_tokens": stats.generated_tokens, "preemptions": stats.preemptions}
 
 
 @router.get("/debug/kvcache")

@@ -57,6 +57,8 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     num_preemptions: int = 0
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache, all time
     prefix_hits: int = 0  # of those, tokens served from it
+    generated_tokens: int = 0  # output tokens the core handed out, all time (every client's)
+    preemptions: int = 0  # all time
 
 
 class StepUpdate(msgspec.Struct, tag="step", gc=False):
