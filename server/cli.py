@@ -46,6 +46,22 @@ def fraction(value: str) -> float:
     return x
 
 
+def positive_int(value: str) -> int:
+    """An argparse type: an integer >= 1 (a 0 or a negative count would start a server that serves
+    nothing: every request hung, refused or 429)."""
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return n
+
+
+def port_number(value: str) -> int:
+    n = int(value)
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in [0, 65535], got {value}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagewalk", description="paged-KV decode inference microserver")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -94,11 +110,12 @@ def add_engine_flags(s: argparse.ArgumentParser) -> None:
                          "(vLLM: --num-gpu-blocks-override)")
     kv.add_argument("--kv-cache-memory", action=RetiredFlag, nargs=1,
                     replacement="--gpu-memory-utilization (a fraction of the GPU's total memory, as in vLLM)")
-    s.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one decode batch")
-    s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens in one engine step")
-    s.add_argument("--max-waiting", type=int, default=1024,
+    s.add_argument("--max-num-seqs", type=positive_int, default=64, help="sequences in one decode batch")
+    s.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
+                   help="tokens in one engine step")
+    s.add_argument("--max-waiting", type=positive_int, default=1024,
                    help="queued requests before new ones get 429 (vLLM queues without a bound)")
-    s.add_argument("--max-model-len", type=int, default=None,
+    s.add_argument("--max-model-len", type=positive_int, default=None,
                    help="prompt + completion tokens per sequence "
                         "(default: the model's max_position_embeddings)")
     s.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],
@@ -116,14 +133,14 @@ def add_engine_flags(s: argparse.ArgumentParser) -> None:
 def add_server_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (vLLM listens on all interfaces by default)")
-    s.add_argument("--port", type=int, default=8000, help="port to listen on")
+    s.add_argument("--port", type=port_number, default=8000, help="port to listen on")
     s.add_argument("--api-server-count", type=int, default=1,
                    help="API server processes sharing the port and one engine core (as vLLM's): each parses, "
                         "tokenizes, detokenizes and streams its own connections, so HTTP scales past one "
                         "core's worth of Python; --max-waiting is shared out among them")
     s.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set)")
-    s.add_argument("--max-body-bytes", type=int, default=None,
+    s.add_argument("--max-body-bytes", type=positive_int, default=None,
                    help="request body limit in bytes, 413 above it (default: 1 MiB)")
     s.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may take to finish on SIGTERM/SIGINT before they are "
@@ -160,7 +177,7 @@ def add_limit_flags(s: argparse.ArgumentParser) -> None:
                    help="seconds a client has to send a request's headers (408 and close after)")
     g.add_argument("--timeout-keep-alive", type=int, default=c.DEFAULT_TIMEOUT_KEEP_ALIVE_S,
                    help="seconds an idle keep-alive connection stays open (uvicorn's)")
-    g.add_argument("--max-connections", type=int, default=c.DEFAULT_MAX_CONNECTIONS,
+    g.add_argument("--max-connections", type=positive_int, default=c.DEFAULT_MAX_CONNECTIONS,
                    help="open connections; one more gets a 503 and is closed")
     g.add_argument("--client-stall-timeout", type=float, default=c.DEFAULT_STALL_TIMEOUT_S,
                    help="seconds a client may read nothing of its response before it is disconnected "

@@ -52,6 +52,13 @@ def test_vllm_flags_reach_the_engine_config():
     (["--dtype", "int8"], "invalid choice"),
     (["--api-server-count", "0"], "--api-server-count must be at least 1"),
     (["--api-server-count", "2", "--engine-in-process"], "excludes --api-server-count"),
+    (["--max-num-batched-tokens", "0"], "must be an integer >= 1, got 0"),  # every request hung
+    (["--max-num-seqs", "-1"], "must be an integer >= 1, got -1"),
+    (["--max-waiting", "0"], "must be an integer >= 1"),
+    (["--max-connections", "0"], "must be an integer >= 1"),
+    (["--max-model-len", "0"], "must be an integer >= 1"),
+    (["--max-body-bytes", "0"], "must be an integer >= 1"),
+    (["--port", "70000"], "must be a port number in [0, 65535]"),
 ])
 def test_bad_flags_are_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
@@ -83,6 +90,7 @@ def test_help_has_text_and_defaults_for_every_flag():
     (["tiny", "--chat-template", "/no/template.jinja"], "neither a file nor a jinja template"),
     (["tiny", "--tokenizer", "/no/tokenizer"], "is not a directory holding tokenizer.json"),
     (["tiny", "--num-blocks", "1"], "num_blocks must be >= 2"),  # raised by the engine core
+    (["tiny", "--max-model-len", "100000"], "exceeds the model's max_position_embeddings (2048)"),
 ])
 def test_start_up_errors_are_one_line(capsys, argv, message):
     assert main(["serve", *argv, "--device", "cpu", "--engine-in-process"]) == 1

@@ -178,3 +178,59 @@ def test_config_from_hf_spellings():
     assert cfg.rope_theta == 1e6 and cfg.eos_token_ids == (3, 4)
     with pytest.raises(ValueError, match="rope_scaling type 'yarn'"):
         ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "q")
+
+
+QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+         "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "sliding_window": 4}
+
+
+@pytest.mark.parametrize("extra,window", [
+    ({"use_sliding_window": False}, None),
+    ({"use_sliding_window": True, "max_window_layers": 0}, 4),  # every layer slides
+    ({"use_sliding_window": True, "max_window_layers": 28}, None),  # none of the 2 layers does (HF's rule)
+    ({"layer_types": ["sliding_attention", "sliding_attention"]}, 4),
+    ({"layer_types": ["full_attention", "full_attention"], "use_sliding_window": True}, None),
+])
+def test_the_sliding_window_follows_which_layers_slide(extra, window):
+    assert ModelConfig.from_hf({**QWEN2, **extra}, "q").sliding_window == window
+
+
+@pytest.mark.parametrize("extra", [{"use_sliding_window": True, "max_window_layers": 1},
+                                   {"layer_types": ["full_attention", "sliding_attention"]}])
+def test_windows_on_some_layers_only_are_refused(extra):
+    """One window for every layer is what the decoder serves: a mixed checkpoint was served with the
+    window on every layer (wrong tokens from the first on)."""
+    with pytest.raises(ValueError, match="sliding window to 1 of 2 layers"):
+        ModelConfig.from_hf({**QWEN2, **extra}, "q")
+
+
+@pytest.mark.parametrize("cfg,message", [
+    ({k: v for k, v in QWEN2.items() if k != "intermediate_size"}, "lacks the field 'intermediate_size'"),
+    ([1, 2], "must hold a JSON object"),
+    ({**QWEN2, "rope_scaling": [1, 2]}, "wrong type"),
+    ({**QWEN2, "rope_parameters": {"rope_type": "llama3"}}, "lacks the field 'factor'"),
+    ({**QWEN2, "sliding_window": 0, "layer_types": ["sliding_attention"] * 2}, "sliding_window must"),
+    ({**QWEN2, "rms_norm_eps": "1e-6"}, "rms_norm_eps must be a number"),
+    ({**QWEN2, "rms_norm_eps": -1.0}, "rms_norm_eps must be a number"),
+    ({**QWEN2, "max_position_embeddings": 0}, "max_position_embeddings must be an integer >= 1"),
+    ({**QWEN2, "vocab_size": 2.5}, "vocab_size must be an integer >= 1"),
+])
+def test_a_config_it_cannot_use_is_one_value_error(cfg, message):
+    """Each of these started a server that failed every request, or printed a traceback at start-up."""
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf(cfg, "q")
+
+
+@pytest.mark.parametrize("write,message", [
+    (lambda p: (p / "tokenizer.json").write_text("{}"), "tokenizer.json does not load"),
+    (lambda p: (p / "tokenizer_config.json").write_text('{"eos_token": 5}'), "wrong shape"),
+    (lambda p: (p / "tokenizer_config.json").write_text('{"chat_template": [{"template": "x"}]}'),
+     "wrong shape"),
+])
+def test_a_tokenizer_it_cannot_use_is_one_value_error(tmp_path, write, message):
+    from server.model.tokenizer import HFTokenizer
+
+    write_hf_checkpoint(tmp_path, hf_config("llama"))
+    write(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        HFTokenizer.from_dir(tmp_path)

@@ -50,6 +50,9 @@ def build_core(config: EngineConfig) -> tuple[EngineCore, CoreInfo]:
     model, tokenizer = load_model(config.model, config.device, config.dtype, config.tokenizer,
                                   config.chat_template)
     max_model_len = config.max_model_len or model.config.max_position_embeddings
+    if max_model_len > model.config.max_position_embeddings:  # RoPE past its range: refused, as vLLM does
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                         f"({model.config.max_position_embeddings})")
     runner = ModelRunner(model, block_size=config.block_size, num_blocks=config.num_blocks,
                          gpu_memory_utilization=config.gpu_memory_utilization,
                          attention_backend=config.attention_backend,

@@ -45,6 +45,17 @@ class ModelConfig:
     printable_output: bool = False  # presets: unembedding limited to printable ASCII + newline + EOS
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        eps = self.rms_norm_eps
+        if not (isinstance(eps, int | float) and not isinstance(eps, bool) and 0 < eps < 1):
+            raise ValueError(f"rms_norm_eps must be a number in (0, 1), got {eps!r}")
+        w = self.sliding_window
+        if w is not None and not (isinstance(w, int) and not isinstance(w, bool) and w >= 1):
+            raise ValueError(f"sliding_window must be None or an integer >= 1, got {w!r}")
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
@@ -60,7 +71,19 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict, name: str) -> ModelConfig:
-        """Build from a Hugging Face `config.json` dict (transformers 4.x and 5.x spellings)."""
+        """Build from a Hugging Face `config.json` dict (transformers 4.x and 5.x spellings). ValueError for
+        anything it cannot use, a missing or ill-typed field included."""
+        if not isinstance(cfg, dict):
+            raise ValueError(f"config.json must hold a JSON object, got {type(cfg).__name__}")
+        try:
+            return cls._from_hf(cfg, name)
+        except KeyError as e:
+            raise ValueError(f"config.json lacks the field {e.args[0]!r}") from None
+        except (TypeError, AttributeError) as e:
+            raise ValueError(f"config.json has a field of the wrong type: {e}") from None
+
+    @classmethod
+    def _from_hf(cls, cfg: dict, name: str) -> ModelConfig:
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -74,9 +97,7 @@ class ModelConfig:
         rope = _rope_params(cfg)
         attention_bias = bool(cfg.get("attention_bias", False))
         is_qwen2 = arch == "Qwen2ForCausalLM"
-        sliding = cfg.get("sliding_window")
-        if is_qwen2 and not cfg.get("use_sliding_window", False):
-            sliding = None
+        sliding = _sliding_window(cfg, is_qwen2)
         eos = cfg.get("eos_token_id")
         return cls(
             name=name,
@@ -100,6 +121,30 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos])),
         )
+
+
+def _sliding_window(cfg: dict, is_qwen2: bool) -> int | None:
+    """The window every layer uses, or None. Which layers slide is transformers' `layer_types`, else (Qwen2)
+    those from `max_window_layers` on when `use_sliding_window`; this decoder has one window for all its
+    layers, so a checkpoint that mixes windowed and full layers is refused rather than served wrong."""
+    window = cfg.get("sliding_window")
+    num_layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is not None:
+        sliding = [t == "sliding_attention" for t in types]
+    elif is_qwen2:
+        windowed = cfg.get("use_sliding_window", False)
+        first = cfg.get("max_window_layers", num_layers) if windowed else num_layers
+        sliding = [i >= first for i in range(num_layers)]
+    else:
+        sliding = [window is not None] * num_layers
+    if window is None or not any(sliding):
+        return None
+    if not all(sliding):
+        raise ValueError(f"config.json gives a sliding window to {sum(sliding)} of {len(sliding)} layers "
+                         "(layer_types / max_window_layers); pagewalk serves one window for every layer or "
+                         "none")
+    return window
 
 
 def _rope_params(cfg: dict) -> dict:

@@ -115,17 +115,25 @@ class HFTokenizer:
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
             raise FileNotFoundError(f"{tok_file} not found: checkpoints need a `tokenizers` tokenizer.json")
+        try:
+            tokenizer = Tokenizer.from_file(str(tok_file))
+        except Exception as e:  # noqa: BLE001 -- `tokenizers` raises a bare Exception for a bad file
+            raise ValueError(f"{tok_file} does not load: {e}") from None
         cfg = _read_json(path / "tokenizer_config.json")
-        eos = _token_str(cfg.get("eos_token"))
-        return cls(
-            Tokenizer.from_file(str(tok_file)),
-            bos_token=_token_str(cfg.get("bos_token")),
-            eos_tokens=(eos,) if eos else (),
-            eos_token_ids=extra_eos_ids,
-            pad_token=_token_str(cfg.get("pad_token")),
-            unk_token=_token_str(cfg.get("unk_token")),
-            chat_template=chat_template or _chat_template(path, cfg),
-        )
+        try:
+            eos = _token_str(cfg.get("eos_token"))
+            return cls(
+                tokenizer,
+                bos_token=_token_str(cfg.get("bos_token")),
+                eos_tokens=(eos,) if eos else (),
+                eos_token_ids=extra_eos_ids,
+                pad_token=_token_str(cfg.get("pad_token")),
+                unk_token=_token_str(cfg.get("unk_token")),
+                chat_template=chat_template or _chat_template(path, cfg),
+            )
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{path / 'tokenizer_config.json'} has a field of the wrong shape: "
+                             f"{type(e).__name__}: {e}") from None
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         """`add_bos`: apply the post-processor (transformers' add_special_tokens). Special tokens spelled in
