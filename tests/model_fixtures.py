@@ -25,6 +25,24 @@ CHAT_TEMPLATE = (
 )
 
 
+def sentencepiece_tokenizer(vocab_size: int = 400) -> Tokenizer:
+    """A SentencePiece-style BPE (Llama-2, Mistral): Metaspace '▁' for spaces, prepended to the first word
+    only, and byte fallback (<0xHH> tokens) for characters outside the vocabulary; <s> prepended."""
+    tok = Tokenizer(models.BPE(byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(),
+                                     decoders.Metaspace(replacement="▁", prepend_scheme="first")])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False)
+    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+    spec = json.loads(tok.to_str())  # the 256 <0xHH> pieces join the vocabulary, plain tokens (Llama-2)
+    vocab = spec["model"]["vocab"]
+    for b in range(256):
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    return Tokenizer.from_str(json.dumps(spec))
+
+
 def byte_bpe_tokenizer(vocab_size: int = 300, bos_post_processor: bool = False) -> Tokenizer:
     """A byte-level BPE trained on a tiny corpus; ids 0-2 are <pad>, <s>, </s>. `bos_post_processor`: its
     post-processor prepends <s> (as Llama's tokenizer.json does); without it none is added (as GPT-2's)."""

@@ -13,8 +13,9 @@ from server.api.outputs import ChoiceDelta, TokenLogprob
 from server.api.protocol import ChatChunkChoice, ChatCompletionRequest, ChatDelta, CompletionRequest
 from server.api.streaming import sse_event
 from server.engine.sampling_params import SamplingParams
+from server.model.tokenizer import ByteTokenizer
 
-ENGINE = SimpleNamespace(model_name='tiny "model" é')
+ENGINE = SimpleNamespace(model_name='tiny "model" é', tokenizer=ByteTokenizer())
 PROMPTS = [[1, 72, 105], [1, 33]]
 
 DELTAS = [
@@ -73,5 +74,6 @@ def test_logprob_chunks_keep_the_pydantic_path():
     chat = ChatJob(ENGINE, ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], logprobs=True,
                                                  top_logprobs=1), "chatcmpl-lp", 1, PROMPTS[0],
                    SamplingParams(logprobs=1))
-    choice = ChatChunkChoice(index=0, delta=ChatDelta(content="H"), logprobs=chat_logprobs([lp], 1))
+    logprobs = chat_logprobs([lp], 1, ENGINE.tokenizer)
+    choice = ChatChunkChoice(index=0, delta=ChatDelta(content="H"), logprobs=logprobs)
     assert chat.delta_event(delta) == sse_event(chat.chunk([choice]))

@@ -22,6 +22,7 @@ def test_a_foreign_kernels_module_is_named_at_import(tmp_path):
     foreign.mkdir()
     (foreign / "__init__.py").write_text("CUDAProperties = object\n")
     code = f"import sys; sys.path[:0] = [{str(tmp_path)!r}, {str(REPO)!r}]; import server"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                         timeout=60)
     assert out.returncode != 0
     assert "is not pagewalk's" in out.stderr and "pip uninstall kernels" in out.stderr

@@ -7,7 +7,7 @@ import json
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from model_fixtures import CHAT_TEMPLATE, byte_bpe_tokenizer
+from model_fixtures import CHAT_TEMPLATE, byte_bpe_tokenizer, sentencepiece_tokenizer
 
 from server.model import IncrementalDetokenizer
 from server.model.chat_template import ChatTemplate
@@ -155,3 +155,63 @@ def test_hf_detokenizer_concat_equals_decode(hf_tok, text):
     ids = hf_tok.encode(text)
     deltas = stream(hf_tok, ids)
     assert "".join(deltas) == hf_tok.decode(ids) == text
+
+
+@pytest.fixture(scope="module")
+def sp_tok():
+    return HFTokenizer(sentencepiece_tokenizer(), bos_token="<s>", eos_tokens=("</s>",))
+
+
+def completion(tok, prompt_ids: list[int], ids: list[int]) -> str:
+    """What a completion of `ids` after `prompt_ids` reads: the whole decode past the prompt's."""
+    return tok.decode(prompt_ids + ids)[len(tok.decode(prompt_ids)):]
+
+
+def test_a_sentencepiece_completion_keeps_its_first_space(sp_tok):
+    """Metaspace decoders drop the leading space of a sequence's first token: the completion's window
+    starts on the prompt's tail, so ' fox' stays ' fox' (decoded alone it reads 'fox')."""
+    prompt, ids = sp_tok.encode("The quick brown"), sp_tok.encode(" fox jumps", add_bos=False)
+    assert sp_tok.decode(ids) == "fox jumps"  # the decoder's own behaviour that the context corrects
+    detok = detokenizer_for(sp_tok, prompt)
+    streamed = "".join(detok.push(i) for i in ids) + detok.flush()
+    assert streamed == " fox jumps" == completion(sp_tok, prompt, ids)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(min_size=1, max_size=12), st.text(max_size=20))
+@example("héllo", " wörld ✓")
+def test_a_completion_streams_what_the_whole_decode_adds(sp_tok, hf_tok, prompt_text, text):
+    for tok in (sp_tok, hf_tok):
+        prompt, ids = tok.encode(prompt_text), tok.encode(text, add_bos=False)
+        detok = detokenizer_for(tok, prompt)
+        deltas = [detok.push(i) for i in ids]
+        assert "".join(deltas) + detok.flush() == completion(tok, prompt, ids)
+        assert not any(d.endswith("\ufffd") for d in deltas)
+
+
+def test_token_text_is_what_a_token_adds_after_other_text(sp_tok, hf_tok):
+    the = sp_tok.encode("the", add_bos=False)[0]  # '▁the' (or '▁t'): a word's first piece
+    assert sp_tok.token_text(the).startswith(" t") and sp_tok.decode([the]).startswith("t")
+    assert sp_tok.token_text(sp_tok.eos_token_ids.copy().pop()) == "</s>"  # specials spelled
+    for i in hf_tok.encode("the quick fox", add_bos=False):
+        assert hf_tok.token_text(i) == hf_tok.decode([i])  # byte-level: a token's text is its own
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(max_size=20))
+@example("é ✓ 𝄞")
+def test_bytes_of_each_token_join_into_the_text(sp_tok, hf_tok, text):
+    """bytes_of gives a token's raw bytes, part of a character included (byte-level pieces through the
+    GPT-2 table, <0xHH> byte-fallback tokens as that byte)."""
+    ids = hf_tok.encode(text, add_bos=False)
+    assert b"".join(hf_tok.bytes_of(i) for i in ids) == text.encode()
+    byte = ByteTokenizer()
+    assert b"".join(byte.bytes_of(i) for i in byte.encode(text)) == text.encode()
+    ids = sp_tok.encode(text, add_bos=False)  # a Metaspace '▁' first word gains its space
+    joined = b"".join(sp_tok.bytes_of(i) for i in ids)
+    assert joined == (" " + text).encode() or joined == text.encode()
+
+
+def test_a_byte_fallback_token_is_its_byte(sp_tok):
+    ids = sp_tok.encode("𐀀", add_bos=False)  # outside the tiny vocabulary: 4 <0xHH> tokens (after '▁')
+    assert [sp_tok.bytes_of(i) for i in ids][-4:] == [b"\xf0", b"\x90", b"\x80", b"\x80"]

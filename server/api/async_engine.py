@@ -208,7 +208,8 @@ class AsyncEngine:
             raise RequestRejected(400, str(e)) from None
         loop = asyncio.get_running_loop()
         live = LiveRequest(request_id, list(prompt_token_ids), loop, OutputChannel(loop),
-                           [ChoiceStream(i, params, self.tokenizer, self._text_of) for i in range(params.n)],
+                           [ChoiceStream(i, params, self.tokenizer, self._text_of, prompt_token_ids)
+                            for i in range(params.n)],
                            time.monotonic(), params.n, [None] * params.n)
         with self._lock:
             self.check_admissible(len(live.prompt_token_ids), params, admitted)
@@ -430,7 +431,7 @@ class AsyncEngine:
     def _text_of(self, token: int) -> str:
         text = self._token_text.get(token)
         if text is None:
-            text = self._token_text[token] = self.tokenizer.decode([token])
+            text = self._token_text[token] = self.tokenizer.token_text(token)
         return text
 
 

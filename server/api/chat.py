@@ -85,8 +85,8 @@ class ChatJob:
         """The SSE event of one streamed delta: the bytes of sse_event(chunk([ChatChunkChoice(...)])),
         built without pydantic when no logprobs are asked for (the per-token hot path)."""
         if self.req.logprobs:
-            choice = ChatChunkChoice(index=d.index, delta=ChatDelta(content=d.text),
-                                     logprobs=chat_logprobs(d.logprobs or [], self.num_top),
+            logprobs = chat_logprobs(d.logprobs or [], self.num_top, self.engine.tokenizer)
+            choice = ChatChunkChoice(index=d.index, delta=ChatDelta(content=d.text), logprobs=logprobs,
                                      finish_reason=d.finish_reason, stop_reason=d.stop_reason,
                                      token_ids=self.ids(d.token_ids))
             return sse_event(self.chunk([choice]))
@@ -118,8 +118,8 @@ async def create_chat_completion(request: Request) -> Response:
 def _job(engine, req: ChatCompletionRequest, limits: RequestLimits | None = None) -> ChatJob:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true.", "top_logprobs")
-    prompt = chat_prompt_ids(engine.tokenizer, req.messages, True, req.add_special_tokens,
-                             req.chat_template_kwargs)
+    prompt = chat_prompt_ids(engine.tokenizer, req.messages, req.add_generation_prompt,
+                             req.add_special_tokens, req.chat_template_kwargs)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
         max_tokens = _room_left(engine, len(prompt), req.n or 1, limits or RequestLimits(),
@@ -145,9 +145,10 @@ def _room_left(engine, num_prompt_tokens: int, n: int, limits: RequestLimits, lo
 async def _complete(job: ChatJob) -> bytes:
     states = [ChoiceState() for _ in range(job.params.n)]
     await collect_choices(job.engine, job.request_id, [job.prompt], job.params, states, job.reservation)
+    tok = job.engine.tokenizer
     choices = [
         ChatChoice(index=i, message=ChatResponseMessage(content=st.text),
-                   logprobs=chat_logprobs(st.logprobs, job.num_top) if job.req.logprobs else None,
+                   logprobs=chat_logprobs(st.logprobs, job.num_top, tok) if job.req.logprobs else None,
                    finish_reason=st.finish_reason, stop_reason=st.stop_reason,
                    token_ids=job.ids(st.token_ids))
         for i, st in enumerate(states)

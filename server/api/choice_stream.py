@@ -19,9 +19,10 @@ from server.model.detokenizer import detokenizer_for
 class ChoiceStream:
     __slots__ = ("index", "detokenizer", "stops", "text_of", "want_logprobs", "finish_reason", "num_tokens")
 
-    def __init__(self, index: int, params: SamplingParams, tokenizer, text_of: Callable[[int], str]):
+    def __init__(self, index: int, params: SamplingParams, tokenizer, text_of: Callable[[int], str],
+                 prompt_token_ids: list[int] = ()):
         self.index = index
-        self.detokenizer = detokenizer_for(tokenizer)
+        self.detokenizer = detokenizer_for(tokenizer, prompt_token_ids)  # the prompt: the first word's space
         self.stops = StopStrings(params.stop) if params.stop else None
         self.text_of = text_of  # token id -> its text alone (logprob entries)
         self.want_logprobs = params.logprobs is not None

@@ -12,7 +12,8 @@ def completion_logprobs(tokens: list[TokenLogprob], text_offset: int) -> Complet
     for lp in tokens:
         out.tokens.append(lp.token)
         out.token_logprobs.append(lp.logprob)
-        out.top_logprobs.append({tok: logprob for _, tok, logprob in lp.top})
+        # the sampled token is always among them, as OpenAI's "up to logprobs + 1" entries (vLLM's too)
+        out.top_logprobs.append({**{tok: logprob for _, tok, logprob in lp.top}, lp.token: lp.logprob})
         out.text_offset.append(text_offset)
         text_offset += len(lp.token)
     return out
@@ -25,7 +26,7 @@ def echo_logprobs(tokenizer, prompt_ids: list[int], entries: list) -> Completion
     out = CompletionLogprobs()
     offset = 0
     for token, entry in zip(prompt_ids, entries, strict=True):
-        text = tokenizer.decode([token])
+        text = tokenizer.token_text(token)
         out.tokens.append(text)
         out.text_offset.append(offset)
         offset += len(text)
@@ -35,7 +36,7 @@ def echo_logprobs(tokenizer, prompt_ids: list[int], entries: list) -> Completion
             continue
         logprob, top = reported_logprob(entry[0]), entry[1]
         out.token_logprobs.append(logprob)
-        top_of = {tokenizer.decode([t]): reported_logprob(lp) for t, lp in top}
+        top_of = {tokenizer.token_text(t): reported_logprob(lp) for t, lp in top}
         out.top_logprobs.append({**top_of, text: logprob})
     return out
 
@@ -47,14 +48,13 @@ def joined(first: CompletionLogprobs, then: CompletionLogprobs) -> CompletionLog
                               text_offset=first.text_offset + then.text_offset)
 
 
-def chat_logprobs(tokens: list[TokenLogprob], num_top: int) -> ChatLogprobs:
+def chat_logprobs(tokens: list[TokenLogprob], num_top: int, tokenizer) -> ChatLogprobs:
+    """`bytes` are each token's own (tokenizer.bytes_of): a token holding part of a character gives its
+    bytes, which a client joins with its neighbours', where its text reads U+FFFD."""
+    bytes_of = tokenizer.bytes_of
     return ChatLogprobs(content=[
-        ChatTokenLogprob(token=lp.token, logprob=lp.logprob, bytes=_bytes(lp.token),
-                         top_logprobs=[TopLogprob(token=tok, logprob=logprob, bytes=_bytes(tok))
-                                       for _, tok, logprob in lp.top[:num_top]])
+        ChatTokenLogprob(token=lp.token, logprob=lp.logprob, bytes=list(bytes_of(lp.token_id)),
+                         top_logprobs=[TopLogprob(token=tok, logprob=logprob, bytes=list(bytes_of(t)))
+                                       for t, tok, logprob in lp.top[:num_top]])
         for lp in tokens
     ])
-
-
-def _bytes(token: str) -> list[int]:
-    return list(token.encode("utf-8", errors="replace"))

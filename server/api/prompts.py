@@ -12,11 +12,11 @@ from server.model.tokenizer import NoChatTemplateError
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:
-    """The messages as the template sees them: role and one content string."""
+    """The messages as the template sees them: role, one content string, name / tool fields when set."""
     out = []
     for i, m in enumerate(messages):
         try:
-            out.append({"role": m.role, "content": m.text()})
+            out.append(m.for_template())
         except ValueError as e:
             raise APIError(400, str(e), f"messages[{i}].content") from None
     return out

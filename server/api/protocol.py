@@ -60,6 +60,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool | None = False
+    continuous_usage_stats: Annotated[Any, refused_unless(None, False)] = None  # vLLM's: usage per chunk
 
 
 class _SamplingRequest(_Request):
@@ -87,6 +88,7 @@ class _SamplingRequest(_Request):
     # OpenAI fields pagewalk does not implement: accepted only at their no-op value, never silently ignored
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
+    response_format: dict[str, Any] | None = None
     # vLLM's sampling extensions pagewalk does not implement, likewise
     min_tokens: Annotated[Any, refused_unless(None, 0)] = None
     include_stop_str_in_output: Annotated[Any, refused_unless(None, False)] = None
@@ -103,6 +105,10 @@ class _SamplingRequest(_Request):
     guided_choice: Annotated[Any, refused_unless(None)] = None
     guided_grammar: Annotated[Any, refused_unless(None)] = None
     structured_outputs: Annotated[Any, refused_unless(None)] = None
+    logits_processors: Annotated[Any, refused_unless(None, [])] = None
+    return_tokens_as_token_ids: Annotated[Any, refused_unless(None, False)] = None
+    detokenize: Annotated[Any, refused_unless(None, True)] = None
+    prompt_embeds: Annotated[Any, refused_unless(None)] = None
 
     @field_validator("stream_options")
     @classmethod
@@ -120,9 +126,20 @@ class _SamplingRequest(_Request):
 
     @field_validator("best_of")
     @classmethod
-    def _no_best_of(cls, v):
-        if v is not None and v != 1:
-            raise ValueError("best_of is not supported by pagewalk (use n)")
+    def _best_of_is_n(cls, v, info: ValidationInfo):
+        """best_of = n returns every candidate, which is n; fewer is an error, more (ranking) unsupported."""
+        n = info.data.get("n") or 1
+        if v is not None and v < n:
+            raise ValueError(f"best_of ({v}) must be at least n ({n})")
+        if v is not None and v > n:
+            raise ValueError("best_of greater than n is not supported by pagewalk (use n)")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format_only(cls, v):
+        if v is not None and v.get("type", "text") != "text":
+            raise ValueError("only response_format {'type': 'text'} is supported by pagewalk")
         return v
 
     @property
@@ -178,6 +195,26 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # an earlier turn's function calls and a tool result's id: the chat template renders them (as in vLLM)
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self):
+        """OpenAI's messages carry content, except an assistant's turn (its tool_calls may stand alone)."""
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a '{self.role}' message needs 'content'")
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template sees it: role, content as one string, the optional fields
+        that are set."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        return out
 
     def text(self) -> str:
         """The message content as one string (text parts concatenated)."""
@@ -195,7 +232,6 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
     tool_choice: Annotated[str | dict[str, Any] | None, refused_unless(None, "none", "auto")] = None
     functions: Annotated[list[dict[str, Any]] | None, refused_unless(None, [])] = None
     function_call: Annotated[str | dict[str, Any] | None, refused_unless(None, "none", "auto")] = None
@@ -210,6 +246,7 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: TemplateKwargs | None = None  # vLLM's: extra template variables
     chat_template: Annotated[Any, refused_unless(None)] = None  # vLLM's per-request template: use the flag
     continue_final_message: Annotated[Any, refused_unless(None, False)] = None
+    add_generation_prompt: bool = True  # vLLM's: False renders the messages without the reply's opening
     documents: Annotated[Any, refused_unless(None)] = None
 
     @field_validator("tools")
@@ -217,13 +254,6 @@ class ChatCompletionRequest(_SamplingRequest):
     def _no_tools(cls, v):
         if v:
             raise ValueError("tools (function calling) are not supported by pagewalk")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format_only(cls, v):
-        if v is not None and v.get("type", "text") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported by pagewalk")
         return v
 
 

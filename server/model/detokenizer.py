@@ -3,7 +3,10 @@
 The window trick (as in vLLM / TGI): decode a short window of ids ending at the last emitted position and the
 same window plus the new ids; the delta is the difference. A trailing U+FFFD means an incomplete byte
 sequence, so the text is held back until later ids complete it (or `flush()` at the end of the stream).
-Concatenating every delta and `flush()` gives exactly `tokenizer.decode(all_ids)`.
+The window starts on the last CONTEXT_IDS ids of the prompt: a SentencePiece-style decoder (Llama-2,
+Mistral) drops the leading space of a sequence's first token, so a completion's first token decoded alone
+would lose it. Concatenating every delta and `flush()` gives exactly
+`decode(context + ids)[len(decode(context)):]` (with no context: `decode(ids)`).
 
 A tokenizer whose ids are bytes (ByteTokenizer, the presets') has a cheaper exact way: `token_bytes` maps each
 id to its bytes and the stdlib's incremental UTF-8 decoder holds an incomplete character until it completes,
@@ -23,12 +26,15 @@ class Decoder(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
 
+CONTEXT_IDS = 5  # prompt ids the first window starts on (as vLLM's): enough for a word's spacing
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Decoder) -> None:
+    def __init__(self, tokenizer: Decoder, context: list[int] = ()) -> None:
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
+        self.ids: list[int] = list(context[-CONTEXT_IDS:])  # the context's tail, then the pushed ids
         self.prefix_offset = 0  # start of the decode window
-        self.read_offset = 0  # ids before this are emitted
+        self.read_offset = len(self.ids)  # ids before this are emitted (or the context's)
 
     def push(self, token_id: int) -> str:
         """Add one id; return the new text it completes ("" while a character is still incomplete)."""
@@ -38,10 +44,6 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """End of stream: return whatever is held back (incomplete bytes decode to U+FFFD)."""
         return self._delta(final=True)
-
-    @property
-    def text(self) -> str:
-        return self.tokenizer.decode(self.ids)
 
     def _delta(self, final: bool) -> str:
         if self.read_offset == len(self.ids):
@@ -103,7 +105,8 @@ def _complete_texts(token_bytes: list[bytes]) -> list[str | None]:
     return entry[1]
 
 
-def detokenizer_for(tokenizer) -> IncrementalDetokenizer | Utf8Detokenizer:
+def detokenizer_for(tokenizer, context: list[int] = ()) -> IncrementalDetokenizer | Utf8Detokenizer:
+    """`context`: the prompt's ids (bytes need none: a byte's text does not depend on its neighbours)."""
     if hasattr(tokenizer, "token_bytes"):
         return Utf8Detokenizer(tokenizer)
-    return IncrementalDetokenizer(tokenizer)
+    return IncrementalDetokenizer(tokenizer, context)

@@ -1,7 +1,9 @@
 """Tokenizers: byte-level for the presets; a wrapper around a checkpoint's `tokenizers` tokenizer.json.
 
-Both expose the same surface: encode(text, add_bos=True), decode(ids, skip_special_tokens=True), vocab_size,
-bos_token_id, eos_token_ids, pad_token_id, chat_template (a ChatTemplate or None),
+Both expose the same surface: encode(text, add_bos=True), decode(ids, skip_special_tokens=True),
+token_text(id) (the text one token adds after other text: logprob entries), bytes_of(id) (its raw bytes,
+part of a character included), vocab_size, bos_token_id, eos_token_ids, pad_token_id, chat_template (a
+ChatTemplate or None),
 apply_chat_template(messages, add_generation_prompt=True, variables=None) -> str and
 chat_token_ids(messages, ...) -> ids (`variables`: a dict of extra template variables, vLLM's
 chat_template_kwargs).
@@ -59,6 +61,12 @@ class ByteTokenizer:
     def decode_bytes(self, ids: list[int]) -> bytes:
         return bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < self.NUM_IDS)
 
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id])
+
+    def bytes_of(self, token_id: int) -> bytes:
+        return self.token_bytes[token_id] if 0 <= token_id < len(self.token_bytes) else b""
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             variables: dict | None = None) -> str:
         return self.chat_template.render(messages, add_generation_prompt, variables)
@@ -98,6 +106,10 @@ class HFTokenizer:
                   "pad_token": pad_token, "unk_token": unk_token}
         self.special_tokens = {k: v for k, v in tokens.items() if v is not None}  # what templates may use
         self.chat_template = chat_template
+        anchor = tokenizer.encode("a", add_special_tokens=False).ids  # token_text's plain left neighbour
+        self._anchor: tuple[int, str] | None = (anchor[-1], tokenizer.decode(anchor[-1:])) if anchor else None
+        self._byte_level: bool | None = None  # bytes_of's: found on first use (it reads the whole json)
+        self._added: set[str] | None = None
 
     def _token_id(self, token: str | None) -> int | None:
         if token is None:
@@ -143,6 +155,47 @@ class HFTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_text(self, token_id: int) -> str:
+        """The text `token_id` adds after other text, special tokens spelled: decoded after an anchor
+        token, because a SentencePiece-style decoder (Metaspace: Llama-2, Mistral) drops the leading space
+        of a sequence's first token ('▁x' alone decodes to 'x', after 'a' to ' x')."""
+        if self._anchor is not None:
+            anchor, anchor_text = self._anchor
+            text = self._tok.decode([anchor, token_id], skip_special_tokens=False)
+            if text.startswith(anchor_text):
+                return text[len(anchor_text):]
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def bytes_of(self, token_id: int) -> bytes:
+        """The token's raw bytes (a byte-fallback or byte-level token may hold part of a character)."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # byte fallback <0xHH>
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        if self._is_byte_level() and not self._is_added(piece):
+            table = _byte_level_table()
+            if all(ch in table for ch in piece):
+                return bytes(table[ch] for ch in piece)
+        return self.token_text(token_id).encode("utf-8")
+
+    def _is_byte_level(self) -> bool:
+        """Whether the decoder maps pieces through GPT-2's byte-to-character table (Llama-3, Qwen2)."""
+        if self._byte_level is None:
+            decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+            kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders") or []]
+            self._byte_level = "ByteLevel" in kinds
+        return self._byte_level
+
+    def _is_added(self, piece: str) -> bool:
+        """Added tokens (specials among them) are stored as their text, not through the byte table."""
+        if self._added is None:
+            self._added = {t.content for t in self._tok.get_added_tokens_decoder().values()}
+        return piece in self._added
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             variables: dict | None = None) -> str:
         if self.chat_template is None:
@@ -157,6 +210,26 @@ class HFTokenizer:
                        variables: dict | None = None) -> list[int]:
         text = self.apply_chat_template(messages, add_generation_prompt, variables)
         return self.encode(text, add_bos=False)
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: the printable character each byte is spelled as -> the byte
+    (printable Latin-1 bytes stand for themselves; the other 68 are shifted past 255, in byte order)."""
+    global _BYTE_LEVEL
+    if _BYTE_LEVEL is None:
+        printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                     *range(ord("®"), ord("ÿ") + 1)]
+        table = {chr(b): b for b in printable}
+        shifted = 0
+        for b in range(256):
+            if b not in table.values():
+                table[chr(256 + shifted)] = b
+                shifted += 1
+        _BYTE_LEVEL = table
+    return _BYTE_LEVEL
+
+
+_BYTE_LEVEL: dict[str, int] | None = None
 
 
 def _read_json(path: Path) -> dict:
