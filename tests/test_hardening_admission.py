@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from server.api.app import create_app
+from server.api.async_engine import RequestRejected
 from server.engine.sampling_params import SamplingParams
 from tests.engine_helpers import started_engine
 
@@ -56,3 +57,22 @@ def test_streaming_while_shutting_down_is_503():
 
         r = asyncio.run(go())
     assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error", r.text
+
+
+def test_an_admitted_prompt_is_not_refused_by_a_queue_that_refilled(monkeypatch):
+    """Preemptions move running requests back to waiting after an admitted request's status line: its
+    later prompts (or a stream whose generator starts after the 200) hold reserved places and still run."""
+    with started_engine(**CFG) as engine:
+        monkeypatch.setattr(engine, "_num_waiting", lambda: engine.max_waiting + 3)  # the refilled queue
+        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        prompt = engine.tokenizer.encode("admitted")
+        with pytest.raises(RequestRejected) as refused:
+            engine.check_admissible(len(prompt), params)
+        assert refused.value.status == 429
+        engine.check_admissible(len(prompt), params, admitted=True)
+
+        async def go():
+            return [out async for out in engine.generate("admitted", prompt, params, admitted=True)]
+
+        outs = asyncio.run(go())
+        assert outs[-1].finished and sum(len(o.deltas[0].token_ids) for o in outs) == 2

@@ -154,7 +154,8 @@ class AsyncEngine:
                          admitted: bool = False) -> None:
         """Raise RequestRejected(status, message, param) if a request of this size cannot be served now.
         `admitted`: a prompt of a request already admitted (it holds a reservation), which a drain still
-        serves until its wait is over."""
+        serves until its wait is over, and which a full queue does not refuse: its place is the one
+        reserved (preempted requests may have refilled the queue since its status line went out)."""
         if self.dead is not None:
             raise RequestRejected(503, f"the engine is not running: {self.dead}")
         if not self._accepting and not (admitted and self._serving_admitted):
@@ -175,7 +176,7 @@ class AsyncEngine:
                 f"tokens per choice x n={params.n} = {total * params.n} tokens exceeds the whole KV cache "
                 f"capacity of {self.capacity_tokens} tokens", "max_tokens")
         waiting = self._num_waiting()
-        if waiting >= self.max_waiting:
+        if waiting >= self.max_waiting and not admitted:
             raise RequestRejected(429, f"too many requests waiting ({waiting}, max_waiting="
                                   f"{self.max_waiting}); retry later")
 
