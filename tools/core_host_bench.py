@@ -49,7 +49,7 @@ def decode_step_ms(batch: int, steps: int, repeats: int) -> tuple[float, list[fl
     gen = torch.Generator().manual_seed(0)
     core.runner.execute = lambda sched, table_of: StepResult(
         torch.randint(3, 200, (len(sched.samples), 1), generator=gen), None, None)
-    params = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)  # under max_model_len
     for i in range(batch):
         prompt = [5 + (i * 7 + j) % 200 for j in range(PROMPT_LEN)]
         core.add_request(EngineRequest(f"r{i}", prompt, params, time.monotonic()))

@@ -29,6 +29,7 @@ from server.engine.prompt_logprobs import prompt_logprobs
 from server.engine.request import Request
 from server.engine.runner import HostSamples, StepResult
 from server.engine.sampler import seed_key
+from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import Scheduler, SchedulerOutput
 from server.engine.sequence import SeqStatus, Sequence
 
@@ -50,11 +51,14 @@ class EngineCore:
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self, er: EngineRequest) -> None:
-        """ValueError (request not added) for prompt ids outside the vocabulary or an id in use: caught
-        here, not in a batch, they fail this request only."""
+        """ValueError (request not added) for prompt ids outside the vocabulary, an id in use, or a request
+        this core can never run (past max_model_len, more choices than rows, a choice larger than the
+        whole KV cache): caught here, not in a batch, they fail this request only (the API refuses them
+        first; a client of the core alone does not)."""
         _check_prompt(er.prompt_token_ids, self.runner.config.vocab_size)
         if er.request_id in self.requests:
             raise ValueError(f"request id {er.request_id!r} is already in the engine")
+        self._check_fits(len(er.prompt_token_ids), er.params)
         req = Request(er.request_id, list(er.prompt_token_ids), er.params, er.arrival_time)
         if er.params.prompt_logprobs is not None:
             req.prompt_logprobs = prompt_logprobs(self.runner.model, req.prompt_token_ids,
@@ -70,6 +74,17 @@ class EngineCore:
         self.requests[req.request_id] = req
         self.scheduler.add(parent)
 
+    def _check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        total = num_prompt_tokens + params.max_tokens
+        if total > self.runner.max_model_len:
+            raise ValueError(f"prompt ({num_prompt_tokens}) + max_tokens ({params.max_tokens}) = {total} "
+                             f"tokens exceeds max_model_len ({self.runner.max_model_len})")
+        if params.n > self.scheduler.max_num_seqs:
+            raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.scheduler.max_num_seqs})")
+        if total > self.runner.capacity_tokens:
+            raise ValueError(f"a choice of {total} tokens exceeds the KV cache "
+                             f"({self.runner.capacity_tokens} tokens)")
+
     def _new_seq(self, req: Request, index: int) -> Sequence:
         # unseeded choices draw their stream from torch's generator (EngineConfig.seed seeds it)
         seed = req.params.seed if req.params.seed is not None else int(torch.randint(0, 2**31, ()).item())
@@ -82,16 +97,21 @@ class EngineCore:
     def abort_request(self, request_id: str, index: int | None = None, reason: str = "abort",
                       error: str | None = None) -> list[SeqUpdate]:
         """End choice `index` (None: every unfinished choice) with `reason`; free their blocks now.
-        Unknown requests and finished choices are ignored (empty list)."""
+        Unknown requests and finished choices are ignored (empty list). Choices waiting to fork from an
+        ended one end with it (they had no prompt of their own yet): each gets its update too."""
         req = self.requests.get(request_id)
         if req is None:
             return []
-        seqs = req.unfinished() if index is None else [s for s in req.unfinished() if s.index == index]
-        updates = []
+        open_before = req.unfinished()
+        seqs = open_before if index is None else [s for s in open_before if s.index == index]
         for seq in seqs:
             seq.finish_reason = reason
             self.scheduler.finish(seq)
-            updates.append(SeqUpdate(request_id, seq.index, [], None, reason, None, error))
+        updates = []
+        for seq in open_before:
+            if seq.is_finished:
+                seq.finish_reason = seq.finish_reason or reason
+                updates.append(SeqUpdate(request_id, seq.index, [], None, seq.finish_reason, None, error))
         self._forget_if_finished(req)
         return updates
 

@@ -1,0 +1,67 @@
+"""The engine core's own guarantees to any client (the API refuses most of these first; a client of the
+core alone does not): every choice of a request gets a finish, and a request the core can never run is
+refused alone instead of failing the batch it would join."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.engine.engine import EngineConfig, build_core
+from server.engine.outputs import EngineRequest
+from server.engine.sampling_params import SamplingParams
+
+TINY = dict(model="tiny", dtype="float32", device="cpu", attention_backend="torch", block_size=4,
+            num_blocks=64, max_num_seqs=6, max_num_batched_tokens=8, max_model_len=64)
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def core(request):
+    core, _ = build_core(EngineConfig(**TINY, async_scheduling=request.param))
+    return core
+
+
+def run(core, max_steps: int = 500) -> dict[tuple[str, int], str]:
+    finish = {}
+    for _ in range(max_steps):
+        if not core.has_work():
+            return finish
+        for u in core.step().updates:
+            if u.finish_reason is not None:
+                finish[(u.request_id, u.index)] = u.finish_reason
+    raise AssertionError("no progress")
+
+
+def test_aborting_a_prefilling_parent_finishes_the_choices_waiting_to_fork(core):
+    """n = 3: choices 1 and 2 fork from choice 0 once its prompt is in; aborting choice 0 mid-prefill ends
+    them too, each with its own update (a stream waiting on them would hang otherwise)."""
+    core.add_request(EngineRequest("r", list(range(3, 23)), greedy(5, n=3), 0.0))
+    core.step()  # the first 8-token chunk of the 20-token prompt
+    updates = core.abort_request("r", 0)
+    assert sorted((u.index, u.finish_reason) for u in updates) == [(0, "abort"), (1, "abort"), (2, "abort")]
+    assert "r" not in core.requests
+    run(core)
+    assert core.kv.usage().used_blocks == 0
+
+
+@pytest.mark.parametrize("prompt_len,params,match", [
+    (64, greedy(3), "max_model_len"),
+    (60, greedy(5), "max_model_len"),
+    (4, greedy(2, n=7), "max_num_seqs"),
+])
+def test_a_request_it_can_never_run_is_refused_alone(core, prompt_len, params, match):
+    with pytest.raises(ValueError, match=match):
+        core.add_request(EngineRequest("over", [5] * prompt_len, params, 0.0))
+    core.add_request(EngineRequest("y", [5] * 10, greedy(10), 0.0))  # its neighbour runs as ever
+    assert run(core) == {("y", 0): "length"}
+
+
+def test_a_choice_larger_than_the_cache_is_refused():
+    core, _ = build_core(EngineConfig(**{**TINY, "num_blocks": 8}))  # 7 usable blocks of 4: 28 tokens
+    with pytest.raises(ValueError, match="KV cache"):
+        core.add_request(EngineRequest("big", [5] * 20, greedy(10), 0.0))
+    core.add_request(EngineRequest("y", [5] * 10, greedy(10), 0.0))
+    assert run(core) == {("y", 0): "length"}
