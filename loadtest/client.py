@@ -146,6 +146,7 @@ async def _stream(client: httpx.AsyncClient, spec: RequestSpec, cfg: ClientConfi
         return _fail(rec, "incomplete_stream", "stream ended without data: [DONE]")
     counted = reader.streamed_ids or len(rec.chunk_times)
     _apply_usage(rec, reader.completion_tokens, reader.prompt_tokens, counted)
+    _check_finish(rec, reader.finish_reason)
 
 
 async def _unary(client: httpx.AsyncClient, spec: RequestSpec, cfg: ClientConfig, rec: RequestRecord):
@@ -161,6 +162,16 @@ async def _unary(client: httpx.AsyncClient, spec: RequestSpec, cfg: ClientConfig
     rec.streamed = False
     usage = body.get("usage") or {}
     _apply_usage(rec, usage.get("completion_tokens"), usage.get("prompt_tokens"), 0)
+    choices = body.get("choices") or [{}]
+    _check_finish(rec, choices[-1].get("finish_reason") if isinstance(choices[-1], dict) else None)
+
+
+def _check_finish(rec: RequestRecord, finish_reason: str | None) -> None:
+    """A request the server ended early ("abort": a drain or a disconnect; "error") is a failure, not a
+    short success: its tokens would count in the throughput and its TPOT would read as a whole request's."""
+    if finish_reason in ("abort", "error"):
+        _fail(rec, f"finish_{finish_reason}", f"finish_reason {finish_reason!r} after {rec.output_tokens} of "
+                                              f"{rec.expected_output_len} tokens")
 
 
 def _apply_usage(rec: RequestRecord, completion_tokens: int | None, prompt_tokens: int | None, counted: int):

@@ -3,8 +3,9 @@
 Every request gets its first token `first_token_delay_s` after its body is read and the k-th token
 (k = 0, 1, ...) at `first_token_delay_s + k * inter_token_delay_s`, so TTFT, ITL and TPOT have known values.
 `behaviours` is cycled over requests in arrival order: "ok", "429", "500", "drop" (the connection is cut after
-the first token), "no_done" (the stream ends cleanly without `data: [DONE]`) or "error" (an error event
-after the first token, then `data: [DONE]`, as servers report failures once the stream has started).
+the first token), "no_done" (the stream ends cleanly without `data: [DONE]`), "error" (an error event
+after the first token, then `data: [DONE]`, as servers report failures once the stream has started) or
+"abort" (half the tokens, then finish_reason "abort" and a clean end, as a draining server ends a stream).
 Prompt tokens: token-id prompts count their ids; text counts one token per character (byte-level), plus
 `chat_template_tokens` for a chat request. Token ids are streamed when the request sets `return_token_ids`.
 
@@ -77,13 +78,13 @@ class MockServer:
         else:
             await self._unary(send, request, chat, t0)
 
-    def _usage(self, request: dict, chat: bool) -> dict:
+    def _usage(self, request: dict, chat: bool, completion_tokens: int | None = None) -> dict:
         if chat:
             prompt = sum(len(m["content"]) for m in request["messages"]) + self.script.chat_template_tokens
         else:
             prompt = len(request["prompt"])
-        return {"prompt_tokens": prompt, "completion_tokens": request["max_tokens"],
-                "total_tokens": prompt + request["max_tokens"]}  # fmt: skip
+        completion = request["max_tokens"] if completion_tokens is None else completion_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _token_time(self, t0: float, k: int) -> float:
         return t0 + self.script.first_token_delay_s + k * self.script.inter_token_delay_s
@@ -91,7 +92,7 @@ class MockServer:
     async def _stream(self, send, request: dict, chat: bool, behaviour: str, t0: float) -> None:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
-        n = request["max_tokens"]
+        n = request["max_tokens"] // 2 if behaviour == "abort" else request["max_tokens"]
         for k in range(n):
             await asyncio.sleep(max(0.0, self._token_time(t0, k) - time.perf_counter()))
             text = "x" if k % self.script.text_every == 0 else ""
@@ -103,9 +104,9 @@ class MockServer:
                 await _event(send, _error("scripted mid-stream error", "server_error"))
                 break
         if behaviour != "error":
-            await _event(send, _chunk(chat, "", "length"))
+            await _event(send, _chunk(chat, "", "abort" if behaviour == "abort" else "length"))
         if self.script.send_usage and (request.get("stream_options") or {}).get("include_usage"):
-            usage = self._usage(request, chat)
+            usage = self._usage(request, chat, n)
             await _event(send, {"object": "text_completion", "choices": [], "usage": usage})
         if behaviour != "no_done":
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})

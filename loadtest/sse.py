@@ -34,6 +34,7 @@ class _Choice(msgspec.Struct):
     text: str | None = None  # completions
     delta: _Delta | None = None  # chat
     token_ids: list[int] | None = None  # return_token_ids
+    finish_reason: str | None = None
 
 
 class _Usage(msgspec.Struct):
@@ -55,12 +56,12 @@ class StreamReader:
     """Fed the body's byte chunks in order; appends the arrival time of each content chunk to `chunk_times`.
 
     After the body: `done` (saw `data: [DONE]`), `completion_tokens` and `prompt_tokens` (from the last usage
-    block; None without one), `streamed_ids` (token ids seen), `failure` ((error_kind, message) of the first
-    bad or error event, which ends the reading).
+    block; None without one), `streamed_ids` (token ids seen), `finish_reason` (the last one given),
+    `failure` ((error_kind, message) of the first bad or error event, which ends the reading).
     """
 
-    __slots__ = ("chunk_times", "done", "completion_tokens", "prompt_tokens", "streamed_ids", "failure",
-                 "_tail")  # fmt: skip
+    __slots__ = ("chunk_times", "done", "completion_tokens", "prompt_tokens", "streamed_ids", "finish_reason",
+                 "failure", "_tail")  # fmt: skip
 
     def __init__(self, chunk_times: list[float]) -> None:
         self.chunk_times = chunk_times
@@ -68,6 +69,7 @@ class StreamReader:
         self.completion_tokens: int | None = None
         self.prompt_tokens: int | None = None
         self.streamed_ids = 0
+        self.finish_reason: str | None = None
         self.failure: tuple[str, str] | None = None
         self._tail = b""  # a line not yet ended by its newline
 
@@ -110,6 +112,8 @@ class StreamReader:
                 if c.token_ids:
                     ids += len(c.token_ids)
                 text = text or bool(c.text or (c.delta is not None and c.delta.content))
+                if c.finish_reason is not None:
+                    self.finish_reason = c.finish_reason
             if ids or text:
                 self.chunk_times.append(now)
                 self.streamed_ids += ids

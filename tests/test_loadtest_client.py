@@ -104,13 +104,13 @@ def test_chat_calibration_gives_exact_prompt_length(timed_server):
 
 
 def test_failures_are_counted_by_kind():
-    script = MockScript(0.005, 0.002, behaviours=("ok", "429", "500", "drop", "no_done", "error"))
+    script = MockScript(0.005, 0.002, behaviours=("ok", "429", "500", "drop", "no_done", "error", "abort"))
     with serve_in_thread(MockServer(script)) as url:
-        result = run(url, 12, concurrency=1, output_len=4)
+        result = run(url, 14, concurrency=1, output_len=4)
     m = compute_metrics(result.records, result.duration_s)
-    assert (m.completed, m.failed) == (2, 10)
+    assert (m.completed, m.failed) == (2, 12)
     assert m.errors == {"http_429": 2, "http_500": 2, "incomplete_stream": 2, "stream_dropped": 2,
-                        "stream_error": 2}  # fmt: skip
+                        "stream_error": 2, "finish_abort": 2}  # fmt: skip
     assert m.total_output_tokens == 8  # failed requests' tokens are not counted
     assert {r.error for r in result.records if r.error_kind == "http_429"} == {
         '{"error": {"message": "scripted 429", "type": "server_error", "param": null, "code": null}}'
