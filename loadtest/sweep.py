@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from rich.console import Console
 from rich.table import Table
 
 from loadtest.cpu import busy_warning
+from loadtest.prefix_cache import cache_warning
 from loadtest.report import fmt
 from loadtest.session import RunSettings, Server, measure
 
@@ -27,6 +29,9 @@ COLUMNS = (
 )
 
 
+LEVEL_SEED_STRIDE = 1_000_003  # apart from each other and from the warm-up's seed + 7919
+
+
 def parse_levels(text: str) -> list[int]:
     levels = [int(x) for x in text.split(",") if x.strip()]
     if not levels or min(levels) < 1:
@@ -41,10 +46,13 @@ async def run_sweep(
     stop: asyncio.Event | None = None,
     console: Console | None = None,
 ) -> list[dict]:
-    """One report per level, in order; stops early (keeping the finished levels) when `stop` is set."""
+    """One report per level, in order; stops early (keeping the finished levels) when `stop` is set. Each
+    level draws its own prompts (seed + i * LEVEL_SEED_STRIDE): the same prompts again would be served from
+    the prefix cache the level before filled, and the later levels would measure no prefill."""
     reports = []
-    for level in levels:
-        _, report = await measure(settings, server, level, stop, console)
+    for i, level in enumerate(levels):
+        level_settings = dataclasses.replace(settings, seed=settings.seed + i * LEVEL_SEED_STRIDE)
+        _, report = await measure(level_settings, server, level, stop, console)
         reports.append(report)
         if report["interrupted"]:
             break
@@ -67,10 +75,11 @@ def sweep_table(reports: list[dict]) -> Table:
 
 
 def sweep_warnings(reports: list[dict]) -> list[str]:
-    """One line per level whose load generator may have been the bottleneck."""
+    """One line per level whose load generator may have been the bottleneck or whose prompts the server
+    mostly found in its prefix cache."""
     lines = []
     for r in reports:
-        warning = busy_warning(r)
-        if warning:
-            lines.append(f"concurrency {r['config']['concurrency']}: {warning}")
+        for warning in (busy_warning(r), cache_warning(r)):
+            if warning:
+                lines.append(f"concurrency {r['config']['concurrency']}: {warning}")
     return lines

@@ -180,3 +180,6 @@ def test_sweep_warns_per_level():
               for c, b in ((16, 0.4), (256, 0.97))]  # fmt: skip
     (line,) = sweep_warnings(levels)
     assert line.startswith("concurrency 256: load generator: a process was 97% busy")
+    levels[0]["server_prefix_cache_hit_rate"] = 0.75
+    cached, busy = sweep_warnings(levels)
+    assert cached.startswith("concurrency 16: the server found 75% of this run's prompt tokens")

@@ -65,6 +65,8 @@ def test_sweep_runs_each_level(tmp_path, capsys):
     assert [r["config"]["concurrency"] for r in sweep] == [1, 3]
     assert all(r["completed"] == 6 and r["total_output_tokens"] == 36 for r in sweep)
     assert sweep[0]["duration_s"] > sweep[1]["duration_s"] + 0.15  # 6 x 90 ms one at a time vs 2 x 90 ms
+    seeds = [r["config"]["seed"] for r in sweep]
+    assert len(set(seeds)) == 2  # each level its own prompts: none served from the level before's cache
     assert png.read_bytes()[:8] == PNG_MAGIC
     assert "concurrency sweep" in capsys.readouterr().out
 
