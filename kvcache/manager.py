@@ -101,12 +101,14 @@ class KVCacheManager:
                                        keys)
 
     def allocate(self, seq_id: object, token_ids: Sequence[int],
-                 prefix_keys: Sequence[tuple[Hashable, tuple[int, ...]]] = ()) -> list[int] | None:
+                 prefix_keys: Sequence[tuple[Hashable, tuple[int, ...]]] = (),
+                 keep_free: int = 0) -> list[int] | None:
         """Reserve slots for all ``token_ids``, reusing cached prefix blocks.
 
-        None (and no change) if out of blocks. The hit length is ``num_cached_tokens(seq_id)``.
-        ``prefix_keys``: ``prefix_keys(p)`` of a prefix ``p`` of ``token_ids`` (the prompt), if the caller
-        keeps them.
+        None (and no change) if out of blocks, or if fewer than ``keep_free`` free blocks would be left
+        (the scheduler's room for running decodes: only the blocks this takes count, not its hits). The
+        hit length is ``num_cached_tokens(seq_id)``. ``prefix_keys``: ``prefix_keys(p)`` of a prefix ``p``
+        of ``token_ids`` (the prompt), if the caller keeps them.
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already allocated")
@@ -116,7 +118,7 @@ class KVCacheManager:
         hits = self._find_cached_prefix(token_ids, prefix_keys)
         num_new = self._num_blocks_for(len(token_ids)) - len(hits)
         num_revived = self.pool.num_unreferenced(hits)  # these leave the free queue
-        if num_new > self.pool.num_free_blocks - num_revived:
+        if num_new + keep_free > self.pool.num_free_blocks - num_revived:
             return None
         self.pool.touch(hits)  # before take_new, so the hits cannot be evicted
         table = hits + self.pool.take_new(num_new)

@@ -65,3 +65,19 @@ def test_a_choice_larger_than_the_cache_is_refused():
         core.add_request(EngineRequest("big", [5] * 20, greedy(10), 0.0))
     core.add_request(EngineRequest("y", [5] * 10, greedy(10), 0.0))
     assert run(core) == {("y", 0): "length"}
+
+
+def test_prompts_sharing_a_running_prefix_are_admitted_together():
+    """Four prompts share 25 blocks of a system prompt; each adds 1 block (+ 2 of output) of its own: all
+    fit at once in 39 usable blocks, and admission counts the shared blocks as the hits they are."""
+    core, _ = build_core(EngineConfig(**{**TINY, "block_size": 16, "num_blocks": 40, "max_num_seqs": 8,
+                                         "max_num_batched_tokens": 2048, "max_model_len": 512}))
+    system = [3 + (i * 37) % 250 for i in range(400)]
+    for i in range(4):
+        core.add_request(EngineRequest(f"r{i}", system + [10 + i] * 8, greedy(24), 0.0))
+    peak = 0
+    while core.has_work():
+        core.step()
+        peak = max(peak, len(core.scheduler.running))
+    assert peak == 4
+    assert core.kv.usage().used_blocks == 0

@@ -414,3 +414,20 @@ def test_ensure_slots_grows_to_the_owners_count_only():
     assert mgr.ensure_slots("a", 5) and mgr.block_table("a") == [1, 2, 3] and mgr.num_tokens("a") == 5
     assert not mgr.ensure_slots("a", 7) and mgr.num_tokens("a") == 5  # out of blocks: unchanged
     assert mgr.ensure_slots("a", 2) and mgr.num_tokens("a") == 5  # never shrinks
+
+
+def test_keep_free_counts_only_the_blocks_an_allocation_takes():
+    """A prompt sharing a running sequence's full blocks takes only its tail: `keep_free` (the scheduler's
+    room for decodes) is weighed against those, not against the whole prompt."""
+    mgr = OwnedKV(9, 2)  # 8 usable blocks of 2
+    shared = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]  # 5 blocks
+    mgr.allocate("a", shared + [11])  # 6 blocks
+    mgr.mark_computed("a", 11)
+    assert mgr.usage().free_blocks == 2
+    before = mgr.usage()
+    assert mgr.allocate("x", [20, 21, 22, 23, 24]) is None  # 3 new blocks: no room at all
+    assert mgr.usage() == before
+    assert mgr.allocate("b", shared + [12], keep_free=2) is None  # 1 new block would leave 1 < 2
+    assert mgr.allocate("b", shared + [12], keep_free=1) is not None  # the 5 shared blocks cost nothing
+    assert mgr.num_cached_tokens("b") == 10 and mgr.usage().free_blocks == 1
+    mgr.check_integrity()

@@ -221,11 +221,10 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
         assert seq.num_pending == 0, "a sequence is admitted only once its tokens are all on the host"
-        tokens = seq.token_ids
-        reserve = min(len(self.running), self.usable_blocks // 8) * self.block_size  # room for decodes
-        if reserve and not self.kv.can_allocate(len(tokens) + reserve):
-            return False
-        if self.kv.allocate(seq.seq_id, tokens, seq.prefix_keys) is None:
+        # blocks kept free for the running decodes; a prompt's prefix-cache hits take none of them (blocks
+        # it shares with running sequences are not free, yet cost it nothing)
+        keep_free = min(len(self.running), self.usable_blocks // 8)
+        if self.kv.allocate(seq.seq_id, seq.token_ids, seq.prefix_keys, keep_free) is None:
             return False
         seq.num_computed_tokens = self.kv.num_cached_tokens(seq.seq_id)
         self._mark_running(seq, out)
