@@ -81,3 +81,17 @@ def test_prompts_sharing_a_running_prefix_are_admitted_together():
         peak = max(peak, len(core.scheduler.running))
     assert peak == 4
     assert core.kv.usage().used_blocks == 0
+
+
+def test_a_token_in_flight_does_not_preempt_another_sequence(core):
+    """Async scheduling: A's first token (its stop: every id is one) is still on its way when the cache has
+    no block left for A's next decode; A waits a step instead of preempting B, whose prompt filled the
+    cache, and B's work is not thrown away (sync scheduling never sees a token in flight)."""
+    vocab = core.runner.config.vocab_size
+    cfg = {**TINY, "num_blocks": 8, "max_num_seqs": 4, "max_num_batched_tokens": 48}
+    small, _ = build_core(EngineConfig(**cfg, async_scheduling=core.async_scheduling))
+    small.add_request(EngineRequest("A", [7, 8, 9, 10], greedy(10, stop_token_ids=list(range(vocab))), 0.0))
+    small.add_request(EngineRequest("B", list(range(30, 52)), greedy(2), 0.0))  # 22 tokens: 6 of 7 blocks
+    assert run(small) == {("A", 0): "stop", ("B", 0): "length"}
+    assert small.scheduler.num_preemptions == 0
+    assert small.kv.usage().used_blocks == 0

@@ -109,7 +109,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         prefills: list[Sequence] = []  # running, not decoding (complete unless the budget ran out first)
-        ensure_slots = self.kv.ensure_slots
+        ensure_slots, reserve = self.kv.ensure_slots, self._reserve_slots
         for seq in list(self.running):  # 1) decodes, one token each, in admission order
             if budget == 0:
                 break
@@ -121,7 +121,9 @@ class Scheduler:
                 prefills.append(seq)  # (a fork parent's last prompt token is a chunk: it forks there)
             elif num_tokens - len(seq.prompt_token_ids) >= seq.params.max_tokens:
                 continue  # its last token is in flight: it finishes when that token arrives
-            elif ensure_slots(seq.seq_id, num_tokens) or self._reserve_slots(seq, out):  # else: preempt
+            # out of blocks with its last token still in flight, it waits a step rather than preempt another
+            # for a token that may end it (async scheduling); the next step it finishes or preempts as ever
+            elif ensure_slots(seq.seq_id, num_tokens) or (not seq.num_pending and reserve(seq, out)):
                 pos = seq.num_computed_tokens
                 seq.num_computed_tokens = pos + 1
                 seq.num_pending += 1
@@ -254,7 +256,10 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self._unschedule(seq, out)
+        scheduled = self._unschedule(seq, out)
+        if scheduled is not None:  # its full blocks written by earlier steps stay in the prefix cache, so
+            # its recompute hits them (their writes precede any reuse of the blocks on the one stream)
+            self._mark_computed(seq, min(seq.num_computed_tokens - scheduled, len(seq.token_ids)))
         self.running.remove(seq)
         self.kv.free(seq.seq_id)
         self._release_row(seq)
@@ -265,23 +270,26 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted.append(seq)
 
-    def _unschedule(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """A victim already scheduled in this step leaves it (its row and blocks are about to be reused)."""
+    def _unschedule(self, seq: Sequence, out: SchedulerOutput) -> int | None:
+        """A victim already scheduled in this step leaves it (its row and blocks are about to be reused).
+        -> how many of its computed tokens this step had scheduled (0: none), None for a child forked in
+        this step (its blocks are its parent's)."""
         if seq in out.decodes:
             i = out.decodes.index(seq)
             del out.decodes[i], out.decode_positions[i]
             out.num_decode_tokens -= 1
             seq.num_pending -= 1
-            return
+            return 1
         for c in out.prefills:
             if c.seq is seq:
                 out.prefills.remove(c)
                 out.num_prefill_tokens -= c.num_tokens
                 seq.num_pending -= c.samples
-                return
+                return c.num_tokens
             if seq in c.forked:
                 c.forked.remove(seq)
                 seq.num_pending -= 1
                 own = set(self.kv.block_table(seq.seq_id))
                 out.copies = [(src, dst) for src, dst in out.copies if dst not in own]
-                return
+                return None
+        return 0
