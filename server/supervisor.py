@@ -109,7 +109,9 @@ def _wait(servers: list, core_died: threading.Event) -> bool:
         for p in [p for p in alive if not p.is_alive()]:
             alive.remove(p)
             p.join()
-            if p.exitcode != 0:
+            # a server our SIGTERM reached before it set its handlers (still starting) dies of it: stopped
+            # as asked, not failed
+            if p.exitcode != 0 and not (stopping.is_set() and p.exitcode == -signal.SIGTERM):
                 failed = True
                 logger.error("API server %s exited with code %s: stopping the server", p.name, p.exitcode)
                 stop()

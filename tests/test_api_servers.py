@@ -10,13 +10,15 @@ import multiprocessing
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import GREEDY, Server
+from server_helpers import GREEDY, REPO, Server, free_port
 
 from server.api.metrics import MULTIPROC_DIR_ENV
 from tools.serving_bench import api_server_pids
@@ -153,3 +155,25 @@ def test_metrics_of_several_processes_are_summed(tmp_path, monkeypatch):
     assert samples[("pagewalk_num_requests_running", label)] == 4  # a gauge: the most recent value
     assert samples[("pagewalk_info", (("attention_backend", "torch"), ("device", "cpu"), ("dtype", "float32"),
                                       ("model_name", "m")))] == 1
+
+
+def test_sigterm_while_the_api_servers_start_is_a_clean_stop(tmp_path):
+    """The supervisor's SIGTERM reaches servers still loading (before they set their handlers): they die of
+    it, which is the stop it asked for: exit 0, no error."""
+    port = free_port()
+    log = tmp_path / "early.log"
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--device", "cpu",
+           "--attention-backend", "torch", "--api-server-count", "2", "--num-blocks", "256"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while "2 API servers (pids" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()
+        assert "ERROR" not in log.read_text(), log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
