@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 
 from loadtest.benchmark import BenchmarkRun, drive, open_clients, run_benchmark
-from loadtest.client import ClientConfig, RequestRecord
+from loadtest.client import ClientConfig, RequestRecord, fetch_text
 from loadtest.cpu import LoadMeter
 from loadtest.workload import RequestSpec
 
@@ -198,6 +198,13 @@ def _send_stop(workers) -> None:
             pass  # that worker has already finished and gone
 
 
+async def warm_clients(clients, cfg: ClientConfig) -> None:
+    """One GET /health on each client: a fresh process's first httpx request costs ~15-18 ms more than the
+    next (lazy imports and first-use set-up, measured on the 2-core CI box), which would land in the TTFT of
+    each worker's first measured request and delay its later sends; it also opens each pool's connection."""
+    await asyncio.gather(*(fetch_text(c, cfg.base_url, "/health", cfg.api_key) for c in clients))
+
+
 def _worker_main(conn: Connection, specs, offsets, cfg: ClientConfig, concurrency: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop (inherited, made sure)
     try:
@@ -210,8 +217,10 @@ def _worker_main(conn: Connection, specs, offsets, cfg: ClientConfig, concurrenc
 
 
 async def _worker(conn: Connection, specs, offsets, cfg, concurrency: int) -> BenchmarkRun | None:
-    """Ready (loop and client built, so the first release is on time), wait for the start, run the share."""
+    """Ready (loop and clients built and warm, so the first release is on time), wait for the start, run
+    the share."""
     async with open_clients(concurrency, cfg.timeout_s) as clients:
+        await warm_clients(clients, cfg)
         conn.send(("ready", time.perf_counter()))
         try:
             start_at = conn.recv()  # blocking is fine: nothing runs in this loop yet

@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from loadtest.benchmark import open_clients
 from loadtest.cli import main
 from loadtest.client import ClientConfig
 from loadtest.cpu import ProcessLoad, busy_warning, load_fields
 from loadtest.mock_server import MockScript, MockServer, serve_in_thread
-from loadtest.processes import WorkerError, auto_processes, run_workload, split_work
+from loadtest.processes import WorkerError, auto_processes, run_workload, split_work, warm_clients
 from loadtest.report import print_report
 from loadtest.sweep import sweep_warnings
 from loadtest.workload import LengthRange, arrival_offsets, build_workload
@@ -183,3 +184,23 @@ def test_sweep_warns_per_level():
     levels[0]["server_prefix_cache_hit_rate"] = 0.75
     cached, busy = sweep_warnings(levels)
     assert cached.startswith("concurrency 16: the server found 75% of this run's prompt tokens")
+
+
+def test_each_worker_warms_its_clients_before_it_is_ready():
+    """A fresh process's first httpx request is ~15 ms slower than the next: the worker spends it on a
+    GET /health per client before reporting ready, so no measured request pays it in its TTFT."""
+    seen: list[str] = []
+    mock = MockServer(MockScript())
+
+    async def counting(scope, receive, send):
+        if scope["type"] == "http":
+            seen.append(scope["path"])
+        await mock(scope, receive, send)
+
+    async def warm(url: str) -> None:
+        async with open_clients(3, 10.0) as clients:
+            await warm_clients(clients, ClientConfig(base_url=url, model="mock"))
+
+    with serve_in_thread(counting) as url:
+        asyncio.run(warm(url))
+    assert seen == ["/health"] * 3
