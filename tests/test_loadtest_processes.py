@@ -197,10 +197,11 @@ def test_each_worker_warms_its_clients_before_it_is_ready():
             seen.append(scope["path"])
         await mock(scope, receive, send)
 
-    async def warm(url: str) -> None:
-        async with open_clients(3, 10.0) as clients:
+    async def warm(url: str) -> int:
+        async with open_clients(40, 10.0) as clients:  # 40 slots: 3 clients (pools of at most 16)
             await warm_clients(clients, ClientConfig(base_url=url, model="mock"))
+            return len(clients)
 
     with serve_in_thread(counting) as url:
-        asyncio.run(warm(url))
-    assert seen == ["/health"] * 3
+        num_clients = asyncio.run(warm(url))
+    assert num_clients == 3 and seen == ["/health"] * 3
