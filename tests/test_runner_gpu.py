@@ -159,3 +159,23 @@ def test_captured_mixed_steps_equal_eager_steps(tiny_bf16):
         assert valid(graph_logits) and rel_err(graph_logits, eager_logits) < 5e-2
     assert runner.mixed_graphs.num_replays == 3 and eager.mixed_graphs is None
     assert not runner.kv.data[:, :, 0].any()  # padding tokens wrote nothing into the null block
+
+
+def test_a_burst_of_requests_takes_no_new_device_memory():
+    """The eager tail of a step (logits of every sampling row, fp32 and model dtype) has its blocks in the
+    caching allocator from start-up: a burst whose logit rows grow step by step (each mixed step samples the
+    rows decoding plus its new prompts) calls cudaMalloc for none of them (it did at every step)."""
+    from server.engine.engine import EngineConfig, build_core
+    from server.engine.outputs import EngineRequest
+    from server.engine.sampling_params import SamplingParams
+
+    core, _ = build_core(EngineConfig(model="bench", device="cuda", dtype="bfloat16", max_num_seqs=64,
+                                      max_num_batched_tokens=1024, num_blocks=4096))
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for i in range(64):  # 64 prompts of 128 tokens: 8 a step, each step samples 8 more rows
+        core.add_request(EngineRequest(f"r{i}", [3 + (i * 131 + j) % 1000 for j in range(128)], params, 0.0))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["num_device_alloc"]
+    while core.has_work():
+        core.step()
+    assert torch.cuda.memory_stats()["num_device_alloc"] == before
