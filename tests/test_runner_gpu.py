@@ -169,10 +169,10 @@ def test_a_burst_of_requests_takes_no_new_device_memory():
     from server.engine.outputs import EngineRequest
     from server.engine.sampling_params import SamplingParams
 
-    core, _ = build_core(EngineConfig(model="bench", device="cuda", dtype="bfloat16", max_num_seqs=64,
-                                      max_num_batched_tokens=1024, num_blocks=4096))
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    for i in range(64):  # 64 prompts of 128 tokens: 8 a step, each step samples 8 more rows
+    core, _ = build_core(EngineConfig(model="bench", device="cuda", dtype="bfloat16", max_num_seqs=256,
+                                      max_num_batched_tokens=4096, num_blocks=8192))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for i in range(256):  # 256 prompts of 128 tokens: 32 a step, each step samples 32 more rows
         core.add_request(EngineRequest(f"r{i}", [3 + (i * 131 + j) % 1000 for j in range(128)], params, 0.0))
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()["num_device_alloc"]

@@ -179,13 +179,13 @@ class ModelRunner:
                 one_row = ", the one-row GEMVs, the split-K down projection"
             log.info("runner: %d decode attention variants, the prefill kernel, the sampling kernel%s "
                      "compiled", variants, one_row)
-        if self.device.type == "cuda":
-            self._warm_up_step_tail()
         if self.cuda_graphs:
             self._capture_graphs()
         else:
             log.info("runner: CUDA graphs off (%s)", "enforce_eager" if enforce_eager else
                      f"{self.device.type} device, {self.attention_backend} backend")
+        if self.device.type == "cuda":  # after the captures: torch.cuda.graph() empties the cache
+            self._warm_up_step_tail()
 
     # ---- public API -------------------------------------------------------------------------------------
 
@@ -449,11 +449,12 @@ class ModelRunner:
     def _warm_up_step_tail(self) -> None:
         """Leaves the caching allocator holding blocks for the eager tail of a step at its largest: logits of
         max_num_seqs rows (the lm_head's model-dtype product, its fp32 copy) and the forks' gathered copy.
-        The profiling step's blocks went back to the device (empty_cache, to size the KV cache), so without
-        this the first burst of requests grows its logit rows step by step and takes a new, larger block
-        from cudaMalloc at each one: a 256-wide burst of 512-token prompts on an H200 took 14 segments in
-        its first 16 steps, 30-57 ms each step that did (tools/closed_loop_stalls, docs/benchmarks/
-        serving_h200.md). Later steps split these blocks (best fit): none of them calls cudaMalloc."""
+        The profiling step's blocks went back to the device (empty_cache, to size the KV cache; each graph
+        capture empties the cache too), so without this the first burst of requests grows its logit rows
+        step by step and takes a new, larger block from cudaMalloc at each one: a 256-wide burst of
+        512-token prompts on an H200 took 14 segments (32-126 MiB) in its first 16 steps, 30-57 ms each
+        step that did (tools/alloc_trace, tools/closed_loop_stalls). Later steps split these blocks (best
+        fit): none of them calls cudaMalloc."""
         rows = self.max_num_seqs
         hidden = torch.zeros(rows, self.config.hidden_size, dtype=self.dtype, device=self.device)
         logits = self.model.compute_logits(hidden)  # (rows, V) fp32, through a (rows, V) model-dtype product
