@@ -95,6 +95,25 @@ def test_gpu_vocab_sized_rows(dtype, rows):
         check(logits[torch.randperm(rows, generator=gen)].to(dtype).cuda())
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_warm_up_compiles_every_row_count_a_step_launches(monkeypatch):
+    """After warm_up, no row count of 1..max_rows compiles anything: the plans' column partition is aligned
+    whatever rows x chunks is (Triton specializes on pointer alignment), so each chunking's one warm-up
+    launch is the variant every row count of it runs."""
+    import triton
+
+    compiles = []
+    argmax_mod._PLANS.clear()
+    argmax_mod.warm_up(256, 128256, torch.bfloat16, torch.device("cuda"))
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", lambda **kw: compiles.append(kw["repr"]))
+    logits = torch.randn(256, 128256, device="cuda").to(torch.bfloat16)
+    for rows in range(1, 257):
+        argmax_rows(logits[:rows])
+    torch.cuda.synchronize()
+    assert compiles == []
+
+
 @interpreter_only
 def test_a_plan_serves_its_shape_only(monkeypatch):
     """Calls of one signature share a plan; another shape, dtype or setting gets its own (a BLOCK patched
