@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU call: the engine core's closed loops (256 then 64 in flight, 256 requests of 512 in / 128 out,
 # the first loop of a fresh process: what a server's first burst meets) on the tree before (BEFORE=dir) and
-# this one, then the runner's GPU test of the start-up allocator warm-up. Tables last; JSON under OUT.
+# this one, then GPU tests (TESTS; default the runner's test of the start-up allocator warm-up). Tables
+# last; JSON under OUT.
 # Usage on the device machine, from the repo root: OUT=/some/dir BEFORE=.base bash tools/alloc_warmup_ab.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/alloc_warmup_ab}
@@ -14,6 +15,7 @@ loops() {  # $1: before | after, run in the current directory
 }
 (cd "${BEFORE:-.base}" && loops before)
 loops after
-PYTHONPATH=/tmp/site:$PWD timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
-  "tests/test_runner_gpu.py::test_a_burst_of_requests_takes_no_new_device_memory" 2>&1 | tail -n 3
+# shellcheck disable=SC2086
+PYTHONPATH=/tmp/site:$PWD timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider \
+  ${TESTS:-tests/test_runner_gpu.py::test_a_burst_of_requests_takes_no_new_device_memory} 2>&1 | tail -n 6
 for side in before after; do echo "== $side"; grep -A3 "^closed loop" "$OUT/$side.txt"; done
