@@ -274,6 +274,8 @@ def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, sliding_wind
     check_decode_inputs("triton", q, k_cache, v_cache, block_tables, seq_lens, out)
     if seq_lens.stride() != (1,) and q.shape[0] > 1:
         raise ValueError("seq_lens must be contiguous")
+    if block_tables.stride(1) != 1 and block_tables.shape[1] > 1:  # the kernel walks a row's entries by 1
+        raise ValueError(f"block_tables rows must be contiguous, got strides {tuple(block_tables.stride())}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     if num_splits is not None and not 1 <= int(num_splits) <= MAX_SPLITS:

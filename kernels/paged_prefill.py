@@ -145,6 +145,9 @@ def _attend_new(q, m_i, l_i, acc, qk_scale, key_lim, key_lo, lo, end, ctx, row0,
         row = row0 + start - ctx
         k = k_desc.load([row, col])
         v = v_desc.load([row, col])
+        if MASKED:  # the last tile's rows past `end` are the next chunk's or padding, of any value: their
+            #         weight is 0, which must not meet a NaN / inf there (0 x NaN = NaN in p @ v)
+            v = tl.where((start + offs_n < end)[:, None], v, 0.0)
         m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, qk_scale, start + offs_n, key_lim, key_lo, MASKED,
                                 WINDOW, DOT_PRECISION)
     return m_i, l_i, acc
@@ -397,5 +400,7 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, query_star
     cfg = config or default_config(q.shape[2], q.dtype, q.device, new_kv=new_kv)
     k_new, v_new = new_kv_descriptors(k, v, cfg.block_n) if new_kv else (None, None)
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
+    if not scale > 0:  # the unmasked tiles take the row max before scaling: a max only for scale > 0
+        raise ValueError(f"scale must be > 0, got {scale}")
     return _launch(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale, sliding_window,
                    cfg, k_new, v_new)

@@ -107,6 +107,12 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="num_splits"):
         kernels.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
                                        case.seq_lens, num_splits=0, backend="triton")
+    case = make_paged_case([40, 17], 4, 2, 32, 4)
+    wide = torch.zeros(2, 2 * case.block_tables.shape[1], dtype=case.block_tables.dtype)
+    wide[:, ::2] = case.block_tables  # the same entries, every other column: the kernel read them by 1
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.paged_decode_attention(case.q, case.k_cache, case.v_cache, wide[:, ::2], case.seq_lens,
+                                       backend="triton")
 
 
 @pytest.mark.parametrize("splits", [2, 5, 40])

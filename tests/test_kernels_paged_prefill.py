@@ -106,6 +106,28 @@ def test_kernel_reads_the_new_keys_from_their_rows(lens, new, hq, hkv, d, bs, dt
 
 
 @interpreter_only
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_new_kv_rows_past_the_chunks_do_not_reach_the_output(poison):
+    """The last chunk's diagonal tile reads BLOCK_N new-K/V rows, past its last token into the padding rows
+    of a captured step (whatever the previous layer left there): their weight is 0 and a NaN / inf there
+    must not turn it into NaN."""
+    case, q, qsl = make_prefill_case([58, 5], [37, 5], 8, 2, 64, 16, seed=11)
+    hi = q.shape[0]
+    padded = torch.cat([q, torch.randn(20, 8, 64)])  # 20 padding rows after qsl[C]
+    ref = reference_fp64(case, q, qsl)
+    k, v = new_kv_rows(case, padded, qsl, 8)
+    k[hi:], v[hi:] = poison, poison
+    out = run_triton(case, padded, qsl, k=k, v=v)
+    assert rel_error(out[:hi], ref) <= 1e-5
+
+
+def test_a_scale_that_is_not_positive_is_refused():
+    case, q, qsl = make_prefill_case([30], [10], 8, 2, 32, 16, seed=5)
+    with pytest.raises(ValueError, match="scale"):
+        run_triton(case, q, qsl, scale=-3.0)
+
+
+@interpreter_only
 @pytest.mark.parametrize("block_m,block_n", [(16, 64), (64, 16)])
 def test_tile_sizes_are_independent_of_block_size(block_m, block_n):
     from kernels.paged_prefill import PrefillConfig
