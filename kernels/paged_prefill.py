@@ -147,7 +147,7 @@ def _attend_new(q, m_i, l_i, acc, qk_scale, key_lim, key_lo, lo, end, ctx, row0,
         v = v_desc.load([row, col])
         if MASKED:  # the last tile's rows past `end` are the next chunk's or padding, of any value: their
             #         weight is 0, which must not meet a NaN / inf there (0 x NaN = NaN in p @ v)
-            v = tl.where((start + offs_n < end)[:, None], v, 0.0)
+            v = tl.where((start + offs_n < end)[:, None], v, tl.zeros_like(v))  # (v's dtype kept)
         m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, qk_scale, start + offs_n, key_lim, key_lo, MASKED,
                                 WINDOW, DOT_PRECISION)
     return m_i, l_i, acc
