@@ -190,9 +190,23 @@ QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 10, "hidden_size":
     ({"use_sliding_window": True, "max_window_layers": 28}, None),  # none of the 2 layers does (HF's rule)
     ({"layer_types": ["sliding_attention", "sliding_attention"]}, 4),
     ({"layer_types": ["full_attention", "full_attention"], "use_sliding_window": True}, None),
+    ({"use_sliding_window": True}, None),  # HF's default max_window_layers (28) above both layers
 ])
 def test_the_sliding_window_follows_which_layers_slide(extra, window):
     assert ModelConfig.from_hf({**QWEN2, **extra}, "q").sliding_window == window
+
+
+def test_transformers_default_max_window_layers_is_refused_where_it_splits_the_layers():
+    cfg = {**QWEN2, "num_hidden_layers": 36, "use_sliding_window": True}  # layers 28-35 slide in HF
+    with pytest.raises(ValueError, match="sliding window to 8 of 36 layers"):
+        ModelConfig.from_hf(cfg, "q")
+
+
+def test_llama_attends_fully_whatever_sliding_window_says():
+    """transformers' Llama never reads sliding_window: a window here gave other logits from token 5 on."""
+    llama = {**QWEN2, "architectures": ["LlamaForCausalLM"], "sliding_window": 4}
+    assert ModelConfig.from_hf(llama, "l").sliding_window is None
+    assert ModelConfig.from_hf({**llama, "architectures": ["MistralForCausalLM"]}, "m").sliding_window == 4
 
 
 @pytest.mark.parametrize("extra", [{"use_sliding_window": True, "max_window_layers": 1},
@@ -214,6 +228,13 @@ def test_windows_on_some_layers_only_are_refused(extra):
     ({**QWEN2, "rms_norm_eps": -1.0}, "rms_norm_eps must be a number"),
     ({**QWEN2, "max_position_embeddings": 0}, "max_position_embeddings must be an integer >= 1"),
     ({**QWEN2, "vocab_size": 2.5}, "vocab_size must be an integer >= 1"),
+    ({**QWEN2, "num_attention_heads": 0}, "num_attention_heads must be an integer >= 1"),
+    ({**QWEN2, "rope_theta": 0}, "rope_theta must be > 0"),
+    ({**QWEN2, "rope_theta": -5.0}, "rope_theta must be > 0"),
+    ({**QWEN2, "rope_scaling": {"rope_type": "llama3", "factor": 0.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8}},
+     "factor must be > 0"),
+    ({**QWEN2, "layer_types": ["sliding_attention"]}, "layer_types names 1 layers"),
 ])
 def test_a_config_it_cannot_use_is_one_value_error(cfg, message):
     """Each of these started a server that failed every request, or printed a traceback at start-up."""
@@ -226,6 +247,11 @@ def test_a_config_it_cannot_use_is_one_value_error(cfg, message):
     (lambda p: (p / "tokenizer_config.json").write_text('{"eos_token": 5}'), "wrong shape"),
     (lambda p: (p / "tokenizer_config.json").write_text('{"chat_template": [{"template": "x"}]}'),
      "wrong shape"),
+    (lambda p: (p / "tokenizer_config.json").write_text('{"bos_token": '),
+     "tokenizer_config.json is not valid"),
+    (lambda p: (p / "tokenizer_config.json").write_text(
+        '{"chat_template": [{"name": "tool_use", "template": "a"}, {"name": "rag", "template": "b"}]}'),
+     "none 'default'"),
 ])
 def test_a_tokenizer_it_cannot_use_is_one_value_error(tmp_path, write, message):
     from server.model.tokenizer import HFTokenizer
@@ -234,3 +260,69 @@ def test_a_tokenizer_it_cannot_use_is_one_value_error(tmp_path, write, message):
     write(tmp_path)
     with pytest.raises(ValueError, match=message):
         HFTokenizer.from_dir(tmp_path)
+
+
+def test_special_tokens_map_supplies_what_tokenizer_config_lacks(tmp_path):
+    """transformers reads special_tokens_map.json under tokenizer_config.json: BOS, EOS (a stop id) and the
+    template-only tokens (sep_token) come from it."""
+    from server.model.tokenizer import HFTokenizer
+
+    write_hf_checkpoint(tmp_path, hf_config("llama"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": "{{ bos_token }}{{ messages[0]['content'] }}{{ sep_token }}{{ eos_token }}"}))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "sep_token": "<pad>"}))
+    tok = HFTokenizer.from_dir(tmp_path)
+    assert tok.bos_token_id == 1 and tok.eos_token_ids == {2}
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "<s>hi<pad></s>"
+
+
+def test_tools_and_documents_are_none_in_the_template():
+    from server.model.chat_template import ChatTemplate
+
+    text = "{% if tools is not none %}T{% endif %}{% if documents is none %}D{% endif %}"
+    template = ChatTemplate(text, "t")
+    assert template.render([{"role": "user", "content": "x"}]) == "D"
+    assert template.render([{"role": "user", "content": "x"}], variables={"tools": []}) == "TD"
+
+
+def tied_checkpoint(src, dst, head: str) -> dict:
+    """A copy of src with tie_word_embeddings and a chosen lm_head.weight: "same", "other" or "only" (the
+    head stored, the embedding not)."""
+    copy_checkpoint(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    tensors = load_file(dst / "model.safetensors")
+    embed = tensors["model.embed_tokens.weight"]
+    tensors["lm_head.weight"] = {"same": embed.clone(), "other": torch.randn_like(embed)}.get(head, embed)
+    if head == "only":
+        del tensors["model.embed_tokens.weight"]
+    save_file(tensors, dst / "model.safetensors")
+    return tensors
+
+
+def test_a_tied_checkpoint_serves_its_stored_head_or_refuses_a_different_one(tmp_path, llama_dir):
+    tensors = tied_checkpoint(llama_dir, tmp_path / "same", "same")
+    model, _ = load_model(str(tmp_path / "same"))
+    assert torch.equal(model.lm_head.weight, tensors["model.embed_tokens.weight"])
+    tensors = tied_checkpoint(llama_dir, tmp_path / "only", "only")
+    model, _ = load_model(str(tmp_path / "only"))  # the head is the embedding
+    assert torch.equal(model.model.embed_tokens.weight, tensors["lm_head.weight"])
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    tied_checkpoint(llama_dir, tmp_path / "other", "other")
+    with pytest.raises(ValueError, match="lm_head.weight differs from its model.embed_tokens.weight"):
+        load_model(str(tmp_path / "other"))
+
+
+@pytest.mark.parametrize("write,message", [
+    (lambda p: (p / "generation_config.json").write_text("[2]"), "must hold a JSON object"),
+    (lambda p: (p / "generation_config.json").write_text('{"eos_token_id": "2"}'), "eos_token_id must be"),
+    (lambda p: (p / "config.json").write_text('{"vocab_size": '), "config.json is not valid JSON"),
+    (lambda p: (p / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\n"),
+     "not a readable safetensors file"),
+])
+def test_a_broken_checkpoint_file_is_named(tmp_path, llama_dir, write, message):
+    copy_checkpoint(llama_dir, tmp_path)
+    write(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        load_model(str(tmp_path))

@@ -77,7 +77,9 @@ class ChatTemplate:
         with nothing). Raises ChatTemplateError when the template rejects the messages or its variables: a
         jinja error, or a Python one its expressions raise on the request's values (iterating an int given
         as `tools`)."""
-        context = {**named, **(variables or {}), "messages": [_plain_message(m) for m in messages],
+        # tools and documents are defined (None) as transformers passes them: `{% if tools is not none %}`
+        context = {"tools": None, "documents": None, **named, **(variables or {}),
+                   "messages": [_plain_message(m) for m in messages],
                    "add_generation_prompt": add_generation_prompt}
         try:
             return self._template.render(context)

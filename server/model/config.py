@@ -60,6 +60,10 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if not self.rope_theta > 0:  # its inverse frequencies would not be finite: NaN logits
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta!r}")
+        if self.rope_scaling.rope_type == "llama3" and not self.rope_scaling.factor > 0:
+            raise ValueError(f"rope_scaling factor must be > 0, got {self.rope_scaling.factor!r}")
 
     @property
     def q_size(self) -> int:
@@ -94,10 +98,12 @@ class ModelConfig:
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; only silu (SwiGLU) is supported")
         num_heads = cfg["num_attention_heads"]
+        if not (isinstance(num_heads, int) and num_heads >= 1):  # before head_dim divides by it
+            raise ValueError(f"num_attention_heads must be an integer >= 1, got {num_heads!r}")
         rope = _rope_params(cfg)
         attention_bias = bool(cfg.get("attention_bias", False))
         is_qwen2 = arch == "Qwen2ForCausalLM"
-        sliding = _sliding_window(cfg, is_qwen2)
+        sliding = _sliding_window(cfg, arch)
         eos = cfg.get("eos_token_id")
         return cls(
             name=name,
@@ -123,18 +129,28 @@ class ModelConfig:
         )
 
 
-def _sliding_window(cfg: dict, is_qwen2: bool) -> int | None:
-    """The window every layer uses, or None. Which layers slide is transformers' `layer_types`, else (Qwen2)
-    those from `max_window_layers` on when `use_sliding_window`; this decoder has one window for all its
-    layers, so a checkpoint that mixes windowed and full layers is refused rather than served wrong."""
+QWEN2_MAX_WINDOW_LAYERS = 28  # transformers' Qwen2Config default: the layers from here on slide
+
+
+def _sliding_window(cfg: dict, arch: str) -> int | None:
+    """The window every layer uses, or None, as transformers applies it: Llama attends fully whatever
+    `sliding_window` says (its attention never reads it); Mistral windows every layer; Qwen2 the layers
+    from `max_window_layers` on when `use_sliding_window`; `layer_types`, where given, says which. This
+    decoder has one window for all its layers, so a checkpoint that mixes windowed and full layers is
+    refused rather than served wrong."""
+    if arch == "LlamaForCausalLM":
+        return None
     window = cfg.get("sliding_window")
     num_layers = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
     if types is not None:
+        if len(types) != num_layers:
+            raise ValueError(f"config.json's layer_types names {len(types)} layers, num_hidden_layers is "
+                             f"{num_layers}")
         sliding = [t == "sliding_attention" for t in types]
-    elif is_qwen2:
+    elif arch == "Qwen2ForCausalLM":
         windowed = cfg.get("use_sliding_window", False)
-        first = cfg.get("max_window_layers", num_layers) if windowed else num_layers
+        first = cfg.get("max_window_layers", QWEN2_MAX_WINDOW_LAYERS) if windowed else num_layers
         sliding = [i >= first for i in range(num_layers)]
     else:
         sliding = [window is not None] * num_layers

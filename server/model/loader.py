@@ -9,6 +9,7 @@ parameters.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -137,9 +138,13 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> L
 def load_weights(model: LlamaForCausalLM, path: Path) -> None:
     params = dict(model.named_parameters())
     pending = {(name, shard) for name, p in params.items() for shard in _shards_of(name)}
+    tied_head = None  # a tied checkpoint's lm_head.weight, if it stores one
     for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with _open_weights(file) as f:
             for key in f.keys():
+                if key == TIED_HEAD and model.config.tie_word_embeddings:
+                    tied_head = f.get_tensor(key)
+                    continue
                 target = _target(key, model.config)
                 if target is None:
                     continue
@@ -153,15 +158,52 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
                                      f"expected {tuple(dest.shape)} from config.json")
                 dest.copy_(tensor)
                 pending.discard((name, shard))
+    if tied_head is not None:
+        _check_tied_head(params[TIED_EMBEDDING], tied_head, (TIED_EMBEDDING, None) in pending)
+        pending.discard((TIED_EMBEDDING, None))
     if pending:
         missing = sorted(_hf_name(n, s) for n, s in pending)
         raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {', '.join(missing[:5])}")
 
 
+TIED_HEAD, TIED_EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def _check_tied_head(embedding: torch.Tensor, head: torch.Tensor, embedding_missing: bool) -> None:
+    """config.json ties the head to the embedding and the checkpoint stores lm_head.weight: with no embedding
+    stored it is the embedding (transformers ties them the same way); a head that differs from the stored
+    embedding is refused (transformers versions disagree on which one such a checkpoint serves)."""
+    if tuple(head.shape) != tuple(embedding.shape):
+        raise ValueError(f"tensor {TIED_HEAD!r} has shape {tuple(head.shape)}, expected "
+                         f"{tuple(embedding.shape)} from config.json")
+    if embedding_missing:
+        embedding.copy_(head)
+    elif not torch.equal(embedding, head.to(embedding.device, embedding.dtype)):
+        raise ValueError(f"config.json sets tie_word_embeddings but the checkpoint's {TIED_HEAD} differs "
+                         f"from its {TIED_EMBEDDING}: set tie_word_embeddings to false in config.json to "
+                         "serve the separate head")
+
+
+@contextlib.contextmanager
+def _open_weights(file: Path):
+    """safe_open, with the file named when it is not a safetensors file (a git-lfs pointer, a truncated
+    download)."""
+    try:
+        f = safe_open(str(file), framework="pt", device="cpu")
+    except Exception as e:  # noqa: BLE001 -- safetensors raises its own SafetensorError (no public class)
+        raise ValueError(f"{file} is not a readable safetensors file ({type(e).__name__}: {e}); a git-lfs "
+                         "pointer or an incomplete download reads so") from None
+    with f:
+        yield f
+
+
 def checkpoint_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = [path / f for f in sorted(set(_read_json(index, required=True)["weight_map"].values()))]
+        weight_map = _read_json(index, required=True).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map object")
+        files = [path / f for f in sorted(set(weight_map.values()))]
     elif (path / "model.safetensors").is_file():
         files = [path / "model.safetensors"]
     else:
@@ -179,7 +221,7 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 def _target(key: str, cfg: ModelConfig) -> tuple[str, int | None] | None:
     """Checkpoint name -> (our parameter name, shard index or None); None for tensors we skip."""
-    if _IGNORED.search(key) or (key == "lm_head.weight" and cfg.tie_word_embeddings):
+    if _IGNORED.search(key):
         return None
     m = _FUSED_RE.match(key)
     if m is None:
@@ -218,15 +260,26 @@ def _hf_name(name: str, shard: int | None) -> str:
 
 
 def _generation_eos_ids(path: Path) -> list[int]:
-    eos = _read_json(path / "generation_config.json").get("eos_token_id")
+    file = path / "generation_config.json"
+    eos = _read_json(file).get("eos_token_id")
     if eos is None:
         return []
-    return eos if isinstance(eos, list) else [eos]
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{file}: eos_token_id must be a token id or a list of them, got {eos!r}")
+    return ids
 
 
 def _read_json(path: Path, required: bool = False) -> dict:
+    """A JSON object file ({} when absent and not required); ValueError naming the file otherwise."""
     if not path.is_file():
         if required:
             raise FileNotFoundError(f"{path} not found")
         return {}
-    return json.loads(path.read_text())
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value

@@ -95,6 +95,7 @@ class HFTokenizer:
         pad_token: str | None = None,
         unk_token: str | None = None,
         chat_template: ChatTemplate | None = None,
+        template_tokens: dict[str, str | None] | None = None,
     ) -> None:
         self._tok = tokenizer
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -103,7 +104,7 @@ class HFTokenizer:
         self.eos_token_ids: set[int] = {i for i in eos if i is not None}
         self.pad_token_id = self._token_id(pad_token)
         tokens = {"bos_token": bos_token, "eos_token": eos_tokens[0] if eos_tokens else None,
-                  "pad_token": pad_token, "unk_token": unk_token}
+                  "pad_token": pad_token, "unk_token": unk_token, **(template_tokens or {})}
         self.special_tokens = {k: v for k, v in tokens.items() if v is not None}  # what templates may use
         self.chat_template = chat_template
         anchor = tokenizer.encode("a", add_special_tokens=False).ids  # token_text's plain left neighbour
@@ -131,7 +132,8 @@ class HFTokenizer:
             tokenizer = Tokenizer.from_file(str(tok_file))
         except Exception as e:  # noqa: BLE001 -- `tokenizers` raises a bare Exception for a bad file
             raise ValueError(f"{tok_file} does not load: {e}") from None
-        cfg = _read_json(path / "tokenizer_config.json")
+        # special_tokens_map.json first, tokenizer_config.json over it (as transformers reads them)
+        cfg = {**_read_json(path / "special_tokens_map.json"), **_read_json(path / "tokenizer_config.json")}
         try:
             eos = _token_str(cfg.get("eos_token"))
             return cls(
@@ -142,6 +144,7 @@ class HFTokenizer:
                 pad_token=_token_str(cfg.get("pad_token")),
                 unk_token=_token_str(cfg.get("unk_token")),
                 chat_template=chat_template or _chat_template(path, cfg),
+                template_tokens={k: _token_str(cfg.get(k)) for k in TEMPLATE_ONLY_TOKENS},
             )
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{path / 'tokenizer_config.json'} has a field of the wrong shape: "
@@ -232,8 +235,21 @@ def _byte_level_table() -> dict[str, int]:
 _BYTE_LEVEL: dict[str, int] | None = None
 
 
+# transformers' other special-token attributes: chat templates may spell them; nothing else uses them here
+TEMPLATE_ONLY_TOKENS = ("sep_token", "cls_token", "mask_token")
+
+
 def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    """A JSON object file, {} when absent; ValueError naming the file otherwise."""
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _token_str(token) -> str | None:
@@ -251,5 +267,8 @@ def _chat_template(path: Path, cfg: dict) -> ChatTemplate | None:
     origin = str(path / "tokenizer_config.json")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         named = {t["name"]: t["template"] for t in template}
+        if "default" not in named and len(named) != 1:  # as transformers: which one is not ours to guess
+            raise ValueError(f"{origin} names chat templates {sorted(named)} and none 'default': pass the "
+                             "one to serve with --chat-template")
         template = named.get("default", next(iter(named.values()), None))
     return ChatTemplate(template, origin) if template else None
