@@ -18,7 +18,7 @@ from rich.console import Console
 
 from loadtest.metrics import SLO
 from loadtest.plot import plot_run, plot_sweep
-from loadtest.processes import WorkerError
+from loadtest.processes import STREAMS_PER_PROCESS, WorkerError
 from loadtest.report import load_report, print_compare, print_report, save_report
 from loadtest.session import RunSettings, discover, measure, warm_up
 from loadtest.sweep import parse_levels, run_sweep, sweep_table, sweep_warnings
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no-progress", action="store_true")
     a("--processes", type=parse_processes, default=1, metavar="N|auto",
       help="worker processes sharing the requests and the concurrency (default 1: this process); auto = "
-      "min(ceil(concurrency / 32), CPUs // 2) at each level")
+      f"max(1, min(ceil(concurrency / {STREAMS_PER_PROCESS}), CPUs // 2)) at each level")
     return p
 
 

@@ -155,8 +155,10 @@ async def _unary(client: httpx.AsyncClient, spec: RequestSpec, cfg: ClientConfig
         return _fail(rec, f"http_{resp.status_code}", resp.text)
     try:
         body = resp.json()
-    except json.JSONDecodeError:
-        return _fail(rec, "bad_response", resp.text)
+    except (json.JSONDecodeError, UnicodeDecodeError):  # a 200 whose body is not JSON (or not UTF-8)
+        return _fail(rec, "bad_response", resp.content[:500].decode(errors="replace"))
+    if not isinstance(body, dict):
+        return _fail(rec, "bad_response", resp.text[:500])
     # Without streaming the first token is seen with the whole response: TTFT = e2el, no ITL, no TPOT.
     rec.chunk_times.append(time.perf_counter())
     rec.streamed = False

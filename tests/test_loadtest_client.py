@@ -117,6 +117,24 @@ def test_failures_are_counted_by_kind():
     }
 
 
+@pytest.mark.parametrize("body", [b"\xff\xfe not utf-8", b"[1, 2]", b"{not json"])
+def test_a_200_that_is_no_json_object_is_a_bad_response(body):
+    """A unary 200 whose body is not UTF-8 JSON (a proxy's page, a broken server) fails that request; it
+    crashed the whole run."""
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+    with serve_in_thread(app) as url:
+        result = run(url, 2, concurrency=1, stream=False)
+    assert [r.error_kind for r in result.records] == ["bad_response", "bad_response"]
+
+
 def test_unreachable_server_fails_every_request_without_raising():
     result = run(f"http://127.0.0.1:{free_port()}", 3, concurrency=2)
     m = compute_metrics(result.records, result.duration_s)
