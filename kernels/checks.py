@@ -47,7 +47,7 @@ def check_attention_inputs(backend: str, q, k_cache, v_cache, index_tensors, out
                          f"{tuple(q.shape)}, {tuple(k_cache.shape)}")
     hq, d = q.shape[1], q.shape[2]
     hkv, dk = k_cache.shape[2], k_cache.shape[3]
-    if hq % hkv or dk != d or v_cache.shape != k_cache.shape:
+    if hkv < 1 or hq % hkv or dk != d or v_cache.shape != k_cache.shape:
         raise ValueError(f"bad shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
                          f"v_cache {tuple(v_cache.shape)} (need Hq % Hkv == 0, same head_dim)")
     devices = {t.device for t in (q, k_cache, v_cache, *index_tensors)}

@@ -103,6 +103,9 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="Hq % Hkv"):
         kernels.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
                                        case.seq_lens, backend="torch")
+    with pytest.raises(ValueError, match="Hq % Hkv"):  # no KV head at all: not a division by zero
+        kernels.paged_decode_attention(case.q, case.k_cache[:, :, :0], case.v_cache[:, :, :0],
+                                       case.block_tables, case.seq_lens, backend="torch")
     case = make_paged_case([4], 4, 2, 32, 4)
     with pytest.raises(ValueError, match="num_splits"):
         kernels.paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables,

@@ -235,6 +235,8 @@ def test_windows_on_some_layers_only_are_refused(extra):
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8}},
      "factor must be > 0"),
     ({**QWEN2, "layer_types": ["sliding_attention"]}, "layer_types names 1 layers"),
+    ({**QWEN2, "tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),
+    ({**QWEN2, "quantization_config": {"quant_method": "gptq", "bits": 4}}, r"quantized checkpoint \(gptq\)"),
 ])
 def test_a_config_it_cannot_use_is_one_value_error(cfg, message):
     """Each of these started a server that failed every request, or printed a traceback at start-up."""

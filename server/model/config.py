@@ -95,6 +95,14 @@ class ModelConfig:
                 f"unsupported architecture {archs or cfg.get('model_type')!r} in config.json; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if cfg.get("quantization_config"):  # its tensors would not load as this decoder's weights
+            method = cfg["quantization_config"].get("quant_method", "?") \
+                if isinstance(cfg["quantization_config"], dict) else "?"
+            raise ValueError(f"config.json describes a quantized checkpoint ({method}); pagewalk serves "
+                             "bf16 / fp16 / fp32 weights only")
+        for flag in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
+            if cfg.get(flag) is not None and not isinstance(cfg[flag], bool):  # bool("false") is True
+                raise ValueError(f"config.json's {flag} must be true or false, got {cfg[flag]!r}")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; only silu (SwiGLU) is supported")
         num_heads = cfg["num_attention_heads"]
