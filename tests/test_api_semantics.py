@@ -78,3 +78,28 @@ def test_optional_message_fields_reach_the_template():
         {"role": "user", "content": "hi", "name": "ann"},
         {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function"}]},
         {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+
+
+def test_echo_with_logprobs_scores_prompts_up_to_the_step_budget():
+    """Prompt logprobs run one dense forward on the engine's thread: a prompt past max_num_batched_tokens
+    (the forward memory was sized for) is a 400 naming `echo`, and the core refuses it too."""
+    from server.engine.engine import EngineConfig, build_core
+    from server.engine.outputs import EngineRequest
+    from server.engine.sampling_params import SamplingParams
+
+    cfg = dict(model="tiny", device="cpu", attention_backend="torch", num_blocks=64,
+               max_num_batched_tokens=64)
+    with started_engine(**cfg) as eng:
+        app = create_app(eng)
+        body = {"prompt": "x" * 40, "max_tokens": 1, "echo": True, "logprobs": 1}
+        echoed = post(app, "/v1/completions", body)["choices"][0]["logprobs"]["tokens"]
+        assert len(echoed) == 42  # BOS + 40 prompt tokens + 1 generated
+
+        async def go():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                return await c.post("/v1/completions", json={**body, "prompt": "x" * 100}, timeout=60)
+        r = asyncio.run(go())
+        assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+    core, _ = build_core(EngineConfig(**cfg))
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        core.add_request(EngineRequest("p", [5] * 100, SamplingParams(max_tokens=1, prompt_logprobs=1), 0.0))

@@ -79,6 +79,10 @@ class EngineCore:
         if total > self.runner.max_model_len:
             raise ValueError(f"prompt ({num_prompt_tokens}) + max_tokens ({params.max_tokens}) = {total} "
                              f"tokens exceeds max_model_len ({self.runner.max_model_len})")
+        if params.prompt_logprobs is not None and num_prompt_tokens > self.scheduler.max_num_batched_tokens:
+            # one dense forward on this thread: no longer than the steps memory was sized for
+            raise ValueError(f"prompt logprobs take a prompt of at most max_num_batched_tokens "
+                             f"({self.scheduler.max_num_batched_tokens}) tokens, got {num_prompt_tokens}")
         if params.n > self.scheduler.max_num_seqs:
             raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.scheduler.max_num_seqs})")
         if total > self.runner.capacity_tokens:

@@ -3,7 +3,9 @@ prompt token given the tokens before it, plus the top-k alternatives at each pos
 
 One contiguous causal forward over the prompt when the request is added, outside the paged step: a prefix
 served from the prefix cache has no logits, and the scheduler and runner stay unaware of the feature. It
-costs one extra prefill of the prompt, paid only by requests that ask.
+costs one extra prefill of the prompt, paid only by requests that ask, and it runs on the engine's thread
+between steps: the prompt is at most max_num_batched_tokens long (EngineCore.add_request; the API refuses
+longer ones with a 400), the forward the server's memory and its other streams' step times were sized for.
 """
 
 from __future__ import annotations
