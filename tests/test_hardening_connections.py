@@ -202,3 +202,25 @@ def test_a_client_that_stops_reading_is_disconnected_and_aborted(server):
     new = server.log.read_text()[len(before):]
     assert "Traceback" not in new and new.count("read nothing") == 1, new
     s.close()
+
+
+def test_the_shutdown_drop_spares_a_reader_whose_buffer_is_full_for_a_moment():
+    """drop_stalled (SIGTERM, before the drain) aborts a connection whose writes have been paused for
+    SHUTDOWN_STALL_S, not one paused just now: a fast reader behind a burst keeps its stream to the end."""
+    from types import SimpleNamespace
+
+    from server.api.connections import SHUTDOWN_STALL_S, GuardedHttpProtocol, drop_stalled
+
+    def connection(paused_for: float):
+        conn = GuardedHttpProtocol.__new__(GuardedHttpProtocol)
+        aborted = []
+        conn.flow = SimpleNamespace(write_paused=True)
+        conn.transport = SimpleNamespace(is_closing=lambda: False, abort=lambda: aborted.append(True))
+        conn.loop = SimpleNamespace(time=lambda: 100.0)
+        conn.paused_since, conn.client = 100.0 - paused_for, None
+        return conn, aborted
+
+    (moment, moment_aborted), (stopped, stopped_aborted) = connection(0.05), connection(SHUTDOWN_STALL_S + 1)
+    drop_stalled([moment, stopped])
+    assert moment_aborted == [] and stopped_aborted == [True]
+    assert moment.drop_if_stalled() and moment_aborted == [True]  # uvicorn closing: any pause is dropped

@@ -74,6 +74,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.header_timer: asyncio.TimerHandle | None = None
         self.body_timer: asyncio.TimerHandle | None = None
         self.stall_timer: asyncio.TimerHandle | None = None
+        self.paused_since: float | None = None  # loop time its writes paused (a full socket buffer)
         self.awaiting_headers = True  # the next request's headers are not complete yet
         self.header_bytes = 0  # of the request being read: its line and headers so far
         super().connection_made(transport)
@@ -171,11 +172,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def pause_writing(self) -> None:
         super().pause_writing()
+        if self.paused_since is None:
+            self.paused_since = self.loop.time()
         if self.stall_timer is None:
             self.stall_timer = self.loop.call_later(self.stall_timeout_s, self._stalled)
 
     def resume_writing(self) -> None:
         super().resume_writing()
+        self.paused_since = None
         if self.stall_timer is not None:
             self.stall_timer.cancel()
             self.stall_timer = None
@@ -186,15 +190,18 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                     self.stall_timeout_s)
         self.transport.abort()  # close() would wait for the full buffer to drain
 
-    def drop_if_stalled(self) -> bool:
+    def drop_if_stalled(self, paused_at_least_s: float = 0.0) -> bool:
+        """Abort the connection if its writes have been paused for `paused_at_least_s` (0: at all)."""
         if self.flow is None or not self.flow.write_paused or self.transport.is_closing():
             return False
+        if self.paused_since is not None and self.loop.time() - self.paused_since < paused_at_least_s:
+            return False  # a reader whose buffer is full for a moment, not one that stopped
         logger.info("disconnecting %s at shutdown: it is not reading its response", _peer(self))
         self.transport.abort()
         return True
 
     def shutdown(self) -> None:
-        if not self.drop_if_stalled():
+        if not self.drop_if_stalled():  # uvicorn closes the connections: the drain is over
             super().shutdown()
 
     def _cancel_timers(self) -> None:
@@ -204,11 +211,16 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.header_timer = self.body_timer = self.stall_timer = None
 
 
+SHUTDOWN_STALL_S = 1.0  # paused this long when the drain starts: a client that stopped reading
+
+
 def drop_stalled(connections) -> None:
-    """At shutdown, before the engine drains: a client not reading would only hold the drain."""
+    """At shutdown, before the engine drains: a client not reading would only hold the drain. One whose
+    socket buffer is full for a moment (a fast reader behind a burst) keeps its stream to the end; a stall
+    that starts later meets the stall deadline, and the drain its --shutdown-timeout."""
     for connection in list(connections):
         if isinstance(connection, GuardedHttpProtocol):
-            connection.drop_if_stalled()
+            connection.drop_if_stalled(SHUTDOWN_STALL_S)
 
 
 def _body_length(headers: list[tuple[bytes, bytes]], max_body_bytes: int) -> int:
