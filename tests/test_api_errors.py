@@ -277,3 +277,29 @@ def test_engine_side_error_is_500_or_an_error_event(engine, monkeypatch):
     assert json.loads(events[-2][len("data: "):])["error"]["code"] == "engine_error"
     monkeypatch.undo()
     assert request(app, "POST", "/v1/completions", json=CMPL).status_code == 200
+
+
+def test_a_request_cancelled_by_the_servers_stop_gets_an_openai_503():
+    """uvicorn cancels what still runs when its graceful shutdown times out (a core that stopped answering):
+    the client reads an OpenAI 503 body instead of uvicorn's plain-text 500, and the cancellation goes on."""
+    from server.api.errors import CatchAllMiddleware
+
+    async def stuck(scope, receive, send):
+        raise asyncio.CancelledError
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def go():
+        with pytest.raises(asyncio.CancelledError):
+            await CatchAllMiddleware(stuck)({"type": "http", "method": "POST", "path": "/v1/completions"},
+                                            receive, send)
+
+    asyncio.run(go())
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 503
+    assert json.loads(sent[1]["body"])["error"]["code"] == "shutting_down"

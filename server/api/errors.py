@@ -6,6 +6,8 @@ the process (unexpected exceptions are logged here and answered with a generic 5
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 
 from fastapi import FastAPI, Request
@@ -138,6 +140,14 @@ class CatchAllMiddleware:
 
         try:
             await self.app(scope, receive, tracking_send)
+        except asyncio.CancelledError:
+            # uvicorn cancels what is still running when its graceful shutdown times out (a core that stopped
+            # answering): the client gets an OpenAI 503 instead of uvicorn's plain-text 500
+            if not started and not client_gone:
+                err = APIError(503, "The server is shutting down.", code="shutting_down")
+                with contextlib.suppress(Exception):
+                    await error_response(err)(scope, receive, send)
+            raise
         except Exception as exc:
             if client_gone or isinstance(exc, ClientDisconnect):  # nobody to answer; not a server error
                 logger.info("client went away during %s %s", scope.get("method"), scope.get("path"))
