@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 from engine_helpers import stream_choice
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from server.api.choice_stream import ChoiceStream
 from server.api.stop_strings import StopStrings
@@ -98,3 +100,44 @@ def test_stop_matching_scans_only_the_held_tail():
     assert s.feed("zzab") == ("zz", None) and s.held == "ab"
     assert s.feed("c" * 1) == ("", None) and s.held == "abc"
     assert s.feed("q" + "z" * 1000) == ("abcq" + "z" * 1000, None) and s.held == ""
+
+
+
+def first_stop(text: str, stops: list[str]) -> tuple[str, str | None]:
+    """The reference: the first character at which a stop string ends cuts the text before the longest
+    one ending there."""
+    for end in range(1, len(text) + 1):
+        ending = [s for s in stops if text[:end].endswith(s)]
+        if ending:
+            stop = max(ending, key=len)
+            return text[:end - len(stop)], stop
+    return text, None
+
+
+def matched(pieces: list[str], stops: list[str]) -> tuple[str, str | None]:
+    matcher, out = StopStrings(stops), []
+    for piece in pieces:
+        text, hit = matcher.feed(piece)
+        out.append(text)
+        if hit is not None:
+            return "".join(out), hit
+    return "".join(out) + matcher.release(), None
+
+
+def test_the_first_stop_to_end_wins_however_the_text_is_split():
+    """["b a", " "] over "b a": " " ends first (generation stops there), whether the text comes whole, as
+    "b" + " a" (which returned "" and "b a": a later-ending stop starting earlier won inside one delta) or
+    as "b" + " " + "a"."""
+    for pieces in (["b a"], ["b", " a"], ["b", " ", "a"]):
+        assert matched(pieces, ["b a", " "]) == ("b", " ")
+    assert matched(["xab", "c"], ["abc", "b"]) == ("xa", "b")
+    assert matched(["xabc"], ["abc", "bc"]) == ("x", "abc")  # both end at "c": the earlier start
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text("ab ", max_size=14), st.lists(st.text("ab ", min_size=1, max_size=4), min_size=1, max_size=4),
+       st.lists(st.integers(0, 14), max_size=5))
+def test_any_split_gives_the_reference_cut(text, stops, cuts):
+    bounds = sorted({0, len(text), *(min(c, len(text)) for c in cuts)})
+    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)] or [""]
+    assert matched(pieces, stops) == first_stop(text, stops)

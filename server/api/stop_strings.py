@@ -1,8 +1,9 @@
 """Stop strings over a stream of text deltas, in O(new text) per delta whatever the number of stop strings.
 
-A stop string is never emitted: the text is cut before the first one (the one that starts earliest; of two
-that start there, the one that ends first). A tail of the text that could still grow into a stop string is
-held back until later text decides it.
+A stop string is never emitted: the text is cut before the first one to end, character by character, as a
+generation stops at the first stop string it writes (of several ending at one character, the one that
+starts earliest: the longest). So the cut does not depend on how the text is split into tokens or deltas. A
+tail of the text that could still grow into a stop string is held back until later text decides it.
 
 One Aho-Corasick automaton over all the stop strings of a request (built once per distinct list, shared by
 its choices) walks each new character once. Its state after a character is the longest suffix of the text
@@ -81,17 +82,12 @@ class StopStrings:
         s = self.held + text
         base = len(self.held)  # the held text is already walked: the state covers it
         state, depth, match = self.state, a.depth, a.match
-        hit: tuple[int, str] | None = None
         for i in range(base, len(s)):
             state = a.step(state, s[i])
-            if hit is not None and i + 1 - depth[state] >= hit[0]:
-                break  # every live prefix starts at or after the hit: none can start earlier
-            stop = match[state]
-            if stop and (hit is None or i + 1 - len(stop) < hit[0]):
-                hit = (i + 1 - len(stop), stop)
-        if hit is not None:
-            self.state, self.held = 0, ""
-            return s[:hit[0]], hit[1]
+            stop = match[state]  # the longest stop string ending here: the earliest start
+            if stop:
+                self.state, self.held = 0, ""
+                return s[:i + 1 - len(stop)], stop
         self.state = state
         keep = depth[state]
         self.held = s[len(s) - keep:] if keep else ""
