@@ -202,6 +202,17 @@ def test_transformers_default_max_window_layers_is_refused_where_it_splits_the_l
         ModelConfig.from_hf(cfg, "q")
 
 
+def test_positions_default_as_transformers_configs_do():
+    import transformers
+
+    base = {k: v for k, v in QWEN2.items() if k != "sliding_window"}
+    for arch, cls in (("LlamaForCausalLM", transformers.LlamaConfig),
+                      ("MistralForCausalLM", transformers.MistralConfig),
+                      ("Qwen2ForCausalLM", transformers.Qwen2Config)):
+        got = ModelConfig.from_hf({**base, "architectures": [arch]}, "x").max_position_embeddings
+        assert got == cls().max_position_embeddings, arch
+
+
 def test_llama_attends_fully_whatever_sliding_window_says():
     """transformers' Llama never reads sliding_window: a window here gave other logits from token 5 on."""
     llama = {**QWEN2, "architectures": ["LlamaForCausalLM"], "sliding_window": 4}

@@ -123,7 +123,7 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            max_position_embeddings=cfg.get("max_position_embeddings", DEFAULT_POSITIONS[arch]),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             rope_scaling=_rope_scaling(rope),
@@ -137,6 +137,9 @@ class ModelConfig:
         )
 
 
+# transformers' config defaults where config.json omits max_position_embeddings (LlamaConfig, MistralConfig
+# 4096 * 32, Qwen2Config)
+DEFAULT_POSITIONS = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 131072, "Qwen2ForCausalLM": 32768}
 QWEN2_MAX_WINDOW_LAYERS = 28  # transformers' Qwen2Config default: the layers from here on slide
 
 
