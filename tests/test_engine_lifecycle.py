@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 
 import pytest
 from engine_helpers import collect, make_engine, run_all, run_one, wait_until
@@ -297,3 +298,54 @@ def test_drain_finishes_every_prompt_of_an_admitted_windowed_request(stream):
     assert sorted(c["index"] for c in finished) == list(range(6))
     assert all(c["finish_reason"] == "length" for c in finished)
     assert e.reserved == 0 and not e.client.is_alive()
+
+
+def test_a_detokenizer_failure_ends_every_choice_once_after_their_pending_deltas(engine, monkeypatch):
+    """n = 2, choice 1's third update fails to detokenize in the same call as a delta of choice 0: the
+    failure's final output carries choice 0's delta first, then both choices' "error" finishes (the
+    delta used to be merged after them, erasing choice 0's finish)."""
+    real = ChoiceStream.apply
+    calls = {}
+
+    def failing(self, u):
+        calls[self.index] = calls.get(self.index, 0) + 1
+        if self.index == 1 and calls[1] == 3:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return real(self, u)
+
+    monkeypatch.setattr(ChoiceStream, "apply", failing)
+    outs = asyncio.run(collect_outputs(engine, "detok-fail", [1, 2, 3], greedy(10, n=2)))
+    finishes = [(d.index, d.finish_reason) for o in outs for d in o.deltas if d.finish_reason]
+    assert sorted(finishes) == [(0, "error"), (1, "error")]
+    last_of = {d.index: d for d in outs[-1].deltas}
+    assert outs[-1].finished and last_of[0].finish_reason == "error" and last_of[1].finish_reason == "error"
+    assert wait_until(lambda: engine.health()["kv_cache"]["used_blocks"] == 0)
+
+
+async def collect_outputs(engine, request_id, prompt, params):
+    return [out async for out in engine.generate(request_id, prompt, params)]
+
+
+def test_a_query_racing_the_cores_death_is_a_503_not_a_hang():
+    """The core dies between /debug's liveness check and its call's registration: the check and the
+    registration are one step under the lock, so the query is refused instead of waiting forever."""
+    e = make_engine()
+    try:
+        async def main():
+            loop = asyncio.get_running_loop()
+            real = loop.create_future
+
+            def dying_future():
+                if sys._getframe(1).f_code.co_name == "_query":  # the query's own future, not wait_for's
+                    loop.create_future = real
+                    e._on_death("injected")  # what the client thread runs when the core's process ends
+                return real()
+
+            loop.create_future = dying_future
+            with pytest.raises(RequestRejected) as refused:
+                await asyncio.wait_for(e.kv_snapshot(), timeout=5)
+            assert refused.value.status == 503
+
+        asyncio.run(main())
+    finally:
+        e.shutdown(timeout=5)

@@ -139,6 +139,10 @@ class AsyncEngine:
                 self.client.send(Abort(rid))
             self._wait_idle(ABORT_WAIT_S)
         self.client.close(timeout=10.0)
+        with self._lock:  # a query sent behind the Shutdown gets no reply: it is answered here
+            calls, self._calls = self._calls, {}
+        for loop, future in calls.values():
+            call_soon(loop, _resolve, future, None, RequestRejected(503, "the engine core has stopped"))
 
     def _wait_idle(self, timeout: float) -> None:
         """Until no request is live and no admitted prompt is still to come (or the core died, or
@@ -260,11 +264,11 @@ class AsyncEngine:
         return await self._query("stats")
 
     async def _query(self, name: str) -> dict:
-        if self.dead is not None or not self._started or self._closed:
-            raise RequestRejected(503, "the engine core is not running")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        with self._lock:
+        with self._lock:  # the check and the registration together: _on_death takes the calls under it
+            if self.dead is not None or not self._started or self._closed:
+                raise RequestRejected(503, "the engine core is not running")
             call_id = next(self._call_ids)
             self._calls[call_id] = (loop, future)
         self.client.send(Query(call_id, name))
@@ -367,7 +371,8 @@ class AsyncEngine:
                 delta, abort = live.choices[u.index].apply(u)
             except Exception as e:  # a detokenizer failure fails this request only
                 logger.exception("request %s: could not process its tokens", live.request_id)
-                self._fail(live, f"{type(e).__name__}: {e}")
+                # the other choices' deltas of this call go out first, in the failure's final output
+                self._fail(live, f"{type(e).__name__}: {e}", outputs.pop(live, []))
                 self.abort(live.request_id)
                 continue
             if delta is None:
@@ -411,12 +416,12 @@ class AsyncEngine:
             live.channel.put_merged(RequestOutput(live.request_id, live.prompt_token_ids, deltas, finished,
                                                   live.error))
 
-    def _fail(self, live: LiveRequest, error: str) -> None:
-        """End every choice still open with finish_reason "error"."""
+    def _fail(self, live: LiveRequest, error: str, pending: list[ChoiceDelta] = ()) -> None:
+        """End every choice still open with finish_reason "error", after `pending` (deltas not sent yet)."""
         if live.closed:
             return
         live.closed = True
-        deltas = []
+        deltas = list(pending)
         for c in live.choices:
             if not c.finished:
                 c.finish_reason = "error"
