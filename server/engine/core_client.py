@@ -15,11 +15,14 @@ All call `on_message(msg)` and `on_death(reason)` on their own thread, never on 
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 import multiprocessing
 import os
 import queue
 import shutil
+import socket
 import tempfile
 import threading
 from collections.abc import Callable
@@ -117,7 +120,12 @@ class ThreadCoreClient:
 
 class _SocketCoreClient:
     """A DEALER connected to the core's ROUTER, and the receiver thread that reads it. Subclasses give the
-    file descriptor that becomes readable when the core process ends, and what to say about its end."""
+    file descriptor that becomes readable when the core process ends, and what to say about its end.
+
+    A zmq socket is not thread-safe, even with one thread sending and another receiving: once the receiver
+    runs, it is the socket's only user. send() (from any thread) queues the frame and wakes the receiver
+    through a socket pair in its poll; before start() and after the receiver has stopped, send() writes
+    to the socket itself."""
 
     mode = "process"
 
@@ -129,7 +137,12 @@ class _SocketCoreClient:
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.connect(address)
         self._enc, self._dec = encoder(), from_core_decoder()
-        self._send_lock = threading.Lock()  # zmq sockets are not thread-safe; sends come from any thread
+        self._send_lock = threading.Lock()  # orders the queue and the closing flag against each other
+        self._outbox: collections.deque[bytes] = collections.deque()  # frames for the receiver to send
+        self._wake_r, self._wake_w = socket.socketpair()  # a byte on _wake_w: the outbox has frames
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._receiving = False  # the receiver thread owns the socket
         self._closing = False
         self._receiver: threading.Thread | None = None
 
@@ -158,25 +171,55 @@ class _SocketCoreClient:
     def start(self, on_message: OnMessage, on_death: OnDeath) -> None:
         self._receiver = threading.Thread(target=self._receive_loop, args=(on_message, on_death),
                                           name="pagewalk-core-receiver", daemon=True)
+        with self._send_lock:
+            self._receiving = True
         self._receiver.start()
 
     def send(self, msg: ToCore) -> None:
         data = self._enc.encode(msg)
         with self._send_lock:
-            if not self._closing or isinstance(msg, Shutdown):
+            if self._closing and not isinstance(msg, Shutdown):
+                return
+            if not self._receiving:
                 self._sock.send(data, copy=False)
+                return
+            self._outbox.append(data)
+        with contextlib.suppress(BlockingIOError):  # a full pair already holds a wake-up
+            self._wake_w.send(b"\0")
+
+    def _flush_outbox(self) -> None:
+        """Send the queued frames, in order (the socket's one user calls this)."""
+        with contextlib.suppress(BlockingIOError):
+            while self._wake_r.recv(4096):
+                pass
+        while self._outbox:
+            self._sock.send(self._outbox.popleft(), copy=False)
+
+    def _stop_receiving(self, timeout: float) -> None:
+        """closing is set: the receiver leaves its loop; the socket is then this thread's, with what the
+        receiver had not sent yet."""
+        if self._receiver is not None:
+            self._receiver.join(timeout)
+        with self._send_lock:
+            self._receiving = False
+            if self._receiver is None or not self._receiver.is_alive():
+                self._flush_outbox()
 
     def _receive_loop(self, on_message: OnMessage, on_death: OnDeath) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         death = self._death_fd()
         poller.register(death, zmq.POLLIN)
+        wake = self._wake_r.fileno()
+        poller.register(wake, zmq.POLLIN)
         # the stop flag is looked at every round, not only in quiet ones: a core serving other clients
         # sends this one a StepUpdate every step, and close() must not wait out its join timeout and then
         # close the socket under a receiver still polling it (an API server's drain on SIGTERM, while
         # another server's streams run on)
         while not self._closing:
             ready = dict(poller.poll(RECEIVE_POLL_MS))
+            if wake in ready:
+                self._flush_outbox()
             if self._sock in ready:
                 self._drain(on_message)
             elif death in ready:
@@ -201,6 +244,8 @@ class _SocketCoreClient:
     def _release(self) -> None:
         self._sock.close(linger=0)
         self._ctx.term()
+        self._wake_r.close()
+        self._wake_w.close()
 
 
 class ProcessCoreClient(_SocketCoreClient):
@@ -231,11 +276,10 @@ class ProcessCoreClient(_SocketCoreClient):
 
     def close(self, timeout: float) -> None:
         self._closing = True  # first: the receiver must not take the exit that follows for a death
+        self._stop_receiving(timeout)  # then the socket is this thread's: the queued frames, Shutdown
         if self.process.is_alive():
             self.send(Shutdown())
         self._stop_process(timeout)
-        if self._receiver is not None:
-            self._receiver.join(timeout)
         self._release()
 
     def _stop_process(self, timeout: float) -> None:
@@ -276,8 +320,7 @@ class AttachedCoreClient(_SocketCoreClient):
     def close(self, timeout: float) -> None:
         """Stop reading; the core goes on (the supervisor shuts it down once every API server is done)."""
         self._closing = True
-        if self._receiver is not None:
-            self._receiver.join(timeout)
+        self._stop_receiving(timeout)
         self._release()
 
     def _release(self) -> None:
