@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
@@ -55,6 +56,31 @@ def positive_int(value: str) -> int:
     return n
 
 
+def positive_seconds(value: str) -> float:
+    """An argparse type: a finite number of seconds > 0 (a deadline of 0 or less fired at once)."""
+    x = float(value)
+    if not (math.isfinite(x) and x > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {value}")
+    return x
+
+
+def nonnegative_seconds(value: str) -> float:
+    """An argparse type: a finite number of seconds >= 0."""
+    x = float(value)
+    if not (math.isfinite(x) and x >= 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {value}")
+    return x
+
+
+def int64(value: str) -> int:
+    """An argparse type: an integer a 64-bit seed holds, as a request's seed (the core refused more with
+    a line that did not name the flag)."""
+    n = int(value)
+    if not -2**63 <= n < 2**63:
+        raise argparse.ArgumentTypeError(f"must be in [-2**63, 2**63), got {value}")
+    return n
+
+
 def port_number(value: str) -> int:
     n = int(value)
     if not 0 <= n <= 65535:
@@ -94,7 +120,7 @@ def add_model_flags(s: argparse.ArgumentParser) -> None:
                         "float32 on CPU (vLLM's auto takes the checkpoint's dtype)")
     s.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: cuda when available, else cpu")
-    s.add_argument("--seed", type=int, default=None,
+    s.add_argument("--seed", type=int64, default=None,
                    help="seeds the sampling of requests that send no seed (default: not seeded; vLLM's is 0)")
 
 
@@ -142,7 +168,7 @@ def add_server_flags(s: argparse.ArgumentParser) -> None:
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set)")
     s.add_argument("--max-body-bytes", type=positive_int, default=None,
                    help="request body limit in bytes, 413 above it (default: 1 MiB)")
-    s.add_argument("--shutdown-timeout", type=float, default=10.0,
+    s.add_argument("--shutdown-timeout", type=nonnegative_seconds, default=10.0,
                    help="seconds in-flight requests may take to finish on SIGTERM/SIGINT before they are "
                         "aborted; the process exits (0) at most ~2 s later whatever the clients do")
     add_limit_flags(s)
@@ -157,29 +183,31 @@ def add_limit_flags(s: argparse.ArgumentParser) -> None:
 
     d = RequestLimits()
     g = s.add_argument_group("request limits (each refusal is a 400 naming the field and the limit)")
-    g.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings,
+    g.add_argument("--max-stop-strings", type=positive_int, default=d.max_stop_strings,
                    help="stop strings per request")
-    g.add_argument("--max-stop-string-length", type=int, default=d.max_stop_string_length,
+    g.add_argument("--max-stop-string-length", type=positive_int, default=d.max_stop_string_length,
                    help="characters of one stop string")
-    g.add_argument("--max-prompts", type=int, default=d.max_prompts,
+    g.add_argument("--max-prompts", type=positive_int, default=d.max_prompts,
                    help="prompts of one /v1/completions request")
-    g.add_argument("--max-choices", type=int, default=d.max_choices, help="prompts x n of one request")
-    g.add_argument("--max-logprob-entries", type=int, default=d.max_logprob_entries,
+    g.add_argument("--max-choices", type=positive_int, default=d.max_choices,
+                   help="prompts x n of one request")
+    g.add_argument("--max-logprob-entries", type=positive_int, default=d.max_logprob_entries,
                    help="choices x tokens x (1 + logprobs) of one request (prompt logprobs of echo included)")
-    g.add_argument("--max-request-tokens", type=int, default=d.max_request_tokens,
+    g.add_argument("--max-request-tokens", type=positive_int, default=d.max_request_tokens,
                    help="n x (prompt + max_tokens) over all prompts of one request (also never more than "
                         "the whole KV cache)")
-    g.add_argument("--max-seqs-per-request", type=int, default=None,
+    g.add_argument("--max-seqs-per-request", type=positive_int, default=None,
                    help="choices one request has in the engine at once; its other prompts wait for them, so "
                         "a request of many prompts cannot starve small ones (default: max-num-seqs / 2)")
     g = s.add_argument_group("connections")
-    g.add_argument("--header-timeout", type=float, default=c.DEFAULT_HEADER_TIMEOUT_S,
-                   help="seconds a client has to send a request's headers (408 and close after)")
-    g.add_argument("--timeout-keep-alive", type=int, default=c.DEFAULT_TIMEOUT_KEEP_ALIVE_S,
+    g.add_argument("--header-timeout", type=positive_seconds, default=c.DEFAULT_HEADER_TIMEOUT_S,
+                   help="seconds a client has to send a request's headers, from the connection's opening "
+                   "(its first request) or the request's first byte (408 and close after)")
+    g.add_argument("--timeout-keep-alive", type=positive_int, default=c.DEFAULT_TIMEOUT_KEEP_ALIVE_S,
                    help="seconds an idle keep-alive connection stays open (uvicorn's)")
     g.add_argument("--max-connections", type=positive_int, default=c.DEFAULT_MAX_CONNECTIONS,
                    help="open connections; one more gets a 503 and is closed")
-    g.add_argument("--client-stall-timeout", type=float, default=c.DEFAULT_STALL_TIMEOUT_S,
+    g.add_argument("--client-stall-timeout", type=positive_seconds, default=c.DEFAULT_STALL_TIMEOUT_S,
                    help="seconds a client may read nothing of its response before it is disconnected "
                         "(its requests aborted, their KV blocks freed)")
 
@@ -234,8 +262,12 @@ def startup_failed(error: Exception) -> int:
 
 
 def engine_config(args: argparse.Namespace):
+    import torch
+
     from server.engine.engine import EngineConfig
 
+    if args.device.startswith("cuda") and not torch.cuda.is_available():  # else a raw assertion, later
+        raise ValueError(f"--device {args.device}: no CUDA device is available to torch {torch.__version__}")
     return EngineConfig(
         model=args.model, device=args.device, dtype=None if args.dtype == "auto" else args.dtype,
         block_size=args.block_size, num_blocks=args.num_blocks,

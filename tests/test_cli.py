@@ -59,6 +59,19 @@ def test_vllm_flags_reach_the_engine_config():
     (["--max-model-len", "0"], "must be an integer >= 1"),
     (["--max-body-bytes", "0"], "must be an integer >= 1"),
     (["--port", "70000"], "must be a port number in [0, 65535]"),
+    (["--max-stop-strings", "-1"], "must be an integer >= 1"),  # every request was refused
+    (["--max-prompts", "0"], "must be an integer >= 1"),
+    (["--max-choices", "0"], "must be an integer >= 1"),
+    (["--max-logprob-entries", "0"], "must be an integer >= 1"),
+    (["--max-request-tokens", "0"], "must be an integer >= 1"),
+    (["--max-stop-string-length", "0"], "must be an integer >= 1"),
+    (["--max-seqs-per-request", "0"], "must be an integer >= 1"),  # silently meant the default
+    (["--timeout-keep-alive", "0"], "must be an integer >= 1"),
+    (["--header-timeout", "-1"], "must be a number of seconds > 0"),  # every request was a 408
+    (["--client-stall-timeout", "nan"], "must be a number of seconds > 0"),
+    (["--shutdown-timeout", "-1"], "must be a number of seconds >= 0"),  # a drain aborted everything
+    (["--shutdown-timeout", "inf"], "must be a number of seconds >= 0"),
+    (["--seed", str(2**64)], "must be in [-2**63, 2**63)"),
 ])
 def test_bad_flags_are_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
@@ -124,3 +137,10 @@ def test_seed_makes_unseeded_sampling_repeat_across_restarts():
 
     first = sample(7)
     assert sample(7) == first and sample(8) != first
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_a_device_is_one_line(capsys):
+    assert main(["serve", "tiny", "--device", "cuda", "--engine-in-process"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pagewalk serve: error: --device cuda: no CUDA device") and err.count("\n") == 1

@@ -251,3 +251,24 @@ def test_preemption_shows_when_the_cache_is_too_small(browser, tmp_path):
             assert pg.problems == []
     finally:
         srv.stop()
+
+
+def test_the_first_run_after_typing_the_key_is_served(browser, tmp_path):
+    """On a server with --api-key the page learns the model name only once the key is in; a Run right after
+    typing it sends no model (the server's own) instead of a made-up name (it got a 404)."""
+    srv = Server(tmp_path, "--num-blocks", "64", "--api-key", "k3y")
+    try:
+        context = browser.new_context(viewport={"width": 1280, "height": 860})
+        pg = context.new_page()
+        pg.goto(srv.url)
+        set_controls(pg, max_tokens=8)
+        pg.locator("#prompts textarea").first.fill("Hello: ")
+        pg.fill("#api-key", "k3y")
+        pg.click("#run")  # the key's change event (its blur) starts the model lookup: Run comes first
+        pg.wait_for_selector(".output.done", timeout=30_000)
+        text = pg.inner_text(".output")
+        assert "404" not in text and "does not exist" not in text, text
+        assert len(pg.inner_text(".output .completion")) > 0
+        context.close()
+    finally:
+        srv.stop()

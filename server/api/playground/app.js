@@ -59,10 +59,12 @@ function numberField(id) {
 
 function requestBody(prompt, chat) {
   const body = {
-    model: $("model").dataset.id || "default", stream: true, stream_options: { include_usage: true },
+    stream: true, stream_options: { include_usage: true },
     temperature: numberField("temperature"), top_p: numberField("top_p"), max_tokens: numberField("max_tokens"),
     n: numberField("n"), seed: numberField("seed"), ignore_eos: $("ignore_eos").checked,
   };
+  // the served model once /v1/models named it; before that (a key just typed) none: the server's own
+  if ($("model").dataset.id) body.model = $("model").dataset.id;
   if (chat) body.messages = [{ role: "user", content: prompt }];
   else body.prompt = prompt;
   return body;
