@@ -339,7 +339,12 @@ def serve_api(args: argparse.Namespace, api_server=None, sock=None) -> int:
     max_body_bytes = args.max_body_bytes or DEFAULT_MAX_BODY_BYTES
     app = create_app(engine, api_key=args.api_key, max_body_bytes=max_body_bytes,
                      shutdown_timeout_s=args.shutdown_timeout, limits=request_limits(args))
-    logger.info(startup_line(engine, f"http://{args.host}:{args.port}"))
+    if sock is None and args.port == 0:  # bound here, so that the line below names the port the OS chose
+        from server.supervisor import listen
+
+        sock = listen(args.host, 0)
+    port = sock.getsockname()[1] if sock is not None else args.port
+    logger.info(startup_line(engine, f"http://{args.host}:{port}"))
     logger.info("prefix caching %s; bearer-token auth on /v1/* %s",
                 "on" if args.enable_prefix_caching else "off", "required" if args.api_key else "off")
     # the engine has drained (or aborted what was left) before uvicorn's own graceful shutdown starts, and

@@ -134,3 +134,35 @@ def test_auth_and_sigterm_mid_stream_exits_zero(tmp_path, core):
         assert f"engine_core={core}" in srv.log.read_text()
     finally:
         srv.stop()
+
+
+def test_port_0_logs_the_port_the_os_chose(tmp_path):
+    import re
+    import subprocess
+    import sys
+    import time
+
+    from server_helpers import REPO
+
+    log = tmp_path / "port0.log"
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", "0", "--device", "cpu",
+           "--attention-backend", "torch", "--num-blocks", "64", "--engine-in-process"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not (m := re.search(r"url=http://127\.0\.0\.1:(\d+)", log.read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        port = int(m.group(1))
+        assert port != 0
+        while True:
+            try:
+                assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+                break
+            except httpx.ConnectError:
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
