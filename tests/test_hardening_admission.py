@@ -4,6 +4,7 @@ as the HTTP status, exactly as a non-streaming one, never a 200 with an error ev
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -76,3 +77,33 @@ def test_an_admitted_prompt_is_not_refused_by_a_queue_that_refilled(monkeypatch)
 
         outs = asyncio.run(go())
         assert outs[-1].finished and sum(len(o.deltas[0].token_ids) for o in outs) == 2
+
+
+def test_a_drain_that_starts_during_admission_waits_for_the_admitted_request(monkeypatch):
+    """SIGTERM's drain begins while a request's admission checks run: the checks and the reservation are
+    one step under the lock the drain reads reservations under, so the drain waits for that request (before,
+    it could see no reservation, end, and refuse the admitted request's prompt inside its 200)."""
+    import threading
+
+    from server.api.admission import AdmissionGate
+
+    with started_engine(**CFG) as engine:
+        real = engine.check_admissible
+        drain = threading.Thread(target=engine.shutdown, kwargs={"timeout": 5})
+
+        def racing(*args, **kw):
+            if not drain.is_alive():
+                drain.start()
+                deadline = time.monotonic() + 0.3  # the drain's first step: stop accepting (it waits here)
+                while engine._accepting and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            return real(*args, **kw)
+
+        monkeypatch.setattr(engine, "check_admissible", racing)
+        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        reservation = AdmissionGate(engine).reserve([engine.tokenizer.encode("admitted")], params)
+        time.sleep(0.3)
+        assert engine._serving_admitted, "the drain ended without waiting for the admitted request"
+        reservation.release()
+        drain.join(timeout=10)
+        assert not drain.is_alive()

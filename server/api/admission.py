@@ -111,20 +111,14 @@ class AdmissionGate:
 
     def reserve(self, prompts: list[list[int]], params: SamplingParams) -> Reservation:
         engine = self.engine
-        try:
-            for ids in prompts:  # 503 stopping or dead, 400 a prompt too long for the cache
-                engine.check_admissible(len(ids), params)
-        except RequestRejected as e:
-            raise rejected(e) from None
         limit = engine.max_waiting  # with several API servers, this one's part of --max-waiting
         if len(prompts) > max(1, limit):
             raise APIError(400, f"{len(prompts)} prompts in one request exceed the waiting queue "
                                 f"(max_waiting={limit}); send at most {limit}.", "prompt")
-        waiting = engine.num_waiting_here() + self.pending
-        if waiting + len(prompts) > limit:
-            raise rejected(RequestRejected(429, f"too many requests waiting ({waiting}, max_waiting="
-                                                f"{limit}); retry later"))
-        self.pending += len(prompts)
+        try:  # 503 stopping or dead, 400 a prompt too long for the cache, 429 a full queue
+            engine.reserve_places([len(ids) for ids in prompts], params)
+        except RequestRejected as e:
+            raise rejected(e) from None
         return Reservation(self, len(prompts))
 
 

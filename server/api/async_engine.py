@@ -189,6 +189,20 @@ class AsyncEngine:
             raise RequestRejected(429, f"too many requests waiting ({waiting}, max_waiting="
                                   f"{self.max_waiting}); retry later")
 
+    def reserve_places(self, prompt_lengths: list[int], params: SamplingParams) -> None:
+        """Admission of one request's prompts (server/api/admission.py): each admissible now and room in
+        the queue for all, then their places reserved -- one step under the lock the drain reads the
+        reservations under, so a drain that starts meanwhile either waits for them or refused them.
+        Raises RequestRejected (503, 400, 429)."""
+        with self._lock:
+            for n in prompt_lengths:
+                self.check_admissible(n, params)
+            waiting = self._num_waiting() + self.reserved
+            if waiting + len(prompt_lengths) > self.max_waiting:
+                raise RequestRejected(429, f"too many requests waiting ({waiting}, max_waiting="
+                                      f"{self.max_waiting}); retry later")
+            self.reserved += len(prompt_lengths)
+
     def last_core_stats(self) -> CoreStats:
         """The core's stats as its last step reported them."""
         return self._stats
