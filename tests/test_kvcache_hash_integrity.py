@@ -198,3 +198,16 @@ def test_integrity_catches_cached_counter():
     mgr.pool._num_cached += 1
     with pytest.raises(AssertionError, match="cached-block counter"):
         mgr.check_integrity()
+
+
+def test_default_hash_is_the_same_in_every_process():
+    """The first block's parent is a constant, not None (hash(None) is its address before Python 3.12):
+    keys computed in one process match another's."""
+    import subprocess
+    import sys
+
+    code = "from kvcache import default_block_hash as h; print(h(h(None, (1, 2, 3)), (4, 5, 6)))"
+    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={"PYTHONHASHSEED": str(seed), "PATH": ""}).stdout for seed in (1, 2, 3)}
+    here = default_block_hash(default_block_hash(None, (1, 2, 3)), (4, 5, 6))
+    assert len(runs) == 1 and runs.pop().strip() == str(here)
