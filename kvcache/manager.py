@@ -255,8 +255,10 @@ class KVCacheManager:
                   f"seq {sid!r}: {len(table)} blocks for {n} tokens (block_size {bs})")
             check(len(set(table)) == len(table), f"seq {sid!r}: a block appears twice in its table")
             check(NULL_BLOCK_ID not in table, f"seq {sid!r}: null block 0 in its table")
+            check(all(0 < b < pool.num_blocks for b in table), f"seq {sid!r}: a block id outside the pool")
             check(0 <= seq.num_cached_tokens < n, f"seq {sid!r}: num_cached_tokens {seq.num_cached_tokens} "
                                                   f"not in [0, {n})")
+            check(seq.num_cached_tokens % bs == 0, f"seq {sid!r}: a prefix hit of part of a block")
             check(seq.num_hashed_blocks * bs <= n, f"seq {sid!r}: more blocks hashed than it fills")
             holders.update(table)
             for i, block_id in enumerate(table):

@@ -431,3 +431,16 @@ def test_keep_free_counts_only_the_blocks_an_allocation_takes():
     assert mgr.allocate("b", shared + [12], keep_free=1) is not None  # the 5 shared blocks cost nothing
     assert mgr.num_cached_tokens("b") == 10 and mgr.usage().free_blocks == 1
     mgr.check_integrity()
+
+
+@pytest.mark.parametrize("corrupt,message", [
+    (lambda m: m._seqs["a"].block_table.__setitem__(0, 99), "a block id outside the pool"),  # was IndexError
+    (lambda m: setattr(m._seqs["a"], "num_cached_tokens", 3), "a prefix hit of part of a block"),
+])
+def test_integrity_names_a_corrupted_table(corrupt, message):
+    mgr = OwnedKV(6, 2)
+    mgr.allocate("a", [1, 2, 3, 4, 5])
+    mgr.check_integrity()
+    corrupt(mgr)
+    with pytest.raises(AssertionError, match=message):
+        mgr.check_integrity()
