@@ -181,6 +181,9 @@ def test_a_row_without_top_filters_draws_the_same_beside_rows_with_them(mine):
 def test_choices_of_one_seed_get_distinct_streams_and_uniforms_cover_the_unit_interval():
     assert seed_key(5, 0) != seed_key(5, 1) and seed_key(5, 1) == seed_key(5, 1)
     assert all(0 <= seed_key(s, i) < 2**31 for s in (0, 1, 2**62, -3) for i in range(3))
+    # every bit of a 64-bit seed counts: seeds apart in their high bits only get different streams
+    assert seed_key(5, 0) != seed_key(5 + 2**62, 0) and seed_key(-3, 0) != seed_key(-3 + 2**62, 0)
+    assert len({seed_key(s << 40, 0) for s in range(1000)}) == 1000
     u = uniform(torch.full((20000,), 9), torch.arange(20000))
     assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.01
     assert len(set(u.tolist())) > 19000

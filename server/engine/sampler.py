@@ -64,9 +64,17 @@ def row_fields(params: SamplingParams, seed_key: int, num_sampled: int) -> tuple
     return floats, [min(p.top_k, 2**31 - 1), seed_key, num_sampled]  # any top_k >= the vocab keeps all
 
 
+MASK64 = (1 << 64) - 1
+
+
 def seed_key(seed: int, index: int) -> int:
-    """31-bit key of choice `index` of a request seeded with `seed` (choices get distinct streams)."""
-    return ((seed * 0x9E3779B1 + index * 0x85EBCA77) ^ (seed >> 31)) & 0x7FFF_FFFF
+    """31-bit key of choice `index` of a request seeded with `seed` (choices get distinct streams): the
+    splitmix64 finalizer over all 64 bits of the seed, so seeds that differ only in their high bits get
+    different streams (the key took the low 31 bits only: 5 and 5 + 2**62 drew the same tokens)."""
+    x = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xD1B54A32D192ED03) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return (x ^ (x >> 31)) & 0x7FFF_FFFF
 
 
 @dataclass
