@@ -345,6 +345,9 @@ def serve_api(args: argparse.Namespace, api_server=None, sock=None) -> int:
         sock = listen(args.host, 0)
     port = sock.getsockname()[1] if sock is not None else args.port
     logger.info(startup_line(engine, f"http://{args.host}:{port}"))
+    if engine.sampling_defaults:  # as vLLM says it: the model's own values replace OpenAI's defaults
+        logger.info("sampling defaults from the model's generation_config.json (for fields a request leaves "
+                    "out): %s", ", ".join(f"{k}={v}" for k, v in engine.sampling_defaults.items()))
     logger.info("prefix caching %s; bearer-token auth on /v1/* %s",
                 "on" if args.enable_prefix_caching else "off", "required" if args.api_key else "off")
     # the engine has drained (or aborted what was left) before uvicorn's own graceful shutdown starts, and

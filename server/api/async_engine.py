@@ -28,7 +28,7 @@ from server.engine.engine import EngineConfig
 from server.engine.outputs import CoreStats, EngineRequest, SeqUpdate, StepUpdate
 from server.engine.sampling_params import SamplingParams
 from server.engine.wire import Abort, FromCore, Query, Reply
-from server.model.loader import load_tokenizer
+from server.model.loader import load_tokenizer, sampling_defaults
 
 logger = logging.getLogger("pagewalk.engine")
 
@@ -85,6 +85,8 @@ class AsyncEngine:
         self.config = config
         self.api_server = api_server or ApiServer()
         self.tokenizer = load_tokenizer(config.model, config.tokenizer, config.chat_template)
+        # generation_config.json's sampling values, for the fields a request leaves out
+        self.sampling_defaults = sampling_defaults(config.model)
         if api_server is not None:
             self.client: CoreClient = AttachedCoreClient(api_server.core_address, api_server.core_pid)
         else:

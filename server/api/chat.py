@@ -127,7 +127,7 @@ def _job(engine, req: ChatCompletionRequest, limits: RequestLimits | None = None
     limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     check_context_length(engine, [prompt], max_tokens, "messages", limit_param)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, max_tokens, logprobs, engine.tokenizer.vocab_size)
+    params = sampling_params(req, max_tokens, logprobs, engine.tokenizer.vocab_size, engine.sampling_defaults)
     return ChatJob(engine, req, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), prompt, params)
 
 

@@ -129,7 +129,7 @@ def _job(engine, req: CompletionRequest) -> CompletionJob:
         texts = [tok.decode(ids) for ids in prompts] if req.echo else [""] * len(prompts)
     max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
     check_context_length(engine, prompts, max_tokens, "prompt")
-    params = sampling_params(req, max_tokens, req.logprobs, tok.vocab_size)
+    params = sampling_params(req, max_tokens, req.logprobs, tok.vocab_size, engine.sampling_defaults)
     if req.echo and req.logprobs is not None:  # the echoed prompt comes with its logprobs
         params.prompt_logprobs = req.logprobs
     return CompletionJob(engine, req, f"cmpl-{uuid.uuid4().hex}", int(time.time()), prompts, texts, params)

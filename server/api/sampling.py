@@ -10,14 +10,16 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 def sampling_params(req: _SamplingRequest, max_tokens: int, logprobs: int | None,
-                    vocab_size: int) -> SamplingParams:
-    """Builds SamplingParams from the request; an invalid value becomes a 400 naming its field."""
+                    vocab_size: int, defaults: dict | None = None) -> SamplingParams:
+    """Builds SamplingParams from the request; an invalid value becomes a 400 naming its field. `defaults`:
+    the model's generation_config.json values for the fields a request leaves out (then OpenAI's)."""
+    d = defaults or {}
     params = SamplingParams(
         max_tokens=max_tokens,
-        temperature=_or(req.temperature, 1.0),
-        top_p=_or(req.top_p, 1.0),
-        top_k=_top_k(req.top_k, vocab_size),
-        min_p=_or(req.min_p, 0.0),
+        temperature=_or(req.temperature, d.get("temperature", 1.0)),
+        top_p=_or(req.top_p, d.get("top_p", 1.0)),
+        top_k=_top_k(_or(req.top_k, d.get("top_k")), vocab_size),
+        min_p=_or(req.min_p, d.get("min_p", 0.0)),
         seed=req.seed,
         stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
         stop_token_ids=list(req.stop_token_ids or []),
@@ -26,7 +28,7 @@ def sampling_params(req: _SamplingRequest, max_tokens: int, logprobs: int | None
         logprobs=logprobs,
         presence_penalty=_or(req.presence_penalty, 0.0),
         frequency_penalty=_or(req.frequency_penalty, 0.0),
-        repetition_penalty=_or(req.repetition_penalty, 1.0),
+        repetition_penalty=_or(req.repetition_penalty, d.get("repetition_penalty", 1.0)),
     )
     try:
         params.validate(vocab_size)

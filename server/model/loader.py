@@ -259,6 +259,28 @@ def _hf_name(name: str, shard: int | None) -> str:
     return name.replace(fused, module)
 
 
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(name_or_path: str) -> dict[str, float | int]:
+    """A checkpoint's generation_config.json sampling values ({} for a preset or none): what a request that
+    leaves those fields out samples with, as vLLM's --generation-config auto (Llama-3 instruct: temperature
+    0.6, top_p 0.9). Values of the wrong type are refused with the file named."""
+    if name_or_path in PRESETS or not Path(name_or_path).is_dir():
+        return {}
+    file = Path(name_or_path) / "generation_config.json"
+    cfg = _read_json(file)
+    out = {}
+    for key in SAMPLING_DEFAULT_FIELDS:
+        value = cfg.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{file}: {key} must be a number, got {value!r}")
+        out[key] = value
+    return out
+
+
 def _generation_eos_ids(path: Path) -> list[int]:
     file = path / "generation_config.json"
     eos = _read_json(file).get("eos_token_id")
