@@ -10,7 +10,6 @@ parameters.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import re
 from pathlib import Path
@@ -20,6 +19,7 @@ from safetensors import safe_open
 
 from server.model.chat_template import load_chat_template
 from server.model.config import PRESETS, ModelConfig
+from server.model.json_file import read_json_object
 from server.model.llama import LlamaForCausalLM
 from server.model.random_init import init_random_weights, restrict_to_printable
 from server.model.tokenizer import ByteTokenizer, HFTokenizer
@@ -118,7 +118,7 @@ def model_config(name_or_path: str) -> ModelConfig:
                 "and pass DIR")
         raise FileNotFoundError(
             f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
-    return ModelConfig.from_hf(_read_json(path / "config.json", required=True), name=path.name)
+    return ModelConfig.from_hf(read_json_object(path / "config.json", required=True), name=path.name)
 
 
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # "org/name", as the Hub spells model ids
@@ -200,7 +200,7 @@ def _open_weights(file: Path):
 def checkpoint_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = _read_json(index, required=True).get("weight_map")
+        weight_map = read_json_object(index, required=True).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index} has no weight_map object")
         files = [path / f for f in sorted(set(weight_map.values()))]
@@ -269,7 +269,7 @@ def sampling_defaults(name_or_path: str) -> dict[str, float | int]:
     if name_or_path in PRESETS or not Path(name_or_path).is_dir():
         return {}
     file = Path(name_or_path) / "generation_config.json"
-    cfg = _read_json(file)
+    cfg = read_json_object(file)
     out = {}
     for key in SAMPLING_DEFAULT_FIELDS:
         value = cfg.get(key)
@@ -283,25 +283,10 @@ def sampling_defaults(name_or_path: str) -> dict[str, float | int]:
 
 def _generation_eos_ids(path: Path) -> list[int]:
     file = path / "generation_config.json"
-    eos = _read_json(file).get("eos_token_id")
+    eos = read_json_object(file).get("eos_token_id")
     if eos is None:
         return []
     ids = eos if isinstance(eos, list) else [eos]
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         raise ValueError(f"{file}: eos_token_id must be a token id or a list of them, got {eos!r}")
     return ids
-
-
-def _read_json(path: Path, required: bool = False) -> dict:
-    """A JSON object file ({} when absent and not required); ValueError naming the file otherwise."""
-    if not path.is_file():
-        if required:
-            raise FileNotFoundError(f"{path} not found")
-        return {}
-    try:
-        value = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
-    return value

@@ -11,12 +11,14 @@ chat_template_kwargs).
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
 from server.model.chat_template import ChatTemplate
+from server.model.json_file import read_json_object
 
 # The presets' declared template: one "role: content" line per message, then "assistant:" to prompt the
 # reply. The byte tokenizer has no special tokens that text could spell.
@@ -133,7 +135,8 @@ class HFTokenizer:
         except Exception as e:  # noqa: BLE001 -- `tokenizers` raises a bare Exception for a bad file
             raise ValueError(f"{tok_file} does not load: {e}") from None
         # special_tokens_map.json first, tokenizer_config.json over it (as transformers reads them)
-        cfg = {**_read_json(path / "special_tokens_map.json"), **_read_json(path / "tokenizer_config.json")}
+        cfg = {**read_json_object(path / "special_tokens_map.json"),
+               **read_json_object(path / "tokenizer_config.json")}
         try:
             eos = _token_str(cfg.get("eos_token"))
             return cls(
@@ -215,41 +218,20 @@ class HFTokenizer:
         return self.encode(text, add_bos=False)
 
 
+@functools.cache
 def _byte_level_table() -> dict[str, int]:
     """GPT-2's byte-level alphabet inverted: the printable character each byte is spelled as -> the byte
     (printable Latin-1 bytes stand for themselves; the other 68 are shifted past 255, in byte order)."""
-    global _BYTE_LEVEL
-    if _BYTE_LEVEL is None:
-        printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                     *range(ord("®"), ord("ÿ") + 1)]
-        table = {chr(b): b for b in printable}
-        shifted = 0
-        for b in range(256):
-            if b not in table.values():
-                table[chr(256 + shifted)] = b
-                shifted += 1
-        _BYTE_LEVEL = table
-    return _BYTE_LEVEL
-
-
-_BYTE_LEVEL: dict[str, int] | None = None
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in printable}
+    shifted = [b for b in range(256) if chr(b) not in table]
+    table.update({chr(256 + i): b for i, b in enumerate(shifted)})
+    return table
 
 
 # transformers' other special-token attributes: chat templates may spell them; nothing else uses them here
 TEMPLATE_ONLY_TOKENS = ("sep_token", "cls_token", "mask_token")
-
-
-def _read_json(path: Path) -> dict:
-    """A JSON object file, {} when absent; ValueError naming the file otherwise."""
-    if not path.is_file():
-        return {}
-    try:
-        value = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
-    return value
 
 
 def _token_str(token) -> str | None:
