@@ -186,10 +186,8 @@ class AsyncEngine:
                 400, f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {total} "
                 f"tokens per choice x n={params.n} = {total * params.n} tokens exceeds the whole KV cache "
                 f"capacity of {self.capacity_tokens} tokens", "max_tokens")
-        waiting = self._num_waiting()
-        if waiting >= self.max_waiting and not admitted:
-            raise RequestRejected(429, f"too many requests waiting ({waiting}, max_waiting="
-                                  f"{self.max_waiting}); retry later")
+        if not admitted:
+            self._refuse_if_queue_full(self._num_waiting(), 1)
 
     def reserve_places(self, prompt_lengths: list[int], params: SamplingParams) -> None:
         """Admission of one request's prompts (server/api/admission.py): each admissible now and room in
@@ -199,11 +197,13 @@ class AsyncEngine:
         with self._lock:
             for n in prompt_lengths:
                 self.check_admissible(n, params)
-            waiting = self._num_waiting() + self.reserved
-            if waiting + len(prompt_lengths) > self.max_waiting:
-                raise RequestRejected(429, f"too many requests waiting ({waiting}, max_waiting="
-                                      f"{self.max_waiting}); retry later")
+            self._refuse_if_queue_full(self._num_waiting() + self.reserved, len(prompt_lengths))
             self.reserved += len(prompt_lengths)
+
+    def _refuse_if_queue_full(self, waiting: int, incoming: int) -> None:
+        if waiting + incoming > self.max_waiting:
+            raise RequestRejected(429, f"too many requests waiting ({waiting}, max_waiting="
+                                  f"{self.max_waiting}); retry later")
 
     def last_core_stats(self) -> CoreStats:
         """The core's stats as its last step reported them."""
