@@ -118,10 +118,11 @@ class AdmissionGate:
         try:  # 503 stopping or dead, 400 a prompt too long for the cache, 429 a full queue
             engine.reserve_places([len(ids) for ids in prompts], params)
         except RequestRejected as e:
-            raise rejected(e) from None
+            raise rejected_to_api_error(e) from None
         return Reservation(self, len(prompts))
 
 
-def rejected(e: RequestRejected) -> APIError:
+def rejected_to_api_error(e: RequestRejected) -> APIError:
+    """AsyncEngine's refusal as the HTTP error: its status, message and field (429 with Retry-After)."""
     headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
     return APIError(e.status, e.message, e.param, headers=headers)

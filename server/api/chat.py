@@ -63,7 +63,6 @@ class ChatJob:
     prompt: list[int]
     params: SamplingParams
     reservation: Reservation | None = None  # its queue places (admit)
-    max_seqs: int | None = None  # choices in the engine at once
 
     @property
     def num_top(self) -> int:

@@ -22,9 +22,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.datastructures import Headers
 
+from server.api.admission import rejected_to_api_error
 from server.api.async_engine import RequestRejected
 from server.api.auth import bearer_token, token_matches
-from server.api.engine_stream import rejected_to_api_error
 from server.api.errors import APIError, error_body
 
 POLL_INTERVAL_S = 0.25  # the page redraws at this rate; a step of the tiny model is far shorter

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from server.api.admission import Reservation, check_limits, rejected
+from server.api.admission import Reservation, check_limits, rejected_to_api_error
 from server.api.async_engine import RequestRejected
 from server.api.errors import APIError
 from server.api.outputs import ChoiceDelta, RequestOutput, TokenLogprob
@@ -62,10 +62,6 @@ class StreamedChoice:
     def add(self, delta: ChoiceDelta) -> None:
         self.text_len += len(delta.text)
         self.num_tokens += len(delta.token_ids)
-
-
-def rejected_to_api_error(e: RequestRejected) -> APIError:
-    return rejected(e)
 
 
 def admit(request: Request, prompts: list[list[int]], params: SamplingParams,

@@ -13,9 +13,9 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from server.api.admission import Reservation
+from server.api.admission import Reservation, rejected_to_api_error
 from server.api.async_engine import RequestRejected
-from server.api.engine_stream import ClientDisconnected, rejected_to_api_error, unless_disconnected
+from server.api.engine_stream import ClientDisconnected, unless_disconnected
 from server.api.errors import APIError, error_body
 from server.api.protocol import dump
 
