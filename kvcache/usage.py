@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,3 @@ class KVCacheUsage:
     @property
     def usable_blocks(self) -> int:
         return self.num_blocks - 1
-
-    def to_dict(self) -> dict:
-        return asdict(self)

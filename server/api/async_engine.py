@@ -209,10 +209,6 @@ class AsyncEngine:
         """The core's stats as its last step reported them."""
         return self._stats
 
-    def num_waiting_here(self) -> int:
-        with self._lock:
-            return self._num_waiting()
-
     def _num_waiting(self) -> int:
         """Requests accepted here and not running in the core: queued there, or on their way to it."""
         return max(0, len(self._live) - self._running_here)

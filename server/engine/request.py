@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from server.engine.sampling_params import SamplingParams
-from server.engine.sequence import SeqStatus, Sequence
+from server.engine.sequence import Sequence
 
 
 @dataclass(eq=False)
@@ -21,10 +21,6 @@ class Request:
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
-
-    @property
-    def is_running(self) -> bool:
-        return any(s.status is SeqStatus.RUNNING for s in self.seqs)
 
     def unfinished(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]

@@ -66,10 +66,9 @@ class Scheduler:
         self.block_size = kv.usage().block_size
         self.usable_blocks = kv.usage().usable_blocks
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # admission order (admit_order increasing)
+        self.running: list[Sequence] = []  # admission order: the last one is the first preemption victim
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out row 0 first
         self.num_preemptions = 0
-        self._admit_counter = 0
 
     # ---- queue management -------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -81,9 +80,6 @@ class Scheduler:
 
     def num_running_slots(self) -> int:
         return sum(s.width for s in self.running)
-
-    def num_waiting_seqs(self) -> int:
-        return sum(s.width for s in self.waiting)
 
     def finish(self, seq: Sequence) -> None:
         """Drop a sequence (finished, aborted or failed) and release its blocks and row. A token it still
@@ -235,9 +231,7 @@ class Scheduler:
     def _mark_running(self, seq: Sequence, out: SchedulerOutput) -> None:
         seq.status = SeqStatus.RUNNING
         seq.prefix_keys = []  # held while waiting only (after a preemption the next admission hashes again)
-        seq.admit_order = self._admit_counter
         seq.row = self.free_rows.pop()
-        self._admit_counter += 1
         self.running.append(seq)
         out.new_rows.append(seq)
 

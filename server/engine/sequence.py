@@ -36,7 +36,6 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are written by the steps launched so far
     num_pending: int = 0  # sampled by a launched step, not yet on the host
     row: int = -1  # the persistent batch row it holds while RUNNING
-    admit_order: int = -1  # larger = admitted later = first preemption victim
     fork_children: list[Sequence] = field(default_factory=list)  # forked from this one after its prefill
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -67,16 +66,8 @@ class Sequence:
         return len(self.token_ids) + self.num_pending
 
     @property
-    def num_output_tokens(self) -> int:
-        return self.num_tokens - len(self.prompt_token_ids)
-
-    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.token_ids
 
     @property
     def num_uncomputed(self) -> int:

@@ -67,8 +67,6 @@ class Reply(msgspec.Struct, tag="reply"):
 ToCore = Hello | EngineRequest | Abort | Query | Shutdown
 FromCore = StepUpdate | Reply | Ready | StartupFailed
 
-QUERIES = ("stats", "kv_snapshot")
-
 
 def encoder() -> msgspec.msgpack.Encoder:
     return msgspec.msgpack.Encoder()
