@@ -202,13 +202,16 @@ async def fetch_json(client: httpx.AsyncClient, base_url: str, path: str, api_ke
         return None
 
 
-async def calibrate_chat_overhead(client: httpx.AsyncClient, cfg: ClientConfig, probe_len: int = 16) -> int:
+CHAT_PROBE_LEN = 16  # characters of the calibration prompt
+
+
+async def calibrate_chat_overhead(client: httpx.AsyncClient, cfg: ClientConfig) -> int:
     """Prompt tokens the chat template adds around a user message (byte-level: 1 char = 1 token)."""
-    probe = RequestSpec(index=-1, prompt="a" * probe_len, input_len=probe_len, output_len=1)
+    probe = RequestSpec(index=-1, prompt="a" * CHAT_PROBE_LEN, input_len=CHAT_PROBE_LEN, output_len=1)
     unary = dataclasses.replace(cfg, endpoint="chat", stream=False)
     resp = await client.post(unary.url, json=build_payload(probe, unary), headers=unary.headers())
     resp.raise_for_status()
     prompt_tokens = (resp.json().get("usage") or {}).get("prompt_tokens")
     if prompt_tokens is None:
         raise RuntimeError("chat calibration needs usage.prompt_tokens in the server's response")
-    return int(prompt_tokens) - probe_len
+    return int(prompt_tokens) - CHAT_PROBE_LEN

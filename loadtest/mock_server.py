@@ -153,9 +153,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_in_thread(app, port: int | None = None) -> Iterator[str]:
-    """Run `app` under a real uvicorn in a daemon thread; yields its base URL."""
-    port = port or free_port()
+def serve_in_thread(app) -> Iterator[str]:
+    """Run `app` under a real uvicorn in a daemon thread, on a free port; yields its base URL."""
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical",
                                            lifespan="off", access_log=False))  # fmt: skip
     thread = threading.Thread(target=server.run, daemon=True)

@@ -14,7 +14,7 @@ from loadtest.benchmark import BenchmarkRun  # noqa: E402
 from loadtest.metrics import tokens_over_time  # noqa: E402
 
 
-def plot_run(run: BenchmarkRun, path: str | Path, title: str = "") -> None:
+def plot_run(run: BenchmarkRun, path: str | Path) -> None:
     ok = [r for r in run.records if r.success]
     ttfts = [r.ttft * 1000.0 for r in ok if r.ttft is not None]
     itls = [gap * 1000.0 for r in ok for gap in r.itls]
@@ -29,7 +29,7 @@ def plot_run(run: BenchmarkRun, path: str | Path, title: str = "") -> None:
     axes[2].set_ylabel("output tokens/s")
     axes[2].set_title("output throughput over time")
     axes[2].grid(alpha=0.3)
-    fig.suptitle(title or f"{len(ok)} requests, concurrency {run.concurrency}")
+    fig.suptitle(f"{len(ok)} requests, concurrency {run.concurrency}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

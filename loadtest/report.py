@@ -85,12 +85,12 @@ def load_report(path: str | Path) -> dict:
     return json.loads(Path(path).read_text())
 
 
-def fmt(value: float | int | None, digits: int = 2) -> str:
+def fmt(value: float | int | None) -> str:
     if value is None:
         return "-"
     if isinstance(value, int) and not isinstance(value, bool):
         return str(value)
-    return f"{value:,.{digits}f}"
+    return f"{value:,.2f}"
 
 
 def print_report(report: dict, console: Console | None = None) -> None:
