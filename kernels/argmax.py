@@ -47,7 +47,7 @@ def _chunk_argmax_kernel(LOGITS, PART_KEY, PART_COL, stride_row, V, chunk, num_c
     """Program (row, c): columns [c * chunk, min((c + 1) * chunk, V)) -> PART_KEY/PART_COL[row, c].
     Each lane keeps its running max as a float and the first column holding it: a later value replaces it
     only when strictly larger, or when it is the lane's first NaN (a NaN max stays: NaN > x never holds);
-    the order keys are taken once, over the lanes, after the loop (keys inside the loop made the kernel
+    the order keys are taken once, over the lanes, after the loop (keys inside the loop would make the kernel
     bound by its integer work, not by memory: 10.5 µs at 64 rows of 128256, bf16 or fp32 alike)."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)

@@ -49,7 +49,7 @@ def fraction(value: str) -> float:
 
 def positive_int(value: str) -> int:
     """An argparse type: an integer >= 1 (a 0 or a negative count would start a server that serves
-    nothing: every request hung, refused or 429)."""
+    nothing: every request hangs, is refused or gets a 429)."""
     n = int(value)
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
@@ -57,7 +57,7 @@ def positive_int(value: str) -> int:
 
 
 def positive_seconds(value: str) -> float:
-    """An argparse type: a finite number of seconds > 0 (a deadline of 0 or less fired at once)."""
+    """An argparse type: a finite number of seconds > 0 (a deadline of 0 or less fires at once)."""
     x = float(value)
     if not (math.isfinite(x) and x > 0):
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {value}")
@@ -73,8 +73,8 @@ def nonnegative_seconds(value: str) -> float:
 
 
 def int64(value: str) -> int:
-    """An argparse type: an integer a 64-bit seed holds, as a request's seed (the core refused more with
-    a line that did not name the flag)."""
+    """An argparse type: an integer a 64-bit seed holds, as a request's seed (checked here, so that the
+    error names the flag: the core's own refusal of a larger one does not)."""
     n = int(value)
     if not -2**63 <= n < 2**63:
         raise argparse.ArgumentTypeError(f"must be in [-2**63, 2**63), got {value}")

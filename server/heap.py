@@ -20,9 +20,9 @@ def freeze_startup_heap() -> int:
     only what requests allocate. Full collections, which walk every live request's objects (~100K at 256
     streams), come 10x less often: what they free is the rare request garbage in reference cycles, which
     refcounting leaves them. -> the number of objects frozen (0: this process froze its heap before).
-    The guard is this module's own: gc's freeze count can be nonzero before the first call (it was in the
-    bench core on the H200 host, torch 2.11+cu130, where a full collection of the heap left unfrozen still
-    took 162-189 ms)."""
+    The guard is this module's own: gc's freeze count can be nonzero before the first call (it is in the
+    bench core on the H200 host, torch 2.11+cu130, where a full collection of the heap left unfrozen takes
+    162-189 ms)."""
     global _frozen
     if _frozen:
         return 0

@@ -147,7 +147,7 @@ class _SamplingRequest(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-# A completion prompt. Pydantic's smart union spent ~60 us on a 512-id prompt (it weighs every member); left
+# A completion prompt. Pydantic's smart union spends ~60 us on a 512-id prompt (it weighs every member); left
 # to right it takes ~6 us. The request models are strict, so the order decides nothing a smart union would
 # decide otherwise (["1", "2"] is no list[int]); str goes first so that a prompt no member takes is reported
 # as 'prompt', not as one of its items.

@@ -27,7 +27,7 @@ class EngineRequest(msgspec.Struct, tag="add"):
 class SeqUpdate(msgspec.Struct, array_like=True, gc=False):
     """What one choice did in one step: its new token ids, and how it ended if it did. Untracked by the
     garbage collector (it holds no reference back to itself): the API process decodes one per stream per
-    step, and tracked ones made every collection longer (10-15% of its CPU at 256 streams, py-spy)."""
+    step, and tracked ones would make every collection longer (10-15% of its CPU at 256 streams, py-spy)."""
 
     request_id: str
     index: int  # choice index in [0, n)

@@ -69,8 +69,8 @@ MASK64 = (1 << 64) - 1
 
 def seed_key(seed: int, index: int) -> int:
     """31-bit key of choice `index` of a request seeded with `seed` (choices get distinct streams): the
-    splitmix64 finalizer over all 64 bits of the seed, so seeds that differ only in their high bits get
-    different streams (the key took the low 31 bits only: 5 and 5 + 2**62 drew the same tokens)."""
+    splitmix64 finalizer over all 64 bits of the seed, so seeds that differ only in their high bits (5 and
+    5 + 2**62) get different streams, which a key of the seed's low 31 bits would not give them."""
     x = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xD1B54A32D192ED03) & MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
