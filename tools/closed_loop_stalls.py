@@ -5,15 +5,22 @@ EngineCore built as `pagewalk serve` builds it, its start-up heap frozen as the 
 to warm up, then again under torch.profiler (CPU and CUDA runtime activity). Printed last: the loop's slow
 calls (wall > --slow-ms) with their schedule / execute / wait split, and the CUDA runtime calls and CPU ops
 that took longer than --slow-ms inside the profiled run (a synchronising call, a pinned allocation, a
-JIT compile show there). Details as JSON under --out.
+JIT compile show there), and the Python stacks of the runner's launches (`execute`) that ran past
+--stall-ms: faulthandler's watchdog thread dumps them every --stall-ms while a launch lasts, without the GIL,
+so a C call that holds it (a cuBLAS or CUDA driver call inside a torch op) shows as the frame that made it.
+Details as JSON under --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import faulthandler
 import gc
 import json
+import os
+import re
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,10 +47,12 @@ class CallWatch:
     (jit cache misses), the collector's runs (gc
     callbacks, with their generation and duration). events: (call, kind, detail, ms)."""
 
-    def __init__(self, core) -> None:
+    def __init__(self, core, stall_ms: float) -> None:
         self.events: list[tuple[int, str, str, float]] = []
         self.call = 0
         self._gc_start = 0.0
+        self._dumps = tempfile.TemporaryFile("w+")  # faulthandler writes to its descriptor
+        self._watch_launches(core.runner, stall_ms / 1e3)
         step = core.step
 
         def watched():
@@ -64,6 +73,29 @@ class CallWatch:
         triton.knobs.runtime.jit_cache_hook = self._on_compile
         gc.callbacks.append(self._on_gc)
 
+    def _watch_launches(self, runner, stall_s: float) -> None:
+        """Wraps runner.execute: a launch that lasts past stall_s has its stacks dumped every stall_s by
+        faulthandler's watchdog (a C thread, so a call holding the GIL does not hide it); the main thread's
+        innermost frames become a 'stalled_launch' event."""
+        execute, dumps = runner.execute, self._dumps
+
+        def watched_execute(*args, **kwargs):
+            start = os.fstat(dumps.fileno()).st_size
+            t0 = time.perf_counter()
+            faulthandler.dump_traceback_later(stall_s, repeat=True, file=dumps)
+            try:
+                return execute(*args, **kwargs)
+            finally:
+                faulthandler.cancel_dump_traceback_later()
+                if os.fstat(dumps.fileno()).st_size > start:
+                    dumps.seek(start)
+                    ms = round((time.perf_counter() - t0) * 1e3, 3)
+                    for stack in _launch_stacks(dumps.read()):
+                        self.events.append((self.call, "stalled_launch", stack, ms))
+                    dumps.seek(0, os.SEEK_END)
+
+        runner.execute = watched_execute
+
     def _on_compile(self, *, repr: str, **_) -> None:  # noqa: A002 (Triton's keyword)
         self.events.append((self.call, "triton_compile", repr[:160], 0.0))
 
@@ -79,6 +111,28 @@ class CallWatch:
         """The events so far (the list is emptied and the call count restarts)."""
         events, self.events, self.call = self.events, [], 0
         return events
+
+
+def _launch_stacks(dump: str, frames: int = 6) -> list[str]:
+    """The main thread's innermost frames (most recent first) in each of faulthandler's dumps: the thread
+    block whose frames pass through watched_execute."""
+    stacks = []
+    for block in re.split(r"^(?:Timeout \(.*\)!|Thread 0x\w+ .*|Current thread 0x\w+ .*)$", dump,
+                          flags=re.MULTILINE):
+        lines = [ln.strip() for ln in block.splitlines() if ln.strip().startswith("File ")]
+        if any("watched_execute" in ln for ln in lines):
+            stacks.append(" <- ".join(ln.replace("File ", "").replace('"', "") for ln in lines[:frames]))
+    return stacks
+
+
+def _distinct_stacks(events: list[tuple]) -> list[tuple]:
+    """The stalled_launch events, one per (call, stack): a stall repeats its stack every dump."""
+    seen, out = set(), []
+    for e in events:
+        if e[1] == "stalled_launch" and (e[0], e[2]) not in seen:
+            seen.add((e[0], e[2]))
+            out.append(e)
+    return out
 
 
 def slow_calls(loop: dict, slow_ms: float) -> list[dict]:
@@ -107,6 +161,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--slow-ms", type=float, default=2.5)
+    ap.add_argument("--stall-ms", type=float, default=12.0,
+                    help="dump the stacks of a launch (runner.execute) lasting longer, every this many ms")
     ap.add_argument("--out", type=Path, default=Path("closed_loop_stalls.json"))
     args = ap.parse_args()
     core, info = build_core(EngineConfig(model=args.model, device="cuda", dtype="bfloat16",
@@ -117,7 +173,7 @@ def main() -> None:
     full_collection_ms = (time.perf_counter() - t0) * 1e3
     heap_objects = freeze_startup_heap()
     probe = Probe(core)
-    watch = CallWatch(core)
+    watch = CallWatch(core, args.stall_ms)
     core.async_scheduling = True
     loop = dict(concurrency=args.concurrency, num_requests=args.num_requests, prompt_len=args.prompt_len,
                 output_len=args.output_len, probe=probe)
@@ -146,8 +202,11 @@ def main() -> None:
     print(f"warm-up loop {warm['tok_s']:.0f} tok/s, profiled loop {r['tok_s']:.0f} tok/s")
     print(f"a full collection over the start-up heap ({heap_objects} objects): {full_collection_ms:.1f} ms")
     print(f"caching allocator counts in the warm-up / profiled loop: {allocator}")
-    print(f"events inside calls (call, kind, detail, ms), warm-up loop: {warm_events[:30]}")
-    print(f"profiled loop: {events_profiled[:30]}")
+    for name, evs in (("warm-up loop", warm_events), ("profiled loop", events_profiled)):
+        print(f"events inside calls (call, kind, detail, ms), {name}: "
+              f"{[e for e in evs if e[1] != 'stalled_launch'][:30]}")
+        for call, _, stack, ms in _distinct_stacks(evs):
+            print(f"  stalled launch, call {call} ({ms} ms): {stack}")
     print("slow decode-only calls (wall ms, prompt, decodes, schedule, execute, wait), warm-up loop:")
     for s in warm_slow:
         print(f"  call {s['call']}: {s['row']}")

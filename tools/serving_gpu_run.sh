@@ -12,6 +12,9 @@
 #            SDPA flash / cuDNN on contiguous K/V), writing prefill_<gpu>.json under OUT
 #   skinny   tools/skinny_gemm_probe (the 64 projections of a step chained at 16/64/256 rows: cuBLAS vs a
 #            Triton tensor-core GEMM with and without PDL)
+#   stalls   tools/closed_loop_stalls at 256 in flight (a fresh process's first burst: slow calls, compiles,
+#            allocations, stacks of stalled launches), then again with CUDA_MODULE_LOADING=EAGER (every CUDA
+#            module loaded at start-up, none on first use); STALLS_ARGS are passed to it
 #   sampler  tools/sampler_bench (the sort-free sampling kernel against the sorted torch path and greedy)
 #   serving  tools/serving_bench (server under loadtest at concurrency 1/16/64/256, the engine offline,
 #            HF generate); SERVING_ARGS are passed to it
@@ -53,6 +56,14 @@ fi
 if has skinny; then
   OUT=$OUT timeout 400 python3 -m tools.skinny_gemm_probe > "$OUT/skinny_gemm_probe.log" 2>&1
   tail -n 34 "$OUT/skinny_gemm_probe.log"
+fi
+if has stalls; then
+  for loading in LAZY EAGER; do
+    # shellcheck disable=SC2086
+    CUDA_MODULE_LOADING=$loading timeout 240 python3 -m tools.closed_loop_stalls --concurrency 256 \
+      --out "$OUT/closed_loop_stalls_$loading.json" ${STALLS_ARGS:-} > "$OUT/closed_loop_stalls_$loading.log" 2>&1
+    echo "== CUDA_MODULE_LOADING=$loading"; grep -v '^\[' "$OUT/closed_loop_stalls_$loading.log" | tail -n 40 | cut -c1-700
+  done
 fi
 if has sampler; then
   timeout 120 python3 -m tools.sampler_bench --out "$OUT" > "$OUT/sampler_bench.log" 2>&1
