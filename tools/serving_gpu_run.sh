@@ -14,7 +14,8 @@
 #            Triton tensor-core GEMM with and without PDL)
 #   stalls   tools/closed_loop_stalls at 256 in flight (a fresh process's first burst: slow calls, compiles,
 #            allocations, stacks of stalled launches), then again with CUDA_MODULE_LOADING=EAGER (every CUDA
-#            module loaded at start-up, none on first use); STALLS_ARGS are passed to it
+#            module loaded at start-up, none on first use; STALLS_LOADING="LAZY" runs the first only), and
+#            tools/lm_head_first_call_probe; STALLS_ARGS are passed to closed_loop_stalls
 #   sampler  tools/sampler_bench (the sort-free sampling kernel against the sorted torch path and greedy)
 #   serving  tools/serving_bench (server under loadtest at concurrency 1/16/64/256, the engine offline,
 #            HF generate); SERVING_ARGS are passed to it
@@ -58,7 +59,9 @@ if has skinny; then
   tail -n 34 "$OUT/skinny_gemm_probe.log"
 fi
 if has stalls; then
-  for loading in LAZY EAGER; do
+  timeout 120 python3 -m tools.lm_head_first_call_probe --out "$OUT/lm_head_first_call.json" 2>&1 | tail -n 3 \
+    | cut -c1-1500
+  for loading in ${STALLS_LOADING:-LAZY EAGER}; do
     # shellcheck disable=SC2086
     CUDA_MODULE_LOADING=$loading timeout 240 python3 -m tools.closed_loop_stalls --concurrency 256 \
       --out "$OUT/closed_loop_stalls_$loading.json" ${STALLS_ARGS:-} > "$OUT/closed_loop_stalls_$loading.log" 2>&1
