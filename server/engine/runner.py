@@ -38,6 +38,7 @@ from server.engine.cuda_graphs import (
     StepGraphs,
     capture_sizes,
     mixed_sizes,
+    padded_size,
 )
 from server.engine.kv_cache_tensors import KVCacheTensors
 from server.engine.sampler import (
@@ -60,12 +61,14 @@ log = logging.getLogger(__name__)
 CPU_CACHE_TOKENS = 8192  # default KV capacity on CPU (block 0 included)
 CPU_CACHE_MAX_BYTES = 1 << 30
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
-# An eager step's logits product (mixed and prefill steps) runs over its logit rows rounded up to a multiple of
-# this (the padding rows repeat hidden row 0 and are dropped), and start-up runs it once at each multiple up to
-# max_num_seqs: cuBLAS's first call at a new row count of the (rows, 2048) x (2048, 128256) head can spend
-# 30-56 ms of host time with the device idle (H200, torch 2.11: tools/lm_head_first_call_probe,
-# tools/closed_loop_stalls). The head is memory-bound at these rows, so the padding costs ~nothing.
-LOGIT_ROW_MULTIPLE = 16
+# ModelRunner.logit_counts: an eager step's logits product (mixed, prefill steps) runs over its logit rows
+# rounded up to the next
+# decode-graph batch size (capture_sizes: 1, 2, 4, 8, then every 16; the padding rows repeat hidden row 0
+# and are dropped), and start-up runs it once at each of those counts: cuBLAS's first call at a new row count
+# of the bench preset's (rows, 2048) x (2048, 128256) head takes ~4-5 ms of host time at every eighth count
+# (H200, torch 2.11: tools/lm_head_first_call_probe), and three prompt steps of a 256-wide first burst
+# stalled for 30-56 ms in it with the device idle (tools/closed_loop_stalls). The head is memory-bound at
+# these counts, so the padding costs ~nothing; at a graph's own batch size the eager product is the graph's.
 
 TableOf = Callable[[int], Sequence[int]]  # seq_id -> its live block table (KVCacheManager.table_view)
 
@@ -141,6 +144,7 @@ class ModelRunner:
         model.prepare_decoder_ops(model.decoder_ops_for(self.attention_backend))  # before the profiling step
         self.sliding_window = self.config.sliding_window
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.logit_counts = capture_sizes(max_num_seqs)  # an eager logits product's row counts, ascending
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         self.decode_num_splits = decode_num_splits  # None: the kernel's heuristic; int: batch-invariant
         # graphs need CUDA and the Triton kernels (the torch reference syncs on seq_lens.max())
@@ -247,7 +251,7 @@ class ModelRunner:
                 out.logits = hidden[:0]
                 return out
             num_logits = len(step.decodes) + sum(1 for c in step.prefills if c.samples)
-            # (L, V) fp32, through a product over logit_rows' padded count (LOGIT_ROW_MULTIPLE)
+            # (L, V) fp32, through a product over logit_rows' padded count (logit_counts)
             logits = self.model.compute_logits(hidden.index_select(0, logit_rows.long()))[:num_logits]
         if copies is not None and copies.numel():
             self.kv.copy_blocks(copies.view(-1, 2))
@@ -393,7 +397,8 @@ class ModelRunner:
             state.table_writes(seq.row, table_of(seq.seq_id), writes)
             if c.samples:
                 logit_rows.append(qsl[-1] - 1)
-        logit_rows += [0] * (-len(logit_rows) % LOGIT_ROW_MULTIPLE)  # padding: hidden row 0, dropped
+        # padding rows (hidden row 0, dropped after the product): see logit_counts
+        logit_rows += [0] * (self._padded_logit_count(len(logit_rows)) - len(logit_rows))
         pad = layout.num_tokens - len(rows)
         rows += [state.pad_row] * pad
         positions += [-1] * pad
@@ -454,22 +459,26 @@ class ModelRunner:
                            self.max_num_seqs, self.config.hidden_size, self.dtype, self.device,
                            use_cuda_graphs)
 
+    def _padded_logit_count(self, n: int) -> int:
+        """The row count an eager logits product over n rows runs at: the next of logit_counts."""
+        return padded_size(n, self.logit_counts) or n if n else 0
+
     @torch.inference_mode()
     def _warm_up_step_tail(self) -> None:
-        """Runs the eager logits product once at each row count it takes (multiples of LOGIT_ROW_MULTIPLE up
-        to max_num_seqs, largest first), so no first call at a new count stalls a served step; leaves the
-        caching allocator holding blocks for the eager tail of a step at its largest: logits of max_num_seqs
-        rows (the lm_head's model-dtype product, its fp32 copy) and the forks' gathered copy.
+        """Runs the eager logits product once at each row count it takes (logit_counts, largest first), so no
+        first call at a new count stalls a served step; leaves the caching allocator holding blocks for the
+        eager tail of a step at its largest: logits of max_num_seqs rows (the lm_head's model-dtype product,
+        its fp32 copy) and the forks' gathered copy.
         The profiling step's blocks went back to the device (empty_cache, to size the KV cache; each graph
         capture empties the cache too), so without this the first burst of requests grows its logit rows
         step by step and takes a new, larger block from cudaMalloc at each one: a 256-wide burst of
         512-token prompts on an H200 took 14 segments (32-126 MiB) in its first 16 steps, 30-57 ms each
         step that did (tools/alloc_trace, tools/closed_loop_stalls). Later steps split these blocks (best
         fit): none of them calls cudaMalloc."""
-        rows = -(-self.max_num_seqs // LOGIT_ROW_MULTIPLE) * LOGIT_ROW_MULTIPLE
+        rows = self.max_num_seqs
         hidden = torch.zeros(rows, self.config.hidden_size, dtype=self.dtype, device=self.device)
         logits = self.model.compute_logits(hidden)  # (rows, V) fp32, through a (rows, V) model-dtype product
-        for count in range(rows - LOGIT_ROW_MULTIPLE, 0, -LOGIT_ROW_MULTIPLE):
+        for count in reversed(self.logit_counts[:-1]):
             self.model.compute_logits(hidden[:count])
         gathered = logits.index_select(0, torch.zeros(rows, dtype=torch.long, device=self.device))
         del hidden, logits, gathered  # back to the allocator's cache, not to the device
