@@ -62,13 +62,13 @@ CPU_CACHE_TOKENS = 8192  # default KV capacity on CPU (block 0 included)
 CPU_CACHE_MAX_BYTES = 1 << 30
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 # ModelRunner.logit_counts: an eager step's logits product (mixed, prefill steps) runs over its logit rows
-# rounded up to the next
-# decode-graph batch size (capture_sizes: 1, 2, 4, 8, then every 16; the padding rows repeat hidden row 0
-# and are dropped), and start-up runs it once at each of those counts: cuBLAS's first call at a new row count
-# of the bench preset's (rows, 2048) x (2048, 128256) head takes ~4-5 ms of host time at every eighth count
-# (H200, torch 2.11: tools/lm_head_first_call_probe), and three prompt steps of a 256-wide first burst
-# stalled for 30-56 ms in it with the device idle (tools/closed_loop_stalls). The head is memory-bound at
-# these counts, so the padding costs ~nothing; at a graph's own batch size the eager product is the graph's.
+# rounded up to the next decode-graph batch size (capture_sizes: 1, 2, 4, 8, then every 16; the padding rows
+# repeat hidden row 0 and are dropped), and start-up runs it once at each of those counts: cuBLAS's first call
+# at a new row count of the bench preset's (rows, 2048) x (2048, 128256) head takes ~4-5 ms of host time at
+# every eighth count (H200, torch 2.11: tools/lm_head_first_call_probe), and three prompt steps of a 256-wide
+# first burst stalled for 30-56 ms in it with the device idle (tools/closed_loop_stalls). The head is memory-
+# bound at these counts, so the padding costs ~nothing; at a graph's own batch size the eager product is the
+# graph's.
 
 TableOf = Callable[[int], Sequence[int]]  # seq_id -> its live block table (KVCacheManager.table_view)
 
