@@ -135,18 +135,19 @@ def _attend_cached(q, m_i, l_i, acc, qk_scale, key_lim, key_lo, lo, end, hi, tab
 
 @triton.jit
 def _attend_new(q, m_i, l_i, acc, qk_scale, key_lim, key_lo, lo, end, ctx, row0, col, k_desc, v_desc, offs_n,
-                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr,
+                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, GUARD: tl.constexpr, WINDOW: tl.constexpr,
                 DOT_PRECISION: tl.constexpr):
     """Online softmax over the chunk's own key tiles at positions lo, lo + BN, ... below end (>= ctx), read
     from the new tokens' K/V rows: position p is row row0 + p - ctx of k_desc / v_desc, (BN, D) tiles at
     column col. The tensor-memory copies need no addresses in registers (H200, 8 x 1024 new tokens: 273 ->
-    193 us at D 128 against the block-table loads; docs/kernel.md)."""
+    193 us at D 128 against the block-table loads; docs/kernel.md). GUARD: the tiles reach past the chunk's
+    last row into the next chunk's or padding rows, of any value: their weight is 0, which must not meet a
+    NaN / inf there (0 x NaN = NaN in p @ v), so V's rows from `end` on are zeroed."""
     for start in range(lo, end, BLOCK_N):
         row = row0 + start - ctx
         k = k_desc.load([row, col])
         v = v_desc.load([row, col])
-        if MASKED:  # the last tile's rows past `end` are the next chunk's or padding, of any value: their
-            #         weight is 0, which must not meet a NaN / inf there (0 x NaN = NaN in p @ v)
+        if GUARD:
             v = tl.where((start + offs_n < end)[:, None], v, tl.zeros_like(v))  # (v's dtype kept)
         m_i, l_i, acc = _attend(q, k, v, m_i, l_i, acc, qk_scale, start + offs_n, key_lim, key_lo, MASKED,
                                 WINDOW, DOT_PRECISION)
@@ -251,13 +252,21 @@ def _paged_prefill_kernel(
         # the chunk's own keys [ctx, hi) from its new K/V rows, causal
         lo, mid, diag = _phases(ctx, hi, first_vis, all_vis, first_pos, BLOCK_N)
         col = kvh * HEAD_DIM
+        # the masked tiles from `cut` on reach past the chunk's last row (seq_len) and are guarded; the
+        # others skip the guard, which costs where it runs (H200, D 64, tools/prefill_bench: guarding every
+        # masked tile took 8 x 1024 new tokens 128 -> 186 us and 64 x 128 over 512 cached 171 -> 293 us;
+        # guarding these only, 132 and 174 us)
+        cut = diag + tl.cdiv(tl.maximum(seq_len - BLOCK_N + 1 - diag, 0), BLOCK_N) * BLOCK_N
         if WINDOW:
             m_i, l_i, acc = _attend_new(q, m_i, l_i, acc, qk_scale, q_pos, key_lo, lo, mid, ctx, q_lo, col,
-                                        K_NEW, V_NEW, offs_n, BLOCK_N, True, WINDOW, DOT_PRECISION)
+                                        K_NEW, V_NEW, offs_n, BLOCK_N, True, False, WINDOW, DOT_PRECISION)
         m_i, l_i, acc = _attend_new(q, m_i, l_i, acc, qk_scale, q_pos, key_lo, mid, diag, ctx, q_lo, col,
-                                    K_NEW, V_NEW, offs_n, BLOCK_N, False, WINDOW, DOT_PRECISION)
-        m_i, l_i, acc = _attend_new(q, m_i, l_i, acc, qk_scale, q_pos, key_lo, diag, hi, ctx, q_lo, col,
-                                    K_NEW, V_NEW, offs_n, BLOCK_N, True, WINDOW, DOT_PRECISION)
+                                    K_NEW, V_NEW, offs_n, BLOCK_N, False, False, WINDOW, DOT_PRECISION)
+        m_i, l_i, acc = _attend_new(q, m_i, l_i, acc, qk_scale, q_pos, key_lo, diag, tl.minimum(cut, hi), ctx,
+                                    q_lo, col, K_NEW, V_NEW, offs_n, BLOCK_N, True, False, WINDOW,
+                                    DOT_PRECISION)
+        m_i, l_i, acc = _attend_new(q, m_i, l_i, acc, qk_scale, q_pos, key_lo, cut, hi, ctx, q_lo, col,
+                                    K_NEW, V_NEW, offs_n, BLOCK_N, True, True, WINDOW, DOT_PRECISION)
     else:
         # every key [0, hi) through the block table, causal
         lo, mid, diag = _phases(0, hi, first_vis, all_vis, first_pos, BLOCK_N)

@@ -121,6 +121,20 @@ def test_new_kv_rows_past_the_chunks_do_not_reach_the_output(poison):
     assert rel_error(out[:hi], ref) <= 1e-5
 
 
+@interpreter_only
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_a_chunks_new_kv_rows_do_not_reach_the_chunk_before(poison):
+    """Chunk 0's last tiles read BLOCK_N new-K/V rows, past its last token into chunk 1's rows: a NaN / inf
+    there (chunk 1's own trouble) leaves chunk 0's output exact."""
+    case, q, qsl = make_prefill_case([45, 30], [45, 30], 8, 2, 64, 16, seed=13)
+    ref = reference_fp64(case, q, qsl)
+    k, v = new_kv_rows(case, q, qsl, 8)
+    first_end = int(qsl[1])
+    k[first_end:], v[first_end:] = poison, poison
+    out = run_triton(case, q, qsl, k=k, v=v)
+    assert rel_error(out[:first_end], ref[:first_end]) <= 1e-5
+
+
 def test_a_scale_that_is_not_positive_is_refused():
     case, q, qsl = make_prefill_case([30], [10], 8, 2, 32, 16, seed=5)
     with pytest.raises(ValueError, match="scale"):
