@@ -159,6 +159,19 @@ def test_shape_mismatch_names_the_tensor(tmp_path, llama_dir):
         load_model(str(path), "cpu")
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn, torch.uint8])
+def test_a_quantized_tensor_under_a_plain_name_is_refused(tmp_path, llama_dir, dtype):
+    """No quantization_config in config.json, but int8 / fp8 tensors: a cast would serve garbage."""
+    path = copy_checkpoint(llama_dir, tmp_path / "quantized")
+    tensors = load_file(str(path / "model.safetensors"))
+    key = "model.layers.0.mlp.down_proj.weight"
+    tensors[key] = torch.randn(tensors[key].shape).clamp(-1, 1).mul(100).to(dtype)
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.down_proj\.weight' in model\.safetensors is "
+                                         r"torch\.(int8|float8_e4m3fn|uint8).*quantized"):
+        load_model(str(path), "cpu")
+
+
 def test_missing_tensor_is_named(tmp_path, llama_dir):
     path = copy_checkpoint(llama_dir, tmp_path / "missing")
     tensors = load_file(str(path / "model.safetensors"))
