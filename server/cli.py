@@ -368,7 +368,8 @@ def serve_api(args: argparse.Namespace, api_server=None, sock=None) -> int:
 
     engine.on_core_death = core_died
     server.run(sockets=[sock] if sock is not None else None)
-    exit_now(1 if engine.dead is not None else 0)
+    # a core that died, hung or had to be killed at shutdown: non-zero, so a supervisor sees the failure
+    exit_now(1 if engine.dead is not None or engine.client.stopped_by_force else 0)
 
 
 def exit_now(code: int) -> NoReturn:

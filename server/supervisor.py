@@ -72,7 +72,7 @@ def supervise(args: argparse.Namespace) -> int:
                     ", ".join(str(p.pid) for p in servers), args.host, args.port, core.process.pid)
         failed = _wait(servers, core_died)
         core.close(timeout=10)
-        return 1 if failed or core_died.is_set() else 0
+        return 1 if failed or core_died.is_set() or core.stopped_by_force else 0
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)
         if previous is None:  # main() may run inside another program (the tests): leave its environment

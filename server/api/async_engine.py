@@ -132,6 +132,7 @@ class AsyncEngine:
             if self._closed:
                 return
             self._closed = True
+        hung = False
         if self._started:
             self._wait_idle(timeout)
             with self._lock:
@@ -140,7 +141,16 @@ class AsyncEngine:
             for rid in left:
                 self.client.send(Abort(rid))
             self._wait_idle(ABORT_WAIT_S)
-        self.client.close(timeout=10.0)
+            with self._lock:
+                unanswered = len(self._live) if self.dead is None else 0
+            hung = unanswered > 0  # a working core answers an abort within a step
+            if hung:
+                self.dead = (f"the engine core is hung: {unanswered} aborts unanswered in {ABORT_WAIT_S:.0f} s; "
+                             "it was killed")
+                logger.error("%s", self.dead)
+        self.client.close(timeout=10.0, hung=hung)
+        if hung:
+            self._fail_everything(self.dead)
         with self._lock:  # a query sent behind the Shutdown gets no reply: it is answered here
             calls, self._calls = self._calls, {}
         for loop, future in calls.values():
@@ -356,6 +366,12 @@ class AsyncEngine:
     def _on_death(self, reason: str) -> None:
         error = f"the engine core died ({reason})"
         self.dead = error
+        self._fail_everything(error)
+        if self.on_core_death is not None:
+            self.on_core_death(error)
+
+    def _fail_everything(self, error: str) -> None:
+        """The core is gone: every live request and every pending query fails with `error`."""
         with self._lock:
             lives = list(self._live.values())
             self._live.clear()
@@ -365,8 +381,6 @@ class AsyncEngine:
             call_soon(live.loop, self._fail, live, error)
         for loop, future in calls.values():
             call_soon(loop, _resolve, future, None, RequestRejected(503, error))
-        if self.on_core_death is not None:
-            self.on_core_death(error)
 
     # ---- each request's event loop ----------------------------------------------------------------
     def _apply(self, items: list[tuple[LiveRequest, SeqUpdate]]) -> None:

@@ -57,12 +57,15 @@ IN_PROCESS = b"in-process"  # the thread client's id in its CoreLoop
 class CoreClient(Protocol):
     mode: str  # "process" | "thread"
     info: CoreInfo
+    stopped_by_force: bool  # close() had to terminate or kill the core: it did not stop when asked
 
     def start(self, on_message: OnMessage, on_death: OnDeath) -> None: ...
 
     def send(self, msg: ToCore) -> None: ...  # any thread
 
-    def close(self, timeout: float) -> None: ...  # Shutdown (if it started the core), then wait for its end
+    # Shutdown (if it started the core), then wait for its end; hung: the core answers nothing (a stopped
+    # process): a core process of its own is killed at once, not asked and waited for
+    def close(self, timeout: float, hung: bool = False) -> None: ...
 
 
 class CoreStartupError(RuntimeError):
@@ -71,6 +74,7 @@ class CoreStartupError(RuntimeError):
 
 class ThreadCoreClient:
     mode = "thread"
+    stopped_by_force = False  # a thread cannot be killed: close() waits up to its timeout
 
     def __init__(self, config: EngineConfig):
         self.core, self.info = build_core(config)
@@ -98,7 +102,7 @@ class ThreadCoreClient:
     def send(self, msg: ToCore) -> None:
         self._inbox.put(msg)
 
-    def close(self, timeout: float) -> None:
+    def close(self, timeout: float, hung: bool = False) -> None:
         if self._thread is not None:
             self.send(Shutdown())
             self._thread.join(timeout)
@@ -131,6 +135,7 @@ class _SocketCoreClient:
 
     def __init__(self, address: str):
         self.address = address
+        self.stopped_by_force = False
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # never block or drop: admission bounds what is queued
@@ -274,23 +279,32 @@ class ProcessCoreClient(_SocketCoreClient):
         self.process.join()
         return f"exit code {self.process.exitcode}"
 
-    def close(self, timeout: float) -> None:
+    def close(self, timeout: float, hung: bool = False) -> None:
         self._closing = True  # first: the receiver must not take the exit that follows for a death
         self._stop_receiving(timeout)  # then the socket is this thread's: the queued frames, Shutdown
-        if self.process.is_alive():
-            self.send(Shutdown())
-        self._stop_process(timeout)
+        if hung:
+            self._kill()
+        else:
+            if self.process.is_alive():
+                self.send(Shutdown())
+            self._stop_process(timeout)
         self._release()
 
     def _stop_process(self, timeout: float) -> None:
         self.process.join(timeout)
         if self.process.is_alive():
             logger.warning("engine core did not stop in %.0f s; terminating it", timeout)
+            self.stopped_by_force = True
             self.process.terminate()
             self.process.join(5)
+        self._kill()
+
+    def _kill(self) -> None:
+        """SIGKILL, which a stopped process does not hold pending as it holds SIGTERM."""
         if self.process.is_alive():
+            self.stopped_by_force = True
             self.process.kill()
-            self.process.join()
+        self.process.join()
 
     def _release(self) -> None:
         super()._release()
@@ -317,8 +331,9 @@ class AttachedCoreClient(_SocketCoreClient):
     def _death_reason(self) -> str:
         return f"pid {self.pid} exited"
 
-    def close(self, timeout: float) -> None:
-        """Stop reading; the core goes on (the supervisor shuts it down once every API server is done)."""
+    def close(self, timeout: float, hung: bool = False) -> None:
+        """Stop reading; the core goes on (the supervisor shuts it down once every API server is done, and
+        kills it if it is hung)."""
         self._closing = True
         self._stop_receiving(timeout)
         self._release()
