@@ -340,6 +340,15 @@ def test_a_tied_checkpoint_serves_its_stored_head_or_refuses_a_different_one(tmp
         load_model(str(tmp_path / "other"))
 
 
+def test_a_tied_checkpoints_quantized_head_is_refused(tmp_path, llama_dir):
+    """The head that stands in for a missing embedding is read through the same check."""
+    tensors = tied_checkpoint(llama_dir, tmp_path / "only", "only")
+    tensors["lm_head.weight"] = tensors["lm_head.weight"].clamp(-1, 1).mul(100).to(torch.int8)
+    save_file(tensors, tmp_path / "only" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"'lm_head\.weight' in model\.safetensors is torch\.int8.*quantized"):
+        load_model(str(tmp_path / "only"))
+
+
 @pytest.mark.parametrize("write,message", [
     (lambda p: (p / "generation_config.json").write_text("[2]"), "must hold a JSON object"),
     (lambda p: (p / "generation_config.json").write_text('{"eos_token_id": "2"}'), "eos_token_id must be"),

@@ -143,7 +143,7 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
         with _open_weights(file) as f:
             for key in f.keys():
                 if key == TIED_HEAD and model.config.tie_word_embeddings:
-                    tied_head = f.get_tensor(key)
+                    tied_head = _weight(f, key, file)
                     continue
                 target = _target(key, model.config)
                 if target is None:
@@ -152,11 +152,7 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
                 if name not in params:
                     raise ValueError(f"unexpected tensor {key!r} in {file.name}: no such parameter")
                 dest = _destination(params[name], name, shard, model.config)
-                tensor = f.get_tensor(key)
-                if tensor.dtype not in WEIGHT_DTYPES:
-                    raise ValueError(f"tensor {key!r} in {file.name} is {tensor.dtype}: pagewalk loads fp16, "
-                                     "bf16 or fp32 weights, and a quantized tensor cast to them is not the "
-                                     "model (quantized checkpoints are not supported)")
+                tensor = _weight(f, key, file)
                 if tuple(tensor.shape) != tuple(dest.shape):
                     raise ValueError(f"tensor {key!r} in {file.name} has shape {tuple(tensor.shape)}, "
                                      f"expected {tuple(dest.shape)} from config.json")
@@ -174,6 +170,16 @@ TIED_HEAD, TIED_EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 # the checkpoint dtypes a parameter takes by a cast (int8 / fp8 / packed tensors under the plain names of a
 # checkpoint whose config.json names no quantization would load as garbage)
 WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _weight(f, key: str, file: Path) -> torch.Tensor:
+    """Tensor `key` of the open checkpoint file `f`, refused unless a cast to the serving dtype keeps it."""
+    tensor = f.get_tensor(key)
+    if tensor.dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"tensor {key!r} in {file.name} is {tensor.dtype}: pagewalk loads fp16, bf16 or fp32 "
+                         "weights, and a quantized tensor cast to them is not the model (quantized checkpoints "
+                         "are not supported)")
+    return tensor
 
 
 def _check_tied_head(embedding: torch.Tensor, head: torch.Tensor, embedding_missing: bool) -> None:
