@@ -113,6 +113,63 @@ def test_fused_forward_equals_torch_on_checkpoints(tmp_path, arch, overrides, le
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+def every_row_through_the_last_layer(runner: ModelRunner) -> ModelRunner:
+    """The runner with out_rows applied after the forward instead of inside it: every row runs the whole
+    last layer, then the out rows are gathered (what the forward computed before it took out_rows)."""
+    inner = runner._forward
+
+    def forward(input_ids, positions, meta, out_rows=None):
+        hidden = inner(input_ids, positions, meta)  # (T, H)
+        return hidden if out_rows is None else hidden.index_select(0, out_rows)
+
+    runner._forward = forward
+    return runner
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
+@pytest.mark.parametrize("ops", ["torch", "fused"])
+def test_last_layer_over_the_out_rows_equals_every_row(tiny, ops):
+    """A step's last layer past its attention runs on the rows whose logits are read (out_rows): the logits
+    and the K/V it stores equal those of the whole last layer run on every row, in both decoder ops; prompts
+    of 2-9 tokens and decodes mixed in one eager step, so the out rows are scattered over the flat batch."""
+    batches = teacher_forced_batches([9, 1, 6, 2], 4, 48, steps=1, seed=5)
+    out, caches = {}, {}
+    for name in ("out rows", "every row"):
+        runner = ModelRunner(tiny, block_size=4, num_blocks=48, attention_backend="triton", max_num_seqs=4,
+                             max_model_len=32)
+        if name == "every row":
+            every_row_through_the_last_layer(runner)
+        runner.kv.data.fill_(-3.0)
+        out[name], caches[name] = run_steps(tiny, runner, ops, batches), runner.kv.data
+    for a, b in zip(out["out rows"], out["every row"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert torch.equal(caches["out rows"], caches["every row"])
+
+
+def test_model_forward_out_rows_gathers_in_their_order(tiny):
+    """LlamaForCausalLM.forward's out_rows (torch ops over the runner's paged attention): any order, repeats
+    allowed, each row's hidden state as the full forward gives it."""
+    batches = teacher_forced_batches([7, 5], 4, 16, steps=0, seed=2)
+    rows = torch.tensor([11, 0, 6, 6])  # the 5-token prompt's last row, the 7-token prompt's first, ...
+    got = {}
+    for name in ("out rows", "every row"):
+        runner = ModelRunner(tiny, block_size=4, num_blocks=16, attention_backend="torch", max_num_seqs=2,
+                             max_model_len=32)
+        inner = runner._forward
+
+        def forward(input_ids, positions, meta, out_rows=None, inner=inner, name=name):
+            if name == "out rows":
+                got[name] = inner(input_ids, positions, meta, rows)
+            else:
+                got[name] = inner(input_ids, positions, meta).index_select(0, rows)
+            return inner(input_ids, positions, meta, out_rows)
+
+        runner._forward = forward
+        run_steps(tiny, runner, "torch", batches)
+    assert got["out rows"].shape == (4, tiny.config.hidden_size)
+    torch.testing.assert_close(got["out rows"], got["every row"], rtol=1e-5, atol=1e-5)
+
+
 # ---- GPU: bf16, real CUDA graphs ------------------------------------------------------------------------
 
 # bf16 keeps ~3 significant digits; the fused path rounds once per kernel where the torch ops round after

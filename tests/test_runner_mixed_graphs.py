@@ -42,17 +42,19 @@ def test_mixed_sizes(budget, sizes):
     assert all(p < 0.2 for p in padding)  # the worst padding of a step of 320+ tokens
 
 
-@pytest.mark.parametrize("tokens, chunks", [(1, 0), (5, 3), (16, 16), (7, 1)])
-def test_flat_layout_round_trips_and_aligns_every_part(tokens, chunks):
-    layout = FlatLayout(tokens, chunks)
+@pytest.mark.parametrize("tokens, chunks, out", [(1, 0, 0), (5, 3, 2), (16, 16, 16), (7, 1, 3)])
+def test_flat_layout_round_trips_and_aligns_every_part(tokens, chunks, out):
+    layout = FlatLayout(tokens, chunks, out)
     rng = np.random.default_rng(tokens * 31 + chunks)
     parts = [rng.integers(-1, 100, n).tolist() for n in (tokens, tokens, tokens, chunks, chunks + 1, chunks)]
-    flat = torch.from_numpy(layout.pack(*parts, num_decode=4))
+    out_rows = rng.integers(0, tokens, max(out - 1, 0)).tolist()  # one short: the rest pads with row 0
+    flat = torch.from_numpy(layout.pack(*parts, num_decode=4, out_rows=out_rows))
     assert flat.shape == (layout.length,)
-    toks, rows, qsl, lens, nd = layout.views(flat)
+    toks, rows, qsl, lens, nd, outs = layout.views(flat)
     assert toks.tolist() == parts[:3] and rows.tolist() == parts[3] and qsl.tolist() == parts[4]
     assert lens.tolist() == parts[5] and nd.tolist() == [4]
-    for view in (toks, rows, qsl, lens, nd):
+    assert outs.tolist() == (out_rows + [0])[:out]
+    for view in (toks, rows, qsl, lens, nd, outs):
         assert view.storage_offset() % StepPacker.ALIGN == 0  # 16-byte aligned in the packed section
 
 

@@ -70,7 +70,8 @@ def prefix_hit_ms(rounds: int) -> tuple[float, dict[str, float]]:
     """(median ms of the two steps, mean ms per phase) over `rounds` prefix-hit steps."""
     core = new_core(4096, 256)
     hidden = core.runner.model.config.hidden_size
-    core.runner._forward = lambda ids, pos, meta: torch.zeros(ids.shape[0], hidden)
+    core.runner._forward = lambda ids, pos, meta, out_rows=None: torch.zeros(
+        ids.shape[0] if out_rows is None else out_rows.shape[0], hidden)
     phases: dict[str, float] = collections.defaultdict(float)
     measuring = [False]
 

@@ -121,17 +121,20 @@ def _aligned(n: int) -> int:
 @dataclass(frozen=True)
 class FlatLayout:
     """Where a step's flat-batch ints sit in its one packed section: tokens (TOKEN_FIELDS, T), then the
-    prefill chunks' table rows (C,), query_start_loc (C + 1,), seq_lens (C,) and the decode count (1,).
-    Each part starts on a 16-byte boundary (see StepPacker): the kernels take query_start_loc and seq_lens
-    as they lie here."""
+    prefill chunks' table rows (C,), query_start_loc (C + 1,), seq_lens (C,), the decode count (1,) and the
+    out rows (R,): the flat-batch rows whose final hidden states the step reads (its samples' logit rows,
+    padded with row 0); the forward runs the last layer past its attention for those rows only. Each part
+    starts on a 16-byte boundary (see StepPacker): the kernels take query_start_loc and seq_lens as they lie
+    here."""
 
     num_tokens: int
     num_chunks: int
+    num_out: int = 0  # 0: every row's hidden state (the decode graphs: every row samples)
 
     def _starts(self) -> list[int]:
         t, c = self.num_tokens, self.num_chunks
         starts, end = [], 0
-        for n in (TOKEN_FIELDS * t, c, c + 1, c, 1):
+        for n in (TOKEN_FIELDS * t, c, c + 1, c, 1, self.num_out):
             starts.append(_aligned(end))
             end = starts[-1] + n
         return starts + [end]
@@ -141,22 +144,24 @@ class FlatLayout:
         return self._starts()[-1]
 
     def pack(self, rows: list[int], positions: list[int], ids: list[int], chunk_rows: list[int],
-             qsl: list[int], lens: list[int], num_decode: int) -> np.ndarray:
-        """-> (length,) int32: the parts in place, zeros between them."""
+             qsl: list[int], lens: list[int], num_decode: int, out_rows: list[int] = ()) -> np.ndarray:
+        """-> (length,) int32: the parts in place, zeros between them (and after out_rows, up to num_out:
+        padding out rows read row 0)."""
+        assert len(out_rows) <= self.num_out, "more out rows than the layout holds"
         starts = self._starts()
         out = np.zeros(starts[-1], dtype=np.int32)
         t = self.num_tokens
         out[0:t], out[t:2 * t], out[2 * t:3 * t] = rows, positions, ids
-        for part, start in zip((chunk_rows, qsl, lens, [num_decode]), starts[1:5], strict=True):
+        for part, start in zip((chunk_rows, qsl, lens, [num_decode], out_rows), starts[1:6], strict=True):
             out[start:start + len(part)] = part
         return out
 
     def views(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """flat (length,) device int32 -> tokens (TOKEN_FIELDS, T), chunk rows (C,), query_start_loc (C + 1,),
-        seq_lens (C,), decode count (1,), views of `flat`."""
+        seq_lens (C,), decode count (1,), out rows (R,), views of `flat`."""
         s, t, c = self._starts(), self.num_tokens, self.num_chunks
         return (flat[:TOKEN_FIELDS * t].view(TOKEN_FIELDS, t), flat[s[1]:s[1] + c], flat[s[2]:s[2] + c + 1],
-                flat[s[3]:s[3] + c], flat[s[4]:s[4] + 1])
+                flat[s[3]:s[3] + c], flat[s[4]:s[4] + 1], flat[s[5]:s[5] + self.num_out])
 
 
 class StepPacker:

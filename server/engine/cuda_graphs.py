@@ -19,8 +19,10 @@ input copy at all (`replay(None, ...)`; the runner decides when, ModelRunner._re
 MixedGraphs run the decode kernel over 16, 64 or min(size, max_seqs)
 rows (the fewest that hold the step's decodes), of which the step's decode count (a device int in the buffer)
 are real and the rest read nothing, and the prefill kernel over every chunk, whose rows it finds from
-query_start_loc; their output is the final hidden states (size, hidden), and the runner computes the logits
-of the few rows that sample after the replay.
+query_start_loc; their output is the final hidden states of the out rows (min(size, max_seqs), hidden):
+the rows the step's samples read, which the buffer lists (padding: row 0). The last layer runs its o_proj
+and MLP for those rows alone (LlamaForCausalLM.forward's out_rows), and the runner computes their logits
+after the replay.
 All graphs share one memory pool, captured largest first so the smaller ones reuse its blocks (the vLLM /
 nano-vllm recipe).
 """
@@ -43,8 +45,8 @@ log = logging.getLogger(__name__)
 # capture stream, split-KV partial buffers, allocator rounding.
 GRAPH_MEMORY_MARGIN = 256 << 20
 
-# forward(input_ids (T,), positions (T,), meta) -> (T, out_width) (mixed steps), or forward(..., out) writing
-# into out (decode steps); T = the padded batch size
+# forward(input_ids (T,), positions (T,), meta, out_rows (R,)) -> (R, out_width) (mixed steps), or
+# forward(..., out) writing (T, out_width) into out (decode steps); T = the padded batch size
 DecodeForward = Callable[..., torch.Tensor | None]
 
 
@@ -215,7 +217,8 @@ class DecodeGraphs(StepGraphs):
 
 class MixedGraphs(StepGraphs):
     """Steps of `size` tokens holding prefill chunks: decode rows first, then up to min(size, max_seqs)
-    chunks, then padding tokens; the forward gives hidden states. Graphs are keyed (size, decode rows):
+    chunks, then padding tokens; the forward gives the hidden states of min(size, max_seqs) out rows (the
+    samples' logit rows, padded with row 0). Graphs are keyed (size, decode rows):
     (size, 0) for steps of chunks only, which launch no decode attention, and (size, d) for d in
     decode_row_counts(size), the decode call covering d rows of which the buffer's decode count are real. A
     spare row costs its share of the decode launch (on an H200, 128 spare rows were ~70 us of a 2.1 ms step
@@ -239,8 +242,8 @@ class MixedGraphs(StepGraphs):
         return [(s, d) for s in reversed(self.sizes) for d in [*reversed(self.decode_row_counts(s)), 0]]
 
     def layout(self, key: tuple[int, int]) -> FlatLayout:
-        size = key[0]
-        return FlatLayout(size, min(size, self.max_seqs))
+        cap = min(key[0], self.max_seqs)  # chunks, and samples: one per running sequence at most
+        return FlatLayout(key[0], cap, num_out=cap)
 
     def takes(self, num_tokens: int, num_decode: int, num_chunks: int) -> tuple[int, int] | None:
         """The key a step of these counts replays, or None (it runs eagerly)."""
@@ -254,8 +257,9 @@ class MixedGraphs(StepGraphs):
 
     def _body(self, key: tuple[int, int]) -> None:
         size, decode_rows = key
-        tokens, chunk_rows, qsl, lens, num_decode = self.layout(key).views(self.inputs)
+        tokens, chunk_rows, qsl, lens, num_decode, out_rows = self.layout(key).views(self.inputs)
         input_ids, positions, meta = self.state.step_inputs(tokens, decode_rows,
                                                             num_decode if decode_rows else None,
                                                             (chunk_rows, qsl, lens))
-        self.output[:size].copy_(self.forward(input_ids, positions, meta))  # (size, hidden)
+        hidden = self.forward(input_ids, positions, meta, out_rows.long())  # (cap, hidden): the out rows'
+        self.output[:hidden.shape[0]].copy_(hidden)

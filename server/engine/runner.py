@@ -220,10 +220,10 @@ class ModelRunner:
         graphs, key, layout = self._plan(step)
         decode_graph = graphs is self.graphs and graphs is not None
         if decode_graph and self._repeats_last_decode(step, graphs, key):
-            flat, logit_rows, copies, sample_sources = None, None, None, None
+            flat, num_products, copies, sample_sources = None, None, None, None
             out = self._repeat_inputs(step, table_of)
         else:
-            flat, out, logit_rows, copies, sample_sources = self._send_inputs(step, table_of, layout)
+            flat, out, num_products, copies, sample_sources = self._send_inputs(step, table_of, layout)
         if decode_graph:  # its output is the logits
             num_decode = len(step.decodes)
             logits = graphs.replay(flat, num_decode, key)
@@ -243,16 +243,17 @@ class ModelRunner:
             logits = logits.to(torch.float32, copy=True)  # fresh: the next replay overwrites the output
         else:
             self._last_decode = None
+            # (R, H): the out rows' hidden states, the samples' logit rows first (FlatLayout.num_out)
             if graphs is not None:
-                hidden = graphs.replay(flat, layout.num_tokens, key)  # (size, H), the static output
+                hidden = graphs.replay(flat, layout.num_out, key)  # a view of the static output
             else:
-                hidden = self._forward(*self._flat_inputs(flat, layout, len(step.decodes)))  # (T, H)
+                hidden = self._forward(*self._flat_inputs(flat, layout, len(step.decodes)))
             if not step.samples:
                 out.logits = hidden[:0]
                 return out
             num_logits = len(step.decodes) + sum(1 for c in step.prefills if c.samples)
-            # (L, V) fp32, through a product over logit_rows' padded count (logit_counts)
-            logits = self.model.compute_logits(hidden.index_select(0, logit_rows.long()))[:num_logits]
+            # (L, V) fp32, through a product over the padded count of logit rows (logit_counts)
+            logits = self.model.compute_logits(hidden[:num_products])[:num_logits]
         if copies is not None and copies.numel():
             self.kv.copy_blocks(copies.view(-1, 2))
         if len(step.sample_sources) != logits.shape[0] or step.sample_sources[-1] != len(step.samples) - 1:
@@ -262,9 +263,10 @@ class ModelRunner:
 
     def _send_inputs(self, step: SchedulerOutput, table_of: TableOf, layout: FlatLayout):
         """Pack and send the step's host ints; apply its table writes and its new rows' sampler state. ->
-        (flat batch, StepLogits without logits, logit rows, fork copies, sample sources), on the device."""
-        sections, num_logprobs, flags = self._pack(step, table_of, layout)
-        (flat, logit_rows, writes, init_rows, init_floats, init_ints, pen_rows, pen_token_rows, pen_tokens,
+        (flat batch, StepLogits without logits, the logits product's row count, fork copies, sample
+        sources), on the device but the count."""
+        sections, num_products, num_logprobs, flags = self._pack(step, table_of, layout)
+        (flat, writes, init_rows, init_floats, init_ints, pen_rows, pen_token_rows, pen_tokens,
          pen_is_output, sample_rows, sample_sources, copies, compact) = self.packer.send(sections)
         self.state.apply_table_writes(writes)
         out = StepLogits(None, sample_rows.long(), flags, num_logprobs,  # int64 once: sampler and state index
@@ -275,7 +277,7 @@ class ModelRunner:
                                    init_ints.view(n, INT_FIELDS))
         if pen_rows.numel():
             self.sampler.init_penalty_rows(pen_rows, pen_token_rows, pen_tokens, pen_is_output)
-        return flat, out, logit_rows, copies, sample_sources
+        return flat, out, num_products, copies, sample_sources
 
     def _repeats_last_decode(self, step: SchedulerOutput, graphs: StepGraphs, key) -> bool:
         """Whether `step` decodes exactly the rows of the last decode-graph replay, in its order, each one
@@ -305,11 +307,12 @@ class ModelRunner:
         last = self._last_decode.out
         return StepLogits(None, last.rows, last.flags, last.num_logprobs, compact=last.compact)
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
-        # input_ids, positions (T,) -> hidden (T, H)
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 out_rows: torch.Tensor | None = None):
+        # input_ids, positions (T,) -> hidden (T, H), or (R, H) of out_rows (R,) int64
         attn = PagedAttention(self.kv, meta, self.attention_backend, self.sliding_window,
                               self.decode_num_splits, self.decode_workspace)
-        return self.model(input_ids, positions, attn)
+        return self.model(input_ids, positions, attn, out_rows)
 
     def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                         out: torch.Tensor) -> None:
@@ -348,31 +351,32 @@ class ModelRunner:
         elif self.mixed_graphs is not None:
             key = self.mixed_graphs.takes(num_tokens, num_decode, num_chunks)
             graphs = self.mixed_graphs if key is not None else None
-        if graphs is None:
-            return None, None, FlatLayout(num_tokens, num_chunks)
+        if graphs is None:  # every eager step reads its logit rows alone (a decode-only one: all of them)
+            num_logits = num_decode + sum(1 for c in step.prefills if c.samples)
+            return None, None, FlatLayout(num_tokens, num_chunks, max(1, self._padded_logit_count(num_logits)))
         return graphs, key, graphs.layout(key)
 
     def _pack(self, step: SchedulerOutput, table_of: TableOf, layout: FlatLayout):
-        """The step's host ints, one list per section (see forward_step), the logprobs width and the OR of
-        the samples' sampler flags."""
+        """The step's host ints, one list per section (see forward_step), the logits product's row count,
+        the logprobs width and the OR of the samples' sampler flags."""
         for seq in step.new_rows:
             self.state.reset_row(seq.row)
         writes: list[int] = []
-        flat, logit_rows = self._pack_flat(step, table_of, layout, writes)
+        flat, num_products = self._pack_flat(step, table_of, layout, writes)
         inits = self._pack_new_rows(step.new_rows)
         flags = 0
         for seq in step.samples:
             flags |= seq.sample_flags
         num_logprobs = max(s.params.logprobs or 0 for s in step.samples) if flags & LOGPROBS else 0
         compact = [i for i, s in enumerate(step.samples) if draws_from_best(s.params)] if flags & TOP else []
-        sections = [flat, logit_rows, writes, *inits, [s.row for s in step.samples], step.sample_sources,
+        sections = [flat, writes, *inits, [s.row for s in step.samples], step.sample_sources,
                     [b for pair in step.copies for b in pair], compact]
-        return sections, num_logprobs, flags
+        return sections, num_products, num_logprobs, flags
 
     def _pack_flat(self, step: SchedulerOutput, table_of: TableOf, layout: FlatLayout, writes: list[int]):
         """-> the flat batch as `layout` packs it (decode rows, then the prefill chunks' tokens, then padding
-        tokens and empty chunks) and the rows whose logits the samples read; appends the block-table entries
-        the device lacks to `writes`."""
+        tokens and empty chunks; its out rows: the rows whose logits the samples read) and the logits
+        product's row count; appends the block-table entries the device lacks to `writes`."""
         state = self.state
         rows, ids = [], []
         covered = state.synced_tokens
@@ -397,8 +401,11 @@ class ModelRunner:
             state.table_writes(seq.row, table_of(seq.seq_id), writes)
             if c.samples:
                 logit_rows.append(qsl[-1] - 1)
-        # padding rows (hidden row 0, dropped after the product): see logit_counts
+        # padding rows (hidden row 0, dropped after the product): see logit_counts. A decode graph has no
+        # out rows (every row's logits are its output); a mixed graph min(size, max_seqs), which hold the
+        # samples' rows but not always their padding
         logit_rows += [0] * (self._padded_logit_count(len(logit_rows)) - len(logit_rows))
+        logit_rows = logit_rows[:layout.num_out]
         pad = layout.num_tokens - len(rows)
         rows += [state.pad_row] * pad
         positions += [-1] * pad
@@ -407,7 +414,7 @@ class ModelRunner:
         chunk_rows += [state.pad_row] * pad
         qsl += [qsl[-1]] * pad
         lens += [0] * pad
-        return layout.pack(rows, positions, ids, chunk_rows, qsl, lens, num_decode), logit_rows
+        return layout.pack(rows, positions, ids, chunk_rows, qsl, lens, num_decode, logit_rows), len(logit_rows)
 
     @staticmethod
     def _pack_new_rows(seqs: list[Seq]) -> list:
@@ -429,12 +436,12 @@ class ModelRunner:
         return [rows, floats_as_int32(floats), ints, pen_rows, pen_token_rows, pen_tokens, pen_is_output]
 
     def _flat_inputs(self, flat: torch.Tensor, layout: FlatLayout, num_decode: int
-                     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+                     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """An eager step's flat batch (exactly its tokens and chunks) -> input_ids (T,), positions (T,),
-        AttentionMetadata."""
-        tokens, chunk_rows, qsl, lens, _ = layout.views(flat)
+        AttentionMetadata, out rows (R,) int64."""
+        tokens, chunk_rows, qsl, lens, _, out_rows = layout.views(flat)
         chunks = (chunk_rows, qsl, lens) if layout.num_chunks else None
-        return self.state.step_inputs(tokens, num_decode, None, chunks)
+        return *self.state.step_inputs(tokens, num_decode, None, chunks), out_rows.long()
 
     # ---- CUDA-graph decode --------------------------------------------------------------------------------
 

@@ -12,7 +12,9 @@ rounded the same way. The final norm is a kernel.
 
 It reads the same parameters as the torch modules and needs paged attention: RoPE writes the new tokens'
 K/V into the cache itself, then `attn.attend` runs on the stored K/V. A decode step of this forward is what
-the runner captures in a CUDA graph, the final norm included.
+the runner captures in a CUDA graph, the final norm included. With out_rows (a step that reads a few rows' hidden states: a prefill step's samples),
+the last layer gathers those rows of the stream and of the attention output before its o_proj, and its
+o_proj, MLP and the final norm run on them alone.
 
 One token row (the batch-1 decode step) takes another route: each projection is kernels/gemv.py's GEMV with
 the ops before and after it fused in (the norms as prologues, their weights ones after folding; RoPE + K/V
@@ -36,18 +38,22 @@ from server.model.llama import Attention, AttentionFn, DecoderLayer, LlamaForCau
 
 
 def fused_forward(model: LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
-                  attn: AttentionFn) -> torch.Tensor:
-    """input_ids, positions (T,) -> final-normed hidden states (T, H), as LlamaForCausalLM.forward."""
+                  attn: AttentionFn, out_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """input_ids, positions (T,) -> final-normed hidden states (T, H), or (R, H) of out_rows (R,), as
+    LlamaForCausalLM.forward."""
     assert model.norms_folded, "the fused forward runs on folded norms (LlamaForCausalLM.prepare_decoder_ops)"
     inner = model.model
     residual = inner.embed_tokens(input_ids)  # (T, H): the residual stream, each sublayer adds in place
     cos, sin = inner.rotary.half_angles(positions)  # (T, D/2) fp32, shared by every layer
-    if takes_one_row(input_ids):
+    if takes_one_row(input_ids):  # one row: out_rows, if any, is that row
+        assert out_rows is None or out_rows.shape[0] == 1, "one token row has one out row"
         for layer in inner.layers:
             _layer_one_row(layer, residual, cos, sin, attn)
         return rms_norm(residual, inner.norm.weight, inner.norm.eps)
-    for layer in inner.layers:
+    *layers, last = inner.layers
+    for layer in layers:
         _layer(layer, residual, cos, sin, attn)
+    residual = _layer(last, residual, cos, sin, attn, out_rows)  # (T or R, H)
     return rms_norm(residual, inner.norm.weight, inner.norm.eps)
 
 
@@ -95,18 +101,24 @@ def takes_one_row(input_ids: torch.Tensor) -> bool:
     return input_ids.shape[0] == 1
 
 
-def _layer(layer: DecoderLayer, residual: torch.Tensor, cos, sin, attn: AttentionFn) -> None:
-    """residual (T, H) gains this layer's attention and MLP outputs, in place (folded norms)."""
+def _layer(layer: DecoderLayer, residual: torch.Tensor, cos, sin, attn: AttentionFn,
+           out_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """residual (T, H) gains this layer's attention and MLP outputs, in place (folded norms) -> residual;
+    with out_rows (R,) past the attention only those rows go on, gathered: -> a new (R, H) stream."""
     mod, mlp = layer.self_attn, layer.mlp
     qkv = F.linear(residual, mod.qkv_proj.weight)  # (T, (Hq + 2 Hkv) D): the un-normed stream's projection
     k_cache, v_cache, slots = attn.kv_destination(mod.layer_idx)
     rope_store_kv(qkv, cos, sin, k_cache, v_cache, slots, mod.num_heads, mod.num_kv_heads, norm_of=residual,
                   eps=layer.input_layernorm.eps, bias=mod.qkv_proj.bias)  # scaled, rotated, stored
-    _add_projection(residual, _attend(mod, qkv, attn), mod.o_proj)
+    attended = _attend(mod, qkv, attn)  # (T, Hq D)
+    if out_rows is not None:
+        residual, attended = residual.index_select(0, out_rows), attended.index_select(0, out_rows)
+    _add_projection(residual, attended, mod.o_proj)
     gate_up = F.linear(residual, mlp.gate_up_proj.weight)  # (T, 2I)
     act = silu_and_mul(gate_up, norm_of=residual, eps=layer.post_attention_layernorm.eps,
                        bias=mlp.gate_up_proj.bias)  # (T, I)
     _add_down_projection(residual, act, mlp.down_proj)
+    return residual
 
 
 def _add_down_projection(residual: torch.Tensor, act: torch.Tensor, proj: nn.Linear) -> None:

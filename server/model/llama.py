@@ -55,7 +55,10 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn | None):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionFn | None,
+                out_rows: torch.Tensor | None = None):
+        """x (T, H) -> (T, H), or with out_rows (R,) the o_proj of those rows only (R, H): every row's K/V
+        and attention are computed (the cache needs them), the projection only where it is read."""
         T = x.shape[0]
         qkv = self.qkv_proj(x)  # (T, (Hq + 2 Hkv) D)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
@@ -66,7 +69,8 @@ class Attention(nn.Module):
             o = causal_attention(q, k, v, self.sliding_window)
         else:
             o = attn(self.layer_idx, q, k, v)  # (T, Hq, D)
-        return self.o_proj(o.reshape(T, self.q_size))
+        o = o.reshape(T, self.q_size)
+        return self.o_proj(o if out_rows is None else o.index_select(0, out_rows))
 
 
 class DecoderLayer(nn.Module):
@@ -77,8 +81,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
 
-    def forward(self, x, cos, sin, attn: AttentionFn | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+    def forward(self, x, cos, sin, attn: AttentionFn | None, out_rows: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """x (T, H) -> (T, H); with out_rows (R,) -> (R, H): those rows past the attention (see Attention)."""
+        h = self.self_attn(self.input_layernorm(x), cos, sin, attn, out_rows)
+        x = (x if out_rows is None else x.index_select(0, out_rows)) + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -144,9 +151,14 @@ class LlamaForCausalLM(nn.Module):
         return "fused" if self.device.type == "cuda" and attention_backend == "triton" else "torch"
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn | None = None
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn | None = None,
+        out_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions (T,) -> final-normed hidden states (T, H)."""
+        """input_ids, positions (T,) -> final-normed hidden states (T, H); with out_rows (R,) int64 only those
+        rows' (R, H), in that order (repeats allowed). The last layer then runs its attention for every row
+        (their K/V go to the cache) and the rest of the layer (o_proj, MLP) and the final norm for the out
+        rows only: a prefill step reads the hidden state of each chunk's last token alone, so the rest of the
+        last layer's work on a step of T prompt tokens and R samples shrinks by T / R."""
         if attn is not None:
             ops = self.resolve_decoder_ops(attn)
             if ops != self._logged_ops:
@@ -157,12 +169,13 @@ class LlamaForCausalLM(nn.Module):
                 # imported here: it imports triton, which a CPU-only install may lack
                 from server.model.fused_forward import fused_forward
 
-                return fused_forward(self, input_ids, positions, attn)
+                return fused_forward(self, input_ids, positions, attn, out_rows)
         x = self.model.embed_tokens(input_ids)  # (T, H)
         cos, sin = self.model.rotary(positions, x.dtype)  # (T, 1, D)
-        for layer in self.model.layers:
+        *layers, last = self.model.layers
+        for layer in layers:
             x = layer(x, cos, sin, attn)
-        return self.model.norm(x)
+        return self.model.norm(last(x, cos, sin, attn, out_rows))  # (T or R, H)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden (N, H) -> (N, vocab) fp32
