@@ -353,7 +353,12 @@ class ModelRunner:
             graphs = self.mixed_graphs if key is not None else None
         if graphs is None:  # every eager step reads its logit rows alone (a decode-only one: all of them)
             num_logits = num_decode + sum(1 for c in step.prefills if c.samples)
-            return None, None, FlatLayout(num_tokens, num_chunks, max(1, self._padded_logit_count(num_logits)))
+            # at least 2 out rows when the step has more than one token: Triton specialises a row count of 1,
+            # and no warm-up compiles the last layer's multi-row kernels for one row (a compile mid-serving
+            # stalls every stream); one token takes the one-row route, whose one row is its out row
+            least = 2 if num_tokens > 1 else 1
+            return None, None, FlatLayout(num_tokens, num_chunks,
+                                          max(least, self._padded_logit_count(num_logits)))
         return graphs, key, graphs.layout(key)
 
     def _pack(self, step: SchedulerOutput, table_of: TableOf, layout: FlatLayout):
