@@ -18,8 +18,8 @@ What it runs, in order, each beside the memory roofline computed from the copy b
    (closed loop, prefill included), and the cached runs' (the same prompts again, from the prefix cache):
    the HTTP / engine ratio of the same work;
 4. HF transformers `generate` with a static cache, one batch of 64, same shape (`tools.hf_baseline`).
-Writes serving_h200.{json,png} and serving_h200_table.md under --out (`--replot JSON` redraws them) and
-prints the table last. Needs the FastAPI stack, pyzmq and msgspec importable (carried as wheels on the GPU
+Writes serving_<gpu>.{json,png} and serving_<gpu>_table.md (serving_h200, serving_h100, ...) under --out
+(`--replot JSON` redraws them) and prints the table last. Needs the FastAPI stack, pyzmq and msgspec importable (carried as wheels on the GPU
 host: tools/serving_gpu_run.sh).
 """
 
@@ -37,6 +37,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from tools.kernel_bench import gpu_tag
 from tools.server_load import CpuSampler
 from tools.server_wait import ServerNotHealthy, wait_healthy
 
@@ -341,10 +342,11 @@ def main(argv=None) -> None:
                       if "serving" not in skip else {"reports": {}})
     res["engine"] = offline(out) if "engine" not in skip else None
     res["hf"] = hf(out) if "hf" not in skip else None
-    (out / "serving_h200.json").write_text(json.dumps(res, indent=1))
-    plot(res, out / "serving_h200.png")
+    name = f"serving_{gpu_tag(res['gpu'])}"  # serving_h200, serving_h100, ...
+    (out / f"{name}.json").write_text(json.dumps(res, indent=1))
+    plot(res, out / f"{name}.png")
     text = table(res)
-    (out / "serving_h200_table.md").write_text(text + "\n")
+    (out / f"{name}_table.md").write_text(text + "\n")
     print(text)
 
 
