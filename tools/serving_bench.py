@@ -19,8 +19,8 @@ What it runs, in order, each beside the memory roofline computed from the copy b
    the HTTP / engine ratio of the same work;
 4. HF transformers `generate` with a static cache, one batch of 64, same shape (`tools.hf_baseline`).
 Writes serving_<gpu>.{json,png} and serving_<gpu>_table.md (serving_h200, serving_h100, ...) under --out
-(`--replot JSON` redraws them) and prints the table last. Needs the FastAPI stack, pyzmq and msgspec importable (carried as wheels on the GPU
-host: tools/serving_gpu_run.sh).
+(`--replot JSON` redraws them) and prints the table last. Needs the FastAPI stack, pyzmq and msgspec
+importable (carried as wheels on the GPU host: tools/serving_gpu_run.sh).
 """
 
 from __future__ import annotations

@@ -419,7 +419,8 @@ class ModelRunner:
         chunk_rows += [state.pad_row] * pad
         qsl += [qsl[-1]] * pad
         lens += [0] * pad
-        return layout.pack(rows, positions, ids, chunk_rows, qsl, lens, num_decode, logit_rows), len(logit_rows)
+        flat = layout.pack(rows, positions, ids, chunk_rows, qsl, lens, num_decode, logit_rows)
+        return flat, len(logit_rows)
 
     @staticmethod
     def _pack_new_rows(seqs: list[Seq]) -> list:
