@@ -167,8 +167,8 @@ def test_a_quantized_tensor_under_a_plain_name_is_refused(tmp_path, llama_dir, d
     key = "model.layers.0.mlp.down_proj.weight"
     tensors[key] = torch.randn(tensors[key].shape).clamp(-1, 1).mul(100).to(dtype)
     save_file(tensors, str(path / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.down_proj\.weight' in model\.safetensors is "
-                                         r"torch\.(int8|float8_e4m3fn|uint8).*quantized"):
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.down_proj\.weight' in model\.safetensors "
+                                         r"is torch\.(int8|float8_e4m3fn|uint8).*quantized"):
         load_model(str(path), "cpu")
 
 
@@ -345,7 +345,8 @@ def test_a_tied_checkpoints_quantized_head_is_refused(tmp_path, llama_dir):
     tensors = tied_checkpoint(llama_dir, tmp_path / "only", "only")
     tensors["lm_head.weight"] = tensors["lm_head.weight"].clamp(-1, 1).mul(100).to(torch.int8)
     save_file(tensors, tmp_path / "only" / "model.safetensors")
-    with pytest.raises(ValueError, match=r"'lm_head\.weight' in model\.safetensors is torch\.int8.*quantized"):
+    with pytest.raises(ValueError,
+                       match=r"'lm_head\.weight' in model\.safetensors is torch\.int8.*quantized"):
         load_model(str(tmp_path / "only"))
 
 

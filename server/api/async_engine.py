@@ -145,8 +145,8 @@ class AsyncEngine:
                 unanswered = len(self._live) if self.dead is None else 0
             hung = unanswered > 0  # a working core answers an abort within a step
             if hung:
-                self.dead = (f"the engine core is hung: {unanswered} aborts unanswered in {ABORT_WAIT_S:.0f} s; "
-                             "it was killed")
+                self.dead = (f"the engine core is hung: {unanswered} aborts unanswered in "
+                             f"{ABORT_WAIT_S:.0f} s; it was killed")
                 logger.error("%s", self.dead)
         self.client.close(timeout=10.0, hung=hung)
         if hung:

@@ -176,9 +176,9 @@ def _weight(f, key: str, file: Path) -> torch.Tensor:
     """Tensor `key` of the open checkpoint file `f`, refused unless a cast to the serving dtype keeps it."""
     tensor = f.get_tensor(key)
     if tensor.dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"tensor {key!r} in {file.name} is {tensor.dtype}: pagewalk loads fp16, bf16 or fp32 "
-                         "weights, and a quantized tensor cast to them is not the model (quantized checkpoints "
-                         "are not supported)")
+        raise ValueError(f"tensor {key!r} in {file.name} is {tensor.dtype}: pagewalk loads fp16, bf16 or "
+                         "fp32 weights, and a quantized tensor cast to them is not the model (quantized "
+                         "checkpoints are not supported)")
     return tensor
 
 
