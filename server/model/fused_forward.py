@@ -53,7 +53,7 @@ def fused_forward(model: LlamaForCausalLM, input_ids: torch.Tensor, positions: t
     *layers, last = inner.layers
     for layer in layers:
         _layer(layer, residual, cos, sin, attn)
-    _layer(last, residual, cos, sin, attn, out_rows)  # (T or R, H)
+    residual = _layer(last, residual, cos, sin, attn, out_rows)  # (T or R, H)
     return rms_norm(residual, inner.norm.weight, inner.norm.eps)
 
 
