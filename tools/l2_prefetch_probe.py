@@ -112,10 +112,10 @@ def forward_with_prefetch(v: Variant, side: torch.cuda.Stream, layers):
         fork(mod)
         return SHIPPED_ATTEND(mod, qkv, attn)
 
-    def forward(model, input_ids, positions, attn):
+    def forward(model, input_ids, positions, attn, out_rows=None):
         ff._attend = attend
         try:
-            hidden = SHIPPED(model, input_ids, positions, attn)
+            hidden = SHIPPED(model, input_ids, positions, attn, out_rows)
         finally:
             ff._attend = SHIPPED_ATTEND
         torch.cuda.current_stream().wait_stream(side)

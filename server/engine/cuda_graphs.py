@@ -114,7 +114,8 @@ class StepGraphs:
         self.keys = self._keys()  # capture order: largest first
         self.inputs = torch.zeros(max(self.layout(k).length for k in self.keys), dtype=torch.int32,
                                   device=device)  # (L,) the flat batch of the key replayed last
-        self.output = torch.zeros(self.max_size, out_width, dtype=dtype, device=device)  # (n, out_width)
+        rows = max(self.max_size, *(self.layout(k).num_out for k in self.keys))  # out rows may pad past size
+        self.output = torch.zeros(rows, out_width, dtype=dtype, device=device)  # (n, out_width)
         self.graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
         self.num_replays = 0
         self.num_reused_inputs = 0  # replays that ran on the inputs the previous one left (replay(None, ...))
@@ -243,7 +244,10 @@ class MixedGraphs(StepGraphs):
 
     def layout(self, key: tuple[int, int]) -> FlatLayout:
         cap = min(key[0], self.max_seqs)  # chunks, and samples: one per running sequence at most
-        return FlatLayout(key[0], cap, num_out=cap)
+        # out rows: the runner's padded logit-row count of `cap` samples (ModelRunner.logit_counts, the same
+        # sizes), so the padded rows of any step of this size fit and the logits product runs at a count
+        # start-up warmed (a budget below max_seqs can make the last size, and cap, any number)
+        return FlatLayout(key[0], cap, num_out=padded_size(cap, capture_sizes(self.max_seqs)))
 
     def takes(self, num_tokens: int, num_decode: int, num_chunks: int) -> tuple[int, int] | None:
         """The key a step of these counts replays, or None (it runs eagerly)."""

@@ -407,8 +407,7 @@ class ModelRunner:
             if c.samples:
                 logit_rows.append(qsl[-1] - 1)
         # padding rows (hidden row 0, dropped after the product): see logit_counts. A decode graph has no
-        # out rows (every row's logits are its output); a mixed graph min(size, max_seqs), which hold the
-        # samples' rows but not always their padding
+        # out rows (every row's logits are its output); a mixed graph's and an eager step's hold these
         logit_rows += [0] * (self._padded_logit_count(len(logit_rows)) - len(logit_rows))
         logit_rows = logit_rows[:layout.num_out]
         pad = layout.num_tokens - len(rows)
