@@ -34,5 +34,9 @@ PYTHONPATH=/tmp/site:$PWD timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -m 
   tests/test_engine_async.py} 2>&1 | tail -n 6
 for run in before1 after1 before2 after2; do
   echo "== $run"; grep -A3 "^closed loop" "$OUT/$run.txt"
-  [[ -f "$OUT/prefill_$run.txt" ]] && grep -v '^\[' "$OUT/prefill_$run.txt" | grep -E "^ *graphs" | cut -c1-100
+  if [[ -f "$OUT/prefill_$run.txt" ]]; then
+    grep -v '^\[' "$OUT/prefill_$run.txt" | grep -E "^ *graphs" | cut -c1-100
+  fi
 done
+# the logs in one archive: a device call brings back 8 files (4 loop JSONs, 2 prefill JSONs, this)
+(cd "$OUT" && tar czf logs.tgz ./*.txt && rm -f ./*.txt)
