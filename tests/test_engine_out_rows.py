@@ -2,8 +2,8 @@
 engines (chunked prefill that stops short of a prompt's end, forks sharing a logits row, preemption and
 resume, logprobs, prefix hits) checked token by token against the dense contiguous forward, on the eager
 path and on the static mixed-graph path (a budget below max_num_seqs: mixed sizes below the cap, one of
-them no multiple of 16), on Llama / Qwen2 (biases) / Mistral (sliding window) weights, with the torch ops and
-the fused ops (Triton interpreter); and the tools that wrap the model's forward."""
+them no multiple of 16), on Llama / Qwen2 (biases) / Mistral (sliding window) weights, with the torch ops
+(the fused ops' out rows: tests/test_model_fused_forward.py); and the tools that wrap the model's forward."""
 
 from __future__ import annotations
 
@@ -134,19 +134,6 @@ def test_checkpoint_engines_equal_the_dense_forward(tmp_path, arch, overrides, s
     tokens, lps, stats, _, refs = run_engine(config, reqs, static_graphs)
     check_against_dense(reqs, tokens, lps, refs)
     assert stats["no_samples"] > 0 and stats["shared_rows"] > 0
-
-
-@pytest.mark.skipif(not INTERPRET, reason="needs the Triton interpreter")
-def test_fused_engine_equals_the_dense_forward():
-    """The fused ops (Triton interpreter) over the triton backend, static graphs: mixed and decode replays
-    (one-token steps take the one-row route); chunks stop short of their prompt, forks share a row."""
-    config = EngineConfig(model="tiny", device="cpu", dtype="float32", block_size=4, num_blocks=40,
-                          max_num_seqs=4, max_num_batched_tokens=16, attention_backend="triton",
-                          async_scheduling=False)
-    reqs = requests(250)[:3]  # 29 tokens, 5 tokens with n = 2 (forks), 17 with a shared prefix
-    tokens, lps, stats, core, refs = run_engine(config, reqs, True, ops="fused")
-    check_against_dense(reqs, tokens, lps, refs, atol=2e-4)
-    assert stats["no_samples"] > 0 and stats["shared_rows"] > 0 and stats["mixed_keys"]
 
 
 def test_a_mixed_graph_below_the_cap_holds_the_padded_logit_rows():
