@@ -251,9 +251,8 @@ class ModelRunner:
             if not step.samples:
                 out.logits = hidden[:0]
                 return out
-            num_logits = len(step.decodes) + sum(1 for c in step.prefills if c.samples)
             # (L, V) fp32, through a product over the padded count of logit rows (logit_counts)
-            logits = self.model.compute_logits(hidden[:num_products])[:num_logits]
+            logits = self.model.compute_logits(hidden[:num_products])[:_num_logit_rows(step)]
         if copies is not None and copies.numel():
             self.kv.copy_blocks(copies.view(-1, 2))
         if len(step.sample_sources) != logits.shape[0] or step.sample_sources[-1] != len(step.samples) - 1:
@@ -352,13 +351,12 @@ class ModelRunner:
             key = self.mixed_graphs.takes(num_tokens, num_decode, num_chunks)
             graphs = self.mixed_graphs if key is not None else None
         if graphs is None:  # every eager step reads its logit rows alone (a decode-only one: all of them)
-            num_logits = num_decode + sum(1 for c in step.prefills if c.samples)
             # at least 2 out rows when the step has more than one token: Triton specialises a row count of 1,
             # and no warm-up compiles the last layer's multi-row kernels for one row (a compile mid-serving
             # stalls every stream); one token takes the one-row route, whose one row is its out row
             least = 2 if num_tokens > 1 else 1
             return None, None, FlatLayout(num_tokens, num_chunks,
-                                          max(least, self._padded_logit_count(num_logits)))
+                                          max(least, self._padded_logit_count(_num_logit_rows(step))))
         return graphs, key, graphs.layout(key)
 
     def _pack(self, step: SchedulerOutput, table_of: TableOf, layout: FlatLayout):
@@ -595,6 +593,12 @@ class ModelRunner:
         return step, tables, next_block
 
 SMALL_MODEL_PARAMS = 50_000_000
+
+
+def _num_logit_rows(step: SchedulerOutput) -> int:
+    """The rows of a step's flat batch whose logits its samples read: every decode row and each chunk that
+    samples (its last token); forks share their parent's."""
+    return len(step.decodes) + sum(1 for c in step.prefills if c.samples)
 
 
 def _limit_cpu_threads_for_small_model(model: LlamaForCausalLM) -> None:
