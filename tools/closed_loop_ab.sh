@@ -7,7 +7,9 @@
 #   - with PREFILL_ARGS, in the first round, tools/prefill_step_bench (prefill and mixed steps, each step's
 #     top kernels);
 # then the GPU tests named in TESTS (default: the runner, mixed graphs, fused forward and engine ones) on this
-# tree. Tables last; JSON under OUT.
+# tree. With CLOCKS=1, nvidia-smi samples the SM clock, power and throttle reasons every 100 ms during each
+# side's runs (clocks_<side><round>.csv, summarised last): a prompt step's time moves with the clock.
+# Tables last; JSON under OUT.
 # Usage on the device machine, from the repo root, the FastAPI stack's wheels in .whl:
 #   OUT=/some/dir BEFORE=.base [PREFILL_ARGS="..."] [TESTS="tests/x.py"] bash tools/closed_loop_ab.sh
 set -uo pipefail
@@ -16,6 +18,12 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONUNBUFFERED=1
 side() {  # $1: before | after, $2: round; runs in the current directory
+  local sampler=""
+  if [[ "${CLOCKS:-0}" == 1 ]]; then
+    nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+      --format=csv,noheader,nounits -lms 100 > "$OUT/clocks_$1$2.csv" &
+    sampler=$!
+  fi
   PYTHONPATH=/tmp/site:$PWD timeout 300 python3 -m tools.engine_step_bench --batches 256 --modes greedy \
     --steps 8 --warmup 2 --closed-loop 256:256 64:256 --out "$OUT/$1$2.json" > "$OUT/$1$2.txt" 2>&1
   if [[ -n "${PREFILL_ARGS:-}" && $2 == 1 ]]; then
@@ -23,6 +31,7 @@ side() {  # $1: before | after, $2: round; runs in the current directory
     PYTHONPATH=/tmp/site:$PWD timeout 300 python3 -m tools.prefill_step_bench --modes graphs \
       --out "$OUT/prefill_$1$2.json" $PREFILL_ARGS > "$OUT/prefill_$1$2.txt" 2>&1
   fi
+  if [[ -n "$sampler" ]]; then kill "$sampler"; wait "$sampler" 2>/dev/null; fi
 }
 for round in 1 2; do
   (cd "${BEFORE:-.base}" && side before $round)
@@ -38,5 +47,10 @@ for run in before1 after1 before2 after2; do
     grep -v '^\[' "$OUT/prefill_$run.txt" | grep -E "^ *graphs" | cut -c1-100
   fi
 done
+for csv in "$OUT"/clocks_*.csv; do  # SM MHz and W over the samples: min / median / max
+  [[ -f "$csv" ]] || continue
+  sort -t, -k2,2n "$csv" | awk -F', *' -v f="$(basename "$csv")" \
+    '{sm[NR]=$2; w+=$3; if ($3>wmax) wmax=$3} END {if (NR) printf "%s: %d samples, SM MHz %s / %s / %s, mean %.0f W, max %.0f W\n", f, NR, sm[1], sm[int((NR+1)/2)], sm[NR], w/NR, wmax}'
+done
 # the logs in one archive: a device call brings back 8 files (4 loop JSONs, 2 prefill JSONs, this)
-(cd "$OUT" && tar czf logs.tgz ./*.txt && rm -f ./*.txt)
+(cd "$OUT" && tar czf logs.tgz ./*.txt ./clocks_*.csv 2>/dev/null; rm -f ./*.txt ./clocks_*.csv)
