@@ -19,10 +19,10 @@ input copy at all (`replay(None, ...)`; the runner decides when, ModelRunner._re
 MixedGraphs run the decode kernel over 16, 64 or min(size, max_seqs)
 rows (the fewest that hold the step's decodes), of which the step's decode count (a device int in the buffer)
 are real and the rest read nothing, and the prefill kernel over every chunk, whose rows it finds from
-query_start_loc; their output is the final hidden states of the out rows (min(size, max_seqs), hidden):
-the rows the step's samples read, which the buffer lists (padding: row 0). The last layer runs its o_proj
-and MLP for those rows alone (LlamaForCausalLM.forward's out_rows), and the runner computes their logits
-after the replay.
+query_start_loc; their output is the final hidden states of the out rows (min(size, max_seqs) padded
+to a logit-row count, hidden): the rows the step's samples read, which the buffer lists (padding: row 0).
+The last layer runs its o_proj and MLP for those rows alone (LlamaForCausalLM.forward's out_rows), and the
+runner computes their logits after the replay.
 All graphs share one memory pool, captured largest first so the smaller ones reuse its blocks (the vLLM /
 nano-vllm recipe).
 """
@@ -218,12 +218,12 @@ class DecodeGraphs(StepGraphs):
 
 class MixedGraphs(StepGraphs):
     """Steps of `size` tokens holding prefill chunks: decode rows first, then up to min(size, max_seqs)
-    chunks, then padding tokens; the forward gives the hidden states of min(size, max_seqs) out rows (the
-    samples' logit rows, padded with row 0). Graphs are keyed (size, decode rows):
-    (size, 0) for steps of chunks only, which launch no decode attention, and (size, d) for d in
-    decode_row_counts(size), the decode call covering d rows of which the buffer's decode count are real. A
-    spare row costs its share of the decode launch (on an H200, 128 spare rows were ~70 us of a 2.1 ms step
-    of 64 decodes + 128 prompt tokens), so a step takes the smallest d that holds its decodes."""
+    chunks, then padding tokens; the forward gives the hidden states of the out rows (the samples'
+    logit rows, padded with row 0 to the logit-row count of min(size, max_seqs) samples). Graphs are keyed
+    (size, decode rows): (size, 0) for steps of chunks only, which launch no decode attention, and (size, d)
+    for d in decode_row_counts(size), the decode call covering d rows of which the buffer's decode count are
+    real. A spare row costs its share of the decode launch (on an H200, 128 spare rows were ~70 us of a
+    2.1 ms step of 64 decodes + 128 prompt tokens), so a step takes the smallest d that holds its decodes."""
 
     kind = "mixed"
 
@@ -231,6 +231,9 @@ class MixedGraphs(StepGraphs):
                  out_width: int, dtype: torch.dtype, device: torch.device,
                  use_cuda_graphs: bool = True) -> None:
         self.max_seqs = max_seqs
+        # the runner's logit-row counts (ModelRunner.logit_counts), which out rows pad to; layout() reads
+        # them at every step
+        self.logit_counts = capture_sizes(max_seqs)
         super().__init__(forward, sizes, state, out_width, dtype, device, use_cuda_graphs)
 
     def decode_row_counts(self, size: int) -> list[int]:
@@ -244,10 +247,10 @@ class MixedGraphs(StepGraphs):
 
     def layout(self, key: tuple[int, int]) -> FlatLayout:
         cap = min(key[0], self.max_seqs)  # chunks, and samples: one per running sequence at most
-        # out rows: the runner's padded logit-row count of `cap` samples (ModelRunner.logit_counts, the same
-        # sizes), so the padded rows of any step of this size fit and the logits product runs at a count
-        # start-up warmed (a budget below max_seqs can make the last size, and cap, any number)
-        return FlatLayout(key[0], cap, num_out=padded_size(cap, capture_sizes(self.max_seqs)))
+        # out rows: the padded logit-row count of `cap` samples, so the padded rows of any step of this size
+        # fit and the logits product runs at a count start-up warmed (a budget below max_seqs can make the
+        # last size, and cap, any number)
+        return FlatLayout(key[0], cap, num_out=padded_size(cap, self.logit_counts))
 
     def takes(self, num_tokens: int, num_decode: int, num_chunks: int) -> tuple[int, int] | None:
         """The key a step of these counts replays, or None (it runs eagerly)."""
@@ -265,5 +268,5 @@ class MixedGraphs(StepGraphs):
         input_ids, positions, meta = self.state.step_inputs(tokens, decode_rows,
                                                             num_decode if decode_rows else None,
                                                             (chunk_rows, qsl, lens))
-        hidden = self.forward(input_ids, positions, meta, out_rows.long())  # (cap, hidden): the out rows'
+        hidden = self.forward(input_ids, positions, meta, out_rows.long())  # (num_out, hidden)
         self.output[:hidden.shape[0]].copy_(hidden)
