@@ -39,6 +39,7 @@ import torch
 import kernels
 from server.engine.attention import decode_splits
 from server.model import load_model
+from tools.kernel_bench import gpu_tag
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +226,7 @@ def main() -> None:
     argmax = runner.sampler.argmax
     rows, profiles = [], []
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"compile_forward_{torch.cuda.get_device_name().split()[-1].lower()}.json"
+    path = args.out / f"compile_forward_{gpu_tag(torch.cuda.get_device_name())}.json"
     for batch in args.batches:
         chunks = ctx.chunks(batch)
         inputs = StepInputs(ctx, batch, width, "cuda")

@@ -32,6 +32,7 @@ import triton
 from server.engine.runner import ModelRunner
 from server.model import load_model
 from tests.runner_chunks import Chunk, run_chunks
+from tools.kernel_bench import gpu_tag
 
 TARGETS_MS = {1: 0.75, 64: 1.15, 256: 2.4}  # issue 16, decode forward including logits
 OPS = ("torch", "fused", "fused_gemm")  # fused_gemm: the fused ops with one row on the GEMM route (baseline)
@@ -248,7 +249,7 @@ def main() -> None:
         "weight_bytes": w_bytes, "startup": startup, "rows": rows, "profiles": profiles,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    gpu = torch.cuda.get_device_name().split()[-1].lower()
+    gpu = gpu_tag(torch.cuda.get_device_name())  # decode_forward_h200, decode_forward_h100, ...
     path = args.out / f"decode_forward_{gpu}.json"
     path.write_text(json.dumps(result, indent=1))
     path.with_suffix(".md").write_text(markdown(result))

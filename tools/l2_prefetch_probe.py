@@ -33,6 +33,7 @@ import server.model.fused_forward as ff
 from server.model import load_model
 from tests.runner_chunks import run_chunks
 from tools.decode_forward_bench import Contexts, build_runner, copy_bandwidth, cuda_ms, graph_step
+from tools.kernel_bench import gpu_tag
 
 SHIPPED, SHIPPED_ATTEND = ff.fused_forward, ff._attend
 
@@ -172,7 +173,7 @@ def main() -> None:
               "python": platform.python_version(), "context": args.context, "copy_bw_tb_s": copy_bw / 1e12,
               "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
-    gpu = torch.cuda.get_device_name().split()[-1].lower()
+    gpu = gpu_tag(torch.cuda.get_device_name())
     path = args.out / f"l2_prefetch_{gpu}.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"\n{result['gpu']}, torch {result['torch']}, triton {result['triton']}, copy "
