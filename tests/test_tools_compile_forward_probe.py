@@ -17,8 +17,8 @@ def test_fullgraph_trace_equals_the_eager_modules():
 def test_the_custom_op_stores_then_attends():
     gen = torch.Generator().manual_seed(0)
     b, hq, hkv, d, bs, nblocks = 3, 4, 2, 16, 4, 8
-    k_cache = torch.randn(nblocks, bs, hkv, d, generator=gen)
-    v_cache = torch.randn(nblocks, bs, hkv, d, generator=gen)
+    kv_data = torch.randn(2, 2, nblocks, bs, hkv, d, generator=gen)  # (L, 2, N, bs, Hkv, D); layer 1 used
+    k_cache, v_cache = kv_data[1, 0], kv_data[1, 1]
     q, k, v = (torch.randn(b, h, d, generator=gen) for h in (hq, hkv, hkv))
     tables = torch.tensor([[1, 2], [3, 4], [5, 6]], dtype=torch.int32)
     lens = torch.tensor([5, 8, 1], dtype=torch.int32)
@@ -27,7 +27,8 @@ def test_the_custom_op_stores_then_attends():
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     kernels.store_kv(k, v, ref_k, ref_v, slots)
     ref = kernels.paged_decode_attention(q, ref_k, ref_v, tables, lens, num_splits=1)
-    out = torch.ops.pagewalk_probe.store_and_attend(q, k, v, k_cache, v_cache, slots, tables, lens, 1)
-    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    layer0 = kv_data[0].clone()
+    out = torch.ops.pagewalk_probe.store_and_attend(q, k, v, kv_data, 1, slots, tables, lens, 1)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v) and torch.equal(kv_data[0], layer0)
     torch.testing.assert_close(out, ref)
     assert out.is_contiguous() and out.shape == q.shape

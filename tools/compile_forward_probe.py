@@ -44,12 +44,16 @@ from tools.kernel_bench import gpu_tag
 log = logging.getLogger(__name__)
 
 
-@torch.library.custom_op("pagewalk_probe::store_and_attend", mutates_args=("k_cache", "v_cache"))
-def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, num_splits: int) -> torch.Tensor:
-    """q (B, Hq, D), k/v (B, Hkv, D) of one decode step -> (B, Hq, D) contiguous: stores k/v at `slots`,
-    then attends over the cache (the runner's two launches; the merge workspace is WORKSPACE's)."""
+@torch.library.custom_op("pagewalk_probe::store_and_attend", mutates_args=("kv_data",))
+def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_data: torch.Tensor, layer: int,
+                     slots: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     num_splits: int) -> torch.Tensor:
+    """q (B, Hq, D), k/v (B, Hkv, D) of one decode step -> (B, Hq, D) contiguous: stores k/v at `slots` of
+    layer `layer` of the whole cache kv_data (L, 2, N, bs, Hkv, D), then attends over it (the runner's two
+    launches; the merge workspace is WORKSPACE's). The op mutates the cache tensor itself, not a view of it:
+    a custom op mutating views of a graph input makes Inductor copy the viewed base around each call (the
+    first GPU run did, as_strided + clone of the cache, and faulted)."""
+    k_cache, v_cache = kv_data[layer, 0], kv_data[layer, 1]  # (N, bs, Hkv, D) each
     kernels.store_kv(k, v, k_cache, v_cache, slots)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, num_splits=num_splits,
@@ -58,7 +62,7 @@ def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
 
 
 @store_and_attend.register_fake
-def _(q, k, v, k_cache, v_cache, slots, block_tables, seq_lens, num_splits):
+def _(q, k, v, kv_data, layer, slots, block_tables, seq_lens, num_splits):
     return q.new_empty(q.shape)
 
 
@@ -70,13 +74,12 @@ class OpaqueAttention:
 
     backend = "torch"
 
-    def __init__(self, kv_layers, slots, block_tables, seq_lens, num_splits: int) -> None:
-        self.kv_layers, self.slots, self.num_splits = kv_layers, slots, num_splits
+    def __init__(self, kv_data, slots, block_tables, seq_lens, num_splits: int) -> None:
+        self.kv_data, self.slots, self.num_splits = kv_data, slots, num_splits  # (L, 2, N, bs, Hkv, D)
         self.block_tables, self.seq_lens = block_tables, seq_lens
 
     def __call__(self, layer_idx, q, k, v):
-        k_cache, v_cache = self.kv_layers[layer_idx]
-        return torch.ops.pagewalk_probe.store_and_attend(q, k, v, k_cache, v_cache, self.slots,
+        return torch.ops.pagewalk_probe.store_and_attend(q, k, v, self.kv_data, layer_idx, self.slots,
                                                          self.block_tables, self.seq_lens, self.num_splits)
 
 
@@ -110,8 +113,7 @@ def compiled_step(model, kv, inputs: StepInputs, mode: str | None, backend: str 
     """-> (fn() returning (B, V) logits, compile seconds): the decode step compiled at this batch size."""
     k_cache = kv.layer(0)[0]
     splits = decode_splits(inputs.input_ids.shape[0], k_cache, inputs.block_tables.shape[1], None)
-    attn = OpaqueAttention([kv.layer(i) for i in range(model.config.num_layers)], inputs.slots,
-                           inputs.block_tables, inputs.seq_lens, splits)
+    attn = OpaqueAttention(kv.data, inputs.slots, inputs.block_tables, inputs.seq_lens, splits)
     torch._dynamo.reset()
     fn = torch.compile(lambda ids, pos: decode_logits(model, attn, ids, pos), fullgraph=True, dynamic=False,
                        backend=backend, mode=mode)
@@ -180,8 +182,7 @@ def smoke() -> None:
     kv.data.normal_()
     inputs = StepInputs(ctx, 4, 8, "cpu")
     splits = decode_splits(4, kv.layer(0)[0], 8, None)
-    attn = OpaqueAttention([kv.layer(i) for i in range(cfg.num_layers)], inputs.slots, inputs.block_tables,
-                           inputs.seq_lens, splits)
+    attn = OpaqueAttention(kv.data, inputs.slots, inputs.block_tables, inputs.seq_lens, splits)
     with torch.no_grad():
         eager = decode_logits(model, attn, inputs.input_ids, inputs.positions)
         step, seconds = compiled_step(model, kv, inputs, None, backend="aot_eager")
