@@ -21,7 +21,6 @@ import triton
 import triton.language as tl
 
 from kernels.launch_cache import CachedLauncher
-from kernels.pdl import pdl_options
 from kernels.rmsnorm import check_row_extras, row_rstd
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -34,12 +33,8 @@ def _silu_and_mul_kernel(
     GATE_UP, OUT, RESIDUAL, BIAS, eps, stride_in, stride_out, stride_r,
     INTERMEDIATE: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
     NORM: tl.constexpr, HIDDEN: tl.constexpr, H_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_GDC: tl.constexpr,
 ):
     """Program (row, c) writes tiles c * TILES ... (c + 1) * TILES - 1 of the row's BLOCK-wide tiles."""
-    if USE_GDC:  # kernels/pdl.py: the down projection may launch and stream its weights; gate_up must end
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     rstd = 1.0
     if NORM:  # the folded pre-MLP norm: scale the projection of the un-normed row
@@ -70,7 +65,7 @@ def _launch(gate_up, out, norm_of, eps, bias):
               float(eps), gate_up.stride(0), out.stride(0), res.stride(0),
               INTERMEDIATE=inter, BLOCK=block, TILES=tiles, NORM=norm_of is not None, HIDDEN=res.shape[1],
               H_BLOCK=triton.next_power_of_2(res.shape[1]), HAS_BIAS=bias is not None,
-              num_warps=4, num_stages=1, **pdl_options(gate_up.device))
+              num_warps=4, num_stages=1)
 
 
 def silu_and_mul(gate_up: torch.Tensor, *, norm_of: torch.Tensor | None = None, eps: float = 0.0,

@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 from kernels.launch_cache import CachedLauncher
-from kernels.pdl import pdl_options
 from kernels.rmsnorm import check_row_extras, row_rstd
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -61,10 +60,8 @@ def _rope_store_kernel(
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PAD: tl.constexpr, KV_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr,
     NORM: tl.constexpr, HIDDEN: tl.constexpr, H_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    REWRITE_V: tl.constexpr, USE_GDC: tl.constexpr,
+    REWRITE_V: tl.constexpr,
 ):
-    if USE_GDC:  # kernels/pdl.py: launched behind the qkv GEMM's tail, we wait for its output
-        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     offs_i = tl.arange(0, HALF_PAD)                                     # (HALF_PAD,) pair index
     in_half = offs_i < HALF
@@ -125,8 +122,7 @@ def _launch(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_h
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, Q_PAD=q_pad, KV_PAD=kv_pad, HALF=half,
         HALF_PAD=half_pad, NORM=norm_of is not None, HIDDEN=res.shape[1],
         H_BLOCK=triton.next_power_of_2(res.shape[1]), HAS_BIAS=bias is not None,
-        REWRITE_V=norm_of is not None or bias is not None, num_warps=warps, num_stages=1,
-        **pdl_options(qkv.device))
+        REWRITE_V=norm_of is not None or bias is not None, num_warps=warps, num_stages=1)
 
 
 def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,

@@ -27,7 +27,6 @@ import triton
 import triton.language as tl
 
 from kernels.launch_cache import CachedLauncher
-from kernels.pdl import pdl_options
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SPLITK_MAX_ROWS = 64  # up to here this kernel beats cuBLAS's split-K + reduce on the down projection
@@ -56,33 +55,15 @@ TILE_CLASSES = (
 
 
 @triton.jit
-def _prefetch_slice(W, rn, k0, N, K, LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):
-    """prefetch.global.L2 of the weight rows rn (BN,), columns [k0, k0 + LINES * LINE_ELEMS): a request per
-    128-byte line; rows and columns past the matrix clamp to its last ones (a repeat costs one request)."""
-    row = tl.minimum(rn, N - 1).to(tl.int64)                        # (BN,)
-    col = tl.minimum(k0 + tl.arange(0, LINES) * LINE_ELEMS, K - 1)  # (LINES,) first element of each line
-    ptrs = W + row[:, None] * K + col[None, :]                      # (BN, LINES)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _splitk_add_kernel(X, W, RES, PART, TICKETS, M, N, K, stride_x, stride_r, k_per_split,
                        SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, EVEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       USE_GDC: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):
+                       BLOCK_K: tl.constexpr, EVEN: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """RES (M, N) += X (M, K) W (N, K)^T for the program's (BLOCK_M, BLOCK_N) tile and K range
     [pid_k * k_per_split, + k_per_split) (a multiple of BLOCK_K). EVEN: N % BLOCK_N == 0 and
     K == SPLIT_K * k_per_split, so that the weight loads need no mask. PART: (SPLIT_K, M_PAD, N) fp32.
-    DOT_PRECISION "ieee" for fp32 operands (as torch's fp32 matmul, no TF32), else "tf32" (unused).
-    USE_GDC (kernels/pdl.py): launched early behind the SiLU-and-mul, the program first asks L2 for its whole
-    weight slice (BLOCK_N rows x PREFETCH_LINES 128-byte lines of LINE_ELEMS elements), which no kernel
-    writes, then waits for the kernels before it; the loop then finds its weights in L2 or on their way."""
+    DOT_PRECISION "ieee" for fp32 operands (as torch's fp32 matmul, no TF32), else "tf32" (unused)."""
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                    # (BN,) output columns
-    if USE_GDC:
-        _prefetch_slice(W, rn, pid_k * k_per_split, N, K, PREFETCH_LINES, LINE_ELEMS)
-        tl.extra.cuda.gdc_wait()
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                    # (BM,) rows
     rk = pid_k * k_per_split + tl.arange(0, BLOCK_K)                # (BK,) this step's K columns
     m_ok, n_ok = rm < M, rn < N
@@ -172,10 +153,7 @@ def splitk_add(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) ->
         raise ValueError(f"splitk_add holds {tickets.numel()} tile counters, {grid[0] * grid[2]} needed")
     part = torch.empty(t.split_k * grid[2] * t.block_m * n, dtype=torch.float32, device=x.device)
     even = n % t.block_n == 0 and k == t.split_k * k_per_split
-    line_elems = 128 // x.element_size()
     _kernel(grid, x, weight, residual, part, tickets, m, n, k, x.stride(0), residual.stride(0), k_per_split,
             SPLIT_K=t.split_k, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, EVEN=even,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=t.num_warps,
-            num_stages=t.num_stages if x.element_size() <= 2 else max(1, t.num_stages // 2),
-            PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k_per_split, line_elems)),
-            LINE_ELEMS=line_elems, **pdl_options(x.device))
+            num_stages=t.num_stages if x.element_size() <= 2 else max(1, t.num_stages // 2))
