@@ -13,7 +13,10 @@ the GEMM route 1.095 / 1.092 in each): the o_proj GEMV's early programs compete 
 Nor with the wait first and the next launch allowed only after the tile loop: 0.930 ms against 0.871 for the
 plain launch in one call (2026-12-02, the plain kernel swapped back in for the second run); nor letting the
 o_proj GEMV launch at the attention's start (0.916 against 0.879), nor waiting first with no early successor
-(0.895 against 0.876): docs/kernel.md, "Filling the attention's idle bandwidth".
+(0.895 against 0.876): docs/kernel.md, "Filling the attention's idle bandwidth". Nor by the kernels above one
+row (RoPE + store and SiLU-and-mul waiting first behind their cuBLAS GEMMs, the split-K down projection behind
+SiLU-and-mul): -0.9% at 64 rows, +0.3% at 256 on an H100, and slower still with the down projection's weights
+prefetched into L2 before its wait (docs/kernel.md, "Programmatic launch for the decoder's own kernels").
 """
 
 from __future__ import annotations
