@@ -15,12 +15,12 @@ In one process, the `bench` preset (Llama-3.2-1B shape, random weights, bf16):
 Both read the same cached K/V (--context tokens a sequence in shuffled blocks, tables as wide as the served
 max_model_len) and decode one token a sequence. One step = graph replay + the argmax of the bf16 logits
 (kernels/argmax.py, as the engine's greedy step), timed with CUDA events over back-to-back steps. Also: the
-compile time, the logits' deviation from the eager torch ops (fp32 reference: the same modules in fp32 on
-the same weights is not needed; both bf16 paths are compared with the eager bf16 torch ops), and a per-kernel
-split of one replayed step at --profile-batches.
+compile time, each bf16 path's logit deviation from the eager bf16 torch ops over the same custom op (the
+reference both are measured against), and a per-kernel split of one replayed step at --profile-batches.
+Results: docs/benchmarks/compile_forward_h100.md.
 
-`--smoke` runs the tracing on the CPU (tiny preset, torch attention backend, backend aot_eager, no graphs):
-the custom op's fake and real implementations, fullgraph tracing, logits equal to the eager modules.
+`--smoke` runs the tracing on the CPU (tiny preset, the kernels' torch backend, dynamo backend aot_eager, no
+graphs): the custom op's fake and real implementations, fullgraph tracing, logits equal to the eager modules.
 Prints a table; writes compile_forward_<gpu>.json under --out.
 """
 
