@@ -38,7 +38,17 @@ import torch
 
 import kernels
 from server.engine.attention import decode_splits
+from server.engine.kv_cache_tensors import KVCacheTensors
 from server.model import load_model
+from tests.runner_chunks import run_chunks
+from tools.decode_forward_bench import (
+    Contexts,
+    build_runner,
+    copy_bandwidth,
+    cuda_ms,
+    graph_step,
+    kernel_split,
+)
 from tools.kernel_bench import gpu_tag
 
 log = logging.getLogger(__name__)
@@ -149,31 +159,8 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a - ref).abs().max() / ref.abs().max())
 
 
-def kernel_split(step, steps: int = 3, top: int = 12) -> dict:
-    """Per-kernel device us of one step (mean over `steps` calls of step())."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        dev_us = getattr(e, "self_device_time_total", 0)
-        if dev_us > 0 and getattr(e, "device_type", None) != torch.autograd.DeviceType.CPU:
-            rows.append((e.key[:90], dev_us / steps, e.count // steps))
-    rows.sort(key=lambda r: -r[1])
-    return {"total_us": sum(r[1] for r in rows),
-            "kernels": [{"name": n, "us": us, "calls": c} for n, us, c in rows[:top]],
-            "other_us": sum(r[1] for r in rows[top:])}
-
-
 def smoke() -> None:
     """CPU: fullgraph tracing with the custom op (aot_eager), logits equal to the eager torch ops."""
-    from server.engine.kv_cache_tensors import KVCacheTensors
-    from tools.decode_forward_bench import Contexts
-
     model, _ = load_model("tiny", "cpu", torch.float32)
     cfg = model.config
     ctx = Contexts(4, 40, 16)
@@ -193,9 +180,6 @@ def smoke() -> None:
 
 
 def main() -> None:
-    from tests.runner_chunks import run_chunks
-    from tools.decode_forward_bench import Contexts, build_runner, copy_bandwidth, cuda_ms, graph_step
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64, 256])
@@ -254,9 +238,10 @@ def main() -> None:
                   f"(compile {compile_s:.0f} s, rel err {err:.1e})", flush=True)
             if batch in args.profile_batches:
                 profiles.append({"batch": batch, "ops": f"inductor {mode}"}
-                                | kernel_split(step))
+                                | kernel_split(step, top=12))
         if batch in args.profile_batches:
-            profiles.append({"batch": batch, "ops": "fused"} | kernel_split(graph_step(runner, batch)))
+            fused_step = graph_step(runner, batch)
+            profiles.append({"batch": batch, "ops": "fused"} | kernel_split(fused_step, top=12))
         rows.append(row)
         result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                   "triton": __import__("triton").__version__, "python": platform.python_version(),

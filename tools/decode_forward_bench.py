@@ -150,46 +150,46 @@ def execute_ms(runner: ModelRunner, chunks: list[Chunk], iters: int) -> float:
     return statistics.median(times)
 
 
+def kernel_split(fn, steps: int = 3, top: int = 15) -> dict:
+    """Per-kernel device time of fn() (torch.profiler, mean over `steps` calls) -> total_us, the `top`
+    kernels (name, us, calls, share of the total) and other_us; no kernels when none was recorded."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        dev_us = getattr(e, "self_device_time_total", None)
+        if dev_us is None:
+            dev_us = e.self_cuda_time_total
+        if dev_us > 0 and getattr(e, "device_type", None) != torch.autograd.DeviceType.CPU:
+            rows.append((e.key, dev_us / steps, e.count // steps))
+    rows.sort(key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    kernels = [{"name": n[:90], "us": us, "calls": c, "share": us / total} for n, us, c in rows[:top]]
+    return {"total_us": total, "kernels": kernels, "other_us": sum(r[1] for r in rows[top:])}
+
+
 def profile_step(runner: ModelRunner, ops: str, chunks: list[Chunk], steps: int = 3,
                  top: int = 15) -> dict:
     """Per-kernel device time of one replayed step (mean over `steps`); falls back to an eager step with the
     same decoder ops if the profiler records no kernels inside graph replays."""
-    from torch.profiler import ProfilerActivity, profile
-
     run_chunks(runner, chunks)
-    step = graph_step(runner, len(chunks))
+    split = kernel_split(graph_step(runner, len(chunks)), steps, top)
     mode = "graph replay"
-
-    def record(fn):
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                fn()
-            torch.cuda.synchronize()
-        rows = []
-        for e in prof.key_averages():
-            dev_us = getattr(e, "self_device_time_total", None)
-            if dev_us is None:
-                dev_us = e.self_cuda_time_total
-            if dev_us > 0 and getattr(e, "device_type", None) != torch.autograd.DeviceType.CPU:
-                rows.append((e.key, dev_us / steps, e.count // steps))
-        return rows
-
-    rows = record(step)
-    if not rows:
+    if not split["kernels"]:
         graphs, runner.graphs = runner.graphs, None
         runner.model.set_decoder_ops(ops)
         try:
-            rows = record(lambda: run_chunks(runner, chunks))
+            split = kernel_split(lambda: run_chunks(runner, chunks), steps, top)
             mode = "eager (no kernels traced in graph replays)"
         finally:
             runner.graphs = graphs
             runner.model.set_decoder_ops("auto")
-    rows.sort(key=lambda r: -r[1])
-    total = sum(r[1] for r in rows)
-    kernels = [{"name": n[:90], "us": us, "calls": c, "share": us / total} for n, us, c in rows[:top]]
-    return {"mode": mode, "batch": len(chunks), "total_us": total, "kernels": kernels,
-            "other_us": sum(r[1] for r in rows[top:])}
+    return {"mode": mode, "batch": len(chunks)} | split
 
 
 def main() -> None:
