@@ -76,3 +76,17 @@ def test_queries_are_answered_to_the_asker():
     sent = run_loop([[(b"a", Hello()), (b"b", Hello())], [(b"b", Query(7, "stats"))]])
     replies = [(c, m) for c, m in sent if isinstance(m, Reply)]
     assert [(c, m.call_id) for c, m in replies] == [(b"b", 7)]
+
+
+def test_a_client_that_attaches_late_reads_the_cores_all_time_totals():
+    # b says Hello after a's request has prefilled: the totals in b's updates are still the core's since
+    # start-up (an API server that attaches after another has served reports the same /debug totals)
+    sent = run_loop([[(b"a", Hello())], [(b"a", request("r1", 8))], [], [(b"b", Hello())],
+                     [(b"b", request("r2", 4))]])
+    last = {c: m.stats for c, m in sent if isinstance(m, StepUpdate)}
+    ran = sum(m.stats.num_prefill_tokens for c, m in sent if c == b"a" and isinstance(m, StepUpdate))
+    assert ran == 2 * len(request("r").prompt_token_ids)  # each prompt ran once
+    assert last[b"a"].prefill_tokens == last[b"b"].prefill_tokens == ran
+    assert last[b"a"].generated_tokens == last[b"b"].generated_tokens == 8 + 4
+    seen_by_b = sum(m.stats.num_prefill_tokens for c, m in sent if c == b"b" and isinstance(m, StepUpdate))
+    assert seen_by_b < ran  # what b could have summed from its own updates: r1's prefill came before it

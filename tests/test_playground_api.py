@@ -23,17 +23,15 @@ MAP = {"block_size": 16, "num_blocks": 8, "free_blocks": 6, "used_blocks": 1, "c
 
 
 class FakeEngine:
-    """What the debug routes use of an engine: kv_snapshot, health, the core's last stats,
-    num_prefill_tokens."""
+    """What the debug routes use of an engine: kv_snapshot, health, the core's last stats."""
 
     def __init__(self, with_snapshot: bool = True):
         self.calls = 0
-        self.num_prefill_tokens = 7
         if not with_snapshot:
             self.kv_snapshot = None
 
     def last_core_stats(self) -> CoreStats:
-        return CoreStats(1, 2, 10, 3, 1, 0.0, generated_tokens=5, preemptions=1)
+        return CoreStats(1, 2, 10, 3, 1, 0.0, generated_tokens=5, preemptions=1, prefill_tokens=7)
 
     async def kv_snapshot(self) -> dict:
         self.calls += 1

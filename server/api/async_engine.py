@@ -99,7 +99,6 @@ class AsyncEngine:
         self.metrics = EngineMetrics(self.model_name, self.attention_backend, self.device, self.dtype)
         self.on_core_death: Callable[[str], None] | None = None
         self.dead: str | None = None  # why the core is gone
-        self.num_prefill_tokens = 0  # prompt (and recomputed) tokens the core ran, all time
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when the last live request ends
         self._live: dict[str, LiveRequest] = {}
@@ -218,6 +217,12 @@ class AsyncEngine:
     def last_core_stats(self) -> CoreStats:
         """The core's stats as its last step reported them."""
         return self._stats
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt (and recomputed) tokens the core ran, all time: the core's count, so every API server
+        gives the same figure, whenever it attached."""
+        return self._stats.prefill_tokens
 
     def _num_waiting(self) -> int:
         """Requests accepted here and not running in the core: queued there, or on their way to it."""
@@ -346,7 +351,6 @@ class AsyncEngine:
             if not live_map:
                 self._idle.notify_all()
             waiting = self._waiting_everywhere()
-        self.num_prefill_tokens += s.num_prefill_tokens
         if self.api_server.records_core_metrics:
             self._record_core_metrics(s, waiting)
         for loop, items in batches.items():

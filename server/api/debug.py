@@ -70,8 +70,8 @@ async def read_snapshot(engine) -> dict:
 def engine_totals(engine) -> dict:
     """The core's all-time totals (from its last step's stats: the same in every API server)."""
     stats = engine.last_core_stats()
-    return {"prefill_tokens": int(getattr(engine, "num_prefill_tokens", 0)),
-            "generated_tokens": stats.generated_tokens, "preemptions": stats.preemptions}
+    return {"prefill_tokens": stats.prefill_tokens, "generated_tokens": stats.generated_tokens,
+            "preemptions": stats.preemptions}
 
 
 @router.get("/debug/kvcache")

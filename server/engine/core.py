@@ -48,6 +48,7 @@ class EngineCore:
         self._seq_ids = itertools.count()
         self._in_flight: tuple[SchedulerOutput, StepResult] | None = None  # launched, not post-processed
         self.generated_tokens = 0  # output tokens in the updates, all time
+        self.prefill_tokens = 0  # prompt (and recomputed) tokens scheduled, all time
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self, er: EngineRequest) -> None:
@@ -145,6 +146,7 @@ class EngineCore:
         if done is not None:
             updates += self._postprocess(*done)
         self.generated_tokens += sum(len(u.new_token_ids) for u in updates)
+        self.prefill_tokens += sched.num_prefill_tokens
         return StepUpdate(updates, self.stats(sched.num_prefill_tokens, sched.num_decode_tokens,
                                               len(sched.preempted)))
 
@@ -170,7 +172,7 @@ class EngineCore:
         return CoreStats(running, len(self.requests) - running, u.free_blocks, u.used_blocks, u.cached_blocks,
                          u.prefix_hit_rate, num_prefill_tokens, num_decode_tokens, num_preemptions,
                          u.prefix_queries, u.prefix_hits, self.generated_tokens,
-                         self.scheduler.num_preemptions)
+                         self.scheduler.num_preemptions, self.prefill_tokens)
 
     def running_request_ids(self) -> set[str]:
         """Requests with a choice holding KV blocks (in the scheduler's running list)."""

@@ -59,6 +59,7 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     prefix_hits: int = 0  # of those, tokens served from it
     generated_tokens: int = 0  # output tokens the core handed out, all time (every client's)
     preemptions: int = 0  # all time
+    prefill_tokens: int = 0  # prompt (and recomputed) tokens run, all time
 
 
 class StepUpdate(msgspec.Struct, tag="step", gc=False):
