@@ -106,7 +106,9 @@ class AsyncEngine:
         self._running_here = 0  # of the core's running requests, this process's
         # the waiting bound, shared out: each API server admits up to its part
         self.max_waiting = -(-config.max_waiting // self.api_server.count)
-        self._prefix_counts = (0, 0)  # the core's cumulative prefix-cache (queries, hits) last counted
+        # the core's all-time (prefix queries, prefix hits, preemptions) last counted into the metrics: the
+        # counters advance by their change, so that a server attaching late counts the core's whole history
+        self._core_counts = (0, 0, 0)
         self._accepting = True
         self._serving_admitted = True  # False once the drain's wait is over: admitted prompts refused too
         # queue places the API's admission (server/api/admission.py) holds for prompts of admitted
@@ -358,14 +360,14 @@ class AsyncEngine:
 
     def _record_core_metrics(self, s: CoreStats, waiting: int) -> None:
         m = self.metrics
-        if s.num_preemptions:
-            m.num_preemptions.inc(s.num_preemptions)
         m.num_requests_running.set(s.running)
         m.num_requests_waiting.set(waiting)
         m.kv_cache_usage_perc.set(s.used_blocks / max(1, self.info.num_blocks - 1))
-        m.prefix_cache_queries.inc(s.prefix_queries - self._prefix_counts[0])  # cumulative in the core
-        m.prefix_cache_hits.inc(s.prefix_hits - self._prefix_counts[1])
-        self._prefix_counts = (s.prefix_queries, s.prefix_hits)
+        queries, hits, preemptions = self._core_counts
+        m.prefix_cache_queries.inc(s.prefix_queries - queries)
+        m.prefix_cache_hits.inc(s.prefix_hits - hits)
+        m.num_preemptions.inc(s.preemptions - preemptions)
+        self._core_counts = (s.prefix_queries, s.prefix_hits, s.preemptions)
 
     def _on_death(self, reason: str) -> None:
         error = f"the engine core died ({reason})"
