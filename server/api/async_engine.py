@@ -353,10 +353,10 @@ class AsyncEngine:
             if not live_map:
                 self._idle.notify_all()
             waiting = self._waiting_everywhere()
-        if self.api_server.records_core_metrics:
-            self._record_core_metrics(s, waiting)
         for loop, items in batches.items():
             call_soon(loop, self._apply, items)
+        if self.api_server.records_core_metrics:  # after the tokens are handed on: they never wait on it
+            self._record_core_metrics(s, waiting)
 
     def _record_core_metrics(self, s: CoreStats, waiting: int) -> None:
         m = self.metrics
