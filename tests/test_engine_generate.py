@@ -165,3 +165,22 @@ def test_prefix_cache_skips_the_shared_prefix_and_output_is_unchanged(engine):
     assert second == first
     hits, queries = (engine.metrics.value(f"pagewalk_prefix_cache_{c}_total") for c in ("hits", "queries"))
     assert 0 < hits < queries
+
+
+@pytest.mark.parametrize("in_process", [True, False])
+def test_a_failing_metrics_update_holds_back_no_token(monkeypatch, in_process):
+    # the step handler records the core's metrics after it hands the tokens on, and a handler's exception
+    # is logged by the client (a core thread or the receiver thread) without stopping it
+    e = make_engine(in_process=in_process)
+    try:
+        def broken(*_):
+            raise ValueError("a metric refused its update")
+
+        monkeypatch.setattr(e, "_record_core_metrics", broken)
+        prompt = prompt_of(e, "metrics may fail")
+        first = run_one(e, "m1", prompt, greedy(6))
+        second = run_one(e, "m2", prompt, greedy(6))  # the core still serves
+        assert first.error is None and len(first.choices[0].token_ids) == 6
+        assert second.choices[0].token_ids == first.choices[0].token_ids
+    finally:
+        e.shutdown(timeout=5)

@@ -83,8 +83,12 @@ class ThreadCoreClient:
 
     def start(self, on_message: OnMessage, on_death: OnDeath) -> None:
         def send(_client, msg: FromCore) -> None:
-            if not isinstance(msg, Ready):  # the answer to our own Hello below
+            if isinstance(msg, Ready):  # the answer to our own Hello below
+                return
+            try:
                 on_message(msg)
+            except Exception:  # a bug in a handler must not stop the core (as the socket clients' receiver)
+                logger.exception("could not handle a message from the engine core")
 
         loop = CoreLoop(self.core, self.info, self._receive, send)
         self._inbox.put(Hello())
