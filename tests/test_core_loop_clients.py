@@ -90,3 +90,16 @@ def test_a_client_that_attaches_late_reads_the_cores_all_time_totals():
     assert last[b"a"].generated_tokens == last[b"b"].generated_tokens == 8 + 4
     seen_by_b = sum(m.stats.num_prefill_tokens for c, m in sent if c == b"b" and isinstance(m, StepUpdate))
     assert seen_by_b < ran  # what b could have summed from its own updates: r1's prefill came before it
+
+
+def test_a_client_that_attaches_to_an_idle_core_gets_its_stats_at_once():
+    # the core publishes nothing while idle: a client saying Hello then is sent the core's stats with its
+    # Ready, not left with empty ones until the next step (an API server attaching after another served)
+    idle = [[] for _ in range(12)]  # r1's 8 tokens run out, then the core waits
+    sent = run_loop([[(b"a", Hello())], [(b"a", request("r1", 8))], *idle, [(b"b", Hello())],
+                     [(b"ctl", Hello(updates=False))]])
+    to_b = [m for c, m in sent if c == b"b"]
+    assert isinstance(to_b[0], Ready) and isinstance(to_b[1], StepUpdate) and not to_b[1].updates
+    assert to_b[1].stats.prefill_tokens == len(request("r").prompt_token_ids)
+    assert to_b[1].stats.generated_tokens == 8 and to_b[1].stats.running == 0
+    assert not any(c == b"ctl" and isinstance(m, StepUpdate) for c, m in sent)

@@ -58,9 +58,10 @@ class CoreLoop:
                 elif isinstance(msg, Query):
                     self.send(client, Reply(msg.call_id, self._query(msg.name)))
                 elif isinstance(msg, Hello):
-                    if msg.updates:
-                        self.clients[client] = None
                     self.send(client, Ready(self.info))
+                    if msg.updates:  # the core's stats now: an idle core publishes nothing until it steps
+                        self.clients[client] = None
+                        self.send(client, StepUpdate([], self.core.stats()))
                 elif isinstance(msg, Shutdown):
                     stop = True
             if stop:
