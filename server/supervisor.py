@@ -110,10 +110,14 @@ def _wait(servers: list, core_died: threading.Event) -> bool:
             alive.remove(p)
             p.join()
             # a server our SIGTERM reached before it set its handlers (still starting) dies of it: stopped
-            # as asked, not failed
-            if p.exitcode != 0 and not (stopping.is_set() and p.exitcode == -signal.SIGTERM):
+            # as asked, not failed; one that exits unasked, even with 0 (a SIGTERM sent to it alone: it
+            # drained), leaves its share of the admission bound and, for server 0, the core's metrics
+            # unserved, so the whole server stops and exits non-zero for its own supervisor to restart it
+            asked = stopping.is_set() and p.exitcode in (0, -signal.SIGTERM)
+            if not asked:
                 failed = True
-                logger.error("API server %s exited with code %s: stopping the server", p.name, p.exitcode)
+                logger.error("API server %s exited with code %s%s: stopping the server", p.name, p.exitcode,
+                             "" if stopping.is_set() else " unasked")
                 stop()
         if core_died.is_set() and not stopping.is_set():
             logger.error("the engine core died: the API servers fail their requests and exit")

@@ -5,6 +5,7 @@ stream, and a dead core or a dead API server ends the whole server with a non-ze
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -117,6 +118,42 @@ def test_a_dead_api_server_stops_the_server(tmp_path):
         time.sleep(0.5)
         assert not os.path.exists(f"/proc/{core}") or open(f"/proc/{core}/stat").read().split()[2] == "Z"
     finally:
+        srv.stop()
+
+
+def test_a_server_that_exits_unasked_stops_the_server(tmp_path):
+    # a SIGTERM sent to one API server alone: it drains and exits 0, but its share of --max-waiting (and,
+    # for server 0, the core's metrics) would go unserved, so the supervisor stops everything, non-zero
+    srv = two_servers(tmp_path)
+    try:
+        os.kill(server_pids(srv)[0], signal.SIGTERM)
+        assert srv.proc.wait(timeout=60) != 0
+        assert "exited with code 0 unasked" in srv.log.read_text()
+    finally:
+        srv.stop()
+
+
+def test_a_hung_core_is_killed_within_the_shutdown_timeout(tmp_path):
+    # README: a hung (stopped) core is killed, its streams fail and the exit is 1 within --shutdown-timeout
+    # + 8 s; with several API servers the one that finds it hung kills it through its pidfd
+    srv = two_servers(tmp_path, "--shutdown-timeout", "1")
+    core = srv.core_pid()
+    try:
+        started = threading.Event()
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(stream_tokens, srv, 2000, started)
+            assert started.wait(60)
+            os.kill(core, signal.SIGSTOP)
+            stopped = time.monotonic()
+            srv.proc.send_signal(signal.SIGTERM)
+            assert srv.proc.wait(timeout=60) == 1
+            elapsed = time.monotonic() - stopped
+            events = future.result(timeout=30)
+        assert "engine core is hung" in json.loads(events[-2])["error"]["message"]
+        assert elapsed < 1 + 8, elapsed
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(core, signal.SIGCONT)
         srv.stop()
 
 

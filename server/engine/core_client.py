@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import queue
 import shutil
+import signal
 import socket
 import tempfile
 import threading
@@ -336,10 +337,16 @@ class AttachedCoreClient(_SocketCoreClient):
         return f"pid {self.pid} exited"
 
     def close(self, timeout: float, hung: bool = False) -> None:
-        """Stop reading; the core goes on (the supervisor shuts it down once every API server is done, and
-        kills it if it is hung)."""
+        """Stop reading; the core goes on (the supervisor shuts it down once every API server is done).
+        hung: this server found the core hung (aborts unanswered), and kills it (SIGKILL through the pidfd,
+        which cannot reach another process that took the pid); the other servers see it end and fail
+        their requests, and the supervisor exits 1, within the shutdown timeout as one API process does."""
         self._closing = True
         self._stop_receiving(timeout)
+        if hung:
+            self.stopped_by_force = True
+            with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
         self._release()
 
     def _release(self) -> None:
