@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import threading
+import time
 
 import pytest
 from engine_helpers import collect, make_engine, run_all, run_one, wait_until
@@ -12,6 +14,7 @@ from engine_helpers import collect, make_engine, run_all, run_one, wait_until
 from kvcache.snapshot import per_block
 from server.api.async_engine import RequestRejected
 from server.api.choice_stream import ChoiceStream
+from server.engine.outputs import EngineRequest
 from server.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
@@ -349,3 +352,37 @@ def test_a_query_racing_the_cores_death_is_a_503_not_a_hang():
         asyncio.run(main())
     finally:
         e.shutdown(timeout=5)
+
+
+def test_the_drains_abort_never_overtakes_the_add_it_aborts():
+    # a request registered just before shutdown copies the live requests: its add is on its way while the
+    # drain sends its Abort. The core ignores an Abort of an id it does not hold; if the add arrived second,
+    # the request would run on and the drain would take the working core for a hung one (and kill it)
+    e = make_engine()
+    core, send = e.client.core, e.client.send
+    step = core.step
+
+    def slow_step():  # a real model's step time, so the request is still running at the abort
+        time.sleep(0.01)
+        return step()
+
+    registered = threading.Event()
+
+    def send_late(msg):
+        if isinstance(msg, EngineRequest):  # generate has registered the request; the drain starts meanwhile
+            registered.set()
+            time.sleep(0.5)
+        send(msg)
+
+    core.step, e.client.send = slow_step, send_late
+    drained = threading.Thread(target=lambda: registered.wait(10) and e.shutdown(timeout=0.05))
+    drained.start()
+
+    async def main():
+        params = greedy(1500)
+        return [out async for out in e.generate("late", [1, 2, 3], params, admitted=True)]
+
+    outs = asyncio.run(main())
+    drained.join(30)
+    assert e.dead is None, e.dead
+    assert [d.finish_reason for o in outs for d in o.deltas if d.finish_reason] == ["abort"]

@@ -255,11 +255,16 @@ class AsyncEngine:
             if request_id in self._live:
                 raise RequestRejected(400, f"request id {request_id!r} is already in use")
             self._live[request_id] = live
-        try:
-            self.client.send(EngineRequest(request_id, live.prompt_token_ids, params, live.arrival_time))
-        except BaseException:  # never reached the core: nothing will ever end it there
-            self._forget(request_id)
-            raise
+            # sent under the lock that shutdown copies _live under: its Abort of this request comes after
+            # the add (the core ignores an Abort of an id it does not hold, and the drain would then take a
+            # working core for a hung one)
+            try:
+                self.client.send(EngineRequest(request_id, live.prompt_token_ids, params, live.arrival_time))
+            except BaseException:  # never reached the core: nothing will ever end it there
+                del self._live[request_id]
+                if not self._live:
+                    self._idle.notify_all()
+                raise
         self.metrics.prompt_tokens.inc(len(live.prompt_token_ids))
         finished = False
         try:
