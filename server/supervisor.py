@@ -11,8 +11,9 @@ the core, is the HTTP ceiling above that). This process, the supervisor, runs no
 3. on SIGTERM or SIGINT it passes SIGTERM on: each server drains its own requests and exits; then it shuts
    the core down and exits 0.
 Failures end the whole server with a non-zero exit, so a supervisor above it restarts it: the core dies
-(each API server sees its pid end, fails its requests, answers 503 and exits 1), or an API server dies
-(the others are stopped as on SIGTERM; its requests cannot be finished by anyone else).
+(each API server sees its pid end, fails its requests, answers 503 and exits 1), an API server dies or
+exits unasked (the others are stopped as on SIGTERM; its requests cannot be finished by anyone else), or
+a server finds the core hung at its drain (it kills the core; the others see it end).
 """
 
 from __future__ import annotations
