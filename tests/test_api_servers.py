@@ -121,6 +121,19 @@ def test_a_dead_api_server_stops_the_server(tmp_path):
         srv.stop()
 
 
+def test_a_refusal_names_the_servers_share_of_the_waiting_bound(tmp_path):
+    # two servers share --max-waiting 3 as 2 each (rounded up): a request of 3 prompts exceeds one server's
+    # part, and the 400 says so rather than naming the part as the setting
+    srv = two_servers(tmp_path, "--max-waiting", "3")
+    try:
+        r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 2},
+                       timeout=60)
+        assert r.status_code == 400, r.text
+        assert "this API server's 2 of max_waiting=3" in r.json()["error"]["message"], r.text
+    finally:
+        srv.stop()
+
+
 def test_a_server_that_exits_unasked_stops_the_server(tmp_path):
     # a SIGTERM sent to one API server alone: it drains and exits 0, but its share of --max-waiting (and,
     # for server 0, the core's metrics) would go unserved, so the supervisor stops everything, non-zero

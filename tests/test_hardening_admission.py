@@ -43,6 +43,7 @@ def test_a_burst_over_the_queue_is_refused_before_the_status_line():
     for r in responses:
         if r.status_code == 429:
             assert r.json()["error"]["type"] == "rate_limit_error" and r.headers["retry-after"] == "1"
+            assert "max_waiting=2)" in r.json()["error"]["message"]  # one API server: the setting itself
         else:
             assert "error" not in r.text, r.text  # the two admitted ones were served, not refused inside
 

@@ -114,7 +114,7 @@ class AdmissionGate:
         limit = engine.max_waiting  # with several API servers, this one's part of --max-waiting
         if len(prompts) > max(1, limit):
             raise APIError(400, f"{len(prompts)} prompts in one request exceed the waiting queue "
-                                f"(max_waiting={limit}); send at most {limit}.", "prompt")
+                                f"({engine.waiting_bound}); send at most {limit}.", "prompt")
         try:  # 503 stopping or dead, 400 a prompt too long for the cache, 429 a full queue
             engine.reserve_places([len(ids) for ids in prompts], params)
         except RequestRejected as e:

@@ -104,8 +104,11 @@ class AsyncEngine:
         self._live: dict[str, LiveRequest] = {}
         self._stats = CoreStats(0, 0, info.num_blocks - 1, 0, 0, 0.0)
         self._running_here = 0  # of the core's running requests, this process's
-        # the waiting bound, shared out: each API server admits up to its part
+        # the waiting bound, shared out: each API server admits up to its part (rounded up), and its refusals
+        # name the part and the setting
         self.max_waiting = -(-config.max_waiting // self.api_server.count)
+        self.waiting_bound = (f"max_waiting={config.max_waiting}" if self.api_server.count == 1 else
+                              f"this API server's {self.max_waiting} of max_waiting={config.max_waiting}")
         # the core's all-time (prefix queries, prefix hits, preemptions) last counted into the metrics: the
         # counters advance by their change, so that a server attaching late counts the core's whole history
         self._core_counts = (0, 0, 0)
@@ -213,8 +216,8 @@ class AsyncEngine:
 
     def _refuse_if_queue_full(self, waiting: int, incoming: int) -> None:
         if waiting + incoming > self.max_waiting:
-            raise RequestRejected(429, f"too many requests waiting ({waiting}, max_waiting="
-                                  f"{self.max_waiting}); retry later")
+            raise RequestRejected(429, f"too many requests waiting ({waiting}, {self.waiting_bound}); "
+                                  "retry later")
 
     def last_core_stats(self) -> CoreStats:
         """The core's stats as its last step reported them."""
