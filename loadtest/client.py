@@ -144,6 +144,8 @@ async def _stream(client: httpx.AsyncClient, spec: RequestSpec, cfg: ClientConfi
             return _fail(rec, *reader.failure)
     if not reader.done:
         return _fail(rec, "incomplete_stream", "stream ended without data: [DONE]")
+    if not rec.chunk_times:  # no TTFT to report, yet its usage tokens would count in the throughput
+        return _fail(rec, "no_content", "stream ended without a content chunk")
     counted = reader.streamed_ids or len(rec.chunk_times)
     _apply_usage(rec, reader.completion_tokens, reader.prompt_tokens, counted)
     _check_finish(rec, reader.finish_reason)
@@ -163,8 +165,12 @@ async def _unary(client: httpx.AsyncClient, spec: RequestSpec, cfg: ClientConfig
     rec.chunk_times.append(time.perf_counter())
     rec.streamed = False
     usage = body.get("usage") or {}
-    _apply_usage(rec, usage.get("completion_tokens"), usage.get("prompt_tokens"), 0)
     choices = body.get("choices") or [{}]
+    ids = [c.get("token_ids") for c in choices if isinstance(c, dict)]
+    counted = sum(len(t) for t in ids if isinstance(t, list))
+    if usage.get("completion_tokens") is None and not counted:  # 0 tokens would read as a success
+        return _fail(rec, "no_usage", "a response without usage or token ids: its output tokens are unknown")
+    _apply_usage(rec, usage.get("completion_tokens"), usage.get("prompt_tokens"), counted)
     _check_finish(rec, choices[-1].get("finish_reason") if isinstance(choices[-1], dict) else None)
 
 

@@ -96,7 +96,7 @@ class StreamReader:
         except (msgspec.DecodeError, msgspec.ValidationError):
             self.failure = ("bad_response", payload.decode(errors="replace"))
             return False
-        if chunk.error is not _NO_ERROR:
+        if chunk.error is not _NO_ERROR and bytes(chunk.error).strip() != b"null":  # "error": null is none
             self.failure = ("stream_error", bytes(chunk.error).decode(errors="replace"))
             return False
         usage = chunk.usage

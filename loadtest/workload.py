@@ -64,12 +64,17 @@ def build_workload(
     vocab_range: tuple[int, int] = (32, 126),
     chat_overhead: int = 0,
 ) -> list[RequestSpec]:
-    """`num_requests` specs; the same seed gives the same prompts and lengths."""
-    rng = np.random.default_rng(seed)
+    """`num_requests` specs; the same seed and length ranges give the same prompts and lengths. Each prompt
+    draws from its own stream keyed by (seed, ranges, index): with one stream for all, a run at twice the
+    input length with the same seed sent the earlier run's prompts joined in pairs (and at half, their
+    first halves), prefix-cache hits the workload did not mean."""
+    key = [seed, input_lens.low, input_lens.high, output_lens.low, output_lens.high]
+    rng = np.random.default_rng(key)
     ins = input_lens.sample(rng, num_requests)
     outs = output_lens.sample(rng, num_requests)
     specs = []
     for i, (n_in, n_out) in enumerate(zip(ins, outs, strict=True)):
+        rng = np.random.default_rng([*key, i])
         if endpoint == "chat":
             if n_in <= chat_overhead:
                 raise ValueError(f"input_len {n_in} must exceed the chat template's {chat_overhead} tokens")

@@ -5,6 +5,7 @@ machine is tens of ms at worst, so the timing bounds are one-sided where sleeps 
 """
 
 import asyncio
+import json
 from dataclasses import replace
 
 import pytest
@@ -133,6 +134,52 @@ def test_a_200_that_is_no_json_object_is_a_bad_response(body):
     with serve_in_thread(app) as url:
         result = run(url, 2, concurrency=1, stream=False)
     assert [r.error_kind for r in result.records] == ["bad_response", "bad_response"]
+
+
+def scripted(events: list[bytes] | None = None, body: bytes | None = None):
+    """An ASGI app that answers every request with these SSE events (or this JSON body)."""
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        kind = b"text/event-stream" if events is not None else b"application/json"
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", kind)]})
+        for e in events or []:
+            await send({"type": "http.response.body", "body": b"data: " + e + b"\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": body or b""})
+    return app
+
+
+def test_a_stream_without_a_content_chunk_fails():
+    # it has no TTFT, yet its usage tokens counted in the throughput (vLLM's bench fails it too)
+    empty = {"choices": [{"index": 0, "text": "", "finish_reason": None}]}
+    events = [json.dumps(empty).encode(),
+              json.dumps({"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 2}}).encode(),
+              b"[DONE]"]
+    specs = build_workload(1, LengthRange(12, 12), LengthRange(2, 2), 0)
+    cfg = ClientConfig("", "mock", return_token_ids=False, timeout_s=10.0)
+
+    async def go(url):
+        async with make_client(1, 10.0) as client:
+            return await run_benchmark(client, specs, replace(cfg, base_url=url), 1, [0.0])
+
+    with serve_in_thread(scripted(events)) as url:
+        result = asyncio.run(go(url))
+    assert [r.error_kind for r in result.records] == ["no_content"]
+
+
+@pytest.mark.parametrize("choice, usage, kind, tokens", [
+    ({"text": "abcd", "finish_reason": "length"}, None, "no_usage", 0),  # 0 tokens would read as a success
+    ({"text": "abcd", "finish_reason": "length", "token_ids": [1, 2, 3, 4]}, None, None, 4),
+    ({"text": "abcd", "finish_reason": "length"}, {"prompt_tokens": 12, "completion_tokens": 5}, None, 5),
+])  # fmt: skip
+def test_a_unary_response_counts_usage_then_token_ids(choice, usage, kind, tokens):
+    body = json.dumps({"choices": [{"index": 0, **choice}], **({"usage": usage} if usage else {})}).encode()
+    with serve_in_thread(scripted(body=body)) as url:
+        result = run(url, 1, concurrency=1, stream=False)
+    (rec,) = result.records
+    assert rec.error_kind == kind and (rec.output_tokens if kind is None else 0) == tokens
 
 
 def test_unreachable_server_fails_every_request_without_raising():

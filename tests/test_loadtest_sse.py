@@ -71,3 +71,10 @@ def test_a_bad_or_error_event_stops_the_reading(bad, kind):
     assert reader.failure[0] == kind and reader.chunk_times == [0.0]
     if kind == "stream_error":
         assert json.loads(reader.failure[1]) == {"message": "boom", "type": "server_error"}
+
+
+def test_an_error_field_of_null_is_no_error():
+    # a server may send "error": null in every chunk: that is an ordinary content chunk
+    reader = StreamReader([])
+    assert reader.feed(event({**completion("a", [97]), "error": None}), 1.0)
+    assert reader.failure is None and reader.chunk_times == [1.0]

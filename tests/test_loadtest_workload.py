@@ -23,6 +23,23 @@ def test_length_ranges_are_uniform_inclusive():
     assert all(len(s.prompt) == s.input_len for s in specs)
 
 
+@pytest.mark.parametrize("first, second", [(128, 256), (128, 64)])
+def test_other_lengths_with_the_same_seed_share_no_prompt_prefix(first, second):
+    # one stream for every prompt made a run at 256 tokens send the 128-token run's prompts joined in pairs,
+    # and a run at 64 their first halves: prefix-cache hits across a sweep of input lengths
+    a = build_workload(16, LengthRange(first, first), LengthRange(64, 64), seed=0)
+    b = build_workload(16, LengthRange(second, second), LengthRange(64, 64), seed=0)
+    k = min(first, second)
+    seen = {tuple(s.prompt[:k]) for s in a}
+    assert not any(tuple(s.prompt[:k]) in seen for s in b)
+
+
+def test_the_first_prompts_do_not_depend_on_the_request_count():
+    a = build_workload(5, LengthRange(8, 16), LengthRange(4, 4), seed=1)
+    b = build_workload(9, LengthRange(8, 16), LengthRange(4, 4), seed=1)
+    assert b[:5] == a  # loadtest/prefix_cache.py: the same seed gives the same first N prompts
+
+
 def test_same_seed_same_workload_other_seed_differs():
     a = build_workload(5, LengthRange(8, 16), LengthRange(4, 4), seed=1)
     b = build_workload(5, LengthRange(8, 16), LengthRange(4, 4), seed=1)
