@@ -227,6 +227,7 @@ def test_bearer_auth(engine):
         err = assert_error(request(app, "POST", "/v1/completions", json=CMPL, headers=headers), 401)
         assert err["type"] == "authentication_error"
     assert_error(request(app, "GET", "/v1/models"), 401)
+    assert_error(request(app, "GET", "/v1/models/tiny"), 401)
     ok = {"Authorization": "Bearer s3cret"}
     assert request(app, "POST", "/v1/completions", json=CMPL, headers=ok).status_code == 200
     assert request(app, "GET", "/v1/models", headers=ok).status_code == 200

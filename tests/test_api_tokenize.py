@@ -123,6 +123,12 @@ def test_models_version_and_model_ids(tiny):
         assert r.status_code == 200 and r.json()["model"] == "my-model", r.text
     r = call(app, "POST", "/v1/completions", {"model": "gpt-9", "prompt": "hi", "max_tokens": 1})
     assert r.status_code == 404 and "'my-model'" in r.json()["error"]["message"]
+    # OpenAI's "retrieve model" (the openai client's models.retrieve): each id a request may name, else 404
+    for name in ("my-model", "alias", "tiny"):
+        card = call(app, "GET", f"/v1/models/{name}").json()
+        assert card == {**cards[0], "id": name}, card
+    r = call(app, "GET", "/v1/models/gpt-9")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
 def test_checkpoint_path_is_a_model_id_and_tokens_match_hf(checkpoint):
