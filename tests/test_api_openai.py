@@ -211,3 +211,15 @@ def test_stream_completion_logprob_offsets_match_non_streaming(app, echo):
     offsets = [o for c in chunks for ch in c["choices"] if ch["logprobs"]
                for o in ch["logprobs"]["text_offset"]]
     assert offsets == whole["text_offset"] and len(offsets) >= 7
+
+
+def test_streamed_offsets_count_text_held_back_for_a_stop_string(app):
+    # the tiny model's greedy continuation of "Hello" starts with "r", which might begin the stop string
+    # "r&e": the stream holds "r" back and sends it with the next token, whose offset is still 1
+    req = {"prompt": "Hello", "max_tokens": 12, "logprobs": 0, "stop": "r&e", **GREEDY}
+    whole = post(app, "/v1/completions", req).json()["choices"][0]
+    assert whole["text"].startswith("r") and not whole["text"].startswith("r&e")  # the case under test
+    chunks = sse_payloads(post(app, "/v1/completions", {**req, "stream": True}).text)
+    offsets = [o for c in chunks for ch in c["choices"] if ch["logprobs"]
+               for o in ch["logprobs"]["text_offset"]]
+    assert offsets == whole["logprobs"]["text_offset"]

@@ -173,7 +173,7 @@ async def _stream(job: CompletionJob) -> AsyncIterator[str]:
                 if job.req.echo and not started[index]:  # with logprobs: they came with this first delta
                     started[index] = True
                     yield sse_event(job.response([job.echo_choice(index, d.prompt_logprobs)]))
-                offset = states[index].text_len
+                offset = states[index].text_offset
                 states[index].add(d)
                 if d.text or d.token_ids or d.finish_reason:
                     event = job.delta_event(index, d, offset, not started[index])

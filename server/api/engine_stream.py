@@ -53,14 +53,20 @@ class ChoiceState:
 
 @dataclass
 class StreamedChoice:
-    """What a streamed choice keeps of what it produced: its text's length (logprob offsets) and its token
-    count (usage); the text itself is already sent, and keeping it costs a copy per event."""
+    """What a streamed choice keeps of what it produced: the text offset of its next token (logprob
+    offsets) and its token count (usage); the text itself is already sent, and keeping it costs a copy per
+    event. The offset sums the tokens' strings, as the unstreamed response's offsets do (logprobs.py), not
+    the text sent: text that might start a stop string is held back and sent with a later token, whose
+    offset must still count it."""
 
-    text_len: int = 0
+    text_offset: int = 0
     num_tokens: int = 0
 
     def add(self, delta: ChoiceDelta) -> None:
-        self.text_len += len(delta.text)
+        if delta.logprobs:
+            self.text_offset += sum(len(lp.token) for lp in delta.logprobs)
+        else:
+            self.text_offset += len(delta.text)
         self.num_tokens += len(delta.token_ids)
 
 
