@@ -223,3 +223,33 @@ def test_streamed_offsets_count_text_held_back_for_a_stop_string(app):
     offsets = [o for c in chunks for ch in c["choices"] if ch["logprobs"]
                for o in ch["logprobs"]["text_offset"]]
     assert offsets == whole["logprobs"]["text_offset"]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_echo_with_max_tokens_0_scores_the_prompt(app, n):
+    # OpenAI's legacy completions (and vLLM) answer echo + max_tokens 0 with the prompt and its logprobs,
+    # generating nothing: how evaluation harnesses score a prompt. Streamed and not, the same answer.
+    req = {"prompt": "Score me", "max_tokens": 0, "echo": True, "logprobs": 1, "n": n, **GREEDY}
+    body = post(app, "/v1/completions", req).json()
+    prompt_ids = post(app, "/tokenize", {"prompt": "Score me"}).json()["tokens"]
+    assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 0,
+                             "total_tokens": len(prompt_ids)}, body
+    for choice in body["choices"]:
+        assert choice["text"] == "Score me" and choice["finish_reason"] == "length"
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(prompt_ids) and lp["token_logprobs"][0] is None
+        assert all(isinstance(x, float) for x in lp["token_logprobs"][1:])
+    chunks = sse_payloads(post(app, "/v1/completions", {**req, "stream": True}).text)
+    for index in range(n):
+        mine = [ch for c in chunks for ch in c["choices"] if ch["index"] == index]
+        assert "".join(ch["text"] for ch in mine) == "Score me"
+        assert [ch["finish_reason"] for ch in mine if ch["finish_reason"]] == ["length"]
+        tokens = [t for ch in mine if ch["logprobs"] for t in ch["logprobs"]["tokens"]]
+        assert tokens == body["choices"][index]["logprobs"]["tokens"]
+
+
+def test_max_tokens_0_without_echo_is_a_400(app):
+    r = post(app, "/v1/completions", {"prompt": "x", "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    r = post(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text

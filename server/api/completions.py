@@ -22,6 +22,7 @@ from server.api.engine_stream import (
     merged_outputs,
     usage,
 )
+from server.api.errors import APIError
 from server.api.logprobs import completion_logprobs, echo_logprobs, joined
 from server.api.openapi_bodies import request_body
 from server.api.outputs import ChoiceDelta
@@ -48,6 +49,9 @@ class CompletionJob:
     params: SamplingParams
     reservation: Reservation | None = None  # its queue places (admit)
     max_seqs: int | None = None  # choices in the engine at once
+    # echo with max_tokens 0 (OpenAI's legacy way to score a prompt, as vLLM serves it): the engine samples
+    # one token for the prompt's logprobs, and the answer is the echoed prompt alone
+    scores_prompt: bool = False
 
     def new_states(self) -> list[ChoiceState]:
         n = self.params.n
@@ -127,12 +131,25 @@ def _job(engine, req: CompletionRequest) -> CompletionJob:
         for ids in prompts:
             check_token_ids(ids, tok.vocab_size, "prompt")
         texts = [tok.decode(ids) for ids in prompts] if req.echo else [""] * len(prompts)
+    scores_prompt = req.max_tokens == 0
+    if scores_prompt and not req.echo:
+        raise APIError(400, "max_tokens 0 generates nothing: it is only valid with echo (score the prompt).",
+                       "max_tokens")
     max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
+    max_tokens = max(1, max_tokens)  # scoring: the one sampled token is dropped
     check_context_length(engine, prompts, max_tokens, "prompt")
     params = sampling_params(req, max_tokens, req.logprobs, tok.vocab_size, engine.sampling_defaults)
     if req.echo and req.logprobs is not None:  # the echoed prompt comes with its logprobs
         params.prompt_logprobs = req.logprobs
-    return CompletionJob(engine, req, f"cmpl-{uuid.uuid4().hex}", int(time.time()), prompts, texts, params)
+    return CompletionJob(engine, req, f"cmpl-{uuid.uuid4().hex}", int(time.time()), prompts, texts, params,
+                         scores_prompt=scores_prompt)
+
+
+def _prompt_only(delta: ChoiceDelta) -> ChoiceDelta:
+    """A scoring request's delta without its sampled token: no text, ids or logprobs; its end is the
+    max_tokens 0 it asked for."""
+    return ChoiceDelta(delta.index, "", [], [] if delta.logprobs is not None else None,
+                       "length" if delta.finish_reason is not None else None, None, delta.prompt_logprobs)
 
 
 async def _complete(job: CompletionJob) -> bytes:
@@ -141,6 +158,9 @@ async def _complete(job: CompletionJob) -> bytes:
     n = job.params.n
     choices = []
     for index, st in enumerate(states):
+        if job.scores_prompt:  # the echoed prompt alone (new_states started it)
+            st.text, st.token_ids, st.logprobs = job.prompt_texts[index // n], [], []
+            st.finish_reason, st.stop_reason = "length", None
         base = len(job.prompt_texts[index // n]) if job.req.echo else 0
         c = job.choice(index, st.text, None, base, st.token_ids, True)
         c.finish_reason, c.stop_reason = st.finish_reason, st.stop_reason
@@ -170,6 +190,8 @@ async def _stream(job: CompletionJob) -> AsyncIterator[str]:
                 raise engine_error(out)
             for d in out.deltas:
                 index = i * n + d.index
+                if job.scores_prompt:
+                    d = _prompt_only(d)
                 if job.req.echo and not started[index]:  # with logprobs: they came with this first delta
                     started[index] = True
                     yield sse_event(job.response([job.echo_choice(index, d.prompt_logprobs)]))

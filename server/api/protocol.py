@@ -156,6 +156,7 @@ Prompt = Annotated[str | list[int] | list[str] | list[list[int]], Field(union_mo
 
 class CompletionRequest(_SamplingRequest):
     prompt: Prompt
+    max_tokens: int | None = Field(None, ge=0)  # 0 with echo: score the prompt, generate nothing
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool | None = False
     suffix: Annotated[str | None, refused_unless(None, "")] = None
