@@ -141,7 +141,9 @@ def test_a_server_that_exits_unasked_stops_the_server(tmp_path):
     try:
         os.kill(server_pids(srv)[0], signal.SIGTERM)
         assert srv.proc.wait(timeout=60) != 0
-        assert "exited with code 0 unasked" in srv.log.read_text()
+        # 0 once the server's handlers are set (it drained); -15 if the signal came while it was starting
+        log = srv.log.read_text()
+        assert re.search(r"exited with code (0|-15) unasked", log), log[-3000:]
     finally:
         srv.stop()
 
