@@ -253,3 +253,40 @@ def test_max_tokens_0_without_echo_is_a_400(app):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
     r = post(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
+def test_chat_message_carries_refusal_and_the_response_a_system_fingerprint(app):
+    # OpenAI's chat response: message.refusal (null unless the model refused) and system_fingerprint
+    req = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **GREEDY}
+    body = post(app, "/v1/chat/completions", req).json()
+    assert "system_fingerprint" in body and body["system_fingerprint"] is None
+    assert body["choices"][0]["message"]["refusal"] is None
+
+
+def test_an_assistant_refusal_part_is_replayed_as_its_text(app):
+    # a history that holds an assistant's refusal part (OpenAI allows text or refusal parts there; vLLM
+    # reads the refusal as text) renders as the same history with that text
+    turn = {"role": "user", "content": "hi"}
+    as_part = [turn, {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]}, turn]
+    as_text = [turn, {"role": "assistant", "content": "No."}, turn]
+    req = {"max_tokens": 4, "return_token_ids": True, **GREEDY}
+    a = post(app, "/v1/chat/completions", {**req, "messages": as_part})
+    b = post(app, "/v1/chat/completions", {**req, "messages": as_text})
+    assert a.status_code == 200, a.text
+    assert a.json()["prompt_token_ids"] == b.json()["prompt_token_ids"]
+    user_refusal = [{"role": "user", "content": [{"type": "refusal", "refusal": "No."}]}]
+    r = post(app, "/v1/chat/completions", {**req, "messages": user_refusal})
+    assert r.status_code == 400 and "refusal" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"max_completion_tokens": 1400}, "max_completion_tokens"),
+    ({"max_tokens": 1400}, "max_tokens"),
+])  # fmt: skip
+def test_a_refusal_of_the_requests_tokens_names_the_field_sent(app, fields, param):
+    # 3 x (prompt + 1400) tokens fit the context but not this engine's KV cache (255 blocks of 16): the 400
+    # names the limit the client sent
+    body = {"messages": [{"role": "user", "content": "hi"}], "n": 3, **fields, **GREEDY}
+    r = post(app, "/v1/chat/completions", body)
+    assert r.status_code == 400 and "KV cache capacity" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == param

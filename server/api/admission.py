@@ -37,7 +37,7 @@ class RequestLimits:
 
 
 def check_limits(limits: RequestLimits, engine, prompts: list[list[int]], params: SamplingParams,
-                 logprobs_param: str = "logprobs") -> None:
+                 logprobs_param: str = "logprobs", tokens_param: str = "max_tokens") -> None:
     """400 for a request whose work exceeds a limit or the whole KV cache."""
     if len(params.stop) > limits.max_stop_strings:
         _refuse("stop", f"{len(params.stop)} stop strings", f"max_stop_strings={limits.max_stop_strings}")
@@ -63,9 +63,9 @@ def check_limits(limits: RequestLimits, engine, prompts: list[list[int]], params
     total = params.n * (prompt_tokens + len(prompts) * params.max_tokens)
     what = f"{total} tokens (n x (prompt + max_tokens), over all prompts)"
     if total > engine.capacity_tokens:
-        _refuse("max_tokens", what, f"the KV cache capacity of {engine.capacity_tokens} tokens")
+        _refuse(tokens_param, what, f"the KV cache capacity of {engine.capacity_tokens} tokens")
     if total > limits.max_request_tokens:
-        _refuse("max_tokens", what, f"max_request_tokens={limits.max_request_tokens}")
+        _refuse(tokens_param, what, f"max_request_tokens={limits.max_request_tokens}")
 
 
 def _refuse(param: str, what: str, limit: str) -> None:

@@ -114,7 +114,8 @@ async def create_completion(request: Request) -> Response:
     req = await parse_body(request, CompletionRequest)
     check_model(engine, req.model)
     job = _job(engine, req)
-    job.reservation = admit(request, job.prompts, job.params)
+    tokens_param = "max_tokens" if req.max_tokens is not None else "n" if (req.n or 1) > 1 else "prompt"
+    job.reservation = admit(request, job.prompts, job.params, tokens_param=tokens_param)
     job.max_seqs = request.app.state.limits.seqs_per_request(engine.config.max_num_seqs)
     return await job_response(request, req.stream, lambda: _stream(job), lambda: _complete(job),
                               job.reservation)

@@ -71,12 +71,12 @@ class StreamedChoice:
 
 
 def admit(request: Request, prompts: list[list[int]], params: SamplingParams,
-          logprobs_param: str = "logprobs") -> Reservation:
-    """The request's bounds (400 naming the field), then its queue places (429 queue full, 503 stopping),
-    all before the status line. The caller hands the reservation to merged_outputs and releases it when
-    the response ends."""
+          logprobs_param: str = "logprobs", tokens_param: str = "max_tokens") -> Reservation:
+    """The request's bounds (400 naming the field: tokens_param for the request's total tokens, a field
+    the client sent), then its queue places (429 queue full, 503 stopping), all before the status line.
+    The caller hands the reservation to merged_outputs and releases it when the response ends."""
     state = request.app.state
-    check_limits(state.limits, state.engine, prompts, params, logprobs_param)
+    check_limits(state.limits, state.engine, prompts, params, logprobs_param, tokens_param)
     return state.admission.reserve(prompts, params)
 
 
