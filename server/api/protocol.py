@@ -190,6 +190,7 @@ TemplateKwargs = Annotated[dict[str, Any], AfterValidator(_template_kwargs)]
 class ContentPart(_Request):
     type: str
     text: str | None = None
+    refusal: str | None = None  # an assistant turn's {"type": "refusal"} part: its text, as vLLM reads it
 
 
 class ChatMessage(_Request):
@@ -218,13 +219,19 @@ class ChatMessage(_Request):
         return out
 
     def text(self) -> str:
-        """The message content as one string (text parts concatenated)."""
+        """The message content as one string (text parts, and an assistant's refusal parts, concatenated)."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
+        texts = []
         for part in self.content:
-            if part.type != "text" or part.text is None:
-                raise ValueError(f"content part of type '{part.type}' is not supported; use 'text'")
-        return "".join(part.text for part in self.content)
+            if part.type == "text" and part.text is not None:
+                texts.append(part.text)
+            elif part.type == "refusal" and self.role == "assistant" and part.refusal is not None:
+                texts.append(part.refusal)
+            else:
+                raise ValueError(f"content part of type '{part.type}' is not supported; use 'text' (or "
+                                 "'refusal' in an assistant's turn)")
+        return "".join(texts)
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -333,6 +340,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
+    refusal: str | None = None  # OpenAI's message always carries it (null: the model did not refuse)
 
 
 class ChatChoice(BaseModel):
@@ -351,6 +359,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    system_fingerprint: str | None = None  # OpenAI's and vLLM's responses carry it (null here)
     prompt_token_ids: list[int] | None = Field(**OmitIfNone)
 
 
