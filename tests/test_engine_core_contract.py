@@ -48,6 +48,7 @@ def test_aborting_a_prefilling_parent_finishes_the_choices_waiting_to_fork(core)
 
 
 @pytest.mark.parametrize("prompt_len,params,match", [
+    (0, greedy(3), "at least one token"),  # accepted, it failed the next step and every request in it
     (64, greedy(3), "max_model_len"),
     (60, greedy(5), "max_model_len"),
     (4, greedy(2, n=7), "max_num_seqs"),
