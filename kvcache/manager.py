@@ -102,13 +102,15 @@ class KVCacheManager:
 
     def allocate(self, seq_id: object, token_ids: Sequence[int],
                  prefix_keys: Sequence[tuple[Hashable, tuple[int, ...]]] = (),
-                 keep_free: int = 0) -> list[int] | None:
+                 keep_free: int = 0, counts_lookup: bool = True) -> list[int] | None:
         """Reserve slots for all ``token_ids``, reusing cached prefix blocks.
 
         None (and no change) if out of blocks, or if fewer than ``keep_free`` free blocks would be left
         (the scheduler's room for running decodes: only the blocks this takes count, not its hits). The
         hit length is ``num_cached_tokens(seq_id)``. ``prefix_keys``: ``prefix_keys(p)`` of a prefix ``p``
-        of ``token_ids`` (the prompt), if the caller keeps them.
+        of ``token_ids`` (the prompt), if the caller keeps them. ``counts_lookup`` False: the lookup
+        stays out of the prefix-cache counters (a preempted sequence's recompute finds its own old blocks;
+        the counters count each prompt's first lookup, as vLLM's do).
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already allocated")
@@ -124,7 +126,7 @@ class KVCacheManager:
         table = hits + self.pool.take_new(num_new)
         num_cached = len(hits) * self._block_size
         self._seqs[seq_id] = _Seq(table, len(token_ids), num_cached, len(hits))
-        if self.pool.enable_caching:
+        if self.pool.enable_caching and counts_lookup:
             self._prefix_queries += len(token_ids)
             self._prefix_hits += num_cached
         return list(table)

@@ -222,7 +222,8 @@ class Scheduler:
         # blocks kept free for the running decodes; a prompt's prefix-cache hits take none of them (blocks
         # it shares with running sequences are not free, yet cost it nothing)
         keep_free = min(len(self.running), self.usable_blocks // 8)
-        if self.kv.allocate(seq.seq_id, seq.token_ids, seq.prefix_keys, keep_free) is None:
+        if self.kv.allocate(seq.seq_id, seq.token_ids, seq.prefix_keys, keep_free,
+                            counts_lookup=seq.num_preemptions == 0) is None:
             return False
         seq.num_computed_tokens = self.kv.num_cached_tokens(seq.seq_id)
         self._mark_running(seq, out)
