@@ -33,3 +33,13 @@ def test_engine_metrics_reads_the_inter_token_latency():
     assert m.value("pagewalk_inter_token_latency_seconds_count") == 3
     assert m.value("pagewalk_inter_token_latency_seconds_bucket", {"le": "0.0025"}) == 1
     assert m.value("pagewalk_inter_token_latency_seconds_sum") == pytest.approx(0.2045)
+
+
+def test_a_slow_request_lands_in_a_finite_bucket():
+    # a 30-minute request and a 10-minute first token read a bucket bound, as on vLLM's dashboards (TTFT
+    # to 2560 s, request times to 7680 s), not only +Inf past the last finite bound
+    m = EngineMetrics("m", "torch", "cpu", "float32")
+    m.e2e_request_latency.observe(1800.0)
+    m.time_to_first_token.observe(600.0)
+    assert m.value("pagewalk_e2e_request_latency_seconds_bucket", {"le": "1920.0"}) == 1
+    assert m.value("pagewalk_time_to_first_token_seconds_bucket", {"le": "640.0"}) == 1
