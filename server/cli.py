@@ -228,6 +228,15 @@ def parse_serve_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.model_tag and args.model and args.model_tag != args.model:
         parser.error(f"MODEL {args.model_tag!r} and --model {args.model!r} disagree; give one")
+    if not (args.model_tag or args.model) and args.served_model_name:
+        from pathlib import Path
+
+        from server.model.config import PRESETS
+
+        swallowed = [n for n in args.served_model_name if n in PRESETS or Path(n).is_dir()]
+        if swallowed:  # `--served-model-name NAME MODEL`: nargs="+" took MODEL for a name
+            parser.error(f"--served-model-name took {swallowed[0]!r}, which looks like MODEL: put MODEL "
+                         "first or give it as --model")
     args.model = args.model_tag or args.model or "tiny"
     if args.api_server_count < 1:
         parser.error("--api-server-count must be at least 1")
@@ -251,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args)
     except (ValueError, OSError) as e:  # a bad model, tokenizer, template or flag value found at start-up
         return startup_failed(e)
+    except KeyboardInterrupt:  # Ctrl-C before the signal handlers are set: the model was still loading
+        print("pagewalk serve: interrupted during start-up", file=sys.stderr)
+        return 130
 
 
 def startup_failed(error: Exception) -> int:
@@ -331,6 +343,13 @@ def serve_api(args: argparse.Namespace, api_server=None, sock=None) -> int:
             await stop_engine(self.config.app)
             await super().shutdown(sockets)
 
+    if sock is None:  # bound before the model loads: a port in use is one line (uvicorn exited 3 after it)
+        from server.model.loader import load_tokenizer
+        from server.supervisor import listen
+
+        config = engine_config(args)  # a bad model, tokenizer or template is its own line, before the port
+        load_tokenizer(config.model, config.tokenizer, config.chat_template)
+        sock = listen(args.host, args.port)  # OSError: main's one line
     try:
         engine = AsyncEngine(engine_config(args), in_process=args.engine_in_process, log_level=args.log_level,
                              api_server=api_server)
@@ -339,12 +358,7 @@ def serve_api(args: argparse.Namespace, api_server=None, sock=None) -> int:
     max_body_bytes = args.max_body_bytes or DEFAULT_MAX_BODY_BYTES
     app = create_app(engine, api_key=args.api_key, max_body_bytes=max_body_bytes,
                      shutdown_timeout_s=args.shutdown_timeout, limits=request_limits(args))
-    if sock is None and args.port == 0:  # bound here, so that the line below names the port the OS chose
-        from server.supervisor import listen
-
-        sock = listen(args.host, 0)
-    port = sock.getsockname()[1] if sock is not None else args.port
-    logger.info(startup_line(engine, f"http://{args.host}:{port}"))
+    logger.info(startup_line(engine, http_url(args.host, sock.getsockname()[1])))
     if engine.sampling_defaults:  # as vLLM says it: the model's own values replace OpenAI's defaults
         logger.info("sampling defaults from the model's generation_config.json (for fields a request leaves "
                     "out): %s", ", ".join(f"{k}={v}" for k, v in engine.sampling_defaults.items()))
@@ -367,9 +381,14 @@ def serve_api(args: argparse.Namespace, api_server=None, sock=None) -> int:
         server.should_exit = True
 
     engine.on_core_death = core_died
-    server.run(sockets=[sock] if sock is not None else None)
+    server.run(sockets=[sock])
     # a core that died, hung or had to be killed at shutdown: non-zero, so a supervisor sees the failure
     exit_now(1 if engine.dead is not None or engine.client.stopped_by_force else 0)
+
+
+def http_url(host: str, port: int) -> str:
+    """The URL a client uses: an IPv6 host in brackets."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def exit_now(code: int) -> NoReturn:

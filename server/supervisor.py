@@ -37,7 +37,7 @@ WAIT_S = 0.5  # how often the supervisor looks at its flags between process ends
 def supervise(args: argparse.Namespace) -> int:
     from server.api.async_engine import ApiServer
     from server.api.metrics import MULTIPROC_DIR_ENV
-    from server.cli import engine_config, run_api_server, startup_failed
+    from server.cli import engine_config, http_url, run_api_server, startup_failed
     from server.engine.core_client import CoreStartupError, ProcessCoreClient
     from server.model.loader import load_tokenizer
 
@@ -61,6 +61,7 @@ def supervise(args: argparse.Namespace) -> int:
         except OSError as e:
             core.close(timeout=10)
             return startup_failed(e)
+        port = sock.getsockname()[1]  # the one the OS chose for --port 0
         ctx = multiprocessing.get_context("spawn")
         n = args.api_server_count
         servers = [ctx.Process(target=run_api_server, name=f"pagewalk-api-{i}",
@@ -69,8 +70,8 @@ def supervise(args: argparse.Namespace) -> int:
         for p in servers:
             p.start()
         sock.close()  # the servers hold it now
-        logger.info("pagewalk: %d API servers (pids %s) on http://%s:%d, engine core pid %d", n,
-                    ", ".join(str(p.pid) for p in servers), args.host, args.port, core.process.pid)
+        logger.info("pagewalk: %d API servers (pids %s) on %s, engine core pid %d", n,
+                    ", ".join(str(p.pid) for p in servers), http_url(args.host, port), core.process.pid)
         failed = _wait(servers, core_died)
         core.close(timeout=10)
         return 1 if failed or core_died.is_set() or core.stopped_by_force else 0

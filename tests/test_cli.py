@@ -106,7 +106,7 @@ def test_help_has_text_and_defaults_for_every_flag():
     (["tiny", "--max-model-len", "100000"], "exceeds the model's max_position_embeddings (2048)"),
 ])
 def test_start_up_errors_are_one_line(capsys, argv, message):
-    assert main(["serve", *argv, "--device", "cpu", "--engine-in-process"]) == 1
+    assert main(["serve", *argv, "--device", "cpu", "--engine-in-process", "--port", "0"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("pagewalk serve: error: ") and message in err
     assert err.count("\n") == 1 and "Traceback" not in err
@@ -117,7 +117,7 @@ def test_start_up_errors_are_one_line(capsys, argv, message):
     (["tiny", "--num-blocks", "1"], "num_blocks must be >= 2"),  # raised by the engine core
 ])
 def test_start_up_errors_with_several_api_servers_are_one_line(capsys, argv, message):
-    assert main(["serve", *argv, "--device", "cpu", "--api-server-count", "2"]) == 1
+    assert main(["serve", *argv, "--device", "cpu", "--api-server-count", "2", "--port", "0"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("pagewalk serve: error: ") and message in err
     assert err.count("\n") == 1 and "Traceback" not in err
@@ -141,6 +141,6 @@ def test_seed_makes_unseeded_sampling_repeat_across_restarts():
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_without_a_device_is_one_line(capsys):
-    assert main(["serve", "tiny", "--device", "cuda", "--engine-in-process"]) == 1
+    assert main(["serve", "tiny", "--device", "cuda", "--engine-in-process", "--port", "0"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("pagewalk serve: error: --device cuda: no CUDA device") and err.count("\n") == 1

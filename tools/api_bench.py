@@ -113,13 +113,13 @@ def synthetic_build_core(config):
     return core, info
 
 
-def synthetic_core_process(config, address: str, log_level: str) -> None:
+def synthetic_core_process(config, address: str, log_level: str, parent: int | None = None) -> None:
     """The core process's own entry (server.engine.core_process), building a SyntheticCore instead."""
     from server.engine import core_process
 
     Path(os.environ[CORE_PID_ENV]).write_text(str(os.getpid()))
     core_process.build_core = synthetic_build_core
-    core_process.run_core_process(config, address, log_level)
+    core_process.run_core_process(config, address, log_level, parent)
 
 
 def api_cpu_seconds(pid: int, core_pid_file: Path) -> float:

@@ -266,7 +266,8 @@ class ProcessCoreClient(_SocketCoreClient):
         self._dir = Path(tempfile.mkdtemp(prefix="pagewalk-core-"))
         super().__init__(f"ipc://{self._dir}/core")
         ctx = multiprocessing.get_context("spawn")
-        self.process = ctx.Process(target=run_core_process, args=(config, self.address, log_level),
+        self.process = ctx.Process(target=run_core_process,
+                                   args=(config, self.address, log_level, os.getpid()),
                                    name="pagewalk-core", daemon=True)
         self.process.start()
         logger.info("engine core process started (pid %d)", self.process.pid)

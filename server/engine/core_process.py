@@ -29,12 +29,14 @@ PARENT_CHECK_MS = 1000  # an idle core looks for its parent this often
 STARTUP_FAILED_WAIT_S = 5.0  # a core that could not be built waits this long for a Hello to answer
 
 
-def run_core_process(config: EngineConfig, address: str, log_level: str) -> None:
-    """Spawn target. `address`: the ipc:// address to bind."""
+def run_core_process(config: EngineConfig, address: str, log_level: str, parent: int | None = None) -> None:
+    """Spawn target. `address`: the ipc:// address to bind; `parent`: the pid of the process that started
+    it, passed in because a parent killed during the spawn's imports (~2 s) would otherwise be read as
+    init's pid 1 and never be missed (the core would then run on, holding its memory)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parent = os.getppid()
+    parent = os.getppid() if parent is None else parent
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.SNDHWM, 0)  # never block or drop: the clients' admission bounds what is queued
@@ -64,6 +66,7 @@ def run_core_process(config: EngineConfig, address: str, log_level: str) -> None
                 return messages
             messages.append((client, dec.decode(frame)))
 
+    check_parent()  # gone already (killed during the spawn): no model to build
     try:
         core, info = build_core(config)
     except BaseException as e:  # reported to the clients, which raise it: the server does not start
