@@ -343,15 +343,16 @@ def serve_api(args: argparse.Namespace, api_server=None, sock=None) -> int:
             await stop_engine(self.config.app)
             await super().shutdown(sockets)
 
+    config = engine_config(args)
     if sock is None:  # bound before the model loads: a port in use is one line (uvicorn exited 3 after it)
         from server.model.loader import load_tokenizer
         from server.supervisor import listen
 
-        config = engine_config(args)  # a bad model, tokenizer or template is its own line, before the port
+        # a bad model, tokenizer or template is its own line, before the port
         load_tokenizer(config.model, config.tokenizer, config.chat_template)
         sock = listen(args.host, args.port)  # OSError: main's one line
     try:
-        engine = AsyncEngine(engine_config(args), in_process=args.engine_in_process, log_level=args.log_level,
+        engine = AsyncEngine(config, in_process=args.engine_in_process, log_level=args.log_level,
                              api_server=api_server)
     except CoreStartupError as e:
         return startup_failed(e)
