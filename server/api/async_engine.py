@@ -265,7 +265,7 @@ class AsyncEngine:
                 self.client.send(EngineRequest(request_id, live.prompt_token_ids, params, live.arrival_time))
             except BaseException:  # never reached the core: nothing will ever end it there
                 del self._live[request_id]
-                if not self._live:
+                if not self._live:  # the drain's wait ends with the last
                     self._idle.notify_all()
                 raise
         self.metrics.prompt_tokens.inc(len(live.prompt_token_ids))
@@ -278,12 +278,6 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(request_id)
-
-    def _forget(self, request_id: str) -> None:
-        with self._lock:
-            self._live.pop(request_id, None)
-            if not self._live:
-                self._idle.notify_all()
 
     def abort(self, request_id: str) -> None:
         """Abort a request (its blocks are freed at the core's next turn). Unknown ids are ignored."""
