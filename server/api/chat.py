@@ -20,6 +20,7 @@ from server.api.engine_stream import (
     collect_choices,
     engine_error,
     merged_outputs,
+    tokens_field,
     usage,
 )
 from server.api.errors import APIError
@@ -109,19 +110,11 @@ async def create_chat_completion(request: Request) -> Response:
     check_model(engine, req.model)
     job = _job(engine, req, request.app.state.limits)
     job.reservation = admit(request, [job.prompt], job.params,
-                            "top_logprobs" if req.top_logprobs else "logprobs", tokens_field(req))
+                            "top_logprobs" if req.top_logprobs else "logprobs",
+                            tokens_field({"max_completion_tokens": req.max_completion_tokens,
+                                          "max_tokens": req.max_tokens}, req.n, "messages"))
     return await job_response(request, req.stream, lambda: _stream(job), lambda: _complete(job),
                               job.reservation)
-
-
-def tokens_field(req: ChatCompletionRequest) -> str:
-    """The field a refusal of the request's total tokens names: the token limit the client sent, else
-    what makes the total (n, or the messages when one choice)."""
-    if req.max_completion_tokens is not None:
-        return "max_completion_tokens"
-    if req.max_tokens is not None:
-        return "max_tokens"
-    return "n" if (req.n or 1) > 1 else "messages"
 
 
 def _job(engine, req: ChatCompletionRequest, limits: RequestLimits | None = None) -> ChatJob:

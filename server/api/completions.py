@@ -20,6 +20,7 @@ from server.api.engine_stream import (
     collect_choices,
     engine_error,
     merged_outputs,
+    tokens_field,
     usage,
 )
 from server.api.errors import APIError
@@ -114,8 +115,8 @@ async def create_completion(request: Request) -> Response:
     req = await parse_body(request, CompletionRequest)
     check_model(engine, req.model)
     job = _job(engine, req)
-    tokens_param = "max_tokens" if req.max_tokens is not None else "n" if (req.n or 1) > 1 else "prompt"
-    job.reservation = admit(request, job.prompts, job.params, tokens_param=tokens_param)
+    job.reservation = admit(request, job.prompts, job.params,
+                            tokens_param=tokens_field({"max_tokens": req.max_tokens}, req.n, "prompt"))
     job.max_seqs = request.app.state.limits.seqs_per_request(engine.config.max_num_seqs)
     return await job_response(request, req.stream, lambda: _stream(job), lambda: _complete(job),
                               job.reservation)

@@ -70,6 +70,13 @@ class StreamedChoice:
         self.num_tokens += len(delta.token_ids)
 
 
+def tokens_field(limits: dict[str, int | None], n: int | None, prompt_field: str) -> str:
+    """The field a refusal of a request's total tokens names: the first token limit the client sent
+    (`limits`: field -> value, None unsent), else what makes the total (n, or the prompt with one choice)."""
+    sent = next((field for field, value in limits.items() if value is not None), None)
+    return sent or ("n" if (n or 1) > 1 else prompt_field)
+
+
 def admit(request: Request, prompts: list[list[int]], params: SamplingParams,
           logprobs_param: str = "logprobs", tokens_param: str = "max_tokens") -> Reservation:
     """The request's bounds (400 naming the field: tokens_param for the request's total tokens, a field
