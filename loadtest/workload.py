@@ -74,13 +74,13 @@ def build_workload(
     outs = output_lens.sample(rng, num_requests)
     specs = []
     for i, (n_in, n_out) in enumerate(zip(ins, outs, strict=True)):
-        rng = np.random.default_rng([*key, i])
+        prompt_rng = np.random.default_rng([*key, i])
         if endpoint == "chat":
             if n_in <= chat_overhead:
                 raise ValueError(f"input_len {n_in} must exceed the chat template's {chat_overhead} tokens")
-            prompt: list[int] | str = text_prompt(rng, n_in - chat_overhead)
+            prompt: list[int] | str = text_prompt(prompt_rng, n_in - chat_overhead)
         else:
-            prompt = token_prompt(rng, n_in, vocab_range)
+            prompt = token_prompt(prompt_rng, n_in, vocab_range)
         specs.append(RequestSpec(index=i, prompt=prompt, input_len=n_in, output_len=n_out))
     return specs
 
