@@ -344,16 +344,17 @@ def serve_api(args: argparse.Namespace, api_server=None, sock=None) -> int:
             await super().shutdown(sockets)
 
     config = engine_config(args)
+    tokenizer = None
     if sock is None:  # bound before the model loads: a port in use is one line (uvicorn exited 3 after it)
         from server.model.loader import load_tokenizer
         from server.supervisor import listen
 
         # a bad model, tokenizer or template is its own line, before the port
-        load_tokenizer(config.model, config.tokenizer, config.chat_template)
+        tokenizer = load_tokenizer(config.model, config.tokenizer, config.chat_template)
         sock = listen(args.host, args.port)  # OSError: main's one line
     try:
         engine = AsyncEngine(config, in_process=args.engine_in_process, log_level=args.log_level,
-                             api_server=api_server)
+                             api_server=api_server, tokenizer=tokenizer)
     except CoreStartupError as e:
         return startup_failed(e)
     max_body_bytes = args.max_body_bytes or DEFAULT_MAX_BODY_BYTES

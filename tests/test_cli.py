@@ -112,6 +112,29 @@ def test_start_up_errors_are_one_line(capsys, argv, message):
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
+def test_one_api_server_loads_its_tokenizer_once(capsys, monkeypatch):
+    """Start-up loads the tokenizer to check it before binding the port; the engine reuses that one."""
+    import server.api.async_engine as async_engine
+    import server.model.loader as loader
+
+    loads = []
+    real = loader.load_tokenizer
+
+    def counted(*args, **kwargs):
+        loads.append(args)
+        return real(*args, **kwargs)
+
+    def stop_after_the_tokenizer(model):
+        raise ValueError("stopped after the tokenizer")
+
+    monkeypatch.setattr(loader, "load_tokenizer", counted)
+    monkeypatch.setattr(async_engine, "load_tokenizer", counted)
+    monkeypatch.setattr(async_engine, "sampling_defaults", stop_after_the_tokenizer)
+    assert main(["serve", "tiny", "--device", "cpu", "--engine-in-process", "--port", "0"]) == 1
+    assert "stopped after the tokenizer" in capsys.readouterr().err
+    assert len(loads) == 1
+
+
 @pytest.mark.parametrize("argv,message", [
     (["/no/such/dir"], "neither a preset (tiny, bench) nor a checkpoint directory"),  # the supervisor's check
     (["tiny", "--num-blocks", "1"], "num_blocks must be >= 2"),  # raised by the engine core

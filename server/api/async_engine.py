@@ -79,12 +79,13 @@ class LiveRequest:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, in_process: bool = False, log_level: str = "info",
-                 api_server: ApiServer | None = None):
+                 api_server: ApiServer | None = None, tokenizer=None):
         """`api_server`: this process is one of several API servers sharing a core that their supervisor
-        started; else this process starts its own core (in a process, or on a thread with `in_process`)."""
+        started; else this process starts its own core (in a process, or on a thread with `in_process`).
+        `tokenizer`: config's tokenizer, loaded already (start-up loads it before it binds the port)."""
         self.config = config
         self.api_server = api_server or ApiServer()
-        self.tokenizer = load_tokenizer(config.model, config.tokenizer, config.chat_template)
+        self.tokenizer = tokenizer or load_tokenizer(config.model, config.tokenizer, config.chat_template)
         # generation_config.json's sampling values, for the fields a request leaves out
         self.sampling_defaults = sampling_defaults(config.model)
         if api_server is not None:
