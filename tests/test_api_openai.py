@@ -141,6 +141,9 @@ def test_stream_completion_matches_non_streaming(app):
     assert text == whole["choices"][0]["text"]
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1])  # OpenAI's null before the last
+    plain = sse_payloads(post(app, "/v1/completions", {**req, "stream": True}).text)
+    assert plain and all("usage" not in c for c in plain)
 
 
 def test_stream_chat_first_chunk_has_role(app):
@@ -153,6 +156,10 @@ def test_stream_chat_first_chunk_has_role(app):
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     assert text == whole["choices"][0]["message"]["content"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length" and "usage" not in chunks[-1]
+    with_usage = sse_payloads(post(app, "/v1/chat/completions", {
+        **req, "stream": True, "n": 2, "logprobs": True, "stream_options": {"include_usage": True}}).text)
+    assert with_usage[-1]["choices"] == [] and with_usage[-1]["usage"]["completion_tokens"] == 10
+    assert all("usage" in c and c["usage"] is None for c in with_usage[:-1])  # role, logprob, plain chunks
 
 
 def test_stop_token_ids_end_the_choice(app):
@@ -211,6 +218,10 @@ def test_stream_completion_logprob_offsets_match_non_streaming(app, echo):
     offsets = [o for c in chunks for ch in c["choices"] if ch["logprobs"]
                for o in ch["logprobs"]["text_offset"]]
     assert offsets == whole["text_offset"] and len(offsets) >= 7
+    usage_null = sse_payloads(post(app, "/v1/completions", {
+        **req, "stream": True, "stream_options": {"include_usage": True}}).text)
+    assert usage_null[-1]["choices"] == [] and usage_null[-1]["usage"]["completion_tokens"] == 7
+    assert all(c["usage"] is None for c in usage_null[:-1])  # the echo chunk and the logprob chunks
 
 
 def test_streamed_offsets_count_text_held_back_for_a_stop_string(app):

@@ -11,7 +11,7 @@ from server.api.completions import CompletionJob
 from server.api.logprobs import chat_logprobs
 from server.api.outputs import ChoiceDelta, TokenLogprob
 from server.api.protocol import ChatChunkChoice, ChatCompletionRequest, ChatDelta, CompletionRequest
-from server.api.streaming import sse_event
+from server.api.streaming import chunk_event, sse_event
 from server.engine.sampling_params import SamplingParams
 from server.model.tokenizer import ByteTokenizer
 
@@ -30,37 +30,56 @@ DELTAS = [
 ]
 
 
-def completion_job(return_token_ids: bool, n: int = 2) -> CompletionJob:
-    req = CompletionRequest(prompt=PROMPTS, stream=True, return_token_ids=return_token_ids)
+def usage_options(include_usage: bool) -> dict:
+    return {"stream_options": {"include_usage": True}} if include_usage else {}
+
+
+def completion_job(return_token_ids: bool, n: int = 2, include_usage: bool = False) -> CompletionJob:
+    req = CompletionRequest(prompt=PROMPTS, stream=True, return_token_ids=return_token_ids,
+                            **usage_options(include_usage))
     params = SamplingParams(n=n)
     return CompletionJob(ENGINE, req, "cmpl-abc123", 1_700_000_000, PROMPTS, ["", ""], params)
 
 
-def chat_job(return_token_ids: bool) -> ChatJob:
+def chat_job(return_token_ids: bool, include_usage: bool = False) -> ChatJob:
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], stream=True,
-                                return_token_ids=return_token_ids)
+                                return_token_ids=return_token_ids, **usage_options(include_usage))
     return ChatJob(ENGINE, req, "chatcmpl-xyz", 1_700_000_001, PROMPTS[0], SamplingParams())
 
 
+@pytest.mark.parametrize("include_usage", [False, True])
 @pytest.mark.parametrize("return_token_ids", [False, True])
 @pytest.mark.parametrize("with_prompt_ids", [False, True])
 @pytest.mark.parametrize("choice_index", [0, 3])
 @pytest.mark.parametrize("delta", DELTAS, ids=range(len(DELTAS)))
-def test_completion_delta_event_matches_pydantic(delta, choice_index, with_prompt_ids, return_token_ids):
-    job = completion_job(return_token_ids)
+def test_completion_delta_event_matches_pydantic(delta, choice_index, with_prompt_ids, return_token_ids,
+                                                 include_usage):
+    job = completion_job(return_token_ids, include_usage=include_usage)
     choice = job.choice(choice_index, delta.text, delta, 0, delta.token_ids, with_prompt_ids)
-    expected = sse_event(job.response([choice]))
+    expected = chunk_event(job.response([choice]), include_usage)
     assert job.delta_event(choice_index, delta, 0, with_prompt_ids) == expected
 
 
+@pytest.mark.parametrize("include_usage", [False, True])
 @pytest.mark.parametrize("return_token_ids", [False, True])
 @pytest.mark.parametrize("delta", DELTAS, ids=range(len(DELTAS)))
-def test_chat_delta_event_matches_pydantic(delta, return_token_ids):
-    job = chat_job(return_token_ids)
+def test_chat_delta_event_matches_pydantic(delta, return_token_ids, include_usage):
+    job = chat_job(return_token_ids, include_usage)
     choice = ChatChunkChoice(index=delta.index, delta=ChatDelta(content=delta.text), logprobs=None,
                              finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
                              token_ids=job.ids(delta.token_ids))
-    assert job.delta_event(delta) == sse_event(job.chunk([choice]))
+    assert job.delta_event(delta) == chunk_event(job.chunk([choice]), include_usage)
+
+
+def test_chunks_carry_usage_null_only_where_usage_is_asked_for():
+    """OpenAI: with include_usage every chunk but the last carries "usage": null; without, none has it."""
+    delta = DELTAS[0]
+    for include_usage in (False, True):
+        event = chat_job(False, include_usage).delta_event(delta)
+        assert (',"usage":null}' in event) == include_usage
+        event = completion_job(False, include_usage=include_usage).delta_event(0, delta, 0, False)
+        assert (',"usage":null}' in event) == include_usage
+    assert sse_event(chat_job(False).chunk([])) == chunk_event(chat_job(False).chunk([]), False)
 
 
 def test_logprob_chunks_keep_the_pydantic_path():

@@ -40,8 +40,9 @@ from server.api.protocol import (
 )
 from server.api.sampling import sampling_params
 from server.api.streaming import (
-    CHUNK_TAIL,
+    chunk_event,
     chunk_head,
+    chunk_tail,
     job_response,
     json_member,
     json_str,
@@ -81,25 +82,32 @@ class ChatJob:
     def head(self) -> str:
         return chunk_head(self.request_id, "chat.completion.chunk", self.created, self.engine.model_name)
 
+    @cached_property
+    def tail(self) -> str:
+        return chunk_tail(self.req.include_usage)
+
+    def event(self, chunk: ChatCompletionChunk) -> str:
+        return chunk_event(chunk, self.req.include_usage)
+
     def delta_event(self, d: ChoiceDelta) -> str:
-        """The SSE event of one streamed delta: the bytes of sse_event(chunk([ChatChunkChoice(...)])),
+        """The SSE event of one streamed delta: the bytes of event(chunk([ChatChunkChoice(...)])),
         built without pydantic when no logprobs are asked for (the per-token hot path)."""
         if self.req.logprobs:
             logprobs = chat_logprobs(d.logprobs or [], self.num_top, self.engine.tokenizer)
             choice = ChatChunkChoice(index=d.index, delta=ChatDelta(content=d.text), logprobs=logprobs,
                                      finish_reason=d.finish_reason, stop_reason=d.stop_reason,
                                      token_ids=self.ids(d.token_ids))
-            return sse_event(self.chunk([choice]))
+            return self.event(self.chunk([choice]))
         if d.finish_reason is None and d.stop_reason is None and not self.req.return_token_ids:
             return (f'{self.head}{{"index":{d.index},"delta":{{"content":{json_str(d.text)}}},'
-                    f'"logprobs":null,"finish_reason":null}}{CHUNK_TAIL}')
+                    f'"logprobs":null,"finish_reason":null}}{self.tail}')
         parts = [self.head, '{"index":', str(d.index), ',"delta":{"content":', json_text(d.text),
                  '},"logprobs":null', json_member("finish_reason", d.finish_reason)]
         if d.stop_reason is not None:
             parts.append(json_member("stop_reason", d.stop_reason))
         if self.req.return_token_ids:
             parts.append(json_member("token_ids", d.token_ids))
-        parts.append("}" + CHUNK_TAIL)
+        parts.append("}" + self.tail)
         return "".join(parts)
 
 
@@ -165,7 +173,7 @@ async def _stream(job: ChatJob) -> AsyncIterator[str]:
     states = [StreamedChoice() for _ in range(job.params.n)]
     for i in range(job.params.n):
         role = ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
-        yield sse_event(job.chunk([role], first=(i == 0)))
+        yield job.event(job.chunk([role], first=(i == 0)))
     async with aclosing(merged_outputs(job.engine, job.request_id, [job.prompt], job.params,
                                        job.reservation)) as outs:
         async for _, out in outs:

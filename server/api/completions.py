@@ -31,7 +31,15 @@ from server.api.parsing import check_model, parse_body
 from server.api.prompts import check_context_length
 from server.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from server.api.sampling import DEFAULT_COMPLETION_MAX_TOKENS, check_token_ids, sampling_params
-from server.api.streaming import CHUNK_TAIL, chunk_head, job_response, json_member, json_str, sse_event
+from server.api.streaming import (
+    chunk_event,
+    chunk_head,
+    chunk_tail,
+    job_response,
+    json_member,
+    json_str,
+    sse_event,
+)
 from server.engine.sampling_params import SamplingParams
 
 router = APIRouter()
@@ -89,15 +97,22 @@ class CompletionJob:
     def head(self) -> str:
         return chunk_head(self.request_id, "text_completion", self.created, self.engine.model_name)
 
+    @cached_property
+    def tail(self) -> str:
+        return chunk_tail(self.req.include_usage)
+
+    def event(self, chunk: CompletionResponse) -> str:
+        return chunk_event(chunk, self.req.include_usage)
+
     def delta_event(self, index: int, delta: ChoiceDelta, offset: int, with_prompt_ids: bool) -> str:
-        """The SSE event of one streamed delta: the bytes of sse_event(response([choice(...)])), built
+        """The SSE event of one streamed delta: the bytes of event(response([choice(...)])), built
         without pydantic when no logprobs are asked for (the per-token hot path)."""
         if self.req.logprobs is not None:
             choice = self.choice(index, delta.text, delta, offset, delta.token_ids, with_prompt_ids)
-            return sse_event(self.response([choice]))
+            return self.event(self.response([choice]))
         if delta.finish_reason is None and delta.stop_reason is None and not self.req.return_token_ids:
             return (f'{self.head}{{"index":{index},"text":{json_str(delta.text)},"logprobs":null,'
-                    f'"finish_reason":null,"stop_reason":null}}{CHUNK_TAIL}')
+                    f'"finish_reason":null,"stop_reason":null}}{self.tail}')
         parts = [self.head, '{"index":', str(index), json_member("text", delta.text), ',"logprobs":null',
                  json_member("finish_reason", delta.finish_reason),
                  json_member("stop_reason", delta.stop_reason)]
@@ -105,7 +120,7 @@ class CompletionJob:
             if with_prompt_ids:
                 parts.append(json_member("prompt_token_ids", self.prompts[index // self.params.n]))
             parts.append(json_member("token_ids", delta.token_ids))
-        parts.append("}" + CHUNK_TAIL)
+        parts.append("}" + self.tail)
         return "".join(parts)
 
 
@@ -184,7 +199,7 @@ async def _stream(job: CompletionJob) -> AsyncIterator[str]:
         for index in range(len(states)):
             started[index] = True
             echoed = job.choice(index, job.prompt_texts[index // n], None, 0, [], True)
-            yield sse_event(job.response([echoed]))
+            yield job.event(job.response([echoed]))
     async with aclosing(merged_outputs(job.engine, job.request_id, job.prompts, job.params,
                                        job.reservation, job.max_seqs)) as outs:
         async for i, out in outs:
@@ -196,7 +211,7 @@ async def _stream(job: CompletionJob) -> AsyncIterator[str]:
                     d = _prompt_only(d)
                 if job.req.echo and not started[index]:  # with logprobs: they came with this first delta
                     started[index] = True
-                    yield sse_event(job.response([job.echo_choice(index, d.prompt_logprobs)]))
+                    yield job.event(job.response([job.echo_choice(index, d.prompt_logprobs)]))
                 offset = states[index].text_offset
                 states[index].add(d)
                 if d.text or d.token_ids or d.finish_reason:

@@ -54,6 +54,21 @@ def chunk_head(id_: str, object_: str, created: int, model: str) -> str:
 
 
 CHUNK_TAIL = "]}\n\n"  # closes "choices" and the chunk (usage / prompt ids omitted)
+USAGE_NULL_TAIL = '],"usage":null}\n\n'  # the same where the stream ends with a usage chunk
+
+
+def chunk_tail(include_usage: bool) -> str:
+    """The end of a streamed chunk built by hand: with include_usage every chunk before the usage chunk
+    carries `"usage": null`, as OpenAI's do."""
+    return USAGE_NULL_TAIL if include_usage else CHUNK_TAIL
+
+
+def chunk_event(chunk: BaseModel, include_usage: bool) -> str:
+    """sse_event of a streamed chunk before the usage chunk (`"usage": null` with include_usage)."""
+    data = dump(chunk)
+    if include_usage:
+        data.setdefault("usage", None)
+    return f"data: {json_text(data)}\n\n"
 
 
 def sse_error(err: APIError) -> str:
