@@ -55,7 +55,7 @@ BAD_COMPLETIONS = [
     ({"prompt": ["a", 1]}, "prompt"),
     ({"prompt": [1, 999999]}, "prompt"),
     ({"prompt": [[1, 2], [-1]]}, "prompt"),
-    ({**CMPL, "logit_bias": {"5": 100}}, "logit_bias"),
+    ({**CMPL, "logit_bias": {"five": 100}}, "logit_bias"),
     ({**CMPL, "best_of": 3}, "best_of"),  # more than n: ranking candidates is not implemented
     ({**CMPL, "n": 2, "best_of": 1}, "best_of"),  # fewer than n
     ({**CMPL, "response_format": {"type": "json_object"}}, "response_format"),
@@ -85,8 +85,8 @@ BAD_COMPLETIONS = [
     ({**CMPL, "suffix": "tail"}, "suffix"),
     ({**CMPL, "stream_options": {"include_usage": True}}, "stream_options"),
     ({**CMPL, "stream": False, "stream_options": {}}, "stream_options"),
-    ({**CMPL, "min_tokens": 3}, "min_tokens"),  # vLLM's extensions pagewalk lacks
-    ({**CMPL, "include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ({**CMPL, "min_tokens": 3.5}, "min_tokens"),
+    ({**CMPL, "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
     ({**CMPL, "skip_special_tokens": False}, "skip_special_tokens"),
     ({**CMPL, "guided_json": {"type": "object"}}, "guided_json"),
     ({**CMPL, "prompt_logprobs": 1}, "prompt_logprobs"),

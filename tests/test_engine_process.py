@@ -94,6 +94,16 @@ def test_sampled_choices_with_logprobs_cross_the_wire_unchanged(engine):
         assert [lp.logprob for lp in c.logprobs] == pytest.approx(ref_lps, abs=1e-5)
 
 
+def test_logit_bias_and_min_tokens_cross_the_wire(engine):
+    """logit_bias's int keys and min_tokens reach the core process: EOS (2) forced, held back for 3 tokens."""
+    z = engine.tokenizer.encode("z", add_bos=False)[0]
+    params = SamplingParams(max_tokens=8, temperature=0.0, logit_bias={2: 50.0, z: 20.0}, min_tokens=3,
+                            include_stop_str_in_output=True)
+    (res,) = run_all(engine, [("biased", engine.tokenizer.encode("bias me"), params)])
+    c = res.choices[0]
+    assert res.error is None and c.token_ids == [z, z, z, 2] and c.finish_reason == "stop"
+
+
 def test_stop_string_ends_the_choice_and_aborts_it_in_the_core(engine):
     prompt = engine.tokenizer.encode("stop here")
     (full,) = run_all(engine, [("full", prompt, greedy(60))])

@@ -12,7 +12,17 @@ import torch
 
 from kernels.sampling import sample_logits
 from kernels.sampling_reference import filtered_sets as reference_sets
-from server.engine.sampler import LOGPROBS, SAMPLED, TOP, Sampler, row_fields, step_flags, uniform
+from server.engine.sampler import (
+    BIAS,
+    LOGPROBS,
+    SAMPLED,
+    TOP,
+    Sampler,
+    bias_entries,
+    row_fields,
+    step_flags,
+    uniform,
+)
 from server.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 interpreter_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -339,6 +349,39 @@ def test_compact_top_k_rows_draw_from_their_best_tokens_whatever_their_neighbour
     assert sample([1], None, logits[1:2]) == together[1:2]  # the whole-row path ignores the others too
 
 
+def init_biased_rows(s: Sampler, params: list[SamplingParams], held_back: list[int], device="cpu") -> None:
+    fields = [row_fields(p, 700 + r, 0) for r, p in enumerate(params)]
+    rows = torch.arange(len(params), device=device)
+    s.init_rows(rows, torch.tensor([f for f, _ in fields], device=device),
+                torch.tensor([i for _, i in fields], device=device))
+    entries = [(r, c, t, v, h) for r, p in enumerate(params)
+               for c, (t, v, h) in enumerate(zip(*bias_entries(p, held_back), strict=True))]
+    r, c, t, v, h = (torch.tensor(x, device=device) for x in zip(*entries, strict=True))
+    s.init_bias_rows(r, c, t, v.float(), h, max(int(c.max()) + 1, 1))
+
+
+@interpreter_only
+def test_the_kernel_draws_from_biased_logits_and_reports_the_raw_logprobs():
+    """Greedy, whole-row and compact top-k draws through the kernel, each row with a bias that forces a
+    token (row 2 at first: min_tokens holds its forced EOS back for one sample); the logprobs stay the
+    model's."""
+    V, eos = 40, 2
+    params = [SamplingParams(temperature=0.0, logit_bias={11: 100.0}, logprobs=1),
+              SamplingParams(temperature=0.9, top_p=0.9, logit_bias={12: 100.0}),
+              SamplingParams(temperature=0.8, top_k=4, logit_bias={eos: 100.0, 13: 60.0}, min_tokens=1)]
+    s = Sampler(3, V, torch.device("cpu"), kernel=True)
+    init_biased_rows(s, params, [eos])
+    flags = step_flags(params[0]) | step_flags(params[1]) | step_flags(params[2])
+    assert flags & BIAS and not s.reads_model_dtype(flags, None)
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(9)) * 3
+    compact = torch.tensor([2])
+    first = s(logits, torch.arange(3), flags, num_logprobs=1, compact=compact)
+    assert first.token_ids.tolist() == [11, 12, 13]
+    assert first.logprobs[0].item() == pytest.approx(logits[0].log_softmax(-1)[11].item(), abs=1e-5)
+    second = s(logits, torch.arange(3), flags, num_logprobs=1, compact=compact)
+    assert second.token_ids.tolist() == [11, 12, eos]
+
+
 @interpreter_only
 def test_warm_up_draws_nothing_and_changes_no_row():
     s = Sampler(2, 40, torch.device("cpu"), kernel=True)
@@ -371,7 +414,17 @@ def test_gpu_sampled_steps_compile_nothing_after_warm_up():
             s(logits, rows, step_flags(params), compact=compact)
             if compact is None:  # a decode graph's bf16 logits, drawn from as they are
                 s(logits.bfloat16(), rows, step_flags(params))
+        # biased rows (greedy, whole-row and compact draws) read the fp32 logits: forced tokens come out
+        biased = [SamplingParams(temperature=0.0, logit_bias={500: 100.0}),
+                  SamplingParams(temperature=0.8, top_p=0.95, logit_bias={501: 100.0}),
+                  SamplingParams(temperature=0.7, top_k=50, logit_bias={502: 100.0, 2: 100.0}, min_tokens=3)]
+        init_biased_rows(s, biased, [2], "cuda")
+        flags = step_flags(biased[0]) | step_flags(biased[1]) | step_flags(biased[2])
+        logits = torch.randn(3, V, device="cuda") * 3
+        rows = torch.arange(3, device="cuda")
+        tokens = [s(logits, rows, flags, compact=rows[2:]).token_ids.tolist() for _ in range(4)]
         torch.cuda.synchronize()
     finally:
         triton.knobs.runtime.jit_cache_hook = previous
     assert compiles == []
+    assert tokens == [[500, 501, 502]] * 3 + [[500, 501, 2]]

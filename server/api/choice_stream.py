@@ -1,8 +1,9 @@
 """One choice on the API side: the core's token ids -> text deltas, stop strings, logprob token strings.
 
 The core ends a choice on EOS / a stop token id (finish "stop", that last id is counted but never
-detokenized), on max_tokens ("length"), or on an abort or error. A stop string is found here: the choice
-ends with finish "stop" and the caller aborts it in the core; tokens the core sends after that are dropped.
+detokenized, unless include_stop_str_in_output), on max_tokens ("length"), or on an abort or error. A stop
+string is found here, once the choice has min_tokens tokens: the choice ends with finish "stop" and the caller
+aborts it in the core; tokens the core sends after that are dropped.
 """
 
 from __future__ import annotations
@@ -17,13 +18,16 @@ from server.model.detokenizer import detokenizer_for
 
 
 class ChoiceStream:
-    __slots__ = ("index", "detokenizer", "stops", "text_of", "want_logprobs", "finish_reason", "num_tokens")
+    __slots__ = ("index", "detokenizer", "stops", "text_of", "want_logprobs", "finish_reason", "num_tokens",
+                 "min_tokens", "stop_text_kept")
 
     def __init__(self, index: int, params: SamplingParams, tokenizer, text_of: Callable[[int], str],
                  prompt_token_ids: list[int] = ()):
         self.index = index
         self.detokenizer = detokenizer_for(tokenizer, prompt_token_ids)  # the prompt: the first word's space
-        self.stops = StopStrings(params.stop) if params.stop else None
+        self.stops = StopStrings(params.stop, params.include_stop_str_in_output) if params.stop else None
+        self.min_tokens = params.min_tokens  # stop strings count from this many tokens on
+        self.stop_text_kept = params.include_stop_str_in_output  # a stop token's text too
         self.text_of = text_of  # token id -> its text alone (logprob entries)
         self.want_logprobs = params.logprobs is not None
         self.finish_reason: str | None = None
@@ -46,7 +50,8 @@ class ChoiceStream:
             self.num_tokens += 1
             return ChoiceDelta(self.index, self.detokenizer.push(ids[0]), ids, None, None,
                                stop_reason, u.prompt_logprobs), False
-        by_token = reason == "stop"  # EOS or a stop token id: its text is not part of the output
+        # EOS or a stop token id: its text is not part of the output (but where stop text is kept)
+        by_token = reason == "stop" and not self.stop_text_kept
         pieces = []
         taken = len(ids)
         hit = None
@@ -55,7 +60,7 @@ class ChoiceStream:
                 break
             text = self.detokenizer.push(token)
             if self.stops is not None:
-                text, hit = self.stops.feed(text)
+                text, hit = self.stops.feed(text, self.num_tokens + i + 1 >= self.min_tokens)
             pieces.append(text)
             if hit is not None:
                 taken = i + 1

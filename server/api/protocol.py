@@ -85,13 +85,13 @@ class _SamplingRequest(_Request):
     return_token_ids: bool | None = False
     user: str | None = None
     add_special_tokens: bool | None = None  # vLLM's; None: True for a prompt, as the template has it in chat
+    logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> bias in [-100, 100]
+    min_tokens: int | None = Field(None, ge=0)  # vLLM's: no EOS, stop token or stop string before this many
+    include_stop_str_in_output: bool | None = False  # vLLM's: the stop string ends the text, not cut off
     # OpenAI fields pagewalk does not implement: accepted only at their no-op value, never silently ignored
-    logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     response_format: dict[str, Any] | None = None
     # vLLM's sampling extensions pagewalk does not implement, likewise
-    min_tokens: Annotated[Any, refused_unless(None, 0)] = None
-    include_stop_str_in_output: Annotated[Any, refused_unless(None, False)] = None
     skip_special_tokens: Annotated[Any, refused_unless(None, True)] = None
     spaces_between_special_tokens: Annotated[Any, refused_unless(None, True)] = None
     prompt_logprobs: Annotated[Any, refused_unless(None)] = None
@@ -119,9 +119,11 @@ class _SamplingRequest(_Request):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v):
-        if v:
-            raise ValueError("logit_bias is not supported by pagewalk")
+    def _token_id_keys(cls, v):
+        """OpenAI's keys are token ids as JSON strings: each a decimal integer (its range is the engine's)."""
+        for key in v or ():
+            if not (key.isascii() and key.isdecimal()):
+                raise ValueError(f"keys must be token ids (decimal integers), got {key!r}")
         return v
 
     @field_validator("best_of")

@@ -29,6 +29,9 @@ def sampling_params(req: _SamplingRequest, max_tokens: int, logprobs: int | None
         presence_penalty=_or(req.presence_penalty, 0.0),
         frequency_penalty=_or(req.frequency_penalty, 0.0),
         repetition_penalty=_or(req.repetition_penalty, d.get("repetition_penalty", 1.0)),
+        logit_bias={int(token): value for token, value in (req.logit_bias or {}).items()},
+        min_tokens=_or(req.min_tokens, 0),
+        include_stop_str_in_output=bool(req.include_stop_str_in_output),
     )
     try:
         params.validate(vocab_size)

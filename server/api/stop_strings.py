@@ -3,7 +3,9 @@
 A stop string is never emitted: the text is cut before the first one to end, character by character, as a
 generation stops at the first stop string it writes (of several ending at one character, the one that
 starts earliest: the longest). So the cut does not depend on how the text is split into tokens or deltas. A
-tail of the text that could still grow into a stop string is held back until later text decides it.
+tail of the text that could still grow into a stop string is held back until later text decides it. With
+`include` (vLLM's include_stop_str_in_output) the cut falls after the stop string instead, and nothing is
+held back: text before the cut is emitted whether or not a stop string completes.
 
 One Aho-Corasick automaton over all the stop strings of a request (built once per distinct list, shared by
 its choices) walks each new character once. Its state after a character is the longest suffix of the text
@@ -69,15 +71,17 @@ def compiled(stops: tuple[str, ...]) -> StopAutomaton:
 class StopStrings:
     """One choice's matcher: the automaton's state and the text held back (the state's depth)."""
 
-    __slots__ = ("automaton", "state", "held")
+    __slots__ = ("automaton", "state", "held", "include")
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], include: bool = False):
         self.automaton = compiled(tuple(stops))
         self.state = 0
         self.held = ""  # text not yet emitted: a proper prefix of some stop string
+        self.include = include  # the stop string is part of the output
 
-    def feed(self, text: str) -> tuple[str, str | None]:
-        """New text -> (text safe to emit now, the stop string that ends the choice or None)."""
+    def feed(self, text: str, armed: bool = True) -> tuple[str, str | None]:
+        """New text -> (text safe to emit now, the stop string that ends the choice or None). Unarmed (the
+        choice is short of its min_tokens) a stop string ending in `text` does not count."""
         a = self.automaton
         s = self.held + text
         base = len(self.held)  # the held text is already walked: the state covers it
@@ -85,11 +89,11 @@ class StopStrings:
         for i in range(base, len(s)):
             state = a.step(state, s[i])
             stop = match[state]  # the longest stop string ending here: the earliest start
-            if stop:
+            if stop and armed:
                 self.state, self.held = 0, ""
-                return s[:i + 1 - len(stop)], stop
+                return s[:i + 1 if self.include else i + 1 - len(stop)], stop
         self.state = state
-        keep = depth[state]
+        keep = 0 if self.include else depth[state]
         self.held = s[len(s) - keep:] if keep else ""
         return s[:len(s) - keep], None
 

@@ -66,7 +66,8 @@ class EngineCore:
         if er.params.prompt_logprobs is not None:
             req.prompt_logprobs = prompt_logprobs(self.runner.model, req.prompt_token_ids,
                                                   er.params.prompt_logprobs)
-        req.seqs = [self._new_seq(req, i) for i in range(er.params.n)]
+        held_back = self._held_back(er.params)
+        req.seqs = [self._new_seq(req, i, held_back) for i in range(er.params.n)]
         parent = req.seqs[0]
         keys = self.kv.prefix_keys(req.prompt_token_ids)  # every choice's admissions look them up
         for seq in req.seqs:
@@ -92,11 +93,19 @@ class EngineCore:
             raise ValueError(f"a choice of {total} tokens exceeds the KV cache "
                              f"({self.runner.capacity_tokens} tokens)")
 
-    def _new_seq(self, req: Request, index: int) -> Sequence:
+    def _new_seq(self, req: Request, index: int, held_back: list[int]) -> Sequence:
         # unseeded choices draw their stream from torch's generator (EngineConfig.seed seeds it)
         seed = req.params.seed if req.params.seed is not None else int(torch.randint(0, 2**31, ()).item())
         return Sequence(next(self._seq_ids), req.request_id, index, req.prompt_token_ids, req.params,
-                        seed_key=seed_key(seed, index))
+                        seed_key=seed_key(seed, index), held_back=held_back)
+
+    def _held_back(self, params: SamplingParams) -> list[int]:
+        """The ids the sampler keeps out while a choice has fewer than min_tokens: those that would end it
+        here (stop_token_ids, and EOS unless ignore_eos)."""
+        if params.min_tokens == 0:
+            return []
+        eos = () if params.ignore_eos else self.eos_token_ids
+        return sorted(set(params.stop_token_ids).union(eos))
 
     def has_work(self) -> bool:
         return bool(self.requests) or self._in_flight is not None

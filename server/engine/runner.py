@@ -42,13 +42,16 @@ from server.engine.cuda_graphs import (
 )
 from server.engine.kv_cache_tensors import KVCacheTensors
 from server.engine.sampler import (
+    BIAS,
     FLOAT_FIELDS,
     INT_FIELDS,
     LOGPROBS,
     PENALTIES,
     TOP,
     Sampler,
+    bias_entries,
     draws_from_best,
+    num_bias_entries,
     row_fields,
 )
 from server.engine.sampling_params import SamplingParams
@@ -265,8 +268,9 @@ class ModelRunner:
         (flat batch, StepLogits without logits, the logits product's row count, fork copies, sample
         sources), on the device but the count."""
         sections, num_products, num_logprobs, flags = self._pack(step, table_of, layout)
-        (flat, writes, init_rows, init_floats, init_ints, pen_rows, pen_token_rows, pen_tokens,
-         pen_is_output, sample_rows, sample_sources, copies, compact) = self.packer.send(sections)
+        (flat, writes, init_rows, init_floats, init_ints, pen_rows, pen_token_rows, pen_tokens, pen_is_output,
+         bias_rows, bias_cols, bias_ids, bias_values, bias_held, sample_rows, sample_sources, copies,
+         compact) = self.packer.send(sections)
         self.state.apply_table_writes(writes)
         out = StepLogits(None, sample_rows.long(), flags, num_logprobs,  # int64 once: sampler and state index
                          compact=compact.long() if compact.numel() else None)
@@ -276,6 +280,10 @@ class ModelRunner:
                                    init_ints.view(n, INT_FIELDS))
         if pen_rows.numel():
             self.sampler.init_penalty_rows(pen_rows, pen_token_rows, pen_tokens, pen_is_output)
+        if bias_rows.numel():
+            width = max(num_bias_entries(s.params, s.held_back) for s in step.new_rows)
+            self.sampler.init_bias_rows(bias_rows, bias_cols, bias_ids, bias_values.view(torch.float32),
+                                        bias_held, width)
         return flat, out, num_products, copies, sample_sources
 
     def _repeats_last_decode(self, step: SchedulerOutput, graphs: StepGraphs, key) -> bool:
@@ -421,10 +429,12 @@ class ModelRunner:
 
     @staticmethod
     def _pack_new_rows(seqs: list[Seq]) -> list:
-        """Sampler state of the sequences that took a row: parameters, and for rows with penalties the
-        prompt tokens (mask) and the tokens generated so far (counts, after a preemption)."""
+        """Sampler state of the sequences that took a row: parameters; for rows with penalties the prompt
+        tokens (mask) and the tokens generated so far (counts, after a preemption); for rows with biases
+        their entries (bias_entries): row, column, token id, value, held back."""
         rows, floats, ints = [], [], []
         pen_rows, pen_token_rows, pen_tokens, pen_is_output = [], [], [], []
+        bias_rows, bias_cols, bias_ids, bias_values, bias_held = [], [], [], [], []
         for seq in seqs:
             num_sampled = len(seq.token_ids) - seq.num_prompt_tokens
             f, i = row_fields(seq.params, seq.seed_key, num_sampled)
@@ -436,7 +446,15 @@ class ModelRunner:
                 pen_token_rows += [seq.row] * len(seq.token_ids)
                 pen_tokens += seq.token_ids
                 pen_is_output += [0] * seq.num_prompt_tokens + [1] * num_sampled
-        return [rows, floats_as_int32(floats), ints, pen_rows, pen_token_rows, pen_tokens, pen_is_output]
+            if seq.sample_flags & BIAS:
+                ids, values, held = bias_entries(seq.params, seq.held_back)
+                bias_rows += [seq.row] * len(ids)
+                bias_cols += range(len(ids))
+                bias_ids += ids
+                bias_values += values
+                bias_held += held
+        return [rows, floats_as_int32(floats), ints, pen_rows, pen_token_rows, pen_tokens, pen_is_output,
+                bias_rows, bias_cols, bias_ids, floats_as_int32(bias_values), bias_held]
 
     def _flat_inputs(self, flat: torch.Tensor, layout: FlatLayout, num_decode: int
                      ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:

@@ -25,9 +25,9 @@ from server.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 MASK32 = 0xFFFF_FFFF
 
 # SamplingParams.flags bits: what a step's rows need, OR-ed on the host to skip work nobody asked for
-SAMPLED, TOP, MIN_P, PENALTIES, LOGPROBS = 1, 2, 4, 8, 16
+SAMPLED, TOP, MIN_P, PENALTIES, LOGPROBS, BIAS = 1, 2, 4, 8, 16, 32
 FLOAT_FIELDS = 6  # temperature, top_p, min_p, presence, frequency, repetition
-INT_FIELDS = 3  # top_k, seed key, samples drawn so far
+INT_FIELDS = 4  # top_k, seed key, samples drawn so far, min_tokens
 
 
 def step_flags(params: SamplingParams) -> int:
@@ -42,6 +42,8 @@ def step_flags(params: SamplingParams) -> int:
         f |= PENALTIES
     if params.logprobs is not None:
         f |= LOGPROBS
+    if params.has_bias:
+        f |= BIAS
     return f
 
 
@@ -61,7 +63,22 @@ def draws_from_best(params: SamplingParams) -> bool:
 def row_fields(params: SamplingParams, seed_key: int, num_sampled: int) -> tuple[list[float], list[int]]:
     p = params
     floats = [p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty]
-    return floats, [min(p.top_k, 2**31 - 1), seed_key, num_sampled]  # any top_k >= the vocab keeps all
+    # any top_k >= the vocab keeps all
+    return floats, [min(p.top_k, 2**31 - 1), seed_key, num_sampled, p.min_tokens]
+
+
+def num_bias_entries(params: SamplingParams, held_back: list[int]) -> int:
+    """len(bias_entries(params, held_back)[0]), without building them."""
+    return len(params.logit_bias) + (len(held_back) if params.min_tokens > 0 else 0)
+
+
+def bias_entries(params: SamplingParams, held_back: list[int]) -> tuple[list[int], list[float], list[int]]:
+    """A row's biased tokens -> (token ids, values, held-back flags): logit_bias's, then while min_tokens
+    is unmet the `held_back` ids (EOS, stop_token_ids), whose value the step sets (-inf, then 0)."""
+    ids, values = list(params.logit_bias), list(params.logit_bias.values())
+    if params.min_tokens > 0:
+        return ids + held_back, values + [0.0] * len(held_back), [0] * len(ids) + [1] * len(held_back)
+    return ids, values, [0] * len(ids)
 
 
 MASK64 = (1 << 64) - 1
@@ -106,6 +123,10 @@ class Sampler:
         self.floats = torch.zeros(n, FLOAT_FIELDS, device=device)  # (R, 6)
         self.ints = torch.zeros(n, INT_FIELDS, dtype=torch.int64, device=device)  # (R, 3)
         self.counts: torch.Tensor | None = None  # (R, V) int32 generated-token counts, once penalties appear
+        # (R, W) biased tokens per row (bias_entries), W the widest row's so far; padding adds 0 to token 0
+        self.bias_ids: torch.Tensor | None = None  # int64
+        self.bias_values: torch.Tensor | None = None  # fp32
+        self.held_back: torch.Tensor | None = None  # bool: -inf while the row's samples < its min_tokens
         self._prompt_mask: torch.Tensor | None = None  # (R, V + 1) bool; column V absorbs output tokens
         self.in_prompt: torch.Tensor | None = None  # (R, V) bool view of _prompt_mask
 
@@ -128,8 +149,9 @@ class Sampler:
         """Whether a step with these flags draws straight from logits in the model's dtype: the kernel
         widens each one to fp32 as it loads it (exactly the values of an fp32 copy), so the runner skips
         that copy (22 us at 64 rows of 128256 on an H200) and each of the kernel's passes over a row reads
-        half the bytes. Penalties and logprobs work on an fp32 row, and compact top-k rows on fp32 values."""
-        return self.kernel and not flags & (PENALTIES | LOGPROBS) and compact is None
+        half the bytes. Penalties, biases and logprobs work on an fp32 row, compact top-k rows on fp32
+        values."""
+        return self.kernel and not flags & (PENALTIES | LOGPROBS | BIAS) and compact is None
 
     # ---- row state --------------------------------------------------------------------------------
     def init_rows(self, rows: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor) -> None:
@@ -137,6 +159,10 @@ class Sampler:
         rows = rows.long()
         self.floats.index_copy_(0, rows, floats)
         self.ints.index_copy_(0, rows, ints.long())
+        if self.bias_ids is not None:  # a step with biases adds every row's: none left from the last owner
+            self.bias_ids.index_fill_(0, rows, 0)
+            self.bias_values.index_fill_(0, rows, 0.0)
+            self.held_back.index_fill_(0, rows, False)
 
     def init_penalty_rows(self, rows: torch.Tensor, token_rows: torch.Tensor, token_ids: torch.Tensor,
                           is_output: torch.Tensor) -> None:
@@ -160,6 +186,29 @@ class Sampler:
         columns = torch.where(out, V, token_ids)
         self._prompt_mask.index_put_((token_rows, columns), torch.ones_like(out))
 
+    def init_bias_rows(self, entry_rows: torch.Tensor, entry_cols: torch.Tensor, token_ids: torch.Tensor,
+                       values: torch.Tensor, held_back: torch.Tensor, width: int) -> None:
+        """Write the bias_entries (E,) of new rows (init_rows cleared them) at (row, col). `width`: the
+        widest row's entry count (a host int: the table grows without a sync, its new part zeros)."""
+        self._ensure_bias_width(width)
+        entry_rows, entry_cols = entry_rows.long(), entry_cols.long()
+        self.bias_ids.index_put_((entry_rows, entry_cols), token_ids.long())
+        self.bias_values.index_put_((entry_rows, entry_cols), values)
+        self.held_back.index_put_((entry_rows, entry_cols), held_back.bool())
+
+    def _ensure_bias_width(self, width: int) -> None:
+        have = 0 if self.bias_ids is None else self.bias_ids.shape[1]
+        if width <= have:
+            return
+        width = max(width, 2 * have, 8)
+        n = self.floats.shape[0]
+        ids = torch.zeros(n, width, dtype=torch.int64, device=self.device)
+        values = torch.zeros(n, width, device=self.device)
+        held = torch.zeros(n, width, dtype=torch.bool, device=self.device)
+        if have:
+            ids[:, :have], values[:, :have], held[:, :have] = self.bias_ids, self.bias_values, self.held_back
+        self.bias_ids, self.bias_values, self.held_back = ids, values, held
+
     # ---- one step ---------------------------------------------------------------------------------
     def __call__(self, logits: torch.Tensor | None, rows: torch.Tensor, flags: int, num_logprobs: int = 0,
                  greedy: torch.Tensor | None = None, compact: torch.Tensor | None = None) -> SampleOutput:
@@ -168,11 +217,13 @@ class Sampler:
         must ask for nothing but the argmax. `compact` (K,): the samples for which draws_from_best holds."""
         rows = rows.long()
         if greedy is not None:
-            assert not flags & (PENALTIES | SAMPLED | LOGPROBS), "precomputed argmax ids: greedy steps only"
+            assert not flags & (PENALTIES | SAMPLED | LOGPROBS | BIAS), "precomputed argmax ids: plain greedy"
             tokens = greedy
         else:
             tokens, raw = self._draw_step(logits, rows, flags, compact)
-        if flags & SAMPLED:  # the draw counters (Philox offsets); a step without draws leaves them be
+        # the sample counters (the draws' offsets, min_tokens' count): a step without draws or biases, whose
+        # rows read neither, leaves them be
+        if flags & (SAMPLED | BIAS):
             self.ints[:, 2].index_add_(0, rows, torch.ones_like(rows))
         if self.counts is not None:
             self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32),
@@ -190,13 +241,23 @@ class Sampler:
         """-> the step's tokens (S,) and its raw logits (S, V): fp32, or as given where reads_model_dtype."""
         raw = logits if self.reads_model_dtype(flags, compact) else logits.float()  # (S, V)
         logits = raw
-        if flags & (PENALTIES | SAMPLED):  # an all-greedy step without penalties reads no parameters
-            floats, ints = self.floats[rows], self.ints[rows]  # (S, 6), (S, 3)
+        if flags & (PENALTIES | SAMPLED | BIAS):  # a plain all-greedy step reads no parameters
+            floats, ints = self.floats[rows], self.ints[rows]  # (S, 6), (S, 4)
+        if flags & BIAS and self.bias_ids is not None:
+            logits = self._apply_bias(logits, rows, ints)
         if flags & PENALTIES and self.counts is not None:
             logits = self._apply_penalties(logits, rows, floats)
         if flags & SAMPLED:
             return self._sample(logits, floats, ints, flags, compact), raw
         return self.argmax(logits), raw
+
+    def _apply_bias(self, logits: torch.Tensor, rows: torch.Tensor, ints: torch.Tensor) -> torch.Tensor:
+        """logits (S, V) fp32 -> a biased copy (the raw ones stay for the logprobs): each row's logit_bias
+        added, its held-back ids at -inf while its samples so far are fewer than its min_tokens."""
+        ids, values = self.bias_ids[rows], self.bias_values[rows]  # (S, W)
+        below = (ints[:, 2] < ints[:, 3])[:, None]  # (S, 1)
+        values = torch.where(self.held_back[rows], torch.where(below, float("-inf"), 0.0), values)
+        return logits.scatter_add(1, ids, values)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: torch.Tensor,
                          floats: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,8 @@ import functools
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # biased tokens of one request; also the stop ids min_tokens may hold back
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's bound of one bias value
 MAX_N = 64
 MAX_INT64 = 2**63 - 1  # seeds and top_k cross the core's wire (msgpack) as int64, as vLLM bounds its seed
 GREEDY_TEMPERATURE = 1e-5  # below it a choice takes the argmax: dividing logits by it would overflow
@@ -28,6 +30,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    min_tokens: int = 0  # EOS and stop_token_ids are held back (and stop strings ignored) until this many
+    include_stop_str_in_output: bool = False  # the stop string (or stop token's text) ends the output
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,6 +51,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_bias(self) -> bool:
+        """Whether the sampler adds to this choice's logits: logit_bias, or min_tokens' hold-back."""
+        return bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def has_penalties(self) -> bool:
@@ -78,8 +88,23 @@ class SamplingParams:
         for t in self.stop_token_ids:
             _check(isinstance(t, int) and 0 <= t < vocab_size,
                    f"stop_token_ids must be in [0, {vocab_size}), got {t}")
+        _check_bias(self.logit_bias, vocab_size)
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        _check(self.min_tokens == 0 or len(self.stop_token_ids) <= MAX_LOGIT_BIAS,
+               f"min_tokens holds back at most {MAX_LOGIT_BIAS} stop_token_ids, "
+               f"got {len(self.stop_token_ids)}")
         _check(self.seed is None or (isinstance(self.seed, int) and -MAX_INT64 - 1 <= self.seed <= MAX_INT64),
                f"seed must be an integer in [-2**63, 2**63), got {self.seed}")
+
+
+def _check_bias(bias: dict[int, float], vocab_size: int) -> None:
+    _check(len(bias) <= MAX_LOGIT_BIAS, f"logit_bias holds at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
+    for token, value in bias.items():
+        _check(isinstance(token, int) and 0 <= token < vocab_size,
+               f"logit_bias token ids must be in [0, {vocab_size}), got {token}")
+        _check(-LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE,
+               f"logit_bias values must be in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], got {value}")
 
 
 def _check(ok: bool, message: str) -> None:

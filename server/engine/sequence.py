@@ -31,6 +31,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     seed_key: int = 0  # 31-bit key of this choice's sampling stream (counter-based on the device)
+    held_back: list[int] = field(default_factory=list)  # ids min_tokens keeps out: EOS, stop_token_ids
     token_ids: list[int] = field(default_factory=list)  # prompt + generated tokens known on the host
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are written by the steps launched so far

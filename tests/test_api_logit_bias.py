@@ -1,0 +1,168 @@
+"""logit_bias (OpenAI), min_tokens and include_stop_str_in_output (vLLM) through the HTTP API on the tiny
+preset: what they do to the tokens and text, streamed and not, and the 400s of bad values."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from server.api.app import create_app
+from server.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from server.model.tokenizer import ByteTokenizer
+from tests.engine_helpers import started_engine
+
+pytestmark = pytest.mark.timeout(180)
+
+EOS = ByteTokenizer.EOS
+A, Z = ByteTokenizer.OFFSET + ord("a"), ByteTokenizer.OFFSET + ord("z")  # printable: never masked by tiny
+PROMPT = "The bias test says"
+
+
+@pytest.fixture(scope="module")
+def app():
+    with started_engine(model="tiny", device="cpu", attention_backend="torch", num_blocks=128) as engine:
+        yield create_app(engine)
+
+
+def post(app, path: str, body: dict) -> httpx.Response:
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post(path, json=body, timeout=60)
+    return asyncio.run(go())
+
+
+def complete(app, **fields) -> dict:
+    r = post(app, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+                                      "return_token_ids": True, **fields})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def streamed(app, **fields) -> tuple[str, list[int], str | None]:
+    """(text, token ids, finish reason) of a streamed completion."""
+    r = post(app, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+                                      "return_token_ids": True, "stream": True, **fields})
+    assert r.status_code == 200, r.text
+    text, ids, finish = "", [], None
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            for c in json.loads(line[6:])["choices"]:
+                text += c["text"]
+                ids += c.get("token_ids") or []
+                finish = c["finish_reason"] or finish
+    return text, ids, finish
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 3},
+                                      {"temperature": 0.8, "top_k": 5, "top_p": 0.9, "seed": 4}])
+def test_a_large_bias_forces_a_token_greedy_and_sampled(app, sampling):
+    body = complete(app, logit_bias={str(Z): 100}, n=2, **sampling)
+    for choice in body["choices"]:
+        assert choice["token_ids"] == [Z] * 6 and choice["text"] == "z" * 6
+
+
+def test_a_negative_bias_moves_the_greedy_token_and_logprobs_stay_the_models(app):
+    plain = complete(app, max_tokens=1, logprobs=3)["choices"][0]
+    first = plain["token_ids"][0]
+    top = plain["logprobs"]["top_logprobs"][0]  # token text -> logprob, the model's own
+    biased = complete(app, max_tokens=1, logprobs=3, logit_bias={str(first): -100})["choices"][0]
+    second = biased["token_ids"][0]
+    assert second != first
+    text = biased["text"]
+    assert text in top and biased["logprobs"]["token_logprobs"][0] == pytest.approx(top[text], abs=1e-5)
+
+
+def test_min_tokens_holds_eos_back_until_it_is_reached(app):
+    forced_eos = {str(EOS): 100}
+    early = complete(app, logit_bias=forced_eos)["choices"][0]
+    assert early["token_ids"] == [EOS] and early["finish_reason"] == "stop"
+    held = complete(app, logit_bias=forced_eos, min_tokens=4, max_tokens=10)
+    choice = held["choices"][0]
+    assert len(choice["token_ids"]) == 5 and choice["token_ids"][-1] == EOS
+    assert EOS not in choice["token_ids"][:4] and choice["finish_reason"] == "stop"
+    assert held["usage"]["completion_tokens"] == 5
+    assert streamed(app, logit_bias=forced_eos, min_tokens=4, max_tokens=10)[1] == choice["token_ids"]
+    # ignore_eos: min_tokens holds nothing back, and the forced EOS runs to max_tokens
+    ignored = complete(app, logit_bias=forced_eos, min_tokens=2, ignore_eos=True)["choices"][0]
+    assert ignored["token_ids"] == [EOS] * 6 and ignored["finish_reason"] == "length"
+
+
+def test_min_tokens_holds_stop_token_ids_back(app):
+    choice = complete(app, logit_bias={str(Z): 100}, stop_token_ids=[Z], min_tokens=3,
+                      max_tokens=8)["choices"][0]
+    assert Z not in choice["token_ids"][:3] and choice["token_ids"][3] == Z
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == Z
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_count_from_min_tokens_on(app, stream):
+    fields = dict(logit_bias={str(A): 100}, stop="a", max_tokens=8)
+    def run(**f):
+        return streamed(app, **f)[0] if stream else complete(app, **f)["choices"][0]["text"]
+
+    assert run(**fields) == ""
+    assert run(**fields, min_tokens=3) == "aa"  # the third token's "a" is the first that counts
+    assert run(**fields, min_tokens=3, include_stop_str_in_output=True) == "aaa"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_stop_str_in_output(app, stream):
+    plain = complete(app, max_tokens=8)["choices"][0]["text"]
+    stop = plain[2:4]
+    cut = plain[:plain.index(stop)]
+    for include, expected in ((False, cut), (True, cut + stop)):
+        fields = dict(max_tokens=8, stop=[stop], include_stop_str_in_output=include)
+        text = streamed(app, **fields)[0] if stream else complete(app, **fields)["choices"][0]["text"]
+        assert text == expected
+    # a stop token's text is kept as well
+    fields = dict(logit_bias={str(Z): 100}, stop_token_ids=[Z], include_stop_str_in_output=True)
+    choice = complete(app, **fields)["choices"][0]
+    assert choice["text"] == "z" and choice["stop_reason"] == Z
+    assert complete(app, **{**fields, "include_stop_str_in_output": False})["choices"][0]["text"] == ""
+
+
+def test_chat_takes_the_same_fields(app):
+    r = post(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+                                           "temperature": 0, "logit_bias": {str(Z): 100}})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "zzzzz"
+    r = post(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9,
+                                           "logit_bias": {str(EOS): 100}, "min_tokens": 3, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("fields,param,message", [
+    ({"logit_bias": {"z": 1}}, "logit_bias", "token ids"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias", "token ids"),
+    ({"logit_bias": {"٣": 1}}, "logit_bias", "token ids"),  # a decimal digit, not ASCII
+    ({"logit_bias": {"100000": 1}}, "logit_bias", "[0, "),
+    ({"logit_bias": {str(Z): 100.5}}, "logit_bias", "[-100, 100]"),
+    ({"logit_bias": {str(Z): "1"}}, "logit_bias", ""),
+    ({"logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}}, "logit_bias", "at most"),
+    ({"min_tokens": 7}, "min_tokens", "max_tokens=6"),
+    ({"min_tokens": -1}, "min_tokens", ""),
+    ({"min_tokens": "2"}, "min_tokens", ""),
+    ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output", ""),
+])
+def test_bad_values_are_400s_naming_the_field(app, fields, param, message):
+    r = post(app, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, **fields})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"].startswith(param) and message in err["message"], err
+
+
+def test_a_no_op_logit_bias_is_accepted(app):
+    assert complete(app, logit_bias={})["choices"][0]["token_ids"] == complete(app)["choices"][0]["token_ids"]
+    zero = complete(app, logit_bias={str(A): 0})["choices"][0]["token_ids"]
+    assert zero == complete(app)["choices"][0]["token_ids"]
+
+
+def test_min_tokens_holds_back_a_bounded_number_of_stop_token_ids():
+    """The sampler keeps a row's held-back ids in its bias table: min_tokens bounds them as logit_bias."""
+    ids = list(range(MAX_LOGIT_BIAS + 1))
+    SamplingParams(stop_token_ids=ids).validate(100_000)  # without min_tokens: no bound
+    SamplingParams(stop_token_ids=ids[:-1], min_tokens=1).validate(100_000)
+    with pytest.raises(ValueError, match="min_tokens holds back at most"):
+        SamplingParams(stop_token_ids=ids, min_tokens=1).validate(100_000)

@@ -1,0 +1,127 @@
+"""logit_bias and min_tokens in the engine: whole engines (preemption and resume, forks, rows reused by
+requests without biases, async scheduling on and off, eager and static-graph steps) token by token against
+a dense greedy reference that biases the logits itself; and the sampler's bias table (rows reused, the
+table widening, the sample count min_tokens reads on greedy steps)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.engine.engine import EngineConfig
+from server.engine.sampler import BIAS, Sampler, bias_entries, row_fields, step_flags
+from server.engine.sampling_params import SamplingParams
+from server.model.tokenizer import ByteTokenizer
+from tests.test_engine_out_rows import run_engine
+
+EOS = ByteTokenizer.EOS
+PRINTABLE = range(ByteTokenizer.OFFSET + 32, ByteTokenizer.OFFSET + 127)  # never masked by the tiny preset
+
+
+def dense_biased(model, prompt: list[int], params: SamplingParams) -> list[int]:
+    """Greedy through the contiguous forward with the request's logit_bias added and, while fewer than
+    min_tokens are out, EOS and the stop ids at -inf; ends as the core ends a choice."""
+    ids, out = list(prompt), []
+    held = set(params.stop_token_ids) | ({EOS} if not params.ignore_eos else set())
+    with torch.inference_mode():
+        for _ in range(params.max_tokens):
+            logits = model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)))[-1:])[0].float()
+            for token, value in params.logit_bias.items():
+                logits[token] += value
+            if len(out) < params.min_tokens:
+                logits[list(held)] = float("-inf")
+            t = int(logits.argmax())
+            ids.append(t)
+            out.append(t)
+            if t in params.stop_token_ids or (t == EOS and not params.ignore_eos):
+                break
+    return out
+
+
+def requests():
+    gen = torch.Generator().manual_seed(7)
+    biased = torch.tensor(PRINTABLE)[torch.randperm(len(PRINTABLE), generator=gen)[:12]].tolist()
+    reqs = []
+    for i, n_tok in enumerate([21, 6, 14, 3, 18, 9, 11, 5]):
+        prompt = torch.randint(3, 250, (n_tok,), generator=gen).tolist()
+        bias, min_tokens, stop_ids = {}, 0, []
+        if i % 4 == 0:  # small biases that move some argmaxes
+            bias = {t: float(torch.empty(()).uniform_(-4, 4, generator=gen)) for t in biased[i:i + 6]}
+        if i % 4 == 1:  # EOS pushed up, held back until min_tokens
+            bias, min_tokens = {EOS: 30.0}, 3 + i % 3
+        if i == 2:  # a stop id pushed up, held back until min_tokens
+            bias, min_tokens, stop_ids = {biased[0]: 40.0}, 4, [biased[0]]
+        params = SamplingParams(max_tokens=9, temperature=0.0, n=2 if i in (1, 4) else 1, logit_bias=bias,
+                                min_tokens=min_tokens, stop_token_ids=stop_ids)
+        reqs.append((f"r{i}", prompt, params))
+    return reqs
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("static_graphs", [False, True])
+def test_engine_tokens_equal_the_dense_biased_reference(static_graphs, async_scheduling):
+    config = EngineConfig(model="tiny", device="cpu", dtype="float32", block_size=4, num_blocks=12,
+                          max_num_seqs=6, max_num_batched_tokens=20, attention_backend="torch",
+                          async_scheduling=async_scheduling)
+    reqs = requests()
+    tokens, _, stats, core, _ = run_engine(config, reqs, static_graphs)
+    model = core.runner.model
+    ended_by_eos = 0
+    for rid, prompt, params in reqs:
+        want = dense_biased(model, prompt, params)
+        for i in range(params.n):
+            assert tokens[(rid, i)] == want, (rid, i, params)
+        ended_by_eos += want[-1] == EOS
+        if params.min_tokens:
+            assert len(want) > params.min_tokens and want[-1] in (EOS, *params.stop_token_ids)
+    assert ended_by_eos >= 2 and stats["preemptions"] > 0  # the cases under test happened
+    assert not core.requests and core.kv.num_free_blocks == core.kv.num_blocks - 1  # nothing leaked
+
+
+def sampler_with(rows_params: list[SamplingParams], vocab: int = 40) -> Sampler:
+    sampler = Sampler(max_rows=4, vocab_size=vocab, device=torch.device("cpu"), kernel=False)
+    for row, params in enumerate(rows_params):
+        init_row(sampler, row, params)
+    return sampler
+
+
+def init_row(sampler: Sampler, row: int, params: SamplingParams, held_back: list[int] = (EOS,)) -> None:
+    f, i = row_fields(params, 0, 0)
+    sampler.init_rows(torch.tensor([row]), torch.tensor([f]), torch.tensor([i]))
+    ids, values, held = bias_entries(params, list(held_back))
+    if ids:
+        sampler.init_bias_rows(torch.tensor([row] * len(ids)), torch.arange(len(ids)), torch.tensor(ids),
+                               torch.tensor(values), torch.tensor(held), len(ids))
+
+
+def test_a_reused_row_keeps_none_of_its_last_owners_biases():
+    plain = SamplingParams(temperature=0.0)
+    sampler = sampler_with([SamplingParams(temperature=0.0, logit_bias={5: 100.0}), plain])
+    logits = torch.zeros(2, 40)
+    logits[:, 9] = 1.0
+    rows = torch.tensor([0, 1])
+    assert sampler(logits, rows, BIAS).token_ids.tolist() == [5, 9]
+    init_row(sampler, 0, plain)  # row 0's next owner has no bias, in a step where row 1 has one
+    init_row(sampler, 1, SamplingParams(temperature=0.0, logit_bias={7: 100.0}))
+    assert sampler(logits, rows, BIAS).token_ids.tolist() == [9, 7]
+
+
+def test_the_table_widens_and_keeps_the_rows_it_has():
+    sampler = sampler_with([SamplingParams(temperature=0.0, logit_bias={3: 50.0})])
+    wide = {t: -1.0 for t in range(10, 40)}
+    init_row(sampler, 1, SamplingParams(temperature=0.0, logit_bias=wide))
+    assert sampler.bias_ids.shape[1] >= 30
+    logits = torch.zeros(2, 40)
+    logits[:, 20] = 0.5
+    assert sampler(logits, torch.tensor([0, 1]), BIAS).token_ids.tolist() == [3, 0]
+
+
+def test_min_tokens_counts_the_samples_of_greedy_steps():
+    params = SamplingParams(temperature=0.0, min_tokens=2, max_tokens=5)
+    assert step_flags(params) & BIAS
+    sampler = sampler_with([params])
+    logits = torch.zeros(1, 40)
+    logits[0, EOS] = 5.0
+    logits[0, 11] = 1.0
+    got = [sampler(logits, torch.tensor([0]), BIAS).token_ids.item() for _ in range(3)]
+    assert got == [11, 11, EOS]  # EOS held back for the first two samples only
