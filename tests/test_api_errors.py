@@ -87,7 +87,7 @@ BAD_COMPLETIONS = [
     ({**CMPL, "stream": False, "stream_options": {}}, "stream_options"),
     ({**CMPL, "min_tokens": 3.5}, "min_tokens"),
     ({**CMPL, "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
-    ({**CMPL, "skip_special_tokens": False}, "skip_special_tokens"),
+    ({**CMPL, "skip_special_tokens": "no"}, "skip_special_tokens"),  # a bool (false spells them)
     ({**CMPL, "guided_json": {"type": "object"}}, "guided_json"),
     ({**CMPL, "prompt_logprobs": 1}, "prompt_logprobs"),
     ({**CMPL, "add_special_tokens": "yes"}, "add_special_tokens"),

@@ -215,3 +215,71 @@ def test_bytes_of_each_token_join_into_the_text(sp_tok, hf_tok, text):
 def test_a_byte_fallback_token_is_its_byte(sp_tok):
     ids = sp_tok.encode("𐀀", add_bos=False)  # outside the tiny vocabulary: 4 <0xHH> tokens (after '▁')
     assert [sp_tok.bytes_of(i) for i in ids][-4:] == [b"\xf0", b"\x90", b"\x80", b"\x80"]
+
+
+SPECIALS = ["<|start_header_id|>", "<|end_header_id|>"]  # added special tokens, as Llama-3's
+
+
+def with_specials(tokenizer) -> HFTokenizer:
+    """`tokenizer` plus two added special tokens and an added plain one (spelled whether skipped or not)."""
+    tokenizer.add_special_tokens(SPECIALS)
+    tokenizer.add_tokens(["<|plain|>"])
+    return HFTokenizer(tokenizer, bos_token="<s>", eos_tokens=("</s>",))
+
+
+@pytest.fixture(scope="module")
+def special_toks():
+    byte_level = with_specials(byte_bpe_tokenizer(bos_post_processor=True))
+    return byte_level, with_specials(sentencepiece_tokenizer())
+
+
+def spelled_completion(tok, prompt_ids: list[int], ids: list[int]) -> str:
+    """completion() with special tokens spelled: the whole decode past the prompt's."""
+    whole = tok.decode(prompt_ids + ids, skip_special_tokens=False)
+    return whole[len(tok.decode(prompt_ids, skip_special_tokens=False)):]
+
+
+def test_a_completion_not_skipping_special_tokens_spells_them(special_toks):
+    for tok in special_toks:
+        prompt, start = tok.encode("The quick"), tok.encode(SPECIALS[0], add_bos=False)
+        ids = tok.encode(" fox", add_bos=False) + start + tok.encode(" jumps", add_bos=False) + [1]
+        detok = detokenizer_for(tok, prompt, skip_special_tokens=False)
+        streamed = "".join(detok.push(i) for i in ids) + detok.flush()
+        assert streamed == spelled_completion(tok, prompt, ids)
+        assert streamed.replace(" ", "") == "fox<|start_header_id|>jumps<s>"  # Metaspace spaces differ
+        skipped = detokenizer_for(tok, prompt)
+        assert "".join(skipped.push(i) for i in ids) + skipped.flush() == completion(tok, prompt, ids)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(min_size=1, max_size=12),
+       st.lists(st.one_of(st.text(max_size=8), st.sampled_from([*SPECIALS, "<s>", "</s>", "<|plain|>"])),
+                max_size=8))
+@example("héllo", ["<|start_header_id|>", "wörld", "</s>", " ✓"])
+def test_a_completion_spelling_special_tokens_streams_what_the_whole_decode_adds(special_toks, prompt_text,
+                                                                                 pieces):
+    """Specials sampled between words (ids of each piece in turn): the deltas join into the whole decode's
+    text with specials spelled, and none ends in half a character."""
+    for tok in special_toks:
+        prompt = tok.encode(prompt_text)
+        ids = [i for piece in pieces for i in tok.encode(piece, add_bos=False)]
+        detok = detokenizer_for(tok, prompt, skip_special_tokens=False)
+        deltas = [detok.push(i) for i in ids]
+        assert "".join(deltas) + detok.flush() == spelled_completion(tok, prompt, ids)
+        assert not any(d.endswith("\ufffd") for d in deltas)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(max_size=32), st.lists(st.sampled_from([0, 1, 2, 300]), max_size=4), st.randoms())
+def test_a_byte_table_has_no_special_text_to_spell(data, specials, rnd):
+    """The byte tokenizer's special and unused ids have no spelling: skipped or not, they add nothing (as
+    their token_text)."""
+    tok = ByteTokenizer(vocab_size=512)
+    ids = [b + 3 for b in data]
+    for special in specials:
+        ids.insert(rnd.randint(0, len(ids)), special)
+    detok = detokenizer_for(tok, [1], skip_special_tokens=False)
+    assert isinstance(detok, Utf8Detokenizer)
+    text = "".join(detok.push(i) for i in ids) + detok.flush()
+    assert text == tok.decode(ids, skip_special_tokens=False) == tok.decode(ids)
+    assert all(tok.token_text(s) == "" for s in specials)

@@ -24,7 +24,8 @@ class ChoiceStream:
     def __init__(self, index: int, params: SamplingParams, tokenizer, text_of: Callable[[int], str],
                  prompt_token_ids: list[int] = ()):
         self.index = index
-        self.detokenizer = detokenizer_for(tokenizer, prompt_token_ids)  # the prompt: the first word's space
+        # the prompt's tail: the first word's space; params: whether special tokens are spelled
+        self.detokenizer = detokenizer_for(tokenizer, prompt_token_ids, params.skip_special_tokens)
         self.stops = StopStrings(params.stop, params.include_stop_str_in_output) if params.stop else None
         self.min_tokens = params.min_tokens  # stop strings count from this many tokens on
         self.stop_text_kept = params.include_stop_str_in_output  # a stop token's text too

@@ -147,7 +147,8 @@ def _job(engine, req: CompletionRequest) -> CompletionJob:
         prompts = [prompt] if isinstance(prompt[0], int) else [list(p) for p in prompt]
         for ids in prompts:
             check_token_ids(ids, tok.vocab_size, "prompt")
-        texts = [tok.decode(ids) for ids in prompts] if req.echo else [""] * len(prompts)
+        skip = req.skip_special_tokens is not False  # the echo is decoded as the choices' text is
+        texts = [tok.decode(ids, skip) for ids in prompts] if req.echo else [""] * len(prompts)
     scores_prompt = req.max_tokens == 0
     if scores_prompt and not req.echo:
         raise APIError(400, "max_tokens 0 generates nothing: it is only valid with echo (score the prompt).",

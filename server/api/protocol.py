@@ -88,11 +88,11 @@ class _SamplingRequest(_Request):
     logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> bias in [-100, 100]
     min_tokens: int | None = Field(None, ge=0)  # vLLM's: no EOS, stop token or stop string before this many
     include_stop_str_in_output: bool | None = False  # vLLM's: the stop string ends the text, not cut off
+    skip_special_tokens: bool | None = None  # vLLM's; None: True (the text leaves special tokens out)
     # OpenAI fields pagewalk does not implement: accepted only at their no-op value, never silently ignored
     best_of: int | None = None
     response_format: dict[str, Any] | None = None
     # vLLM's sampling extensions pagewalk does not implement, likewise
-    skip_special_tokens: Annotated[Any, refused_unless(None, True)] = None
     spaces_between_special_tokens: Annotated[Any, refused_unless(None, True)] = None
     prompt_logprobs: Annotated[Any, refused_unless(None)] = None
     truncate_prompt_tokens: Annotated[Any, refused_unless(None)] = None

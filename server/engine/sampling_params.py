@@ -27,6 +27,7 @@ class SamplingParams:
     n: int = 1  # choices; prefilled once, then forked
     logprobs: int | None = None  # None: no logprobs; k: sampled token's + top-k
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob + top-k
+    skip_special_tokens: bool = True  # False: the text spells the special tokens sampled (the API reads it)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0

@@ -6,11 +6,13 @@ sequence, so the text is held back until later ids complete it (or `flush()` at 
 The window starts on the last CONTEXT_IDS ids of the prompt: a SentencePiece-style decoder (Llama-2,
 Mistral) drops the leading space of a sequence's first token, so a completion's first token decoded alone
 would lose it. Concatenating every delta and `flush()` gives exactly
-`decode(context + ids)[len(decode(context)):]` (with no context: `decode(ids)`).
+`decode(context + ids, skip)[len(decode(context, skip)):]` (with no context: `decode(ids, skip)`), `skip`
+being the stream's `skip_special_tokens` (False: special tokens are spelled, e.g. `<|start_header_id|>`).
 
 A tokenizer whose ids are bytes (ByteTokenizer, the presets') has a cheaper exact way: `token_bytes` maps each
 id to its bytes and the stdlib's incremental UTF-8 decoder holds an incomplete character until it completes,
-with the same result as decoding the whole stream. `detokenizer_for` picks it.
+with the same result as decoding the whole stream. `detokenizer_for` picks it. Its table holds no text for
+special ids, their text in `decode` whether skipped or not (the byte tokenizer has no spelling for them).
 """
 
 from __future__ import annotations
@@ -23,15 +25,16 @@ UTF8_DECODER = codecs.getincrementaldecoder("utf-8")  # looked up once: a lookup
 
 
 class Decoder(Protocol):
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 CONTEXT_IDS = 5  # prompt ids the first window starts on (as vLLM's): enough for a word's spacing
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Decoder, context: list[int] = ()) -> None:
+    def __init__(self, tokenizer: Decoder, context: list[int] = (), skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens  # False: the text spells special tokens
         self.ids: list[int] = list(context[-CONTEXT_IDS:])  # the context's tail, then the pushed ids
         self.prefix_offset = 0  # start of the decode window
         self.read_offset = len(self.ids)  # ids before this are emitted (or the context's)
@@ -48,8 +51,9 @@ class IncrementalDetokenizer:
     def _delta(self, final: bool) -> str:
         if self.read_offset == len(self.ids):
             return ""
-        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
-        new_text = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        skip = self.skip_special_tokens
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], skip)
+        new_text = self.tokenizer.decode(self.ids[self.prefix_offset :], skip)
         if not final and (len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT)):
             return ""
         self.prefix_offset = self.read_offset
@@ -105,8 +109,10 @@ def _complete_texts(token_bytes: list[bytes]) -> list[str | None]:
     return entry[1]
 
 
-def detokenizer_for(tokenizer, context: list[int] = ()) -> IncrementalDetokenizer | Utf8Detokenizer:
-    """`context`: the prompt's ids (bytes need none: a byte's text does not depend on its neighbours)."""
+def detokenizer_for(tokenizer, context: list[int] = (),
+                    skip_special_tokens: bool = True) -> IncrementalDetokenizer | Utf8Detokenizer:
+    """`context`: the prompt's ids (bytes need none: a byte's text does not depend on its neighbours).
+    `skip_special_tokens`: as `decode`'s (a byte table's special ids have no text either way)."""
     if hasattr(tokenizer, "token_bytes"):
         return Utf8Detokenizer(tokenizer)
-    return IncrementalDetokenizer(tokenizer, context)
+    return IncrementalDetokenizer(tokenizer, context, skip_special_tokens)

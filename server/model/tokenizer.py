@@ -36,7 +36,8 @@ class ByteTokenizer:
     """UTF-8 bytes as tokens: id = byte + 3; 0 = PAD, 1 = BOS, 2 = EOS.
 
     `vocab_size` may exceed 259 (the `bench` preset's 128256-row embedding): ids in [259, vocab_size) are
-    unused and decode to nothing, like special tokens.
+    unused and decode to nothing, like special tokens. Special tokens have no name a text could spell, so they
+    decode to nothing with skip_special_tokens False too (as token_text and /detokenize give them).
     """
 
     PAD, BOS, EOS, OFFSET = 0, 1, 2, 3
@@ -58,6 +59,7 @@ class ByteTokenizer:
         return [self.BOS, *ids] if add_bos else ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """`skip_special_tokens` changes nothing: special and unused ids have no text."""
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
     def decode_bytes(self, ids: list[int]) -> bytes:
