@@ -23,9 +23,11 @@ def dense_biased(model, prompt: list[int], params: SamplingParams) -> list[int]:
     min_tokens are out, EOS and the stop ids at -inf; ends as the core ends a choice."""
     ids, out = list(prompt), []
     held = set(params.stop_token_ids) | ({EOS} if not params.ignore_eos else set())
+    dev = next(model.parameters()).device
     with torch.inference_mode():
         for _ in range(params.max_tokens):
-            logits = model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)))[-1:])[0].float()
+            hidden = model(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev))
+            logits = model.compute_logits(hidden[-1:])[0].float().cpu()
             for token, value in params.logit_bias.items():
                 logits[token] += value
             if len(out) < params.min_tokens:
@@ -125,3 +127,21 @@ def test_min_tokens_counts_the_samples_of_greedy_steps():
     logits[0, 11] = 1.0
     got = [sampler(logits, torch.tensor([0]), BIAS).token_ids.item() for _ in range(3)]
     assert got == [11, 11, EOS]  # EOS held back for the first two samples only
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_gpu_engine_with_graphs_equals_the_dense_biased_reference(async_scheduling):
+    """The decode graphs' steps with biased rows take the sampler's path (no in-graph argmax): fp32 on the
+    GPU, the sampling kernel and the argmax kernel over the biased logits."""
+    config = EngineConfig(model="tiny", device="cuda", dtype="float32", block_size=4, num_blocks=12,
+                          max_num_seqs=6, max_num_batched_tokens=20, attention_backend="triton",
+                          async_scheduling=async_scheduling)
+    reqs = requests()
+    tokens, _, stats, core, _ = run_engine(config, reqs)
+    assert core.runner.graphs is not None and core.runner.graphs.num_replays > 0 and stats["preemptions"] > 0
+    for rid, prompt, params in reqs:
+        want = dense_biased(core.runner.model, prompt, params)
+        for i in range(params.n):
+            assert tokens[(rid, i)] == want, (rid, i, params)
