@@ -24,9 +24,10 @@ def dense_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[floa
     """Greedy continuation through the contiguous forward (attn None: no KV cache, no out rows) ->
     (tokens, the chosen tokens' logprobs)."""
     ids, lps = list(prompt), []
+    dev = next(model.parameters()).device
     with torch.inference_mode():
         for _ in range(n):
-            hidden = model(torch.tensor(ids), torch.arange(len(ids)))
+            hidden = model(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev))
             logp = model.compute_logits(hidden[-1:]).log_softmax(-1)[0]
             t = int(logp.argmax())
             ids.append(t)
