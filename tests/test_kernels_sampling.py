@@ -417,7 +417,7 @@ def test_gpu_sampled_steps_compile_nothing_after_warm_up():
         # biased rows (greedy, whole-row and compact draws) read the fp32 logits: forced tokens come out
         biased = [SamplingParams(temperature=0.0, logit_bias={500: 100.0}),
                   SamplingParams(temperature=0.8, top_p=0.95, logit_bias={501: 100.0}),
-                  SamplingParams(temperature=0.7, top_k=50, logit_bias={502: 100.0, 2: 100.0}, min_tokens=3)]
+                  SamplingParams(temperature=0.7, top_k=50, logit_bias={502: 50.0, 2: 100.0}, min_tokens=3)]
         init_biased_rows(s, biased, [2], "cuda")
         flags = step_flags(biased[0]) | step_flags(biased[1]) | step_flags(biased[2])
         logits = torch.randn(3, V, device="cuda") * 3
