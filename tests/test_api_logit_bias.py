@@ -1,5 +1,5 @@
-"""logit_bias (OpenAI), min_tokens and include_stop_str_in_output (vLLM) through the HTTP API on the tiny
-preset: what they do to the tokens and text, streamed and not, and the 400s of bad values."""
+"""logit_bias (OpenAI), min_tokens, include_stop_str_in_output and allowed_token_ids (vLLM) through the HTTP
+API on the tiny preset: what they do to the tokens and text, streamed and not, and the 400s of bad values."""
 
 from __future__ import annotations
 
@@ -133,7 +133,24 @@ def test_chat_takes_the_same_fields(app):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
+def test_allowed_token_ids_are_the_only_tokens_sampled(app):
+    allowed = [A, A + 1, Z]
+    for sampling in ({"temperature": 0}, {"temperature": 1.5, "seed": 5, "n": 3}):
+        body = complete(app, allowed_token_ids=allowed, max_tokens=12, **sampling)
+        for choice in body["choices"]:
+            assert set(choice["token_ids"]) <= set(allowed) and len(choice["token_ids"]) == 12
+    forced = complete(app, allowed_token_ids=allowed, logit_bias={str(Z): 100})["choices"][0]
+    assert forced["token_ids"] == [Z] * 6
+    # EOS among them, held back by min_tokens
+    held = complete(app, allowed_token_ids=[A, EOS], logit_bias={str(EOS): 50}, min_tokens=2)["choices"][0]
+    assert held["token_ids"] == [A, A, EOS] and held["text"] == "aa"
+
+
 @pytest.mark.parametrize("fields,param,message", [
+    ({"allowed_token_ids": []}, "allowed_token_ids", "1 to 1024"),
+    ({"allowed_token_ids": [5, 100000]}, "allowed_token_ids", "[0, "),
+    ({"allowed_token_ids": [-1]}, "allowed_token_ids", ""),
+    ({"allowed_token_ids": "5"}, "allowed_token_ids", ""),
     ({"logit_bias": {"z": 1}}, "logit_bias", "token ids"),
     ({"logit_bias": {"-1": 1}}, "logit_bias", "token ids"),
     ({"logit_bias": {"٣": 1}}, "logit_bias", "token ids"),  # a decimal digit, not ASCII

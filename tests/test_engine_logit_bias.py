@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from server.engine.engine import EngineConfig
-from server.engine.sampler import BIAS, Sampler, bias_entries, row_fields, step_flags
+from server.engine.sampler import ALLOW, BIAS, LOGPROBS, Sampler, bias_entries, row_fields, step_flags
 from server.engine.sampling_params import SamplingParams
 from server.model.tokenizer import ByteTokenizer
 from tests.test_engine_out_rows import run_engine
@@ -28,6 +28,10 @@ def dense_biased(model, prompt: list[int], params: SamplingParams) -> list[int]:
         for _ in range(params.max_tokens):
             hidden = model(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev))
             logits = model.compute_logits(hidden[-1:])[0].float().cpu()
+            if params.allowed_token_ids is not None:
+                keep = torch.zeros_like(logits, dtype=torch.bool)
+                keep[params.allowed_token_ids] = True
+                logits = logits.masked_fill(~keep, float("-inf"))
             for token, value in params.logit_bias.items():
                 logits[token] += value
             if len(out) < params.min_tokens:
@@ -53,8 +57,11 @@ def requests():
             bias, min_tokens = {EOS: 30.0}, 3 + i % 3
         if i == 2:  # a stop id pushed up, held back until min_tokens
             bias, min_tokens, stop_ids = {biased[0]: 40.0}, 4, [biased[0]]
+        allowed = None
+        if i in (3, 4):  # a few tokens allowed (row 4 with EOS among them, held back, and a bias)
+            allowed = biased[6:10] + ([EOS] if i == 4 else [])
         params = SamplingParams(max_tokens=9, temperature=0.0, n=2 if i in (1, 4) else 1, logit_bias=bias,
-                                min_tokens=min_tokens, stop_token_ids=stop_ids)
+                                min_tokens=min_tokens, stop_token_ids=stop_ids, allowed_token_ids=allowed)
         reqs.append((f"r{i}", prompt, params))
     return reqs
 
@@ -76,12 +83,15 @@ def test_engine_tokens_equal_the_dense_biased_reference(static_graphs, async_sch
         ended_by_eos += want[-1] == EOS
         if params.min_tokens:
             assert len(want) > params.min_tokens and want[-1] in (EOS, *params.stop_token_ids)
+        if params.allowed_token_ids is not None:
+            assert set(want) <= set(params.allowed_token_ids)
     assert ended_by_eos >= 2 and stats["preemptions"] > 0  # the cases under test happened
     assert not core.requests and core.kv.num_free_blocks == core.kv.num_blocks - 1  # nothing leaked
 
 
 def sampler_with(rows_params: list[SamplingParams], vocab: int = 40) -> Sampler:
     sampler = Sampler(max_rows=4, vocab_size=vocab, device=torch.device("cpu"), kernel=False)
+    sampler.init_rows(torch.arange(4), torch.zeros(4, 6), torch.zeros(4, 4, dtype=torch.int64))
     for row, params in enumerate(rows_params):
         init_row(sampler, row, params)
     return sampler
@@ -116,6 +126,24 @@ def test_the_table_widens_and_keeps_the_rows_it_has():
     logits = torch.zeros(2, 40)
     logits[:, 20] = 0.5
     assert sampler(logits, torch.tensor([0, 1]), BIAS).token_ids.tolist() == [3, 0]
+
+
+def test_allowed_tokens_keep_their_logits_and_a_padded_token_0_stays_out():
+    """Row 0 allows tokens 0 and 9 (token 0 also under the padding entries), row 1 allows 30 and has no
+    ALLOWED entry elsewhere; row 2 allows nothing in particular: its logits stay whole."""
+    sampler = sampler_with([SamplingParams(temperature=0.0, allowed_token_ids=[0, 9]),
+                            SamplingParams(temperature=0.0, allowed_token_ids=[30], logit_bias={31: 1.0}),
+                            SamplingParams(temperature=0.0, logit_bias={7: 1.0})])
+    logits = torch.zeros(3, 40)
+    logits[:, 20] = 5.0
+    logits[:, 0] = 1.0
+    flags = step_flags(SamplingParams(temperature=0.0, allowed_token_ids=[1], logprobs=1))
+    assert flags == BIAS | ALLOW | LOGPROBS
+    out = sampler(logits, torch.arange(3), flags, num_logprobs=1)
+    assert out.token_ids.tolist() == [0, 30, 20]
+    assert out.logprobs.tolist() == pytest.approx(logits.log_softmax(-1)[[0, 1, 2], [0, 30, 20]].tolist())
+    logits[0, 0] = -1.0  # now 9 (0.0) beats the allowed token 0, and padding ids never bring 0 back
+    assert sampler(logits, torch.arange(3), flags).token_ids.tolist() == [9, 30, 20]
 
 
 def test_min_tokens_counts_the_samples_of_greedy_steps():

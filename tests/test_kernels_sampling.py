@@ -417,14 +417,18 @@ def test_gpu_sampled_steps_compile_nothing_after_warm_up():
         # biased rows (greedy, whole-row and compact draws) read the fp32 logits: forced tokens come out
         biased = [SamplingParams(temperature=0.0, logit_bias={500: 100.0}),
                   SamplingParams(temperature=0.8, top_p=0.95, logit_bias={501: 100.0}),
-                  SamplingParams(temperature=0.7, top_k=50, logit_bias={502: 50.0, 2: 100.0}, min_tokens=3)]
+                  SamplingParams(temperature=0.7, top_k=50, logit_bias={502: 50.0, 2: 100.0}, min_tokens=3),
+                  SamplingParams(temperature=1.0, allowed_token_ids=[7, 8])]
         init_biased_rows(s, biased, [2], "cuda")
-        flags = step_flags(biased[0]) | step_flags(biased[1]) | step_flags(biased[2])
-        logits = torch.randn(3, V, device="cuda") * 3
-        rows = torch.arange(3, device="cuda")
-        tokens = [s(logits, rows, flags, compact=rows[2:]).token_ids.tolist() for _ in range(4)]
+        flags = 0
+        for params in biased:
+            flags |= step_flags(params)
+        logits = torch.randn(4, V, device="cuda") * 3
+        rows = torch.arange(4, device="cuda")
+        tokens = [s(logits, rows, flags, compact=rows[2:3]).token_ids.tolist() for _ in range(4)]
         torch.cuda.synchronize()
     finally:
         triton.knobs.runtime.jit_cache_hook = previous
     assert compiles == []
-    assert tokens == [[500, 501, 502]] * 3 + [[500, 501, 2]]
+    assert [t[:3] for t in tokens] == [[500, 501, 502]] * 3 + [[500, 501, 2]]
+    assert {t[3] for t in tokens} <= {7, 8}

@@ -269,7 +269,7 @@ class ModelRunner:
         sources), on the device but the count."""
         sections, num_products, num_logprobs, flags = self._pack(step, table_of, layout)
         (flat, writes, init_rows, init_floats, init_ints, pen_rows, pen_token_rows, pen_tokens, pen_is_output,
-         bias_rows, bias_cols, bias_ids, bias_values, bias_held, sample_rows, sample_sources, copies,
+         bias_rows, bias_cols, bias_ids, bias_values, bias_kinds, sample_rows, sample_sources, copies,
          compact) = self.packer.send(sections)
         self.state.apply_table_writes(writes)
         out = StepLogits(None, sample_rows.long(), flags, num_logprobs,  # int64 once: sampler and state index
@@ -283,7 +283,7 @@ class ModelRunner:
         if bias_rows.numel():
             width = max(num_bias_entries(s.params, s.held_back) for s in step.new_rows)
             self.sampler.init_bias_rows(bias_rows, bias_cols, bias_ids, bias_values.view(torch.float32),
-                                        bias_held, width)
+                                        bias_kinds, width)
         return flat, out, num_products, copies, sample_sources
 
     def _repeats_last_decode(self, step: SchedulerOutput, graphs: StepGraphs, key) -> bool:
@@ -431,10 +431,10 @@ class ModelRunner:
     def _pack_new_rows(seqs: list[Seq]) -> list:
         """Sampler state of the sequences that took a row: parameters; for rows with penalties the prompt
         tokens (mask) and the tokens generated so far (counts, after a preemption); for rows with biases
-        their entries (bias_entries): row, column, token id, value, held back."""
+        their entries (bias_entries): row, column, token id, value, kind."""
         rows, floats, ints = [], [], []
         pen_rows, pen_token_rows, pen_tokens, pen_is_output = [], [], [], []
-        bias_rows, bias_cols, bias_ids, bias_values, bias_held = [], [], [], [], []
+        bias_rows, bias_cols, bias_ids, bias_values, bias_kinds = [], [], [], [], []
         for seq in seqs:
             num_sampled = len(seq.token_ids) - seq.num_prompt_tokens
             f, i = row_fields(seq.params, seq.seed_key, num_sampled)
@@ -447,14 +447,14 @@ class ModelRunner:
                 pen_tokens += seq.token_ids
                 pen_is_output += [0] * seq.num_prompt_tokens + [1] * num_sampled
             if seq.sample_flags & BIAS:
-                ids, values, held = bias_entries(seq.params, seq.held_back)
+                ids, values, kinds = bias_entries(seq.params, seq.held_back)
                 bias_rows += [seq.row] * len(ids)
                 bias_cols += range(len(ids))
                 bias_ids += ids
                 bias_values += values
-                bias_held += held
+                bias_kinds += kinds
         return [rows, floats_as_int32(floats), ints, pen_rows, pen_token_rows, pen_tokens, pen_is_output,
-                bias_rows, bias_cols, bias_ids, floats_as_int32(bias_values), bias_held]
+                bias_rows, bias_cols, bias_ids, floats_as_int32(bias_values), bias_kinds]
 
     def _flat_inputs(self, flat: torch.Tensor, layout: FlatLayout, num_decode: int
                      ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:

@@ -25,7 +25,7 @@ from server.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 MASK32 = 0xFFFF_FFFF
 
 # SamplingParams.flags bits: what a step's rows need, OR-ed on the host to skip work nobody asked for
-SAMPLED, TOP, MIN_P, PENALTIES, LOGPROBS, BIAS = 1, 2, 4, 8, 16, 32
+SAMPLED, TOP, MIN_P, PENALTIES, LOGPROBS, BIAS, ALLOW = 1, 2, 4, 8, 16, 32, 64  # ALLOW comes with BIAS
 FLOAT_FIELDS = 6  # temperature, top_p, min_p, presence, frequency, repetition
 INT_FIELDS = 4  # top_k, seed key, samples drawn so far, min_tokens
 
@@ -44,6 +44,8 @@ def step_flags(params: SamplingParams) -> int:
         f |= LOGPROBS
     if params.has_bias:
         f |= BIAS
+    if params.allowed_token_ids is not None:
+        f |= ALLOW
     return f
 
 
@@ -67,18 +69,28 @@ def row_fields(params: SamplingParams, seed_key: int, num_sampled: int) -> tuple
     return floats, [min(p.top_k, 2**31 - 1), seed_key, num_sampled, p.min_tokens]
 
 
+# kinds of a row's bias entries (bias_entries): what the step does with the entry's token
+ADDED, HELD_BACK, ALLOWED = 0, 1, 2
+
+
 def num_bias_entries(params: SamplingParams, held_back: list[int]) -> int:
     """len(bias_entries(params, held_back)[0]), without building them."""
-    return len(params.logit_bias) + (len(held_back) if params.min_tokens > 0 else 0)
+    return (len(params.logit_bias) + (len(held_back) if params.min_tokens > 0 else 0)
+            + len(params.allowed_token_ids or ()))
 
 
 def bias_entries(params: SamplingParams, held_back: list[int]) -> tuple[list[int], list[float], list[int]]:
-    """A row's biased tokens -> (token ids, values, held-back flags): logit_bias's, then while min_tokens
-    is unmet the `held_back` ids (EOS, stop_token_ids), whose value the step sets (-inf, then 0)."""
+    """A row's biased tokens -> (token ids, values, kinds): logit_bias's (ADDED: the value is added), while
+    min_tokens is unmet the `held_back` ids (EOS, stop_token_ids: -inf until the row has min_tokens
+    samples), and allowed_token_ids (ALLOWED: every other token is at -inf)."""
     ids, values = list(params.logit_bias), list(params.logit_bias.values())
-    if params.min_tokens > 0:
-        return ids + held_back, values + [0.0] * len(held_back), [0] * len(ids) + [1] * len(held_back)
-    return ids, values, [0] * len(ids)
+    kinds = [ADDED] * len(ids)
+    for extra, kind in ((held_back if params.min_tokens > 0 else [], HELD_BACK),
+                        (params.allowed_token_ids or [], ALLOWED)):
+        ids += extra
+        values += [0.0] * len(extra)
+        kinds += [kind] * len(extra)
+    return ids, values, kinds
 
 
 MASK64 = (1 << 64) - 1
@@ -126,7 +138,7 @@ class Sampler:
         # (R, W) biased tokens per row (bias_entries), W the widest row's so far; padding adds 0 to token 0
         self.bias_ids: torch.Tensor | None = None  # int64
         self.bias_values: torch.Tensor | None = None  # fp32
-        self.held_back: torch.Tensor | None = None  # bool: -inf while the row's samples < its min_tokens
+        self.bias_kinds: torch.Tensor | None = None  # int8: ADDED (padding too), HELD_BACK or ALLOWED
         self._prompt_mask: torch.Tensor | None = None  # (R, V + 1) bool; column V absorbs output tokens
         self.in_prompt: torch.Tensor | None = None  # (R, V) bool view of _prompt_mask
 
@@ -162,7 +174,7 @@ class Sampler:
         if self.bias_ids is not None:  # a step with biases adds every row's: none left from the last owner
             self.bias_ids.index_fill_(0, rows, 0)
             self.bias_values.index_fill_(0, rows, 0.0)
-            self.held_back.index_fill_(0, rows, False)
+            self.bias_kinds.index_fill_(0, rows, ADDED)
 
     def init_penalty_rows(self, rows: torch.Tensor, token_rows: torch.Tensor, token_ids: torch.Tensor,
                           is_output: torch.Tensor) -> None:
@@ -187,14 +199,14 @@ class Sampler:
         self._prompt_mask.index_put_((token_rows, columns), torch.ones_like(out))
 
     def init_bias_rows(self, entry_rows: torch.Tensor, entry_cols: torch.Tensor, token_ids: torch.Tensor,
-                       values: torch.Tensor, held_back: torch.Tensor, width: int) -> None:
+                       values: torch.Tensor, kinds: torch.Tensor, width: int) -> None:
         """Write the bias_entries (E,) of new rows (init_rows cleared them) at (row, col). `width`: the
         widest row's entry count (a host int: the table grows without a sync, its new part zeros)."""
         self._ensure_bias_width(width)
         entry_rows, entry_cols = entry_rows.long(), entry_cols.long()
         self.bias_ids.index_put_((entry_rows, entry_cols), token_ids.long())
         self.bias_values.index_put_((entry_rows, entry_cols), values)
-        self.held_back.index_put_((entry_rows, entry_cols), held_back.bool())
+        self.bias_kinds.index_put_((entry_rows, entry_cols), kinds.to(torch.int8))
 
     def _ensure_bias_width(self, width: int) -> None:
         have = 0 if self.bias_ids is None else self.bias_ids.shape[1]
@@ -204,10 +216,11 @@ class Sampler:
         n = self.floats.shape[0]
         ids = torch.zeros(n, width, dtype=torch.int64, device=self.device)
         values = torch.zeros(n, width, device=self.device)
-        held = torch.zeros(n, width, dtype=torch.bool, device=self.device)
+        kinds = torch.full((n, width), ADDED, dtype=torch.int8, device=self.device)
         if have:
-            ids[:, :have], values[:, :have], held[:, :have] = self.bias_ids, self.bias_values, self.held_back
-        self.bias_ids, self.bias_values, self.held_back = ids, values, held
+            ids[:, :have], values[:, :have] = self.bias_ids, self.bias_values
+            kinds[:, :have] = self.bias_kinds
+        self.bias_ids, self.bias_values, self.bias_kinds = ids, values, kinds
 
     # ---- one step ---------------------------------------------------------------------------------
     def __call__(self, logits: torch.Tensor | None, rows: torch.Tensor, flags: int, num_logprobs: int = 0,
@@ -244,19 +257,25 @@ class Sampler:
         if flags & (PENALTIES | SAMPLED | BIAS):  # a plain all-greedy step reads no parameters
             floats, ints = self.floats[rows], self.ints[rows]  # (S, 6), (S, 4)
         if flags & BIAS and self.bias_ids is not None:
-            logits = self._apply_bias(logits, rows, ints)
+            logits = self._apply_bias(logits, rows, ints, flags)
         if flags & PENALTIES and self.counts is not None:
             logits = self._apply_penalties(logits, rows, floats)
         if flags & SAMPLED:
             return self._sample(logits, floats, ints, flags, compact), raw
         return self.argmax(logits), raw
 
-    def _apply_bias(self, logits: torch.Tensor, rows: torch.Tensor, ints: torch.Tensor) -> torch.Tensor:
-        """logits (S, V) fp32 -> a biased copy (the raw ones stay for the logprobs): each row's logit_bias
-        added, its held-back ids at -inf while its samples so far are fewer than its min_tokens."""
-        ids, values = self.bias_ids[rows], self.bias_values[rows]  # (S, W)
+    def _apply_bias(self, logits: torch.Tensor, rows: torch.Tensor, ints: torch.Tensor, flags: int
+                    ) -> torch.Tensor:
+        """logits (S, V) fp32 -> a biased copy (the raw ones stay for the logprobs): a row with allowed
+        tokens keeps only those, then each row's logit_bias is added and its held-back ids are at -inf while
+        its samples so far are fewer than its min_tokens."""
+        ids, values, kinds = self.bias_ids[rows], self.bias_values[rows], self.bias_kinds[rows]  # (S, W)
+        allowed = kinds == ALLOWED
+        if flags & ALLOW:
+            logits = _keep_allowed(logits, ids, allowed)
         below = (ints[:, 2] < ints[:, 3])[:, None]  # (S, 1)
-        values = torch.where(self.held_back[rows], torch.where(below, float("-inf"), 0.0), values)
+        held = torch.where(below, float("-inf"), 0.0)
+        values = torch.where(kinds == HELD_BACK, held, torch.where(allowed, 0.0, values))
         return logits.scatter_add(1, ids, values)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: torch.Tensor,
@@ -305,6 +324,15 @@ class Sampler:
         picked = self._sample_logits(values, f[:, 0], f[:, 1], f[:, 2], i[:, 0], i[:, 1], i[:, 2],
                                      GREEDY_TEMPERATURE)
         return ids.gather(1, picked[:, None]).squeeze(1)
+
+
+def _keep_allowed(logits: torch.Tensor, ids: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """logits (S, V), ids / allowed (S, W): rows with an allowed entry keep those tokens' logits, every other
+    token at -inf; other rows as they are. The max-scatter leaves a token that is both allowed and padding
+    (id 0) at its logit, whatever the order of the writes."""
+    only = allowed.any(dim=1, keepdim=True)  # (S, 1)
+    kept = torch.where(allowed, logits.gather(1, ids), float("-inf"))  # (S, W)
+    return torch.where(only, float("-inf"), logits).scatter_reduce(1, ids, kept, "amax")
 
 
 def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:

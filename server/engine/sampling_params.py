@@ -6,7 +6,7 @@ import functools
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
-MAX_LOGIT_BIAS = 1024  # biased tokens of one request; also the stop ids min_tokens may hold back
+MAX_LOGIT_BIAS = 1024  # biased tokens of a request; also its allowed ids, the stop ids min_tokens holds back
 LOGIT_BIAS_RANGE = 100.0  # OpenAI's bound of one bias value
 MAX_N = 64
 MAX_INT64 = 2**63 - 1  # seeds and top_k cross the core's wire (msgpack) as int64, as vLLM bounds its seed
@@ -34,6 +34,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_tokens: int = 0  # EOS and stop_token_ids are held back (and stop strings ignored) until this many
     include_stop_str_in_output: bool = False  # the stop string (or stop token's text) ends the output
+    allowed_token_ids: list[int] | None = None  # the only tokens sampled; None: all
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,8 +56,9 @@ class SamplingParams:
 
     @property
     def has_bias(self) -> bool:
-        """Whether the sampler adds to this choice's logits: logit_bias, or min_tokens' hold-back."""
-        return bool(self.logit_bias) or self.min_tokens > 0
+        """Whether the sampler changes this choice's logits: logit_bias, min_tokens' hold-back, or
+        allowed_token_ids."""
+        return bool(self.logit_bias) or self.min_tokens > 0 or self.allowed_token_ids is not None
 
     @property
     def has_penalties(self) -> bool:
@@ -90,6 +92,7 @@ class SamplingParams:
             _check(isinstance(t, int) and 0 <= t < vocab_size,
                    f"stop_token_ids must be in [0, {vocab_size}), got {t}")
         _check_bias(self.logit_bias, vocab_size)
+        _check_allowed(self.allowed_token_ids, vocab_size)
         _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         _check(self.min_tokens == 0 or len(self.stop_token_ids) <= MAX_LOGIT_BIAS,
@@ -106,6 +109,16 @@ def _check_bias(bias: dict[int, float], vocab_size: int) -> None:
                f"logit_bias token ids must be in [0, {vocab_size}), got {token}")
         _check(-LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE,
                f"logit_bias values must be in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], got {value}")
+
+
+def _check_allowed(allowed: list[int] | None, vocab_size: int) -> None:
+    if allowed is None:
+        return
+    _check(0 < len(allowed) <= MAX_LOGIT_BIAS,
+           f"allowed_token_ids must hold 1 to {MAX_LOGIT_BIAS} token ids, got {len(allowed)}")
+    for t in allowed:
+        _check(isinstance(t, int) and 0 <= t < vocab_size,
+               f"allowed_token_ids must be in [0, {vocab_size}), got {t}")
 
 
 def _check(ok: bool, message: str) -> None:
