@@ -28,7 +28,7 @@ from server.api.logprobs import completion_logprobs, echo_logprobs, joined
 from server.api.openapi_bodies import request_body
 from server.api.outputs import ChoiceDelta
 from server.api.parsing import check_model, parse_body
-from server.api.prompts import check_context_length
+from server.api.prompts import check_context_length, truncated
 from server.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from server.api.sampling import DEFAULT_COMPLETION_MAX_TOKENS, check_token_ids, sampling_params
 from server.api.streaming import (
@@ -147,8 +147,12 @@ def _job(engine, req: CompletionRequest) -> CompletionJob:
         prompts = [prompt] if isinstance(prompt[0], int) else [list(p) for p in prompt]
         for ids in prompts:
             check_token_ids(ids, tok.vocab_size, "prompt")
-        skip = req.skip_special_tokens is not False  # the echo is decoded as the choices' text is
-        texts = [tok.decode(ids, skip) for ids in prompts] if req.echo else [""] * len(prompts)
+        texts = [echo_text(tok, ids, req) for ids in prompts]
+    if req.truncate_prompt_tokens is not None:  # a cut prompt's echo is what the model reads
+        cut = truncated(prompts, req.truncate_prompt_tokens, engine.max_model_len)
+        texts = [t if len(c) == len(p) else echo_text(tok, c, req)
+                 for t, c, p in zip(texts, cut, prompts, strict=True)]
+        prompts = cut
     scores_prompt = req.max_tokens == 0
     if scores_prompt and not req.echo:
         raise APIError(400, "max_tokens 0 generates nothing: it is only valid with echo (score the prompt).",
@@ -161,6 +165,11 @@ def _job(engine, req: CompletionRequest) -> CompletionJob:
         params.prompt_logprobs = req.logprobs
     return CompletionJob(engine, req, f"cmpl-{uuid.uuid4().hex}", int(time.time()), prompts, texts, params,
                          scores_prompt=scores_prompt)
+
+
+def echo_text(tok, ids: list[int], req: CompletionRequest) -> str:
+    """The text an echo of prompt `ids` shows, decoded as the choices' text is ("" without echo)."""
+    return tok.decode(ids, req.skip_special_tokens is not False) if req.echo else ""
 
 
 def _prompt_only(delta: ChoiceDelta) -> ChoiceDelta:

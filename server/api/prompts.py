@@ -35,6 +35,22 @@ def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation_promp
     return tokenizer.encode(text, add_bos=add_special_tokens)
 
 
+def truncated(prompts: list[list[int]], keep: int | None, max_model_len: int) -> list[list[int]]:
+    """vLLM's truncate_prompt_tokens: each prompt's last `keep` tokens (-1: max_model_len of them); None
+    leaves them whole. More than max_model_len is a 400, as vLLM's."""
+    if keep is None:
+        return prompts
+    if keep == 0:
+        raise APIError(400, "truncate_prompt_tokens must be at least 1 (or -1: the model's maximum context "
+                            "length); 0 leaves no prompt.", "truncate_prompt_tokens")
+    if keep == -1:
+        keep = max_model_len
+    if keep > max_model_len:
+        raise APIError(400, f"truncate_prompt_tokens ({keep}) must be at most the model's maximum context "
+                            f"length ({max_model_len}), or -1 for it.", "truncate_prompt_tokens")
+    return [p[-keep:] if len(p) > keep else p for p in prompts]
+
+
 @contextmanager
 def template_errors() -> Iterator[None]:
     try:

@@ -89,6 +89,7 @@ class _SamplingRequest(_Request):
     min_tokens: int | None = Field(None, ge=0)  # vLLM's: no EOS, stop token or stop string before this many
     include_stop_str_in_output: bool | None = False  # vLLM's: the stop string ends the text, not cut off
     allowed_token_ids: list[NonNegInt] | None = None  # vLLM's: the only tokens sampled
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=2**31)  # vLLM's: the prompt's last k tokens
     skip_special_tokens: bool | None = None  # vLLM's; None: True (the text leaves special tokens out)
     # OpenAI fields pagewalk does not implement: accepted only at their no-op value, never silently ignored
     best_of: int | None = None
@@ -96,7 +97,6 @@ class _SamplingRequest(_Request):
     # vLLM's sampling extensions pagewalk does not implement, likewise
     spaces_between_special_tokens: Annotated[Any, refused_unless(None, True)] = None
     prompt_logprobs: Annotated[Any, refused_unless(None)] = None
-    truncate_prompt_tokens: Annotated[Any, refused_unless(None)] = None
     bad_words: Annotated[Any, refused_unless(None, [])] = None
     use_beam_search: Annotated[Any, refused_unless(None, False)] = None
     length_penalty: Annotated[Any, refused_unless(None, 1.0)] = None

@@ -1,0 +1,84 @@
+"""vLLM's truncate_prompt_tokens: a prompt is served as its last k tokens (-1: as many as the context holds),
+completions and chat, with the echo and usage of the prompt served; 0 or more than the context is a 400."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from server.api.app import create_app
+from tests.engine_helpers import started_engine
+
+pytestmark = pytest.mark.timeout(120)
+
+MAX_MODEL_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def app():
+    with started_engine(model="tiny", device="cpu", attention_backend="torch", num_blocks=64,
+                        max_model_len=MAX_MODEL_LEN) as engine:
+        yield create_app(engine)
+
+
+def post(app, path: str, body: dict) -> httpx.Response:
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post(path, json=body, timeout=60)
+    return asyncio.run(go())
+
+
+def complete(app, **fields) -> dict:
+    r = post(app, "/v1/completions", {"max_tokens": 5, "temperature": 0, "return_token_ids": True, **fields})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_completions_serve_the_prompts_tail(app):
+    text = "a prompt that runs long enough to cut"
+    ids = complete(app, prompt=text, max_tokens=1)["choices"][0]["prompt_token_ids"]
+    assert len(ids) > 8
+    cut = complete(app, prompt=text, truncate_prompt_tokens=8, echo=True)
+    choice = cut["choices"][0]
+    same = complete(app, prompt=ids[-8:], echo=True)["choices"][0]
+    assert choice["prompt_token_ids"] == ids[-8:] and cut["usage"]["prompt_tokens"] == 8
+    assert choice["token_ids"] == same["token_ids"] and choice["text"] == same["text"]
+    assert choice["text"].startswith(text[-8:])  # the echo is the tail the model read (byte tokens)
+    whole = complete(app, prompt=text, truncate_prompt_tokens=-1, echo=True)  # it fits: untouched
+    assert whole["choices"][0]["text"].startswith(text) and whole["usage"]["prompt_tokens"] == len(ids)
+    many = complete(app, prompt=[text, "short"], truncate_prompt_tokens=8)
+    assert many["usage"]["prompt_tokens"] == 8 + len(complete(app, prompt="short")["choices"][0]
+                                                      ["prompt_token_ids"])
+
+
+def test_minus_one_keeps_what_the_context_holds(app):
+    long_ids = [5 + i % 90 for i in range(200)]
+    r = post(app, "/v1/completions", {"prompt": long_ids, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    # -1 keeps MAX_MODEL_LEN tokens: no room for a completion, the same 400 as vLLM's
+    r = post(app, "/v1/completions", {"prompt": long_ids, "max_tokens": 1, "truncate_prompt_tokens": -1})
+    assert r.status_code == 400 and "has 64 tokens" in r.json()["error"]["message"]
+    body = complete(app, prompt=long_ids, truncate_prompt_tokens=MAX_MODEL_LEN - 5)
+    assert body["usage"]["prompt_tokens"] == MAX_MODEL_LEN - 5
+
+
+def test_chat_serves_the_rendered_prompts_tail(app):
+    messages = [{"role": "user", "content": "a chat message long enough to be cut"}]
+    full = post(app, "/v1/chat/completions", {"messages": messages, "max_tokens": 3, "temperature": 0,
+                                              "return_token_ids": True}).json()
+    cut = post(app, "/v1/chat/completions", {"messages": messages, "max_tokens": 3, "temperature": 0,
+                                             "return_token_ids": True, "truncate_prompt_tokens": 6}).json()
+    assert cut["prompt_token_ids"] == full["prompt_token_ids"][-6:] and cut["usage"]["prompt_tokens"] == 6
+
+
+@pytest.mark.parametrize("value,message", [(0, "at least 1"), (MAX_MODEL_LEN + 1, "at most"), (-2, ""),
+                                           ("4", ""), (2**40, "")])
+def test_bad_values_are_400s(app, value, message):
+    for path, body in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        r = post(app, path, {**body, "max_tokens": 2, "truncate_prompt_tokens": value})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "truncate_prompt_tokens" and message in err["message"]
