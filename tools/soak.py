@@ -36,7 +36,7 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 def workload(rng: random.Random) -> tuple[str, str, dict]:
     """(kind, path, body) of one request."""
     kind = rng.choice(["plain", "stream", "chat", "chat_stream", "multi", "stops", "logprobs", "refused",
-                       "hangup_stream", "hangup_plain"])
+                       "hangup_stream", "hangup_plain", "biased"])
     max_tokens = rng.randint(4, 48)
     if kind in ("chat", "chat_stream"):
         messages = [{"role": "user", "content": f"say {rng.random()}"}]
@@ -57,6 +57,14 @@ def workload(rng: random.Random) -> tuple[str, str, dict]:
         body.update(max_tokens=400)
     elif kind == "stream":
         body.update(stream=True)
+    elif kind == "biased":  # the sampler's bias table: rows with and without entries, reused, preempted
+        printable = range(3 + 32, 3 + 127)  # the presets' byte ids of printable ASCII
+        bias = {str(rng.choice(printable)): rng.uniform(-100, 100) for _ in range(rng.randint(0, 8))}
+        body.update(logit_bias=bias, min_tokens=rng.randint(0, max_tokens), ignore_eos=False,
+                    n=rng.randint(1, 3), temperature=rng.choice([0, 0.8]), stream=rng.random() < 0.5,
+                    stop=["e"], include_stop_str_in_output=rng.random() < 0.5)
+        if rng.random() < 0.5:
+            body["allowed_token_ids"] = rng.sample(printable, rng.randint(1, 12)) + [2]  # EOS among them
     return kind, "/v1/completions", body
 
 
