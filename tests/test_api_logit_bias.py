@@ -3,15 +3,14 @@ API on the tiny preset: what they do to the tokens and text, streamed and not, a
 
 from __future__ import annotations
 
-import asyncio
 import json
 
-import httpx
 import pytest
 
 from server.api.app import create_app
 from server.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from server.model.tokenizer import ByteTokenizer
+from tests.asgi_client import post
 from tests.engine_helpers import started_engine
 
 pytestmark = pytest.mark.timeout(180)
@@ -25,13 +24,6 @@ PROMPT = "The bias test says"
 def app():
     with started_engine(model="tiny", device="cpu", attention_backend="torch", num_blocks=128) as engine:
         yield create_app(engine)
-
-
-def post(app, path: str, body: dict) -> httpx.Response:
-    async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            return await c.post(path, json=body, timeout=60)
-    return asyncio.run(go())
 
 
 def complete(app, **fields) -> dict:

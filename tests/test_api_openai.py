@@ -10,6 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.api.app import create_app
+from tests.asgi_client import get, post
 from tests.engine_helpers import started_engine
 
 pytestmark = pytest.mark.timeout(120)
@@ -24,22 +25,6 @@ def engine():
 @pytest.fixture(scope="module")
 def app(engine):
     return create_app(engine)
-
-
-async def _post(app, path: str, body: dict) -> httpx.Response:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-        return await c.post(path, json=body, timeout=60)
-
-
-def post(app, path: str, body: dict) -> httpx.Response:
-    return asyncio.run(_post(app, path, body))
-
-
-def get(app, path: str) -> httpx.Response:
-    async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            return await c.get(path)
-    return asyncio.run(go())
 
 
 def sse_payloads(text: str) -> list:

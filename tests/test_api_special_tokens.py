@@ -5,7 +5,6 @@ any token -> 'The' -> <|start_header_id|> (an added special token) -> ' and' -> 
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
@@ -14,6 +13,7 @@ import torch
 from model_fixtures import byte_bpe_tokenizer, hf_config, write_hf_checkpoint
 
 from server.api.app import create_app
+from tests.asgi_client import post
 from tests.engine_helpers import started_engine
 
 pytestmark = pytest.mark.timeout(120)
@@ -65,13 +65,6 @@ def app(checkpoint):
     path, _ = checkpoint
     with started_engine(model=str(path), **CFG) as engine:
         yield create_app(engine)
-
-
-def post(app, path: str, body: dict) -> httpx.Response:
-    async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            return await c.post(path, json=body, timeout=60)
-    return asyncio.run(go())
 
 
 def events(r: httpx.Response) -> list[dict]:

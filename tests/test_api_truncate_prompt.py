@@ -3,12 +3,10 @@ completions and chat, with the echo and usage of the prompt served; 0 or more th
 
 from __future__ import annotations
 
-import asyncio
-
-import httpx
 import pytest
 
 from server.api.app import create_app
+from tests.asgi_client import post
 from tests.engine_helpers import started_engine
 
 pytestmark = pytest.mark.timeout(120)
@@ -21,13 +19,6 @@ def app():
     with started_engine(model="tiny", device="cpu", attention_backend="torch", num_blocks=64,
                         max_model_len=MAX_MODEL_LEN) as engine:
         yield create_app(engine)
-
-
-def post(app, path: str, body: dict) -> httpx.Response:
-    async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            return await c.post(path, json=body, timeout=60)
-    return asyncio.run(go())
 
 
 def complete(app, **fields) -> dict:
