@@ -138,7 +138,19 @@ def test_allowed_token_ids_are_the_only_tokens_sampled(app):
     assert held["token_ids"] == [A, A, EOS] and held["text"] == "aa"
 
 
+def test_allowed_ids_the_model_masks_are_still_the_only_ones(app):
+    """Byte 0x01 (id 4) is masked by the tiny preset (logit -inf): allowed alone, it is what comes out."""
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 1}):
+        choice = complete(app, allowed_token_ids=[4], max_tokens=3, **sampling)["choices"][0]
+        assert choice["token_ids"] == [4, 4, 4]
+    # EOS alone allowed and held back by min_tokens: the allowed id wins (it ends the choice at once)
+    choice = complete(app, allowed_token_ids=[EOS], min_tokens=3)["choices"][0]
+    assert choice["token_ids"] == [EOS] and choice["finish_reason"] == "stop"
+
+
 @pytest.mark.parametrize("fields,param,message", [
+    ({"logit_bias": {"1" * 5000: 1}}, "logit_bias", "token ids"),  # int() of it raised a 500
+    ({"logit_bias": {"00000000001": 1}}, "logit_bias", "token ids"),
     ({"allowed_token_ids": []}, "allowed_token_ids", "1 to 1024"),
     ({"allowed_token_ids": [5, 100000]}, "allowed_token_ids", "[0, "),
     ({"allowed_token_ids": [-1]}, "allowed_token_ids", ""),

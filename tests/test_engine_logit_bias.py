@@ -8,8 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine.engine import EngineConfig
-from server.engine.sampler import ALLOW, BIAS, LOGPROBS, Sampler, bias_entries, row_fields, step_flags
+from server.engine.bias_table import bias_entries
+from server.engine.engine import EngineConfig, build_core
+from server.engine.outputs import EngineRequest
+from server.engine.sampler import ALLOW, BIAS, LOGPROBS, Sampler, row_fields, step_flags
 from server.engine.sampling_params import SamplingParams
 from server.model.tokenizer import ByteTokenizer
 from tests.test_engine_out_rows import run_engine
@@ -102,8 +104,8 @@ def init_row(sampler: Sampler, row: int, params: SamplingParams, held_back: list
     sampler.init_rows(torch.tensor([row]), torch.tensor([f]), torch.tensor([i]))
     ids, values, held = bias_entries(params, list(held_back))
     if ids:
-        sampler.init_bias_rows(torch.tensor([row] * len(ids)), torch.arange(len(ids)), torch.tensor(ids),
-                               torch.tensor(values), torch.tensor(held), len(ids))
+        sampler.bias.write(torch.tensor([row] * len(ids)), torch.arange(len(ids)), torch.tensor(ids),
+                           torch.tensor(values), torch.tensor(held), len(ids))
 
 
 def test_a_reused_row_keeps_none_of_its_last_owners_biases():
@@ -122,7 +124,7 @@ def test_the_table_widens_and_keeps_the_rows_it_has():
     sampler = sampler_with([SamplingParams(temperature=0.0, logit_bias={3: 50.0})])
     wide = {t: -1.0 for t in range(10, 40)}
     init_row(sampler, 1, SamplingParams(temperature=0.0, logit_bias=wide))
-    assert sampler.bias_ids.shape[1] >= 30
+    assert sampler.bias.width >= 30
     logits = torch.zeros(2, 40)
     logits[:, 20] = 0.5
     assert sampler(logits, torch.tensor([0, 1]), BIAS).token_ids.tolist() == [3, 0]
@@ -144,6 +146,39 @@ def test_allowed_tokens_keep_their_logits_and_a_padded_token_0_stays_out():
     assert out.logprobs.tolist() == pytest.approx(logits.log_softmax(-1)[[0, 1, 2], [0, 30, 20]].tolist())
     logits[0, 0] = -1.0  # now 9 (0.0) beats the allowed token 0, and padding ids never bring 0 back
     assert sampler(logits, torch.arange(3), flags).token_ids.tolist() == [9, 30, 20]
+
+
+def test_an_allowed_token_the_model_masks_is_still_the_one_drawn():
+    """A row whose allowed tokens all have logit -inf (masked by the model, or held back by min_tokens) draws
+    among them, never another token (an all -inf row's argmax is token 0)."""
+    for temperature in (0.0, 1.0):
+        masked = SamplingParams(temperature=temperature, seed=1, allowed_token_ids=[5, 6])
+        held = SamplingParams(temperature=temperature, seed=2, allowed_token_ids=[EOS], min_tokens=3)
+        sampler = sampler_with([masked, held])
+        logits = torch.zeros(2, 40)
+        logits[0, 5:7] = float("-inf")
+        flags = step_flags(masked) | step_flags(held)
+        for _ in range(3):
+            tokens = sampler(logits, torch.arange(2), flags).token_ids.tolist()
+            assert tokens[0] in (5, 6) and tokens[1] == EOS, temperature
+
+
+@pytest.mark.parametrize("bad", [
+    dict(logit_bias={10**6: 5.0}), dict(logit_bias={-1: 5.0}), dict(allowed_token_ids=[10**6]),
+    dict(min_tokens=1, stop_token_ids=[10**6]), dict(min_tokens=1, stop_token_ids=list(range(1100))),
+])
+def test_the_core_refuses_bad_sampling_fields_a_client_sends_it(bad):
+    """A client of the core alone (no API) sending ids the bias table would index out of range, or a
+    min_tokens stop list wider than the table holds: a ValueError for that request, and its neighbour runs
+    (accepted, the step's scatter failed every request of the batch; on CUDA a device-side assert)."""
+    core, _ = build_core(EngineConfig(model="tiny", device="cpu", dtype="float32", num_blocks=64,
+                                      attention_backend="torch"))
+    prompt = [1, 72, 105]
+    with pytest.raises(ValueError):
+        core.add_request(EngineRequest("bad", prompt, SamplingParams(max_tokens=4, **bad), 0.0))
+    core.add_request(EngineRequest("good", prompt, SamplingParams(max_tokens=4, temperature=0.0), 0.0))
+    updates = [u for _ in range(20) if core.has_work() for u in core.step().updates]
+    assert updates[-1].finish_reason == "length" and all(u.error is None for u in updates)
 
 
 def test_min_tokens_counts_the_samples_of_greedy_steps():

@@ -12,13 +12,13 @@ import torch
 
 from kernels.sampling import sample_logits
 from kernels.sampling_reference import filtered_sets as reference_sets
+from server.engine.bias_table import bias_entries
 from server.engine.sampler import (
     BIAS,
     LOGPROBS,
     SAMPLED,
     TOP,
     Sampler,
-    bias_entries,
     row_fields,
     step_flags,
     uniform,
@@ -357,7 +357,7 @@ def init_biased_rows(s: Sampler, params: list[SamplingParams], held_back: list[i
     entries = [(r, c, t, v, h) for r, p in enumerate(params)
                for c, (t, v, h) in enumerate(zip(*bias_entries(p, held_back), strict=True))]
     r, c, t, v, h = (torch.tensor(x, device=device) for x in zip(*entries, strict=True))
-    s.init_bias_rows(r, c, t, v.float(), h, max(int(c.max()) + 1, 1))
+    s.bias.write(r, c, t, v.float(), h, max(int(c.max()) + 1, 1))
 
 
 @interpreter_only
@@ -380,6 +380,13 @@ def test_the_kernel_draws_from_biased_logits_and_reports_the_raw_logprobs():
     assert first.logprobs[0].item() == pytest.approx(logits[0].log_softmax(-1)[11].item(), abs=1e-5)
     second = s(logits, torch.arange(3), flags, num_logprobs=1, compact=compact)
     assert second.token_ids.tolist() == [11, 12, eos]
+    # allowed tokens the model masks (-inf): the kernel draws among them, greedy and sampled
+    masked = [SamplingParams(temperature=t, allowed_token_ids=[20, 21]) for t in (0.0, 1.0)]
+    s = Sampler(2, V, torch.device("cpu"), kernel=True)
+    init_biased_rows(s, masked, [eos])
+    logits[:2, 20:22] = float("-inf")
+    drawn = s(logits[:2], torch.arange(2), step_flags(masked[0]) | step_flags(masked[1])).token_ids
+    assert all(t in (20, 21) for t in drawn.tolist())
 
 
 @interpreter_only

@@ -122,7 +122,7 @@ class _SamplingRequest(_Request):
     def _token_id_keys(cls, v):
         """OpenAI's keys are token ids as JSON strings: each a decimal integer (its range is the engine's)."""
         for key in v or ():
-            if not (key.isascii() and key.isdecimal()):
+            if not (key.isascii() and key.isdecimal() and len(key) <= 10):  # ids < 2**31: 10 digits
                 raise ValueError(f"keys must be token ids (decimal integers), got {key!r}")
         return v
 

@@ -52,13 +52,15 @@ class EngineCore:
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self, er: EngineRequest) -> None:
-        """ValueError (request not added) for an empty prompt or prompt ids outside the vocabulary, an id in
-        use, or a request this core can never run (past max_model_len, more choices than rows, a choice
-        larger than the whole KV cache): caught here, not in a batch, they fail this request only (the API
-        refuses them first; a client of the core alone does not)."""
+        """ValueError (request not added) for an empty prompt or prompt ids outside the vocabulary, sampling
+        parameters SamplingParams.validate refuses (token ids the sampler's tables would index out of range
+        among them), an id in use, or a request this core can never run (past max_model_len, more choices
+        than rows, a choice larger than the whole KV cache): caught here, not in a batch, they fail this
+        request only (the API refuses them first; a client of the core alone does not)."""
         if not er.prompt_token_ids:  # the scheduler's allocation needs a token: the step would fail all
             raise ValueError("the prompt must hold at least one token")
         _check_prompt(er.prompt_token_ids, self.runner.config.vocab_size)
+        er.params.validate(self.runner.config.vocab_size)
         if er.request_id in self.requests:
             raise ValueError(f"request id {er.request_id!r} is already in the engine")
         self._check_fits(len(er.prompt_token_ids), er.params)

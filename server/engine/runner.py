@@ -31,6 +31,7 @@ import torch
 import kernels
 from server.engine.attention import AttentionMetadata, PagedAttention, warm_up_attention
 from server.engine.batch_state import BatchState, FlatLayout, StepPacker, floats_as_int32
+from server.engine.bias_table import bias_entries, num_bias_entries
 from server.engine.cuda_graphs import (
     GRAPH_MEMORY_MARGIN,
     DecodeGraphs,
@@ -49,9 +50,7 @@ from server.engine.sampler import (
     PENALTIES,
     TOP,
     Sampler,
-    bias_entries,
     draws_from_best,
-    num_bias_entries,
     row_fields,
 )
 from server.engine.sampling_params import SamplingParams
@@ -282,8 +281,8 @@ class ModelRunner:
             self.sampler.init_penalty_rows(pen_rows, pen_token_rows, pen_tokens, pen_is_output)
         if bias_rows.numel():
             width = max(num_bias_entries(s.params, s.held_back) for s in step.new_rows)
-            self.sampler.init_bias_rows(bias_rows, bias_cols, bias_ids, bias_values.view(torch.float32),
-                                        bias_kinds, width)
+            self.sampler.bias.write(bias_rows, bias_cols, bias_ids, bias_values.view(torch.float32),
+                                    bias_kinds, width)
         return flat, out, num_products, copies, sample_sources
 
     def _repeats_last_decode(self, step: SchedulerOutput, graphs: StepGraphs, key) -> bool:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from server.engine.bias_table import BiasTable
 from server.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 MASK32 = 0xFFFF_FFFF
@@ -69,30 +70,6 @@ def row_fields(params: SamplingParams, seed_key: int, num_sampled: int) -> tuple
     return floats, [min(p.top_k, 2**31 - 1), seed_key, num_sampled, p.min_tokens]
 
 
-# kinds of a row's bias entries (bias_entries): what the step does with the entry's token
-ADDED, HELD_BACK, ALLOWED = 0, 1, 2
-
-
-def num_bias_entries(params: SamplingParams, held_back: list[int]) -> int:
-    """len(bias_entries(params, held_back)[0]), without building them."""
-    return (len(params.logit_bias) + (len(held_back) if params.min_tokens > 0 else 0)
-            + len(params.allowed_token_ids or ()))
-
-
-def bias_entries(params: SamplingParams, held_back: list[int]) -> tuple[list[int], list[float], list[int]]:
-    """A row's biased tokens -> (token ids, values, kinds): logit_bias's (ADDED: the value is added), while
-    min_tokens is unmet the `held_back` ids (EOS, stop_token_ids: -inf until the row has min_tokens
-    samples), and allowed_token_ids (ALLOWED: every other token is at -inf)."""
-    ids, values = list(params.logit_bias), list(params.logit_bias.values())
-    kinds = [ADDED] * len(ids)
-    for extra, kind in ((held_back if params.min_tokens > 0 else [], HELD_BACK),
-                        (params.allowed_token_ids or [], ALLOWED)):
-        ids += extra
-        values += [0.0] * len(extra)
-        kinds += [kind] * len(extra)
-    return ids, values, kinds
-
-
 MASK64 = (1 << 64) - 1
 
 
@@ -135,10 +112,7 @@ class Sampler:
         self.floats = torch.zeros(n, FLOAT_FIELDS, device=device)  # (R, 6)
         self.ints = torch.zeros(n, INT_FIELDS, dtype=torch.int64, device=device)  # (R, 3)
         self.counts: torch.Tensor | None = None  # (R, V) int32 generated-token counts, once penalties appear
-        # (R, W) biased tokens per row (bias_entries), W the widest row's so far; padding adds 0 to token 0
-        self.bias_ids: torch.Tensor | None = None  # int64
-        self.bias_values: torch.Tensor | None = None  # fp32
-        self.bias_kinds: torch.Tensor | None = None  # int8: ADDED (padding too), HELD_BACK or ALLOWED
+        self.bias = BiasTable(n, device)  # logit_bias, min_tokens' hold-back, allowed_token_ids
         self._prompt_mask: torch.Tensor | None = None  # (R, V + 1) bool; column V absorbs output tokens
         self.in_prompt: torch.Tensor | None = None  # (R, V) bool view of _prompt_mask
 
@@ -171,10 +145,7 @@ class Sampler:
         rows = rows.long()
         self.floats.index_copy_(0, rows, floats)
         self.ints.index_copy_(0, rows, ints.long())
-        if self.bias_ids is not None:  # a step with biases adds every row's: none left from the last owner
-            self.bias_ids.index_fill_(0, rows, 0)
-            self.bias_values.index_fill_(0, rows, 0.0)
-            self.bias_kinds.index_fill_(0, rows, ADDED)
+        self.bias.clear(rows)
 
     def init_penalty_rows(self, rows: torch.Tensor, token_rows: torch.Tensor, token_ids: torch.Tensor,
                           is_output: torch.Tensor) -> None:
@@ -197,30 +168,6 @@ class Sampler:
         self.counts.index_put_((token_rows, token_ids), out.int(), accumulate=True)
         columns = torch.where(out, V, token_ids)
         self._prompt_mask.index_put_((token_rows, columns), torch.ones_like(out))
-
-    def init_bias_rows(self, entry_rows: torch.Tensor, entry_cols: torch.Tensor, token_ids: torch.Tensor,
-                       values: torch.Tensor, kinds: torch.Tensor, width: int) -> None:
-        """Write the bias_entries (E,) of new rows (init_rows cleared them) at (row, col). `width`: the
-        widest row's entry count (a host int: the table grows without a sync, its new part zeros)."""
-        self._ensure_bias_width(width)
-        entry_rows, entry_cols = entry_rows.long(), entry_cols.long()
-        self.bias_ids.index_put_((entry_rows, entry_cols), token_ids.long())
-        self.bias_values.index_put_((entry_rows, entry_cols), values)
-        self.bias_kinds.index_put_((entry_rows, entry_cols), kinds.to(torch.int8))
-
-    def _ensure_bias_width(self, width: int) -> None:
-        have = 0 if self.bias_ids is None else self.bias_ids.shape[1]
-        if width <= have:
-            return
-        width = max(width, 2 * have, 8)
-        n = self.floats.shape[0]
-        ids = torch.zeros(n, width, dtype=torch.int64, device=self.device)
-        values = torch.zeros(n, width, device=self.device)
-        kinds = torch.full((n, width), ADDED, dtype=torch.int8, device=self.device)
-        if have:
-            ids[:, :have], values[:, :have] = self.bias_ids, self.bias_values
-            kinds[:, :have] = self.bias_kinds
-        self.bias_ids, self.bias_values, self.bias_kinds = ids, values, kinds
 
     # ---- one step ---------------------------------------------------------------------------------
     def __call__(self, logits: torch.Tensor | None, rows: torch.Tensor, flags: int, num_logprobs: int = 0,
@@ -256,27 +203,13 @@ class Sampler:
         logits = raw
         if flags & (PENALTIES | SAMPLED | BIAS):  # a plain all-greedy step reads no parameters
             floats, ints = self.floats[rows], self.ints[rows]  # (S, 6), (S, 4)
-        if flags & BIAS and self.bias_ids is not None:
-            logits = self._apply_bias(logits, rows, ints, flags)
+        if flags & BIAS:
+            logits = self.bias.apply(logits, rows, ints[:, 2], ints[:, 3], bool(flags & ALLOW))
         if flags & PENALTIES and self.counts is not None:
             logits = self._apply_penalties(logits, rows, floats)
         if flags & SAMPLED:
             return self._sample(logits, floats, ints, flags, compact), raw
         return self.argmax(logits), raw
-
-    def _apply_bias(self, logits: torch.Tensor, rows: torch.Tensor, ints: torch.Tensor, flags: int
-                    ) -> torch.Tensor:
-        """logits (S, V) fp32 -> a biased copy (the raw ones stay for the logprobs): a row with allowed
-        tokens keeps only those, then each row's logit_bias is added and its held-back ids are at -inf while
-        its samples so far are fewer than its min_tokens."""
-        ids, values, kinds = self.bias_ids[rows], self.bias_values[rows], self.bias_kinds[rows]  # (S, W)
-        allowed = kinds == ALLOWED
-        if flags & ALLOW:
-            logits = _keep_allowed(logits, ids, allowed)
-        below = (ints[:, 2] < ints[:, 3])[:, None]  # (S, 1)
-        held = torch.where(below, float("-inf"), 0.0)
-        values = torch.where(kinds == HELD_BACK, held, torch.where(allowed, 0.0, values))
-        return logits.scatter_add(1, ids, values)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: torch.Tensor,
                          floats: torch.Tensor) -> torch.Tensor:
@@ -324,15 +257,6 @@ class Sampler:
         picked = self._sample_logits(values, f[:, 0], f[:, 1], f[:, 2], i[:, 0], i[:, 1], i[:, 2],
                                      GREEDY_TEMPERATURE)
         return ids.gather(1, picked[:, None]).squeeze(1)
-
-
-def _keep_allowed(logits: torch.Tensor, ids: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """logits (S, V), ids / allowed (S, W): rows with an allowed entry keep those tokens' logits, every other
-    token at -inf; other rows as they are. The max-scatter leaves a token that is both allowed and padding
-    (id 0) at its logit, whatever the order of the writes."""
-    only = allowed.any(dim=1, keepdim=True)  # (S, 1)
-    kept = torch.where(allowed, logits.gather(1, ids), float("-inf"))  # (S, W)
-    return torch.where(only, float("-inf"), logits).scatter_reduce(1, ids, kept, "amax")
 
 
 def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
