@@ -3,7 +3,7 @@
 One EngineCore (`bench` preset on CUDA unless told otherwise, async scheduling as served), built and warmed
 up as `pagewalk serve` builds it. Then random traffic: requests of 1..--max-prompt tokens arriving every
 few steps, greedy and sampled (temperature, top-p, top-k, min-p, penalties), n up to 3, some asking for
-logprobs, some aborted, for --steps steps. Recorded:
+logprobs, some with logit_bias / min_tokens / allowed_token_ids, some aborted, for --steps steps. Recorded:
 - every Triton compile after start-up (a JIT compile stalls every stream for a fraction of a second to
   seconds): the kernel and its specialization, and the step that triggered it;
 - every host-device synchronisation torch reports (torch.cuda.set_sync_debug_mode("warn")), by call site.
@@ -46,6 +46,11 @@ def random_params(rng: random.Random) -> SamplingParams:
         fields.update(presence_penalty=0.5, frequency_penalty=0.2, repetition_penalty=1.1)
     if rng.random() < 0.15:
         fields["logprobs"] = rng.choice([0, 5])
+    if rng.random() < 0.15:  # the sampler's bias table: logit_bias, min_tokens, allowed_token_ids
+        fields["logit_bias"] = {rng.randrange(1000): rng.uniform(-20, 20) for _ in range(rng.randint(1, 40))}
+        fields["min_tokens"] = rng.randint(0, fields["max_tokens"])
+        if rng.random() < 0.3:
+            fields["allowed_token_ids"] = rng.sample(range(1000), rng.randint(1, 64))
     return SamplingParams(**fields)
 
 
