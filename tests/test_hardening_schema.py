@@ -33,17 +33,19 @@ def test_every_operation_fuzzed_from_the_schema():
             if op.path == "/metrics":
                 continue  # Prometheus text, no JSON to check
 
-            @given(case=op.as_strategy())
-            @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
-                      suppress_health_check=list(HealthCheck))
-            def check(case) -> None:
-                response = case.call()
-                statuses.setdefault(case.path, set()).add(response.status_code)
-                assert response.status_code < 500, (case.path, case.body, response.text[:500])
-                if response.status_code >= 400:
-                    assert set(response.json()["error"]) == {"message", "type", "param", "code"}, \
-                        (case.path, case.body, response.text[:500])
+            # the schema's own example bodies (served: the handlers are reached), then generated ones
+            for strategy in [*op.get_strategies_from_examples(), op.as_strategy()]:
+                @given(case=strategy)
+                @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
+                          suppress_health_check=list(HealthCheck))
+                def check(case) -> None:
+                    response = case.call()
+                    statuses.setdefault(case.path, set()).add(response.status_code)
+                    assert response.status_code < 500, (case.path, case.body, response.text[:500])
+                    if response.status_code >= 400:
+                        assert set(response.json()["error"]) == {"message", "type", "param", "code"}, \
+                            (case.path, case.body, response.text[:500])
 
-            check()
-        # generated bodies reach the handlers: some are served, some refused with a 4xx
-        assert 200 in statuses["/v1/completions"] and 400 in statuses["/v1/completions"], statuses
+                check()
+        for path in ("/v1/completions", "/v1/chat/completions"):  # served and refused with a 4xx
+            assert {200, 400} <= statuses[path], statuses

@@ -111,7 +111,10 @@ class ChatJob:
         return "".join(parts)
 
 
-@router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
+EXAMPLE = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}  # the schema's example body
+
+
+@router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest, EXAMPLE))
 async def create_chat_completion(request: Request) -> Response:
     engine = request.app.state.engine
     req = await parse_body(request, ChatCompletionRequest)

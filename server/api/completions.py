@@ -124,7 +124,10 @@ class CompletionJob:
         return "".join(parts)
 
 
-@router.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
+EXAMPLE = {"prompt": "Say hello", "max_tokens": 8}  # the schema's example body
+
+
+@router.post("/v1/completions", openapi_extra=request_body(CompletionRequest, EXAMPLE))
 async def create_completion(request: Request) -> Response:
     engine = request.app.state.engine
     req = await parse_body(request, CompletionRequest)

@@ -10,11 +10,12 @@ from pydantic import BaseModel
 REF = "#/components/schemas/{model}"
 
 
-def request_body(model: type[BaseModel]) -> dict:
-    """openapi_extra of a route whose JSON body is `model`."""
+def request_body(model: type[BaseModel], example: dict | None = None) -> dict:
+    """openapi_extra of a route whose JSON body is `model`; `example`: a body the route serves."""
     schema = model.model_json_schema(ref_template=REF)
     schema.pop("$defs", None)
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+    media = {"schema": schema} | ({"example": example} if example is not None else {})
+    return {"requestBody": {"required": True, "content": {"application/json": media}}}
 
 
 def install(app: FastAPI, models: list[type[BaseModel]]) -> None:

@@ -14,7 +14,7 @@ from server.api.sampling import check_token_ids
 router = APIRouter()
 
 
-@router.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
+@router.post("/tokenize", openapi_extra=request_body(TokenizeRequest, {"prompt": "Hello"}))
 async def tokenize(request: Request) -> dict:
     engine = request.app.state.engine
     req = await parse_body(request, TokenizeRequest)
