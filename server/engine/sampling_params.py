@@ -66,61 +66,67 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
     def validate(self, vocab_size: int) -> None:
-        """Raise ValueError naming the first bad field and its value."""
+        """Raise ValueError naming the first bad field and its value. The API validates every request and
+        the core every request it is sent: a message is formatted only for a field that fails."""
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-               f"max_tokens must be an integer >= 1, got {self.max_tokens}")
-        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
-        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+               "max_tokens must be an integer >= 1, got {}", self.max_tokens)
+        _check(self.temperature >= 0.0, "temperature must be >= 0, got {}", self.temperature)
+        _check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1], got {}", self.top_p)
         _check(isinstance(self.top_k, int) and 0 <= self.top_k <= MAX_INT64,
-               f"top_k must be an integer in [0, 2**63) (0 or -1 disables it), got {self.top_k}")
-        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}], got {self.n}")
-        lp = self.logprobs
-        _check(lp is None or (isinstance(lp, int) and 0 <= lp <= MAX_LOGPROBS),
-               f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        plp = self.prompt_logprobs
-        _check(plp is None or (isinstance(plp, int) and 0 <= plp <= MAX_LOGPROBS),
-               f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {plp}")
-        _check(-2.0 <= self.presence_penalty <= 2.0,
-               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        _check(-2.0 <= self.frequency_penalty <= 2.0,
-               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        _check(self.repetition_penalty > 0.0,
-               f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+               "top_k must be an integer in [0, 2**63) (0 or -1 disables it), got {}", self.top_k)
+        _check(0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1], got {}", self.min_p)
+        _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n must be in [1, {}], got {}", MAX_N,
+               self.n)
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            _check(k is None or (isinstance(k, int) and 0 <= k <= MAX_LOGPROBS),
+                   "{} must be in [0, {}], got {}", name, MAX_LOGPROBS, k)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2.0 <= value <= 2.0, "{} must be in [-2, 2], got {}", name, value)
+        _check(self.repetition_penalty > 0.0, "repetition_penalty must be > 0, got {}",
+               self.repetition_penalty)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
-        for t in self.stop_token_ids:
-            _check(isinstance(t, int) and 0 <= t < vocab_size,
-                   f"stop_token_ids must be in [0, {vocab_size}), got {t}")
+        _check_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
         _check_bias(self.logit_bias, vocab_size)
         _check_allowed(self.allowed_token_ids, vocab_size)
         _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
-               f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+               "min_tokens must be an integer in [0, max_tokens={}], got {}", self.max_tokens,
+               self.min_tokens)
         _check(self.min_tokens == 0 or len(self.stop_token_ids) <= MAX_LOGIT_BIAS,
-               f"min_tokens holds back at most {MAX_LOGIT_BIAS} stop_token_ids, "
-               f"got {len(self.stop_token_ids)}")
+               "min_tokens holds back at most {} stop_token_ids, got {}", MAX_LOGIT_BIAS,
+               len(self.stop_token_ids))
         _check(self.seed is None or (isinstance(self.seed, int) and -MAX_INT64 - 1 <= self.seed <= MAX_INT64),
-               f"seed must be an integer in [-2**63, 2**63), got {self.seed}")
+               "seed must be an integer in [-2**63, 2**63), got {}", self.seed)
+
+
+def _check_ids(ids: list[int], vocab_size: int, name: str) -> None:
+    """Every id an int in [0, vocab_size): min / max over plain ints first (a long list costs ~2 passes)."""
+    if not ids or (set(map(type, ids)) <= {int} and min(ids) >= 0 and max(ids) < vocab_size):
+        return
+    bad = next(t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size))
+    raise ValueError(f"{name} must be in [0, {vocab_size}), got {bad}")
 
 
 def _check_bias(bias: dict[int, float], vocab_size: int) -> None:
-    _check(len(bias) <= MAX_LOGIT_BIAS, f"logit_bias holds at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
-    for token, value in bias.items():
-        _check(isinstance(token, int) and 0 <= token < vocab_size,
-               f"logit_bias token ids must be in [0, {vocab_size}), got {token}")
+    _check(len(bias) <= MAX_LOGIT_BIAS, "logit_bias holds at most {} tokens, got {}", MAX_LOGIT_BIAS,
+           len(bias))
+    if not bias:
+        return
+    _check_ids(list(bias), vocab_size, "logit_bias token ids")
+    for value in bias.values():
         _check(-LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE,
-               f"logit_bias values must be in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], got {value}")
+               "logit_bias values must be in [-{0:g}, {0:g}], got {1}", LOGIT_BIAS_RANGE, value)
 
 
 def _check_allowed(allowed: list[int] | None, vocab_size: int) -> None:
     if allowed is None:
         return
     _check(0 < len(allowed) <= MAX_LOGIT_BIAS,
-           f"allowed_token_ids must hold 1 to {MAX_LOGIT_BIAS} token ids, got {len(allowed)}")
-    for t in allowed:
-        _check(isinstance(t, int) and 0 <= t < vocab_size,
-               f"allowed_token_ids must be in [0, {vocab_size}), got {t}")
+           "allowed_token_ids must hold 1 to {} token ids, got {}", MAX_LOGIT_BIAS, len(allowed))
+    _check_ids(allowed, vocab_size, "allowed_token_ids")
 
 
-def _check(ok: bool, message: str) -> None:
+def _check(ok: bool, message: str, *values: object) -> None:
     if not ok:
-        raise ValueError(message)
+        raise ValueError(message.format(*values))
