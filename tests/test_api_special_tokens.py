@@ -137,3 +137,23 @@ def test_a_skip_special_tokens_that_is_no_bool_is_400(app, path, body, value):
     assert set(err) == {"message", "type", "param", "code"} and err["param"] == "skip_special_tokens"
     assert err["type"] == "invalid_request_error" and "Traceback" not in r.text
     assert "valid boolean" in err["message"]  # a type error, no longer "not supported by pagewalk"
+
+
+def echo_offsets(app, body: dict) -> list[int]:
+    """The text offsets of an echo with logprobs, streamed or not."""
+    chunks = events(post(app, "/v1/completions", body)) if body.get("stream") else \
+        [post(app, "/v1/completions", body).json()]
+    return [o for c in chunks for ch in c["choices"] if ch["logprobs"] for o in ch["logprobs"]["text_offset"]]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_offsets_run_on_from_the_prompts_token_strings(app, checkpoint, stream):
+    """The echo's offsets sum the prompt's token strings (its BOS '<s>', a skipped special token's name),
+    which the echoed text leaves out: the generated tokens' offsets go on from there, never back (vLLM
+    counts one pass over prompt and output tokens). A text prompt with a BOS, and an id prompt holding a
+    special token, cut by truncate_prompt_tokens."""
+    _, ids = checkpoint
+    for prompt in ({"prompt": "hello"}, {"prompt": [1, ids[1], 267], "truncate_prompt_tokens": 2}):
+        offsets = echo_offsets(app, {**CMPL, **prompt, "echo": True, "logprobs": 0, "max_tokens": 3,
+                                     "stream": stream})
+        assert offsets == sorted(offsets) and len(offsets) >= 5, (prompt, offsets)

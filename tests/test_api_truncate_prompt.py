@@ -48,9 +48,16 @@ def test_minus_one_keeps_what_the_context_holds(app):
     long_ids = [5 + i % 90 for i in range(200)]
     r = post(app, "/v1/completions", {"prompt": long_ids, "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-    # -1 keeps MAX_MODEL_LEN tokens: no room for a completion, the same 400 as vLLM's
-    r = post(app, "/v1/completions", {"prompt": long_ids, "max_tokens": 1, "truncate_prompt_tokens": -1})
-    assert r.status_code == 400 and "has 64 tokens" in r.json()["error"]["message"]
+    # -1 keeps MAX_MODEL_LEN tokens: no room for a completion, a 400 as vLLM's, naming the cut
+    for keep in (-1, MAX_MODEL_LEN, MAX_MODEL_LEN - 2):
+        body = {"prompt": long_ids, "max_tokens": 3, "truncate_prompt_tokens": keep}
+        r = post(app, "/v1/completions", body)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "truncate_prompt_tokens", err
+        assert err["code"] == "context_length_exceeded" and "keep at most 61" in err["message"]
+    messages = [{"role": "user", "content": "x" * 200}]
+    r = post(app, "/v1/chat/completions", {"messages": messages, "truncate_prompt_tokens": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
     body = complete(app, prompt=long_ids, truncate_prompt_tokens=MAX_MODEL_LEN - 5)
     assert body["usage"]["prompt_tokens"] == MAX_MODEL_LEN - 5
 

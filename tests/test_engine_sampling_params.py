@@ -33,3 +33,11 @@ def test_validate_names_the_field(kwargs, message):
     with pytest.raises(ValueError) as e:
         SamplingParams(**kwargs).validate(100)
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("kwargs", [dict(stop_token_ids=[True]), dict(allowed_token_ids=[5, False]),
+                                    dict(logit_bias={True: 1.0}), dict(stop_token_ids=[3, True, 7])])
+def test_a_bool_in_an_id_list_is_an_int_as_before(kwargs):
+    """bools are ints to isinstance: the id checks' fast path (plain ints) falls back to it, and finds no
+    bad id (it raised a bare StopIteration, which no caller catches)."""
+    SamplingParams(**kwargs).validate(300)

@@ -28,7 +28,7 @@ from server.api.logprobs import chat_logprobs
 from server.api.openapi_bodies import request_body
 from server.api.outputs import ChoiceDelta
 from server.api.parsing import check_model, parse_body
-from server.api.prompts import chat_prompt_ids, check_context_length, truncated
+from server.api.prompts import chat_prompt_ids, check_context_length, check_cut_room, truncated
 from server.api.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -133,12 +133,13 @@ def _job(engine, req: ChatCompletionRequest, limits: RequestLimits | None = None
         raise APIError(400, "top_logprobs requires logprobs to be true.", "top_logprobs")
     prompt = chat_prompt_ids(engine.tokenizer, req.messages, req.add_generation_prompt,
                              req.add_special_tokens, req.chat_template_kwargs)
-    (prompt,) = truncated([prompt], req.truncate_prompt_tokens, engine.max_model_len)
+    (prompt,), cut_to = truncated([prompt], req.truncate_prompt_tokens, engine.max_model_len)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
         max_tokens = _room_left(engine, len(prompt), req.n or 1, limits or RequestLimits(),
                                 (req.top_logprobs or 0) if req.logprobs else None)
     limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    check_cut_room(cut_to, max_tokens, engine.max_model_len, limit_param)
     check_context_length(engine, [prompt], max_tokens, "messages", limit_param)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, max_tokens, logprobs, engine.tokenizer.vocab_size, engine.sampling_defaults)

@@ -28,7 +28,7 @@ from server.api.logprobs import completion_logprobs, echo_logprobs, joined
 from server.api.openapi_bodies import request_body
 from server.api.outputs import ChoiceDelta
 from server.api.parsing import check_model, parse_body
-from server.api.prompts import check_context_length, truncated
+from server.api.prompts import check_context_length, check_cut_room, truncated
 from server.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from server.api.sampling import DEFAULT_COMPLETION_MAX_TOKENS, check_token_ids, sampling_params
 from server.api.streaming import (
@@ -79,6 +79,17 @@ class CompletionJob:
             stop_reason=delta.stop_reason if delta else None,
             token_ids=token_ids if ids_wanted else None,
             prompt_token_ids=self.prompts[index // self.params.n] if ids_wanted and with_prompt_ids else None)
+
+    def first_offset(self, index: int) -> int:
+        """text_offset of choice `index`'s first generated token: past the echoed prompt's token strings,
+        as the echo's own offsets count them (a BOS or a skipped special token has a string and no text),
+        so offsets never go back; 0 without echo."""
+        if not self.req.echo:
+            return 0
+        if self.req.logprobs is None:  # no offsets: the echoed text's length
+            return len(self.prompt_texts[index // self.params.n])
+        text_of = self.engine.tokenizer.token_text
+        return sum(len(text_of(t)) for t in self.prompts[index // self.params.n])
 
     def echo_logprobs(self, index: int, entries: list) -> CompletionLogprobs:
         return echo_logprobs(self.engine.tokenizer, self.prompts[index // self.params.n], entries)
@@ -151,8 +162,8 @@ def _job(engine, req: CompletionRequest) -> CompletionJob:
         for ids in prompts:
             check_token_ids(ids, tok.vocab_size, "prompt")
         texts = [echo_text(tok, ids, req) for ids in prompts]
-    if req.truncate_prompt_tokens is not None:  # a cut prompt's echo is what the model reads
-        cut = truncated(prompts, req.truncate_prompt_tokens, engine.max_model_len)
+    cut, cut_to = truncated(prompts, req.truncate_prompt_tokens, engine.max_model_len)
+    if cut_to is not None:  # a cut prompt's echo is what the model reads
         texts = [t if len(c) == len(p) else echo_text(tok, c, req)
                  for t, c, p in zip(texts, cut, prompts, strict=True)]
         prompts = cut
@@ -162,6 +173,7 @@ def _job(engine, req: CompletionRequest) -> CompletionJob:
                        "max_tokens")
     max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
     max_tokens = max(1, max_tokens)  # scoring: the one sampled token is dropped
+    check_cut_room(cut_to, max_tokens, engine.max_model_len, "max_tokens")
     check_context_length(engine, prompts, max_tokens, "prompt")
     params = sampling_params(req, max_tokens, req.logprobs, tok.vocab_size, engine.sampling_defaults)
     if req.echo and req.logprobs is not None:  # the echoed prompt comes with its logprobs
@@ -191,7 +203,7 @@ async def _complete(job: CompletionJob) -> bytes:
         if job.scores_prompt:  # the echoed prompt alone (new_states started it)
             st.text, st.token_ids, st.logprobs = job.prompt_texts[index // n], [], []
             st.finish_reason, st.stop_reason = "length", None
-        base = len(job.prompt_texts[index // n]) if job.req.echo else 0
+        base = job.first_offset(index)
         c = job.choice(index, st.text, None, base, st.token_ids, True)
         c.finish_reason, c.stop_reason = st.finish_reason, st.stop_reason
         if job.req.logprobs is not None:
@@ -205,8 +217,7 @@ async def _complete(job: CompletionJob) -> bytes:
 
 async def _stream(job: CompletionJob) -> AsyncIterator[str]:
     n = job.params.n
-    states = [StreamedChoice(len(job.prompt_texts[i // n]) if job.req.echo else 0)
-              for i in range(len(job.prompts) * n)]
+    states = [StreamedChoice(job.first_offset(i)) for i in range(len(job.prompts) * n)]
     started = [False] * len(states)
     if job.req.echo and job.req.logprobs is None:
         for index in range(len(states)):

@@ -35,11 +35,13 @@ def chat_prompt_ids(tokenizer, messages: list[ChatMessage], add_generation_promp
     return tokenizer.encode(text, add_bos=add_special_tokens)
 
 
-def truncated(prompts: list[list[int]], keep: int | None, max_model_len: int) -> list[list[int]]:
+def truncated(prompts: list[list[int]], keep: int | None, max_model_len: int
+              ) -> tuple[list[list[int]], int | None]:
     """vLLM's truncate_prompt_tokens: each prompt's last `keep` tokens (-1: max_model_len of them); None
-    leaves them whole. More than max_model_len is a 400, as vLLM's."""
+    leaves them whole. -> (the prompts, `keep` where some prompt was cut, else None). More than
+    max_model_len is a 400, as vLLM's."""
     if keep is None:
-        return prompts
+        return prompts, None
     if keep == 0:
         raise APIError(400, "truncate_prompt_tokens must be at least 1 (or -1: the model's maximum context "
                             "length); 0 leaves no prompt.", "truncate_prompt_tokens")
@@ -48,7 +50,18 @@ def truncated(prompts: list[list[int]], keep: int | None, max_model_len: int) ->
     if keep > max_model_len:
         raise APIError(400, f"truncate_prompt_tokens ({keep}) must be at most the model's maximum context "
                             f"length ({max_model_len}), or -1 for it.", "truncate_prompt_tokens")
-    return [p[-keep:] if len(p) > keep else p for p in prompts]
+    cut = any(len(p) > keep for p in prompts)
+    return [p[-keep:] if len(p) > keep else p for p in prompts], keep if cut else None
+
+
+def check_cut_room(cut_to: int | None, max_tokens: int, limit: int, max_tokens_param: str) -> None:
+    """A prompt cut to `cut_to` tokens that leaves no room for the completion: the cut is what to change
+    (context_length_exceeded naming truncate_prompt_tokens, not the prompt the client sent)."""
+    if cut_to is not None and cut_to + max_tokens > limit:
+        raise APIError(400, f"truncate_prompt_tokens keeps {cut_to} prompt tokens, and with {max_tokens} "
+                            f"for the completion ({max_tokens_param}) that exceeds this model's maximum "
+                            f"context length of {limit} tokens; keep at most {limit - max_tokens}.",
+                       "truncate_prompt_tokens", "context_length_exceeded")
 
 
 @contextmanager

@@ -104,8 +104,9 @@ def _check_ids(ids: list[int], vocab_size: int, name: str) -> None:
     """Every id an int in [0, vocab_size): min / max over plain ints first (a long list costs ~2 passes)."""
     if not ids or (set(map(type, ids)) <= {int} and min(ids) >= 0 and max(ids) < vocab_size):
         return
-    bad = next(t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size))
-    raise ValueError(f"{name} must be in [0, {vocab_size}), got {bad}")
+    bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size)]  # (bools are ints, as before)
+    if bad:
+        raise ValueError(f"{name} must be in [0, {vocab_size}), got {bad[0]}")
 
 
 def _check_bias(bias: dict[int, float], vocab_size: int) -> None:
