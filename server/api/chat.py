@@ -40,9 +40,8 @@ from server.api.protocol import (
 )
 from server.api.sampling import sampling_params
 from server.api.streaming import (
-    chunk_event,
-    chunk_head,
-    chunk_tail,
+    ChunkFrame,
+    chunk_frame,
     job_response,
     json_member,
     json_str,
@@ -79,35 +78,29 @@ class ChatJob:
                                    choices=choices, usage=usage_, prompt_token_ids=prompt_ids)
 
     @cached_property
-    def head(self) -> str:
-        return chunk_head(self.request_id, "chat.completion.chunk", self.created, self.engine.model_name)
-
-    @cached_property
-    def tail(self) -> str:
-        return chunk_tail(self.req.include_usage)
-
-    def event(self, chunk: ChatCompletionChunk) -> str:
-        return chunk_event(chunk, self.req.include_usage)
+    def frame(self) -> ChunkFrame:
+        return chunk_frame(self.request_id, "chat.completion.chunk", self.created, self.engine.model_name,
+                           self.req.include_usage)
 
     def delta_event(self, d: ChoiceDelta) -> str:
-        """The SSE event of one streamed delta: the bytes of event(chunk([ChatChunkChoice(...)])),
+        """The SSE event of one streamed delta: the bytes of frame.event(chunk([ChatChunkChoice(...)])),
         built without pydantic when no logprobs are asked for (the per-token hot path)."""
         if self.req.logprobs:
             logprobs = chat_logprobs(d.logprobs or [], self.num_top, self.engine.tokenizer)
             choice = ChatChunkChoice(index=d.index, delta=ChatDelta(content=d.text), logprobs=logprobs,
                                      finish_reason=d.finish_reason, stop_reason=d.stop_reason,
                                      token_ids=self.ids(d.token_ids))
-            return self.event(self.chunk([choice]))
+            return self.frame.event(self.chunk([choice]))
         if d.finish_reason is None and d.stop_reason is None and not self.req.return_token_ids:
-            return (f'{self.head}{{"index":{d.index},"delta":{{"content":{json_str(d.text)}}},'
-                    f'"logprobs":null,"finish_reason":null}}{self.tail}')
-        parts = [self.head, '{"index":', str(d.index), ',"delta":{"content":', json_text(d.text),
+            return (f'{self.frame.head}{{"index":{d.index},"delta":{{"content":{json_str(d.text)}}},'
+                    f'"logprobs":null,"finish_reason":null}}{self.frame.tail}')
+        parts = [self.frame.head, '{"index":', str(d.index), ',"delta":{"content":', json_text(d.text),
                  '},"logprobs":null', json_member("finish_reason", d.finish_reason)]
         if d.stop_reason is not None:
             parts.append(json_member("stop_reason", d.stop_reason))
         if self.req.return_token_ids:
             parts.append(json_member("token_ids", d.token_ids))
-        parts.append("}" + self.tail)
+        parts.append("}" + self.frame.tail)
         return "".join(parts)
 
 
@@ -178,7 +171,7 @@ async def _stream(job: ChatJob) -> AsyncIterator[str]:
     states = [StreamedChoice() for _ in range(job.params.n)]
     for i in range(job.params.n):
         role = ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
-        yield job.event(job.chunk([role], first=(i == 0)))
+        yield job.frame.event(job.chunk([role], first=(i == 0)))
     async with aclosing(merged_outputs(job.engine, job.request_id, [job.prompt], job.params,
                                        job.reservation)) as outs:
         async for _, out in outs:

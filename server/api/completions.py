@@ -32,9 +32,8 @@ from server.api.prompts import check_context_length, check_cut_room, truncated
 from server.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from server.api.sampling import DEFAULT_COMPLETION_MAX_TOKENS, check_token_ids, sampling_params
 from server.api.streaming import (
-    chunk_event,
-    chunk_head,
-    chunk_tail,
+    ChunkFrame,
+    chunk_frame,
     job_response,
     json_member,
     json_str,
@@ -105,33 +104,27 @@ class CompletionJob:
                                   choices=choices, usage=usage_)
 
     @cached_property
-    def head(self) -> str:
-        return chunk_head(self.request_id, "text_completion", self.created, self.engine.model_name)
-
-    @cached_property
-    def tail(self) -> str:
-        return chunk_tail(self.req.include_usage)
-
-    def event(self, chunk: CompletionResponse) -> str:
-        return chunk_event(chunk, self.req.include_usage)
+    def frame(self) -> ChunkFrame:
+        return chunk_frame(self.request_id, "text_completion", self.created, self.engine.model_name,
+                           self.req.include_usage)
 
     def delta_event(self, index: int, delta: ChoiceDelta, offset: int, with_prompt_ids: bool) -> str:
-        """The SSE event of one streamed delta: the bytes of event(response([choice(...)])), built
+        """The SSE event of one streamed delta: the bytes of frame.event(response([choice(...)])), built
         without pydantic when no logprobs are asked for (the per-token hot path)."""
         if self.req.logprobs is not None:
             choice = self.choice(index, delta.text, delta, offset, delta.token_ids, with_prompt_ids)
-            return self.event(self.response([choice]))
+            return self.frame.event(self.response([choice]))
         if delta.finish_reason is None and delta.stop_reason is None and not self.req.return_token_ids:
-            return (f'{self.head}{{"index":{index},"text":{json_str(delta.text)},"logprobs":null,'
-                    f'"finish_reason":null,"stop_reason":null}}{self.tail}')
-        parts = [self.head, '{"index":', str(index), json_member("text", delta.text), ',"logprobs":null',
-                 json_member("finish_reason", delta.finish_reason),
+            return (f'{self.frame.head}{{"index":{index},"text":{json_str(delta.text)},"logprobs":null,'
+                    f'"finish_reason":null,"stop_reason":null}}{self.frame.tail}')
+        parts = [self.frame.head, '{"index":', str(index), json_member("text", delta.text),
+                 ',"logprobs":null', json_member("finish_reason", delta.finish_reason),
                  json_member("stop_reason", delta.stop_reason)]
         if self.req.return_token_ids:
             if with_prompt_ids:
                 parts.append(json_member("prompt_token_ids", self.prompts[index // self.params.n]))
             parts.append(json_member("token_ids", delta.token_ids))
-        parts.append("}" + self.tail)
+        parts.append("}" + self.frame.tail)
         return "".join(parts)
 
 
@@ -223,7 +216,7 @@ async def _stream(job: CompletionJob) -> AsyncIterator[str]:
         for index in range(len(states)):
             started[index] = True
             echoed = job.choice(index, job.prompt_texts[index // n], None, 0, [], True)
-            yield job.event(job.response([echoed]))
+            yield job.frame.event(job.response([echoed]))
     async with aclosing(merged_outputs(job.engine, job.request_id, job.prompts, job.params,
                                        job.reservation, job.max_seqs)) as outs:
         async for i, out in outs:
@@ -235,7 +228,7 @@ async def _stream(job: CompletionJob) -> AsyncIterator[str]:
                     d = _prompt_only(d)
                 if job.req.echo and not started[index]:  # with logprobs: they came with this first delta
                     started[index] = True
-                    yield job.event(job.response([job.echo_choice(index, d.prompt_logprobs)]))
+                    yield job.frame.event(job.response([job.echo_choice(index, d.prompt_logprobs)]))
                 offset = states[index].text_offset
                 states[index].add(d)
                 if d.text or d.token_ids or d.finish_reason:

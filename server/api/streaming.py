@@ -7,6 +7,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
+from dataclasses import dataclass
 
 from fastapi import Request, Response
 from pydantic import BaseModel
@@ -57,18 +58,32 @@ CHUNK_TAIL = "]}\n\n"  # closes "choices" and the chunk (usage / prompt ids omit
 USAGE_NULL_TAIL = '],"usage":null}\n\n'  # the same where the stream ends with a usage chunk
 
 
-def chunk_tail(include_usage: bool) -> str:
-    """The end of a streamed chunk built by hand: with include_usage every chunk before the usage chunk
-    carries `"usage": null`, as OpenAI's do."""
-    return USAGE_NULL_TAIL if include_usage else CHUNK_TAIL
-
-
 def chunk_event(chunk: BaseModel, include_usage: bool) -> str:
-    """sse_event of a streamed chunk before the usage chunk (`"usage": null` with include_usage)."""
+    """sse_event of a streamed chunk before the usage chunk: with include_usage every such chunk carries
+    `"usage": null`, as OpenAI's do."""
     data = dump(chunk)
     if include_usage:
         data.setdefault("usage", None)
     return f"data: {json_text(data)}\n\n"
+
+
+@dataclass(frozen=True)
+class ChunkFrame:
+    """What every streamed chunk of one response shares: the bytes before its choices (`head`: id, object,
+    created, model) and after them (`tail`), and whether it carries `"usage": null` (include_usage)."""
+
+    head: str
+    tail: str
+    include_usage: bool
+
+    def event(self, chunk: BaseModel) -> str:
+        """The chunk built by pydantic (chunk_event); the hot path writes head + choice + tail by hand."""
+        return chunk_event(chunk, self.include_usage)
+
+
+def chunk_frame(id_: str, object_: str, created: int, model: str, include_usage: bool) -> ChunkFrame:
+    return ChunkFrame(chunk_head(id_, object_, created, model),
+                      USAGE_NULL_TAIL if include_usage else CHUNK_TAIL, include_usage)
 
 
 def sse_error(err: APIError) -> str:
