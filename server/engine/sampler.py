@@ -110,7 +110,7 @@ class Sampler:
             self._sample_logits = sample_logits
             self.argmax, self._warm_up_argmax = argmax.argmax_rows, argmax.warm_up
         self.floats = torch.zeros(n, FLOAT_FIELDS, device=device)  # (R, 6)
-        self.ints = torch.zeros(n, INT_FIELDS, dtype=torch.int64, device=device)  # (R, 3)
+        self.ints = torch.zeros(n, INT_FIELDS, dtype=torch.int64, device=device)  # (R, 4)
         self.counts: torch.Tensor | None = None  # (R, V) int32 generated-token counts, once penalties appear
         self.bias = BiasTable(n, device)  # logit_bias, min_tokens' hold-back, allowed_token_ids
         self._prompt_mask: torch.Tensor | None = None  # (R, V + 1) bool; column V absorbs output tokens
@@ -141,7 +141,7 @@ class Sampler:
 
     # ---- row state --------------------------------------------------------------------------------
     def init_rows(self, rows: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor) -> None:
-        """rows (N,), floats (N, 6) fp32, ints (N, 3): parameters of the sequences that took these rows."""
+        """rows (N,), floats (N, 6) fp32, ints (N, 4): parameters of the sequences that took these rows."""
         rows = rows.long()
         self.floats.index_copy_(0, rows, floats)
         self.ints.index_copy_(0, rows, ints.long())
