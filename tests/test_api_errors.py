@@ -89,7 +89,8 @@ BAD_COMPLETIONS = [
     ({**CMPL, "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
     ({**CMPL, "skip_special_tokens": "no"}, "skip_special_tokens"),  # a bool (false spells them)
     ({**CMPL, "guided_json": {"type": "object"}}, "guided_json"),
-    ({**CMPL, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({**CMPL, "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({**CMPL, "stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),  # vLLM's: not with a stream
     ({**CMPL, "add_special_tokens": "yes"}, "add_special_tokens"),
 ]
 

@@ -104,6 +104,15 @@ def test_logit_bias_and_min_tokens_cross_the_wire(engine):
     assert res.error is None and c.token_ids == [z, z, z, 2] and c.finish_reason == "stop"
 
 
+def test_prompt_logprobs_with_ranks_cross_the_wire(engine):
+    prompt = engine.tokenizer.encode("rank me")
+    (res,) = run_all(engine, [("plp", prompt, greedy(2, prompt_logprobs=2))])
+    entries = next(d.prompt_logprobs for out in res.outputs for d in out.deltas if d.prompt_logprobs)
+    assert len(entries) == len(prompt) and entries[0] is None
+    for logprob, rank, top in entries[1:]:
+        assert isinstance(rank, int) and rank >= 1 and len(top) == 2 and logprob <= 0.0
+
+
 def test_stop_string_ends_the_choice_and_aborts_it_in_the_core(engine):
     prompt = engine.tokenizer.encode("stop here")
     (full,) = run_all(engine, [("full", prompt, greedy(60))])

@@ -3,7 +3,6 @@ checkpoints, against the engine's own sampled-token logprobs on the tiny preset,
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
@@ -15,6 +14,7 @@ from server.api.app import create_app
 from server.engine.prompt_logprobs import ROWS_PER_CHUNK, prompt_logprobs
 from server.engine.sampling_params import SamplingParams
 from server.model import load_model
+from tests.asgi_client import post as post_to
 from tests.engine_helpers import started_engine
 
 pytestmark = pytest.mark.timeout(120)
@@ -23,10 +23,7 @@ CFG = dict(device="cpu", attention_backend="torch", num_blocks=64)
 
 
 def post(app, body: dict) -> httpx.Response:
-    async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            return await c.post("/v1/completions", json=body, timeout=60)
-    return asyncio.run(go())
+    return post_to(app, "/v1/completions", body)
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +42,10 @@ def test_prompt_logprobs_equal_transformers(tmp_path, arch, overrides):
         ref = hf_model(torch.tensor([ids])).logits[0].log_softmax(-1)  # (T, V)
     out = prompt_logprobs(model, ids, 3)
     assert out[0] is None and len(out) == len(ids)
-    for t, (logprob, top) in enumerate(out[1:], start=1):
+    for t, (logprob, rank, top) in enumerate(out[1:], start=1):
         assert logprob == pytest.approx(ref[t - 1, ids[t]].item(), abs=1e-4)
         assert [i for i, _ in top] == ref[t - 1].topk(3).indices.tolist()
+        assert rank == int((ref[t - 1] > ref[t - 1, ids[t]]).sum()) + 1  # the prompt token's vocabulary rank
 
 
 def test_long_prompts_are_chunked_the_same(monkeypatch):
@@ -136,3 +134,33 @@ def test_echo_logprobs_on_cuda_match_the_engines_sampled_logprobs(dtype, toleran
                             "echo": True}).json()["choices"][0]["logprobs"]["token_logprobs"]
         n = len(prompt_ids)
         assert echoed[n - 8 : n] == pytest.approx(first["logprobs"]["token_logprobs"], abs=tolerance)
+
+
+def test_vllm_prompt_logprobs_field(tiny):
+    """vLLM's prompt_logprobs k: per choice (completions) or per response (chat), one entry per prompt token
+    (None first), keyed by token id: the prompt token with its vocabulary rank, and the top k ranked 1..k;
+    the same logprobs as an echo's, beside an echo asking for a different k."""
+    app, engine = tiny
+    body = {"prompt": "Once upon a time", "max_tokens": 2, "temperature": 0, "return_token_ids": True}
+    out = post(app, {**body, "prompt_logprobs": 3, "n": 2, "echo": True, "logprobs": 1}).json()
+    ids = out["choices"][0]["prompt_token_ids"]
+    for choice in out["choices"]:
+        plp = choice["prompt_logprobs"]
+        assert len(plp) == len(ids) and plp[0] is None
+        echo = choice["logprobs"]
+        for t in range(1, len(ids)):
+            entry = plp[t]
+            own = entry[str(ids[t])]
+            assert own["logprob"] == pytest.approx(echo["token_logprobs"][t], abs=1e-5)
+            assert own["decoded_token"] == echo["tokens"][t] and own["rank"] >= 1
+            ranked = sorted(entry.values(), key=lambda e: e["rank"])  # the top 3, and the token if not in it
+            assert [e["rank"] for e in ranked[:3]] == [1, 2, 3] and len(entry) in (3, 4)
+            assert [e["logprob"] for e in ranked] == sorted((e["logprob"] for e in ranked), reverse=True)
+            assert len(echo["top_logprobs"][t]) <= 2  # the echo keeps its own k (1) + the prompt token
+    chat = post_to(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                  "max_tokens": 2, "prompt_logprobs": 0,
+                                                  "return_token_ids": True}).json()
+    plp, ids = chat["prompt_logprobs"], chat["prompt_token_ids"]
+    assert len(plp) == len(ids) and plp[0] is None
+    assert all(list(entry) == [str(ids[t])] for t, entry in enumerate(plp[1:], start=1))  # k 0: its own
+    assert "prompt_logprobs" not in post(app, body).json()["choices"][0]  # only when asked

@@ -24,7 +24,7 @@ from server.api.engine_stream import (
     usage,
 )
 from server.api.errors import APIError
-from server.api.logprobs import completion_logprobs, echo_logprobs, joined
+from server.api.logprobs import completion_logprobs, echo_logprobs, joined, vllm_prompt_logprobs
 from server.api.openapi_bodies import request_body
 from server.api.outputs import ChoiceDelta
 from server.api.parsing import check_model, parse_body
@@ -91,7 +91,8 @@ class CompletionJob:
         return sum(len(text_of(t)) for t in self.prompts[index // self.params.n])
 
     def echo_logprobs(self, index: int, entries: list) -> CompletionLogprobs:
-        return echo_logprobs(self.engine.tokenizer, self.prompts[index // self.params.n], entries)
+        return echo_logprobs(self.engine.tokenizer, self.prompts[index // self.params.n], entries,
+                             self.req.logprobs or 0)
 
     def echo_choice(self, index: int, prompt_logprobs: list | None) -> CompletionChoice:
         """The streamed echo of choice `index`'s prompt, with its logprobs when the core sent them."""
@@ -170,7 +171,7 @@ def _job(engine, req: CompletionRequest) -> CompletionJob:
     check_context_length(engine, prompts, max_tokens, "prompt")
     params = sampling_params(req, max_tokens, req.logprobs, tok.vocab_size, engine.sampling_defaults)
     if req.echo and req.logprobs is not None:  # the echoed prompt comes with its logprobs
-        params.prompt_logprobs = req.logprobs
+        params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
     return CompletionJob(engine, req, f"cmpl-{uuid.uuid4().hex}", int(time.time()), prompts, texts, params,
                          scores_prompt=scores_prompt)
 
@@ -203,6 +204,9 @@ async def _complete(job: CompletionJob) -> bytes:
             c.logprobs = completion_logprobs(st.logprobs, base)
             if job.req.echo and st.prompt_logprobs is not None:
                 c.logprobs = joined(job.echo_logprobs(index, st.prompt_logprobs), c.logprobs)
+        if job.req.prompt_logprobs is not None and st.prompt_logprobs is not None:
+            c.prompt_logprobs = vllm_prompt_logprobs(job.engine.tokenizer, job.prompts[index // n],
+                                                     st.prompt_logprobs, job.req.prompt_logprobs)
         choices.append(c)
     resp = job.response(choices, usage(job.prompts, states))
     return resp.model_dump_json().encode()

@@ -1,9 +1,10 @@
-"""Engine TokenLogprobs -> the two OpenAI logprob shapes (completions and chat)."""
+"""Engine TokenLogprobs -> the two OpenAI logprob shapes (completions and chat), and the prompt's entries
+-> echo logprobs (OpenAI) or prompt_logprobs (vLLM)."""
 
 from __future__ import annotations
 
 from server.api.outputs import TokenLogprob, reported_logprob
-from server.api.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from server.api.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob, TopLogprob
 
 
 def completion_logprobs(tokens: list[TokenLogprob], text_offset: int) -> CompletionLogprobs:
@@ -19,8 +20,8 @@ def completion_logprobs(tokens: list[TokenLogprob], text_offset: int) -> Complet
     return out
 
 
-def echo_logprobs(tokenizer, prompt_ids: list[int], entries: list) -> CompletionLogprobs:
-    """The prompt's part of `echo` with `logprobs`: one entry per prompt token from the core's prompt
+def echo_logprobs(tokenizer, prompt_ids: list[int], entries: list, k: int) -> CompletionLogprobs:
+    """The prompt's part of `echo` with `logprobs` k: one entry per prompt token from the core's prompt
     logprobs, the first without a logprob (nothing precedes it). A position's top_logprobs holds the prompt
     token itself besides the top-k, as OpenAI's and vLLM's do."""
     out = CompletionLogprobs()
@@ -34,10 +35,29 @@ def echo_logprobs(tokenizer, prompt_ids: list[int], entries: list) -> Completion
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)
             continue
-        logprob, top = reported_logprob(entry[0]), entry[1]
+        logprob, top = reported_logprob(entry[0]), entry[2][:k]  # (logprob, rank, top), top at least k
         out.token_logprobs.append(logprob)
         top_of = {tokenizer.token_text(t): reported_logprob(lp) for t, lp in top}
         out.top_logprobs.append({**top_of, text: logprob})
+    return out
+
+
+def vllm_prompt_logprobs(tokenizer, prompt_ids: list[int], entries: list, k: int
+                         ) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's prompt_logprobs: per prompt token (None for the first) its own entry and its top-k, keyed by
+    token id, each with its logprob, vocabulary rank and text."""
+    out: list[dict[str, PromptLogprob] | None] = []
+    for token, entry in zip(prompt_ids, entries, strict=True):
+        if entry is None:
+            out.append(None)
+            continue
+        logprob, rank, top = entry
+        position = {str(t): PromptLogprob(logprob=reported_logprob(lp), rank=r,
+                                          decoded_token=tokenizer.token_text(t))
+                    for r, (t, lp) in enumerate(top[:k], start=1)}
+        position[str(token)] = PromptLogprob(logprob=reported_logprob(logprob), rank=rank,
+                                             decoded_token=tokenizer.token_text(token))
+        out.append(position)
     return out
 
 

@@ -90,13 +90,13 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: bool | None = False  # vLLM's: the stop string ends the text, not cut off
     allowed_token_ids: list[NonNegInt] | None = None  # vLLM's: the only tokens sampled
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=2**31)  # vLLM's: the prompt's last k tokens
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's: each prompt token's logprob + top-k
     skip_special_tokens: bool | None = None  # vLLM's; None: True (the text leaves special tokens out)
     # OpenAI fields pagewalk does not implement: accepted only at their no-op value, never silently ignored
     best_of: int | None = None
     response_format: dict[str, Any] | None = None
     # vLLM's sampling extensions pagewalk does not implement, likewise
     spaces_between_special_tokens: Annotated[Any, refused_unless(None, True)] = None
-    prompt_logprobs: Annotated[Any, refused_unless(None)] = None
     bad_words: Annotated[Any, refused_unless(None, [])] = None
     use_beam_search: Annotated[Any, refused_unless(None, False)] = None
     length_penalty: Annotated[Any, refused_unless(None, 1.0)] = None
@@ -115,6 +115,14 @@ class _SamplingRequest(_Request):
     def _only_when_streaming(cls, v, info: ValidationInfo):
         if v is not None and not info.data.get("stream"):
             raise ValueError("stream_options is only allowed when stream is true")
+        return v
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _not_when_streaming(cls, v, info: ValidationInfo):
+        """vLLM's rule: a stream has no place for them (accepted, they would be dropped)."""
+        if v is not None and info.data.get("stream"):
+            raise ValueError("prompt_logprobs are not available when stream is true")
         return v
 
     @field_validator("logit_bias")
@@ -306,6 +314,17 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob of a prompt position's token: its logprob, vocabulary rank (1: most likely), text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]  # per prompt token, keyed by token id; None first
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -314,6 +333,7 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | None = Field(**OmitIfNone)
     token_ids: list[int] | None = Field(**OmitIfNone)
+    prompt_logprobs: PromptLogprobs | None = Field(**OmitIfNone)
 
 
 class CompletionResponse(BaseModel):
@@ -363,6 +383,7 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
     system_fingerprint: str | None = None  # OpenAI's and vLLM's responses carry it (null here)
     prompt_token_ids: list[int] | None = Field(**OmitIfNone)
+    prompt_logprobs: PromptLogprobs | None = Field(**OmitIfNone)
 
 
 class ChatDelta(BaseModel):

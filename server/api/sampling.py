@@ -34,6 +34,7 @@ def sampling_params(req: _SamplingRequest, max_tokens: int, logprobs: int | None
         min_tokens=_or(req.min_tokens, 0),
         include_stop_str_in_output=bool(req.include_stop_str_in_output),
         allowed_token_ids=None if req.allowed_token_ids is None else list(req.allowed_token_ids),
+        prompt_logprobs=req.prompt_logprobs,
     )
     try:
         params.validate(vocab_size)

@@ -13,6 +13,8 @@ from server.engine.sampling_params import SamplingParams
 
 # one new token's logprob and the top-k (token id, logprob) pairs, best first
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
+# one prompt token's logprob, its rank in the vocabulary (1: the most likely) and the top-k, best first
+PromptTokenLogprobs = tuple[float, int, list[tuple[int, float]]]
 
 
 class EngineRequest(msgspec.Struct, tag="add"):
@@ -37,7 +39,7 @@ class SeqUpdate(msgspec.Struct, array_like=True, gc=False):
     stop_token_id: int | None = None  # finish "stop" on a stop token id; None with EOS. The last new id.
     error: str | None = None  # finish "error": what failed
     # on a choice's first update when the request asked for prompt logprobs: one per prompt token, None first
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: list[PromptTokenLogprobs | None] | None = None
     # on a choice's first update: time.monotonic() of the first step that ran the request (the clock is
     # system-wide, so the API process compares it with its arrival time)
     scheduled_time: float | None = None
