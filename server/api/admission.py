@@ -37,8 +37,11 @@ class RequestLimits:
 
 
 def check_limits(limits: RequestLimits, engine, prompts: list[list[int]], params: SamplingParams,
-                 logprobs_param: str = "logprobs", tokens_param: str = "max_tokens") -> None:
-    """400 for a request whose work exceeds a limit or the whole KV cache."""
+                 logprobs_param: str = "logprobs", tokens_param: str = "max_tokens",
+                 prompt_ks: dict[str, int] | None = None) -> None:
+    """400 for a request whose work exceeds a limit or the whole KV cache. `prompt_ks`: the lists of
+    prompt-token logprobs the response carries, the field that sets k -> k (completions' echo with
+    logprobs, and prompt_logprobs, may both); None: prompt_logprobs' own, if the params ask."""
     if len(params.stop) > limits.max_stop_strings:
         _refuse("stop", f"{len(params.stop)} stop strings", f"max_stop_strings={limits.max_stop_strings}")
     longest_stop = max((len(s) for s in params.stop), default=0)
@@ -51,21 +54,44 @@ def check_limits(limits: RequestLimits, engine, prompts: list[list[int]], params
     if choices > limits.max_choices:
         _refuse("n", f"{len(prompts)} prompts x n={params.n} = {choices} choices",
                 f"max_choices={limits.max_choices}")
+    if prompt_ks is None:
+        prompt_ks = {} if params.prompt_logprobs is None else {"prompt_logprobs": params.prompt_logprobs}
+    _check_prompt_forward(engine, prompts, prompt_ks)
     prompt_tokens = sum(len(p) for p in prompts)
-    entries = 0
-    if params.logprobs is not None:
-        entries += choices * params.max_tokens * (1 + params.logprobs)
-    if params.prompt_logprobs is not None:
-        entries += params.n * prompt_tokens * (1 + params.prompt_logprobs)
-    if entries > limits.max_logprob_entries:
-        _refuse(logprobs_param, f"{entries} logprob entries (choices x tokens x (1 + logprobs))",
-                f"max_logprob_entries={limits.max_logprob_entries}; lower max_tokens, n or logprobs")
+    _check_logprob_entries(limits, choices, params, prompt_tokens, prompt_ks, logprobs_param)
     total = params.n * (prompt_tokens + len(prompts) * params.max_tokens)
     what = f"{total} tokens (n x (prompt + max_tokens), over all prompts)"
     if total > engine.capacity_tokens:
         _refuse(tokens_param, what, f"the KV cache capacity of {engine.capacity_tokens} tokens")
     if total > limits.max_request_tokens:
         _refuse(tokens_param, what, f"max_request_tokens={limits.max_request_tokens}")
+
+
+def _check_prompt_forward(engine, prompts: list[list[int]], prompt_ks: dict[str, int]) -> None:
+    """Prompt logprobs come from one dense forward over the prompt, of at most max_num_batched_tokens."""
+    longest = max(len(p) for p in prompts)
+    budget = engine.config.max_num_batched_tokens
+    if prompt_ks and longest > budget:
+        field = "prompt_logprobs" if "prompt_logprobs" in prompt_ks else "echo"  # else: echo with logprobs
+        raise APIError(400, f"{field} asks for the prompt's logprobs, which come from one forward over the "
+                            f"prompt of at most max_num_batched_tokens ({budget}) tokens; this prompt has "
+                            f"{longest}.", field, "request_too_large")
+
+
+def _check_logprob_entries(limits: RequestLimits, choices: int, params: SamplingParams, prompt_tokens: int,
+                           prompt_ks: dict[str, int], logprobs_param: str) -> None:
+    """The response's logprob records: each choice's tokens x (1 + logprobs), and each prompt list's prompt
+    tokens x (1 + k) per choice; a refusal names the field asking for the most."""
+    asked = {field: params.n * prompt_tokens * (1 + k) for field, k in prompt_ks.items()}
+    if params.logprobs is not None:
+        generated = choices * params.max_tokens * (1 + params.logprobs)
+        asked[logprobs_param] = asked.get(logprobs_param, 0) + generated
+    entries = sum(asked.values())
+    if entries > limits.max_logprob_entries:
+        field = max(asked, key=asked.get)
+        _refuse(field, f"{entries} logprob entries (choices x tokens x (1 + logprobs), and prompt tokens x "
+                       f"(1 + k) for the prompt's)", f"max_logprob_entries={limits.max_logprob_entries}; "
+                f"lower max_tokens, n, the prompt or {field}")
 
 
 def _refuse(param: str, what: str, limit: str) -> None:

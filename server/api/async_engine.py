@@ -188,9 +188,9 @@ class AsyncEngine:
                 400, f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})", "n")
         if params.prompt_logprobs is not None and num_prompt_tokens > self.config.max_num_batched_tokens:
             raise RequestRejected(
-                400, f"echo with logprobs scores the prompt in one forward, of at most "
+                400, f"prompt logprobs come from one forward over the prompt, of at most "
                 f"max_num_batched_tokens ({self.config.max_num_batched_tokens}) tokens; this prompt has "
-                f"{num_prompt_tokens}", "echo")
+                f"{num_prompt_tokens}", "prompt_logprobs")
         total = num_prompt_tokens + params.max_tokens
         if total > self.max_model_len:
             raise RequestRejected(

@@ -130,7 +130,7 @@ def _job(engine, req: ChatCompletionRequest, limits: RequestLimits | None = None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
         max_tokens = _room_left(engine, len(prompt), req.n or 1, limits or RequestLimits(),
-                                (req.top_logprobs or 0) if req.logprobs else None)
+                                (req.top_logprobs or 0) if req.logprobs else None, req.prompt_logprobs)
     limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     check_cut_room(cut_to, max_tokens, engine.max_model_len, limit_param)
     check_context_length(engine, [prompt], max_tokens, "messages", limit_param)
@@ -139,14 +139,18 @@ def _job(engine, req: ChatCompletionRequest, limits: RequestLimits | None = None
     return ChatJob(engine, req, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), prompt, params)
 
 
-def _room_left(engine, num_prompt_tokens: int, n: int, limits: RequestLimits, logprobs: int | None) -> int:
+def _room_left(engine, num_prompt_tokens: int, n: int, limits: RequestLimits, logprobs: int | None,
+               prompt_logprobs: int | None = None) -> int:
     """OpenAI's default max_tokens: as much as the context, the KV cache and the request limits (total
-    tokens, logprob entries; for n choices) leave."""
+    tokens, logprob entries beside the prompt's; for n choices) leave."""
     kv = engine.health()["kv_cache"]
     kv_tokens = (kv["free_blocks"] + kv["used_blocks"]) * kv["block_size"]
     room = min(engine.max_model_len, kv_tokens // n, limits.max_request_tokens // n) - num_prompt_tokens
     if logprobs is not None:
-        room = min(room, limits.max_logprob_entries // (n * (1 + logprobs)))
+        entries = limits.max_logprob_entries
+        if prompt_logprobs is not None:
+            entries -= n * num_prompt_tokens * (1 + prompt_logprobs)
+        room = min(room, entries // (n * (1 + logprobs)))
     return max(1, room)
 
 

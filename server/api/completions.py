@@ -139,7 +139,8 @@ async def create_completion(request: Request) -> Response:
     check_model(engine, req.model)
     job = _job(engine, req)
     job.reservation = admit(request, job.prompts, job.params,
-                            tokens_param=tokens_field({"max_tokens": req.max_tokens}, req.n, "prompt"))
+                            tokens_param=tokens_field({"max_tokens": req.max_tokens}, req.n, "prompt"),
+                            prompt_ks=_prompt_ks(req))
     job.max_seqs = request.app.state.limits.seqs_per_request(engine.config.max_num_seqs)
     return await job_response(request, req.stream, lambda: _stream(job), lambda: _complete(job),
                               job.reservation)
@@ -174,6 +175,14 @@ def _job(engine, req: CompletionRequest) -> CompletionJob:
         params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
     return CompletionJob(engine, req, f"cmpl-{uuid.uuid4().hex}", int(time.time()), prompts, texts, params,
                          scores_prompt=scores_prompt)
+
+
+def _prompt_ks(req: CompletionRequest) -> dict[str, int]:
+    """The prompt logprob lists the response carries (admission counts them): the echo's and vLLM's."""
+    ks = {"logprobs": req.logprobs} if req.echo and req.logprobs is not None else {}
+    if req.prompt_logprobs is not None:
+        ks["prompt_logprobs"] = req.prompt_logprobs
+    return ks
 
 
 def echo_text(tok, ids: list[int], req: CompletionRequest) -> str:

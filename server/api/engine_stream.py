@@ -78,12 +78,14 @@ def tokens_field(limits: dict[str, int | None], n: int | None, prompt_field: str
 
 
 def admit(request: Request, prompts: list[list[int]], params: SamplingParams,
-          logprobs_param: str = "logprobs", tokens_param: str = "max_tokens") -> Reservation:
+          logprobs_param: str = "logprobs", tokens_param: str = "max_tokens",
+          prompt_ks: dict[str, int] | None = None) -> Reservation:
     """The request's bounds (400 naming the field: tokens_param for the request's total tokens, a field
-    the client sent), then its queue places (429 queue full, 503 stopping), all before the status line.
-    The caller hands the reservation to merged_outputs and releases it when the response ends."""
+    the client sent; prompt_ks: see check_limits), then its queue places (429 queue full, 503 stopping),
+    all before the status line. The caller hands the reservation to merged_outputs and releases it when the
+    response ends."""
     state = request.app.state
-    check_limits(state.limits, state.engine, prompts, params, logprobs_param, tokens_param)
+    check_limits(state.limits, state.engine, prompts, params, logprobs_param, tokens_param, prompt_ks)
     return state.admission.reserve(prompts, params)
 
 

@@ -52,11 +52,13 @@ def vllm_prompt_logprobs(tokenizer, prompt_ids: list[int], entries: list, k: int
             out.append(None)
             continue
         logprob, rank, top = entry
-        position = {str(t): PromptLogprob(logprob=reported_logprob(lp), rank=r,
-                                          decoded_token=tokenizer.token_text(t))
-                    for r, (t, lp) in enumerate(top[:k], start=1)}
-        position[str(token)] = PromptLogprob(logprob=reported_logprob(logprob), rank=rank,
-                                             decoded_token=tokenizer.token_text(token))
+        # the prompt token first, then the top k (one of them may be the prompt token: it keeps its place
+        # and takes the top list's rank, as vLLM's dict does)
+        position = {str(token): PromptLogprob(logprob=reported_logprob(logprob), rank=rank,
+                                              decoded_token=tokenizer.token_text(token))}
+        for r, (t, lp) in enumerate(top[:k], start=1):
+            position[str(t)] = PromptLogprob(logprob=reported_logprob(lp), rank=r,
+                                             decoded_token=tokenizer.token_text(t))
         out.append(position)
     return out
 

@@ -21,7 +21,8 @@ ROWS_PER_CHUNK = 512  # lm_head rows at a time: bounds the (rows, vocab) fp32 lo
 @torch.inference_mode()
 def prompt_logprobs(model, prompt_token_ids: list[int], k: int) -> list[PromptTokenLogprobs | None]:
     """-> one entry per prompt token: None for the first (nothing precedes it), then (logprob, rank,
-    top-k); the rank is 1 + the number of tokens more likely than it (vLLM's)."""
+    top-k); the rank is the number of tokens at least as likely as it (vLLM's: a tie takes the last place
+    of its group, a masked token the vocabulary's size)."""
     ids = torch.tensor(prompt_token_ids, dtype=torch.int32, device=model.device)  # (T,)
     positions = torch.arange(len(prompt_token_ids), dtype=torch.int32, device=model.device)
     hidden = model(ids, positions)  # (T, H): contiguous attention, no KV cache
@@ -30,7 +31,7 @@ def prompt_logprobs(model, prompt_token_ids: list[int], k: int) -> list[PromptTo
         end = min(start + ROWS_PER_CHUNK, len(prompt_token_ids) - 1)
         logprobs = model.compute_logits(hidden[start:end]).log_softmax(dim=-1)  # (R, V): row t predicts t+1
         chosen = logprobs.gather(1, ids[start + 1 : end + 1, None].long())  # (R, 1)
-        ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()  # (R,)
+        ranks = (logprobs >= chosen).sum(dim=-1).tolist()  # (R,)
         chosen = chosen.squeeze(1).tolist()
         if k:
             top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)  # (R, k)
