@@ -16,6 +16,7 @@ from typing import NoReturn
 
 logger = logging.getLogger("pagewalk")
 
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # server/api/tool_calls.py PARSERS (cli imports no API module)
 API_KEY_ENV = "PAGEWALK_API_KEY"
 DTYPES = ["auto", "half", "float16", "bfloat16", "bf16", "float", "float32"]
 
@@ -168,6 +169,12 @@ def add_server_flags(s: argparse.ArgumentParser) -> None:
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set)")
     s.add_argument("--max-body-bytes", type=positive_int, default=None,
                    help="request body limit in bytes, 413 above it (default: 1 MiB)")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="chat requests with tools and tool_choice \"auto\" get the tool calls their replies "
+                        "write, parsed in --tool-call-parser's format (as vLLM's)")
+    s.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                   help="the format the model writes tool calls in: hermes (<tool_call>{...}</tool_call>: "
+                        "Qwen2.5, Hermes) or llama3_json (a JSON object: Llama 3.1 / 3.2)")
     s.add_argument("--shutdown-timeout", type=nonnegative_seconds, default=10.0,
                    help="seconds in-flight requests may take to finish on SIGTERM/SIGINT before they are "
                         "aborted; the process exits (0) at most ~2 s later whatever the clients do")
@@ -242,6 +249,8 @@ def parse_serve_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--api-server-count must be at least 1")
     if args.api_server_count > 1 and args.engine_in_process:
         parser.error("--engine-in-process (the core inside the one API process) excludes --api-server-count")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser (the format of the model's calls)")
     if args.api_key is None:
         args.api_key = os.environ.get(API_KEY_ENV)
     return args
@@ -359,13 +368,15 @@ def serve_api(args: argparse.Namespace, api_server=None, sock=None) -> int:
         return startup_failed(e)
     max_body_bytes = args.max_body_bytes or DEFAULT_MAX_BODY_BYTES
     app = create_app(engine, api_key=args.api_key, max_body_bytes=max_body_bytes,
+                     tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                      shutdown_timeout_s=args.shutdown_timeout, limits=request_limits(args))
     logger.info(startup_line(engine, http_url(args.host, sock.getsockname()[1])))
     if engine.sampling_defaults:  # as vLLM says it: the model's own values replace OpenAI's defaults
         logger.info("sampling defaults from the model's generation_config.json (for fields a request leaves "
                     "out): %s", ", ".join(f"{k}={v}" for k, v in engine.sampling_defaults.items()))
-    logger.info("prefix caching %s; bearer-token auth on /v1/* %s",
-                "on" if args.enable_prefix_caching else "off", "required" if args.api_key else "off")
+    logger.info("prefix caching %s; bearer-token auth on /v1/* %s; tool calls %s",
+                "on" if args.enable_prefix_caching else "off", "required" if args.api_key else "off",
+                f"parsed ({args.tool_call_parser})" if args.enable_auto_tool_choice else "off")
     # the engine has drained (or aborted what was left) before uvicorn's own graceful shutdown starts, and
     # GuardedHttpProtocol drops clients that are not reading: what remains finishes in a second or is cut
     protocol = guarded_protocol(args.header_timeout, args.client_stall_timeout, args.max_connections,

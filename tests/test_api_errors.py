@@ -97,7 +97,8 @@ BAD_COMPLETIONS = [
 BAD_CHATS = [
     ({"max_tokens": 2}, "messages"),
     ({"messages": []}, "messages"),
-    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # no parser
+    ({**CHAT, "tools": [{"type": "function"}]}, "tools[0].function"),
     ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),

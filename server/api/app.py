@@ -24,9 +24,11 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
 
 def create_app(engine, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
-               limits: RequestLimits | None = None) -> FastAPI:
+               limits: RequestLimits | None = None, tool_call_parser: str | None = None) -> FastAPI:
     """The lifespan starts the engine and shuts it down (finishing or aborting in-flight requests).
-    Tests that drive the app through httpx's ASGITransport start and stop the engine themselves."""
+    Tests that drive the app through httpx's ASGITransport start and stop the engine themselves.
+    `tool_call_parser`: the format chat replies write tool calls in (server/api/tool_calls.py); None:
+    tool_choice "auto" with tools is refused, as vLLM refuses it without --enable-auto-tool-choice."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -43,6 +45,7 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = DEFAULT
     app.state.shutdown_timeout_s = shutdown_timeout_s
     app.state.engine_stopped = False
     app.state.limits = limits or RequestLimits()
+    app.state.tool_call_parser = tool_call_parser
     app.state.admission = AdmissionGate(engine)
     install_error_handlers(app)
     app.state.api_key = api_key  # /debug/* checks it itself (the middleware guards /v1/* only)

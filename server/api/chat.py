@@ -7,7 +7,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from fastapi import APIRouter, Request, Response
@@ -37,6 +37,9 @@ from server.api.protocol import (
     ChatCompletionResponse,
     ChatDelta,
     ChatResponseMessage,
+    DeltaToolCall,
+    ToolCallFunction,
+    ToolCallOut,
 )
 from server.api.sampling import sampling_params
 from server.api.streaming import (
@@ -48,6 +51,8 @@ from server.api.streaming import (
     json_text,
     sse_event,
 )
+from server.api.tool_calls import ToolCall, ToolCallStream
+from server.api.tool_calls import parse as parse_tool_calls
 from server.engine.sampling_params import SamplingParams
 
 router = APIRouter()
@@ -64,6 +69,7 @@ class ChatJob:
     prompt: list[int]
     params: SamplingParams
     reservation: Reservation | None = None  # its queue places (admit)
+    tool_call_parser: str | None = None  # the replies may hold tool calls, in this parser's format
 
     @property
     def num_top(self) -> int:
@@ -112,7 +118,7 @@ async def create_chat_completion(request: Request) -> Response:
     engine = request.app.state.engine
     req = await parse_body(request, ChatCompletionRequest)
     check_model(engine, req.model)
-    job = _job(engine, req, request.app.state.limits)
+    job = _job(engine, req, request.app.state.limits, request.app.state.tool_call_parser)
     job.reservation = admit(request, [job.prompt], job.params,
                             "top_logprobs" if req.top_logprobs else "logprobs",
                             tokens_field({"max_completion_tokens": req.max_completion_tokens,
@@ -121,11 +127,19 @@ async def create_chat_completion(request: Request) -> Response:
                               job.reservation)
 
 
-def _job(engine, req: ChatCompletionRequest, limits: RequestLimits | None = None) -> ChatJob:
+def _job(engine, req: ChatCompletionRequest, limits: RequestLimits | None = None,
+         tool_call_parser: str | None = None) -> ChatJob:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true.", "top_logprobs")
+    if req.calls_tools and tool_call_parser is None:
+        raise APIError(400, '"auto" tool choice requires the server to run with --enable-auto-tool-choice '
+                            'and --tool-call-parser; tool_choice "none" shows the tools without calls.',
+                       "tool_choice")
+    variables = dict(req.chat_template_kwargs or {})
+    if req.tools:  # the template shows them to the model, as transformers passes them
+        variables["tools"] = [tool.model_dump(exclude_none=True) for tool in req.tools]
     prompt = chat_prompt_ids(engine.tokenizer, req.messages, req.add_generation_prompt,
-                             req.add_special_tokens, req.chat_template_kwargs)
+                             req.add_special_tokens, variables)
     (prompt,), cut_to = truncated([prompt], req.truncate_prompt_tokens, engine.max_model_len)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
@@ -136,7 +150,8 @@ def _job(engine, req: ChatCompletionRequest, limits: RequestLimits | None = None
     check_context_length(engine, [prompt], max_tokens, "messages", limit_param)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, max_tokens, logprobs, engine.tokenizer.vocab_size, engine.sampling_defaults)
-    return ChatJob(engine, req, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), prompt, params)
+    return ChatJob(engine, req, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), prompt, params,
+                   tool_call_parser=tool_call_parser if req.calls_tools else None)
 
 
 def _room_left(engine, num_prompt_tokens: int, n: int, limits: RequestLimits, logprobs: int | None,
@@ -159,12 +174,15 @@ async def _complete(job: ChatJob) -> bytes:
     await collect_choices(job.engine, job.request_id, [job.prompt], job.params, states, job.reservation)
     tok = job.engine.tokenizer
     choices = [
-        ChatChoice(index=i, message=ChatResponseMessage(content=st.text),
+        ChatChoice(index=i, message=_message(job, st.text),
                    logprobs=chat_logprobs(st.logprobs, job.num_top, tok) if job.req.logprobs else None,
                    finish_reason=st.finish_reason, stop_reason=st.stop_reason,
                    token_ids=job.ids(st.token_ids))
         for i, st in enumerate(states)
     ]
+    for choice in choices:
+        if choice.message.tool_calls and choice.finish_reason == "stop":
+            choice.finish_reason = "tool_calls"
     prompt_lps = None
     if job.req.prompt_logprobs is not None and states[0].prompt_logprobs is not None:
         prompt_lps = vllm_prompt_logprobs(tok, job.prompt, states[0].prompt_logprobs, job.req.prompt_logprobs)
@@ -175,8 +193,41 @@ async def _complete(job: ChatJob) -> bytes:
     return resp.model_dump_json().encode()
 
 
+def _message(job: ChatJob, text: str) -> ChatResponseMessage:
+    """A choice's reply: its text, or with tool calls parsed from it, the text before them and the calls."""
+    if job.tool_call_parser is None:
+        return ChatResponseMessage(content=text)
+    content, calls = parse_tool_calls(job.tool_call_parser, text)
+    return ChatResponseMessage(content=content, tool_calls=[_call_out(c) for c in calls] or None)
+
+
+def _call_out(call: ToolCall) -> ToolCallOut:
+    return ToolCallOut(id=call.id, function=ToolCallFunction(name=call.name, arguments=call.arguments))
+
+
+def _tool_delta_events(job: ChatJob, tools: ToolCallStream, d: ChoiceDelta) -> list[str]:
+    """A delta of a choice whose reply may hold tool calls: its text less what ToolCallStream holds; at the
+    choice's end the held text, then the calls in one delta (finish "tool_calls" where it ended on a stop)."""
+    d.text = tools.feed(d.text)
+    if d.finish_reason is None:
+        return [job.delta_event(d)] if d.text or d.token_ids else []
+    held, calls = tools.finish()
+    d.text += held
+    if not calls:
+        return [job.delta_event(d)]
+    reason = "tool_calls" if d.finish_reason == "stop" else d.finish_reason
+    deltas = [DeltaToolCall(index=i, **_call_out(c).model_dump()) for i, c in enumerate(calls)]
+    last = ChatChunkChoice(index=d.index, delta=ChatDelta(tool_calls=deltas), finish_reason=reason,
+                           stop_reason=d.stop_reason)
+    events = [job.frame.event(job.chunk([last]))]
+    if d.text or d.token_ids:  # the content before the calls, and the last ids, in a delta of their own
+        events.insert(0, job.delta_event(replace(d, finish_reason=None, stop_reason=None)))
+    return events
+
+
 async def _stream(job: ChatJob) -> AsyncIterator[str]:
     states = [StreamedChoice() for _ in range(job.params.n)]
+    tools = [ToolCallStream(job.tool_call_parser) for _ in states] if job.tool_call_parser else None
     for i in range(job.params.n):
         role = ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
         yield job.frame.event(job.chunk([role], first=(i == 0)))
@@ -187,7 +238,10 @@ async def _stream(job: ChatJob) -> AsyncIterator[str]:
                 raise engine_error(out)
             for d in out.deltas:
                 states[d.index].add(d)
-                if d.text or d.token_ids or d.finish_reason:
+                if tools is not None:
+                    for event in _tool_delta_events(job, tools[d.index], d):
+                        yield event
+                elif d.text or d.token_ids or d.finish_reason:
                     yield job.delta_event(d)
     if job.req.include_usage:
         yield sse_event(job.chunk([], usage([job.prompt], states)))

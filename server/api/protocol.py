@@ -244,13 +244,26 @@ class ChatMessage(_Request):
         return "".join(texts)
 
 
+class ToolFunction(_Request):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema, shown to the model by the chat template
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: ToolFunction
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
     tool_choice: Annotated[str | dict[str, Any] | None, refused_unless(None, "none", "auto")] = None
+    parallel_tool_calls: bool | None = None  # the calls a reply holds are all returned either way
     functions: Annotated[list[dict[str, Any]] | None, refused_unless(None, [])] = None
     function_call: Annotated[str | dict[str, Any] | None, refused_unless(None, "none", "auto")] = None
     echo: Annotated[bool | None, refused_unless(None, False)] = None  # vLLM's: echo the last message
@@ -267,12 +280,10 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True  # vLLM's: False renders the messages without the reply's opening
     documents: Annotated[Any, refused_unless(None)] = None
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v):
-        if v:
-            raise ValueError("tools (function calling) are not supported by pagewalk")
-        return v
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the reply may hold tool calls to parse: tools given, tool_choice "auto" (its default)."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
 
 
 class TokenizeRequest(_Request):
@@ -359,10 +370,26 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] = []
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str  # a JSON object
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class DeltaToolCall(ToolCallOut):
+    index: int  # the call's place in the reply's calls (a streamed delta names it)
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None: a reply of tool calls alone
     refusal: str | None = None  # OpenAI's message always carries it (null: the model did not refuse)
+    tool_calls: list[ToolCallOut] | None = Field(**OmitIfNone)
 
 
 class ChatChoice(BaseModel):
@@ -389,6 +416,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = Field(**OmitIfNone)
     content: str | None = Field(**OmitIfNone)
+    tool_calls: list[DeltaToolCall] | None = Field(**OmitIfNone)
 
 
 class ChatChunkChoice(BaseModel):

@@ -1,0 +1,89 @@
+"""Tool-call parsing (server/api/tool_calls.py): the hermes and llama3_json formats, replies that are not
+calls, and the streamed splitter against the whole-reply parse over every split of the text."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from server.api.tool_calls import PARSERS, ToolCallStream, parse
+from server.cli import TOOL_CALL_PARSERS
+
+WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
+
+
+def calls_of(parser: str, text: str) -> tuple[str | None, list[tuple[str, dict]]]:
+    content, calls = parse(parser, text)
+    return content, [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def test_the_cli_offers_the_parsers_there_are():
+    assert TOOL_CALL_PARSERS == PARSERS
+
+
+@pytest.mark.parametrize("text,content,calls", [
+    (f"<tool_call>\n{WEATHER}\n</tool_call>", None, [("get_weather", {"city": "Paris", "unit": "c"})]),
+    (f"Let me check.\n<tool_call>{WEATHER}</tool_call>", "Let me check.\n",
+     [("get_weather", {"city": "Paris", "unit": "c"})]),
+    ('<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "arguments": '
+     '{"x": [1, 2]}}</tool_call>', None, [("a", {}), ("b", {"x": [1, 2]})]),
+    (f"<tool_call>{WEATHER}", None, [("get_weather", {"city": "Paris", "unit": "c"})]),  # cut at the end
+    ('<tool_call>{"name": "a", "arguments": "{\\"k\\": 1}"}</tool_call>', None, [("a", {"k": 1})]),
+    ("no calls here", "no calls here", []),
+    ("<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>", []),
+    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),  # no name
+    ('<tool_call>{"name": "a"}</tool_call><tool_call>oops</tool_call>',
+     '<tool_call>{"name": "a"}</tool_call><tool_call>oops</tool_call>', []),  # one bad call: all content
+])
+def test_hermes(text, content, calls):
+    assert calls_of("hermes", text) == (content, calls)
+
+
+@pytest.mark.parametrize("text,content,calls", [
+    ('{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [("get_weather", {"city": "Paris"})]),
+    (' \n{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"y": 2}}', None,
+     [("a", {}), ("b", {"y": 2})]),
+    ('<|python_tag|>{"name": "a", "parameters": {"q": "x"}}', None, [("a", {"q": "x"})]),
+    ("The weather is fine.", "The weather is fine.", []),
+    ('{"name": "a", "parameters": {', '{"name": "a", "parameters": {', []),  # cut: not JSON
+    ('{"answer": 42}', '{"answer": 42}', []),  # a JSON reply that is no call
+])
+def test_llama3_json(text, content, calls):
+    assert calls_of("llama3_json", text) == (content, calls)
+
+
+def test_each_call_gets_its_own_id():
+    _, calls = parse("hermes", f"<tool_call>{WEATHER}</tool_call><tool_call>{WEATHER}</tool_call>")
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("chatcmpl-tool-") for c in calls)
+
+
+REPLIES = {
+    "hermes": ["plain text, no calls", f"Checking <tool_call>{WEATHER}</tool_call>",
+               f"<tool_call>{WEATHER}</tool_call>", "a < b <tool_ and <tool_calls are text",
+               "<tool_call>{bad"],
+    "llama3_json": ['{"name": "a", "parameters": {"k": "v"}}', "  just words", '  {"answer": 1}',
+                    '<|python_tag|>{"name": "b", "parameters": {}}', "<|pyth not the tag"],
+}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_streaming_sends_what_the_whole_reply_parses_to(data):
+    """Whatever the split of the reply into deltas, the text streamed plus the held text and the calls at
+    the end are the whole reply's content and calls; no text that belongs to a call is streamed."""
+    parser = data.draw(st.sampled_from(PARSERS))
+    text = data.draw(st.sampled_from(REPLIES[parser]))
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(text) - 1)), max_size=6)))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    stream = ToolCallStream(parser)
+    sent = "".join(stream.feed(p) for p in pieces)
+    held, calls = stream.finish()
+    content, want = parse(parser, text)
+    if want:
+        assert sent + held == (content or "") and [(c.name, c.arguments) for c in calls] == \
+            [(c.name, c.arguments) for c in want]
+    else:
+        assert sent + held == text and calls == []
