@@ -28,7 +28,13 @@ from server.api.logprobs import chat_logprobs, vllm_prompt_logprobs
 from server.api.openapi_bodies import request_body
 from server.api.outputs import ChoiceDelta
 from server.api.parsing import check_model, parse_body
-from server.api.prompts import chat_prompt_ids, check_context_length, check_cut_room, truncated
+from server.api.prompts import (
+    chat_prompt_ids,
+    check_context_length,
+    check_cut_room,
+    template_variables,
+    truncated,
+)
 from server.api.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -74,6 +80,10 @@ class ChatJob:
     @property
     def num_top(self) -> int:
         return self.req.top_logprobs or 0
+
+    def allowed_calls(self, calls: list[ToolCall]) -> list[ToolCall]:
+        """parallel_tool_calls false: at most one call (the first), as OpenAI's contract says."""
+        return calls[:1] if self.req.parallel_tool_calls is False else calls
 
     def ids(self, token_ids: list[int]) -> list[int] | None:
         return token_ids if self.req.return_token_ids else None
@@ -135,11 +145,8 @@ def _job(engine, req: ChatCompletionRequest, limits: RequestLimits | None = None
         raise APIError(400, '"auto" tool choice requires the server to run with --enable-auto-tool-choice '
                             'and --tool-call-parser; tool_choice "none" shows the tools without calls.',
                        "tool_choice")
-    variables = dict(req.chat_template_kwargs or {})
-    if req.tools:  # the template shows them to the model, as transformers passes them
-        variables["tools"] = [tool.model_dump(exclude_none=True) for tool in req.tools]
     prompt = chat_prompt_ids(engine.tokenizer, req.messages, req.add_generation_prompt,
-                             req.add_special_tokens, variables)
+                             req.add_special_tokens, template_variables(req.chat_template_kwargs, req.tools))
     (prompt,), cut_to = truncated([prompt], req.truncate_prompt_tokens, engine.max_model_len)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
@@ -150,6 +157,8 @@ def _job(engine, req: ChatCompletionRequest, limits: RequestLimits | None = None
     check_context_length(engine, [prompt], max_tokens, "messages", limit_param)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, max_tokens, logprobs, engine.tokenizer.vocab_size, engine.sampling_defaults)
+    if req.calls_tools and tool_call_parser == "hermes" and req.skip_special_tokens is None:
+        params.skip_special_tokens = False  # models that make <tool_call> a special token keep it (vLLM's)
     return ChatJob(engine, req, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), prompt, params,
                    tool_call_parser=tool_call_parser if req.calls_tools else None)
 
@@ -198,6 +207,7 @@ def _message(job: ChatJob, text: str) -> ChatResponseMessage:
     if job.tool_call_parser is None:
         return ChatResponseMessage(content=text)
     content, calls = parse_tool_calls(job.tool_call_parser, text)
+    calls = job.allowed_calls(calls)
     return ChatResponseMessage(content=content, tool_calls=[_call_out(c) for c in calls] or None)
 
 
@@ -212,6 +222,7 @@ def _tool_delta_events(job: ChatJob, tools: ToolCallStream, d: ChoiceDelta) -> l
     if d.finish_reason is None:
         return [job.delta_event(d)] if d.text or d.token_ids else []
     held, calls = tools.finish()
+    calls = job.allowed_calls(calls)
     d.text += held
     if not calls:
         return [job.delta_event(d)]

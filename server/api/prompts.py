@@ -64,6 +64,14 @@ def check_cut_room(cut_to: int | None, max_tokens: int, limit: int, max_tokens_p
                        "truncate_prompt_tokens", "context_length_exceeded")
 
 
+def template_variables(kwargs: dict | None, tools: list | None) -> dict:
+    """chat_template_kwargs, and the request's tools as transformers passes them to a template."""
+    variables = dict(kwargs or {})
+    if tools:
+        variables["tools"] = [tool.model_dump(exclude_none=True) for tool in tools]
+    return variables
+
+
 @contextmanager
 def template_errors() -> Iterator[None]:
     try:

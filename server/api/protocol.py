@@ -203,6 +203,22 @@ class ContentPart(_Request):
     refusal: str | None = None  # an assistant turn's {"type": "refusal"} part: its text, as vLLM reads it
 
 
+def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
+    """An earlier turn's tool call as templates render it: OpenAI's clients send its arguments as JSON text,
+    templates write them with `| tojson`, so they get the object (transformers' convention, as vLLM does);
+    text that is not a JSON object stays as it is."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
@@ -222,10 +238,12 @@ class ChatMessage(_Request):
         """The message as the chat template sees it: role, content as one string, the optional fields
         that are set."""
         out: dict[str, Any] = {"role": self.role, "content": self.text()}
-        for key in ("name", "tool_calls", "tool_call_id"):
+        for key in ("name", "tool_call_id"):
             value = getattr(self, key)
             if value is not None:
                 out[key] = value
+        if self.tool_calls is not None:
+            out["tool_calls"] = [_call_for_template(call) for call in self.tool_calls]
         return out
 
     def text(self) -> str:
@@ -263,7 +281,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None
     tool_choice: Annotated[str | dict[str, Any] | None, refused_unless(None, "none", "auto")] = None
-    parallel_tool_calls: bool | None = None  # the calls a reply holds are all returned either way
+    parallel_tool_calls: bool | None = None  # false: at most the first call a reply holds
     functions: Annotated[list[dict[str, Any]] | None, refused_unless(None, [])] = None
     function_call: Annotated[str | dict[str, Any] | None, refused_unless(None, "none", "auto")] = None
     echo: Annotated[bool | None, refused_unless(None, False)] = None  # vLLM's: echo the last message
@@ -294,6 +312,7 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_generation_prompt: bool = True  # messages only
     chat_template_kwargs: TemplateKwargs | None = None  # messages only
+    tools: list[Tool] | None = None  # messages only: rendered as chat renders them
     # None: as the endpoint that takes this input tokenizes it (a prompt gets the post-processor's special
     # tokens, messages what /v1/chat/completions gives them)
     add_special_tokens: bool | None = None

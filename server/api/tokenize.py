@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request
 
 from server.api.openapi_bodies import request_body
 from server.api.parsing import check_model, parse_body
-from server.api.prompts import chat_prompt_ids
+from server.api.prompts import chat_prompt_ids, template_variables
 from server.api.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from server.api.sampling import check_token_ids
 
@@ -24,7 +24,7 @@ async def tokenize(request: Request) -> dict:
         ids = tok.encode(req.prompt, add_bos=req.add_special_tokens is not False)
     else:
         ids = chat_prompt_ids(tok, req.messages, req.add_generation_prompt, req.add_special_tokens,
-                              req.chat_template_kwargs)
+                              template_variables(req.chat_template_kwargs, req.tools))
     return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids).model_dump()
 
 

@@ -93,6 +93,7 @@ class ToolCallStream:
         self.held = ""
         self.calling = False  # a call has opened: everything from there is held
         self.decided = parser == "hermes"  # llama3_json decides at the reply's first visible character
+        self.visible_sent = False  # hermes: whitespace before a call is no content (as the unary parse)
 
     def feed(self, text: str) -> str:
         s = self.held + text
@@ -117,9 +118,13 @@ class ToolCallStream:
         start = s.find(HERMES_OPEN)
         if start >= 0:
             self.calling, self.held = True, s[start:]
-            return s[:start]
+            return s[:start] if self.visible_sent or s[:start].strip() else ""
         keep = next((k for k in range(min(len(HERMES_OPEN) - 1, len(s)), 0, -1)
                      if s.endswith(HERMES_OPEN[:k])), 0)  # a tail that may grow into the opening
+        if not self.visible_sent and not s[:len(s) - keep].strip():
+            self.held = s  # only whitespace so far: content only if visible text follows
+            return ""
+        self.visible_sent = True
         self.held = s[len(s) - keep:] if keep else ""
         return s[:len(s) - keep]
 
