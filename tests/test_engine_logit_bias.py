@@ -208,3 +208,20 @@ def test_gpu_engine_with_graphs_equals_the_dense_biased_reference(async_scheduli
         want = dense_biased(core.runner.model, prompt, params)
         for i in range(params.n):
             assert tokens[(rid, i)] == want, (rid, i, params)
+
+
+@pytest.mark.parametrize("extra", [dict(temperature=1.0, seed=1), dict(temperature=0.5, seed=1),
+                                   dict(temperature=0.0, repetition_penalty=2.0),
+                                   dict(temperature=0.7, seed=2, repetition_penalty=1.5)])
+def test_a_masked_allowed_id_stays_the_only_one_under_penalties(extra):
+    """An allowed id the model masks (-inf; the tiny preset's byte 0x01) is raised to a finite floor; a
+    repetition penalty after it multiplied the floor past fp32's range (-inf) once the id was generated,
+    and the row drew token 0 (greedy) or any token (sampled). The floor is set again after the penalties
+    (a review)."""
+    masked = ByteTokenizer.OFFSET + 1
+    core, _ = build_core(EngineConfig(model="tiny", device="cpu", dtype="float32", num_blocks=64,
+                                      attention_backend="torch"))
+    params = SamplingParams(max_tokens=4, ignore_eos=True, allowed_token_ids=[masked], **extra)
+    core.add_request(EngineRequest("r", [1, 72, 105], params, 0.0))
+    tokens = [t for _ in range(20) if core.has_work() for u in core.step().updates for t in u.new_token_ids]
+    assert tokens == [masked] * 4, (extra, tokens)

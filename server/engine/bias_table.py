@@ -100,6 +100,13 @@ class BiasTable:
         return logits.scatter_add(1, ids, values)
 
 
+    def floor_allowed(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """After the penalties: a repetition penalty multiplies an allowed id at ALLOWED_FLOOR past fp32's
+        range (-inf), and a row of masked allowed ids would end all -inf again; this raises them back."""
+        ids, kinds = self.ids[rows], self.kinds[rows]
+        return _keep_allowed(logits, ids, kinds == ALLOWED)
+
+
 def _keep_allowed(logits: torch.Tensor, ids: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """logits (S, V), ids / allowed (S, W): rows with an allowed entry keep those tokens' logits (at least
     ALLOWED_FLOOR), every other token at -inf; other rows as they are. The max-scatter leaves a token that is

@@ -207,6 +207,8 @@ class Sampler:
             logits = self.bias.apply(logits, rows, ints[:, 2], ints[:, 3], bool(flags & ALLOW))
         if flags & PENALTIES and self.counts is not None:
             logits = self._apply_penalties(logits, rows, floats)
+            if flags & ALLOW:
+                logits = self.bias.floor_allowed(logits, rows)
         if flags & SAMPLED:
             return self._sample(logits, floats, ints, flags, compact), raw
         return self.argmax(logits), raw
