@@ -22,12 +22,6 @@ HOLD_BACK = -1e30
 ALLOWED_FLOOR = -3e38
 
 
-def num_bias_entries(params: SamplingParams, held_back: list[int]) -> int:
-    """len(bias_entries(params, held_back)[0]), without building them."""
-    return (len(params.logit_bias) + (len(held_back) if params.min_tokens > 0 else 0)
-            + len(params.allowed_token_ids or ()))
-
-
 def bias_entries(params: SamplingParams, held_back: list[int]) -> tuple[list[int], list[float], list[int]]:
     """A row's entries -> (token ids, values, kinds): logit_bias's, then while min_tokens is unmet the
     `held_back` ids (EOS, stop_token_ids), then allowed_token_ids."""

@@ -31,7 +31,7 @@ import torch
 import kernels
 from server.engine.attention import AttentionMetadata, PagedAttention, warm_up_attention
 from server.engine.batch_state import BatchState, FlatLayout, StepPacker, floats_as_int32
-from server.engine.bias_table import bias_entries, num_bias_entries
+from server.engine.bias_table import bias_entries
 from server.engine.cuda_graphs import (
     GRAPH_MEMORY_MARGIN,
     DecodeGraphs,
@@ -266,7 +266,7 @@ class ModelRunner:
         """Pack and send the step's host ints; apply its table writes and its new rows' sampler state. ->
         (flat batch, StepLogits without logits, the logits product's row count, fork copies, sample
         sources), on the device but the count."""
-        sections, num_products, num_logprobs, flags = self._pack(step, table_of, layout)
+        sections, num_products, num_logprobs, flags, bias_width = self._pack(step, table_of, layout)
         (flat, writes, init_rows, init_floats, init_ints, pen_rows, pen_token_rows, pen_tokens, pen_is_output,
          bias_rows, bias_cols, bias_ids, bias_values, bias_kinds, sample_rows, sample_sources, copies,
          compact) = self.packer.send(sections)
@@ -280,9 +280,8 @@ class ModelRunner:
         if pen_rows.numel():
             self.sampler.init_penalty_rows(pen_rows, pen_token_rows, pen_tokens, pen_is_output)
         if bias_rows.numel():
-            width = max(num_bias_entries(s.params, s.held_back) for s in step.new_rows)
             self.sampler.bias.write(bias_rows, bias_cols, bias_ids, bias_values.view(torch.float32),
-                                    bias_kinds, width)
+                                    bias_kinds, bias_width)
         return flat, out, num_products, copies, sample_sources
 
     def _repeats_last_decode(self, step: SchedulerOutput, graphs: StepGraphs, key) -> bool:
@@ -368,12 +367,12 @@ class ModelRunner:
 
     def _pack(self, step: SchedulerOutput, table_of: TableOf, layout: FlatLayout):
         """The step's host ints, one list per section (see forward_step), the logits product's row count,
-        the logprobs width and the OR of the samples' sampler flags."""
+        the logprobs width, the OR of the samples' sampler flags and the widest new row's bias entries."""
         for seq in step.new_rows:
             self.state.reset_row(seq.row)
         writes: list[int] = []
         flat, num_products = self._pack_flat(step, table_of, layout, writes)
-        inits = self._pack_new_rows(step.new_rows)
+        inits, bias_width = self._pack_new_rows(step.new_rows)
         flags = 0
         for seq in step.samples:
             flags |= seq.sample_flags
@@ -381,7 +380,7 @@ class ModelRunner:
         compact = [i for i, s in enumerate(step.samples) if draws_from_best(s.params)] if flags & TOP else []
         sections = [flat, writes, *inits, [s.row for s in step.samples], step.sample_sources,
                     [b for pair in step.copies for b in pair], compact]
-        return sections, num_products, num_logprobs, flags
+        return sections, num_products, num_logprobs, flags, bias_width
 
     def _pack_flat(self, step: SchedulerOutput, table_of: TableOf, layout: FlatLayout, writes: list[int]):
         """-> the flat batch as `layout` packs it (decode rows, then the prefill chunks' tokens, then padding
@@ -427,13 +426,15 @@ class ModelRunner:
         return flat, len(logit_rows)
 
     @staticmethod
-    def _pack_new_rows(seqs: list[Seq]) -> list:
+    def _pack_new_rows(seqs: list[Seq]) -> tuple[list, int]:
         """Sampler state of the sequences that took a row: parameters; for rows with penalties the prompt
         tokens (mask) and the tokens generated so far (counts, after a preemption); for rows with biases
-        their entries (bias_entries): row, column, token id, value, kind."""
+        their entries (bias_entries): row, column, token id, value, kind. -> (the sections, the most
+        entries of one row: the bias table's width they need)."""
         rows, floats, ints = [], [], []
         pen_rows, pen_token_rows, pen_tokens, pen_is_output = [], [], [], []
         bias_rows, bias_cols, bias_ids, bias_values, bias_kinds = [], [], [], [], []
+        bias_width = 0
         for seq in seqs:
             num_sampled = len(seq.token_ids) - seq.num_prompt_tokens
             f, i = row_fields(seq.params, seq.seed_key, num_sampled)
@@ -452,8 +453,9 @@ class ModelRunner:
                 bias_ids += ids
                 bias_values += values
                 bias_kinds += kinds
+                bias_width = max(bias_width, len(ids))
         return [rows, floats_as_int32(floats), ints, pen_rows, pen_token_rows, pen_tokens, pen_is_output,
-                bias_rows, bias_cols, bias_ids, floats_as_int32(bias_values), bias_kinds]
+                bias_rows, bias_cols, bias_ids, floats_as_int32(bias_values), bias_kinds], bias_width
 
     def _flat_inputs(self, flat: torch.Tensor, layout: FlatLayout, num_decode: int
                      ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
