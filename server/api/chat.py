@@ -190,8 +190,8 @@ async def _complete(job: ChatJob) -> bytes:
         for i, st in enumerate(states)
     ]
     for choice in choices:
-        if choice.message.tool_calls and choice.finish_reason == "stop":
-            choice.finish_reason = "tool_calls"
+        if choice.message.tool_calls:
+            choice.finish_reason = _finish_with_calls(choice.finish_reason)
     prompt_lps = None
     if job.req.prompt_logprobs is not None and states[0].prompt_logprobs is not None:
         prompt_lps = vllm_prompt_logprobs(tok, job.prompt, states[0].prompt_logprobs, job.req.prompt_logprobs)
@@ -211,6 +211,12 @@ def _message(job: ChatJob, text: str) -> ChatResponseMessage:
     return ChatResponseMessage(content=content, tool_calls=[_call_out(c) for c in calls] or None)
 
 
+def _finish_with_calls(reason: str | None) -> str | None:
+    """A reply with tool calls that ended on a stop ends with "tool_calls" (OpenAI's); a cut one keeps its
+    reason ("length", "abort")."""
+    return "tool_calls" if reason == "stop" else reason
+
+
 def _call_out(call: ToolCall) -> ToolCallOut:
     return ToolCallOut(id=call.id, function=ToolCallFunction(name=call.name, arguments=call.arguments))
 
@@ -226,7 +232,7 @@ def _tool_delta_events(job: ChatJob, tools: ToolCallStream, d: ChoiceDelta) -> l
     d.text += held
     if not calls:
         return [job.delta_event(d)]
-    reason = "tool_calls" if d.finish_reason == "stop" else d.finish_reason
+    reason = _finish_with_calls(d.finish_reason)
     deltas = [DeltaToolCall(index=i, **_call_out(c).model_dump()) for i, c in enumerate(calls)]
     last = ChatChunkChoice(index=d.index, delta=ChatDelta(tool_calls=deltas), finish_reason=reason,
                            stop_reason=d.stop_reason)
