@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from server.api.errors import APIError
 from server.api.protocol import _SamplingRequest
-from server.engine.sampling_params import SamplingParams
+from server.engine.sampling_params import SamplingParams, bad_token_ids
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -46,10 +46,10 @@ def sampling_params(req: _SamplingRequest, max_tokens: int, logprobs: int | None
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
-    for t in token_ids:
-        if not 0 <= t < vocab_size:
-            raise APIError(400, f"token id {t} in '{param}' is outside the vocabulary [0, {vocab_size})",
-                           param, "invalid_token_id")
+    bad = bad_token_ids(token_ids, vocab_size)  # ints already (the request models are strict)
+    if bad:
+        raise APIError(400, f"token id {bad[0]} in '{param}' is outside the vocabulary [0, {vocab_size})",
+                       param, "invalid_token_id")
 
 
 def _top_k(top_k: int | None, vocab_size: int) -> int:
