@@ -26,7 +26,7 @@ from server.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 MASK32 = 0xFFFF_FFFF
 
 # SamplingParams.flags bits: what a step's rows need, OR-ed on the host to skip work nobody asked for
-SAMPLED, TOP, MIN_P, PENALTIES, LOGPROBS, BIAS, ALLOW = 1, 2, 4, 8, 16, 32, 64  # ALLOW comes with BIAS
+SAMPLED, TOP, MIN_P, PENALTIES, LOGPROBS, BIAS, ALLOW, GUIDED = 1, 2, 4, 8, 16, 32, 64, 128  # ALLOW: with BIAS
 FLOAT_FIELDS = 6  # temperature, top_p, min_p, presence, frequency, repetition
 INT_FIELDS = 4  # top_k, seed key, samples drawn so far, min_tokens
 
@@ -47,6 +47,8 @@ def step_flags(params: SamplingParams) -> int:
         f |= BIAS
     if params.allowed_token_ids is not None:
         f |= ALLOW
+    if params.grammar is not None:
+        f |= GUIDED
     return f
 
 

@@ -11,6 +11,7 @@ LOGIT_BIAS_RANGE = 100.0  # OpenAI's bound of one bias value
 MAX_N = 64
 MAX_INT64 = 2**63 - 1  # seeds and top_k cross the core's wire (msgpack) as int64, as vLLM bounds its seed
 GREEDY_TEMPERATURE = 1e-5  # below it a choice takes the argmax: dividing logits by it would overflow
+MAX_GRAMMAR_CHARS = 1 << 20  # a structured output's grammar text (llguidance bounds the work it compiles to)
 
 
 @dataclass
@@ -35,6 +36,9 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids are held back (and stop strings ignored) until this many
     include_stop_str_in_output: bool = False  # the stop string (or stop token's text) ends the output
     allowed_token_ids: list[int] | None = None  # the only tokens sampled; None: all
+    # a structured output: an llguidance grammar (LLMatcher.grammar_from_*'s text; server/api/
+    # structured_output.py builds it from response_format / structured_outputs); None: free text
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,6 +100,12 @@ class SamplingParams:
         _check(self.min_tokens == 0 or len(self.stop_token_ids) <= MAX_LOGIT_BIAS,
                "min_tokens holds back at most {} stop_token_ids, got {}", MAX_LOGIT_BIAS,
                len(self.stop_token_ids))
+        _check(self.grammar is None or (isinstance(self.grammar, str) and 0 < len(self.grammar)
+                                        <= MAX_GRAMMAR_CHARS),
+               "a structured output's grammar must be a non-empty string of at most {} characters",
+               MAX_GRAMMAR_CHARS)
+        _check(self.grammar is None or self.allowed_token_ids is None,
+               "allowed_token_ids cannot be combined with a structured output")
         _check(self.seed is None or (isinstance(self.seed, int) and -MAX_INT64 - 1 <= self.seed <= MAX_INT64),
                "seed must be an integer in [-2**63, 2**63), got {}", self.seed)
 
