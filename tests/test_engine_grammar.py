@@ -36,9 +36,11 @@ def regex_grammar(regex: str) -> str:
     return llguidance.LLMatcher.grammar_from_regex(regex)
 
 
-def config(async_scheduling: bool, num_blocks: int = 64, max_num_seqs: int = 6) -> EngineConfig:
-    return EngineConfig(model="tiny", device="cpu", dtype="float32", block_size=4, num_blocks=num_blocks,
-                        max_num_seqs=max_num_seqs, max_num_batched_tokens=24, attention_backend="torch",
+def config(async_scheduling: bool, num_blocks: int = 64, max_num_seqs: int = 6, device: str = "cpu"
+           ) -> EngineConfig:
+    return EngineConfig(model="tiny", device=device, dtype="float32", block_size=4, num_blocks=num_blocks,
+                        max_num_seqs=max_num_seqs, max_num_batched_tokens=24,
+                        attention_backend="torch" if device == "cpu" else "triton",
                         async_scheduling=async_scheduling)
 
 
@@ -65,10 +67,11 @@ def dense_guided(model, vocab: llguidance.LLTokenizer, prompt: list[int], params
     core ends a choice (EOS, the grammar complete, max_tokens)."""
     matcher = llguidance.LLMatcher(vocab, params.grammar, log_level=0) if params.grammar else None
     ids, out = list(prompt), []
+    dev = next(model.parameters()).device
     with torch.inference_mode():
         for _ in range(params.max_tokens):
-            hidden = model(torch.tensor(ids), torch.arange(len(ids)))
-            logits = model.compute_logits(hidden[-1:])[0].float()
+            hidden = model(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev))
+            logits = model.compute_logits(hidden[-1:])[0].float().cpu()
             if matcher is not None:
                 allowed = torch.tensor(list(matcher.compute_bitmask()), dtype=torch.uint8)  # bit j of byte b
                 bits = ((allowed[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).flatten()
@@ -104,6 +107,22 @@ def test_engine_tokens_equal_the_dense_guided_reference(static_graphs, async_sch
         core.runner.mixed_graphs.capture()
         core.runner.graphs = core.runner._decode_graphs(use_cuda_graphs=False)
         core.runner.graphs.capture()
+    check_against_dense_guided(core)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_gpu_engine_with_graphs_equals_the_dense_guided_reference(async_scheduling):
+    """CUDA graphs and the Triton backend: guided decode-graph steps take the sampler's fp32 path, the
+    bitmask crosses as a pinned copy, the sampling and argmax kernels draw over the masked logits."""
+    core, _ = build_core(config(async_scheduling, num_blocks=20, max_num_seqs=5, device="cuda"))
+    assert core.runner.graphs is not None
+    check_against_dense_guided(core)
+    assert core.runner.graphs.num_replays > 0
+
+
+def check_against_dense_guided(core) -> None:
     reqs = mixed_requests()
     tokens, ends = run(core, reqs)
     vocab = core.grammars._vocabulary()
@@ -127,8 +146,11 @@ def test_engine_tokens_equal_the_dense_guided_reference(static_graphs, async_sch
     assert core.kv.num_free_blocks == core.kv.num_blocks - 1  # nothing leaked
 
 
-def test_seeded_sampled_choices_keep_to_the_grammar():
-    core, _ = build_core(config(async_scheduling=True))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_seeded_sampled_choices_keep_to_the_grammar(device):
+    """On CUDA the sampling kernel draws over the masked rows."""
+    core, _ = build_core(config(async_scheduling=True, device=device))
     regex = "[a-e]{3}-[0-9]{1,3}"
     reqs = [(f"s{i}", [1, 60 + i, 70], SamplingParams(max_tokens=16, temperature=1.3, top_p=0.95, seed=i, n=2,
                                                       grammar=regex_grammar(regex))) for i in range(4)]
@@ -136,7 +158,7 @@ def test_seeded_sampled_choices_keep_to_the_grammar():
     for key, toks in tokens.items():
         assert ends[key] == ("stop", None)
         assert re.fullmatch(regex, TOKENIZER.decode(toks)), TOKENIZER.decode(toks)
-    again, _ = run(build_core(config(async_scheduling=False))[0], reqs)
+    again, _ = run(build_core(config(async_scheduling=False, device=device))[0], reqs)
     assert again == tokens  # seeded: the same draws whatever the scheduling
 
 
