@@ -193,7 +193,8 @@ def closed_loop(core, concurrency: int, num_requests: int, prompt_len: int, outp
     vocab = core.runner.config.vocab_size
     # seeds apart from run_batch's (the batch size): a prompt seen before would hit the prefix cache
     # and a sampled run's apart from the greedy one's of the same size (its prompts would be cached)
-    gen = torch.Generator().manual_seed(1_000_000 + 1_000 * concurrency + num_requests + 500_000 * sampled)
+    gen = torch.Generator().manual_seed(1_000_000 + 1_000 * concurrency + num_requests + 500_000 * sampled
+                                        + 2_000_000 * guided)
     prompts = [torch.randint(3, vocab, (prompt_len,), generator=gen).tolist() for _ in range(num_requests)]
     params = SamplingParams(max_tokens=output_len, ignore_eos=True,
                             **MODES["sample" if sampled else "greedy"])

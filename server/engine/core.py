@@ -8,8 +8,10 @@ token more in N+1; the scheduler discards it, nothing emits it. `async_schedulin
 each step before planning the next; the tokens are the same.
 
 A request with a structured output (SamplingParams.grammar) waits for its matchers to compile
-(server/engine/grammar.py) before it is scheduled; a step that samples guided choices is post-processed
-before the next is planned, since their next masks need its tokens.
+(server/engine/grammar.py) before it is scheduled. A step that samples guided choices needs their token
+masks, which need the previous step's tokens: the runner asks for them once the step's forward is launched,
+and the previous step is post-processed then, while the device runs that forward (so with async scheduling
+the overlap stays; a guided choice that ended there computes one wasted token, as any choice does).
 
 Ints only: the core never sees text. It ends a choice on EOS, a stop token id or max_tokens; stop strings
 are found in the API process, which aborts the choice here. A failure inside one request's post-processing
@@ -23,6 +25,7 @@ import itertools
 import logging
 import numbers
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import NamedTuple
 
@@ -46,11 +49,10 @@ COMPILE_WAIT_S = 0.01  # a core with nothing but grammars compiling waits this l
 
 
 class _Launched(NamedTuple):
-    """A step on the device: its plan, its samples on their way, whether some sample was guided."""
+    """A step on the device: its plan and its samples on their way."""
 
     sched: SchedulerOutput
     result: StepResult
-    guided: bool
 
 
 class EngineCore:
@@ -194,9 +196,6 @@ class EngineCore:
         """Schedule and launch a step; return the updates of the step that finished on the device (the
         previous one with async scheduling, this one without)."""
         updates = self._admit_compiled() if self._compiling else []
-        if self._in_flight is not None and self._in_flight.guided:  # the next masks need its tokens
-            updates += self._postprocess(self._in_flight)
-            self._in_flight = None
         sched = self.scheduler.schedule()
         launched = None
         now = time.monotonic()
@@ -205,9 +204,8 @@ class EngineCore:
             req.scheduled_time = req.scheduled_time or now
         if not sched.is_empty:
             try:
-                mask = self._token_mask(sched) if self._guided else None
-                launched = _Launched(sched, self.runner.execute(sched, self.kv.table_view, mask),
-                                     mask is not None)
+                mask = self._token_mask(sched, updates) if self._guided else None
+                launched = _Launched(sched, self.runner.execute(sched, self.kv.table_view, mask))
             except Exception as e:  # the whole batch failed: fail its requests, keep serving
                 updates += self._fail_batch(sched, e)
         if self.async_scheduling:
@@ -221,12 +219,25 @@ class EngineCore:
         return StepUpdate(updates, self.stats(sched.num_prefill_tokens, sched.num_decode_tokens,
                                               len(sched.preempted)))
 
-    def _token_mask(self, sched: SchedulerOutput) -> TokenMask | None:
-        """The masks of the step's guided samples (their matchers have every token they sampled)."""
+    def _token_mask(self, sched: SchedulerOutput, updates: list[SeqUpdate]
+                    ) -> Callable[[], TokenMask] | None:
+        """For a step with guided samples: what the runner calls for their masks once the step's forward is
+        launched. It first post-processes the step in flight (its updates join `updates`), so that every
+        matcher has consumed every token its choice sampled; a choice that ended there gets no mask (its
+        token in this step is discarded)."""
         guided = [g for g, seq in enumerate(sched.samples) if seq.matcher is not None]
         if not guided:
             return None
-        return TokenMask(guided, self.grammars.masks([sched.samples[g].matcher for g in guided]))
+
+        def masks() -> TokenMask:
+            if self._in_flight is not None:
+                updates.extend(self._postprocess(self._in_flight))
+                self._in_flight = None
+            seqs = [sched.samples[g] for g in guided]
+            matchers = [None if seq.is_finished else seq.matcher for seq in seqs]
+            return TokenMask(guided, self.grammars.masks(matchers))
+
+        return masks
 
     def _postprocess(self, launched: _Launched) -> list[SeqUpdate]:
         try:

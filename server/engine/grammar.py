@@ -14,9 +14,9 @@ parallel, without the GIL); the runner sends it with the step and the sampler se
 -inf (Sampler: after biases and penalties). Each sampled token then advances its matcher (`accept`); the
 choice ends ("stop") when the grammar is complete, which is also when the mask allows only EOS.
 
-A guided choice's next mask needs its last token on the host, so EngineCore post-processes a step that
-sampled guided choices before it plans the next: with async scheduling those steps lose their overlap,
-and a guided choice never computes a token past its end.
+A guided choice's next mask needs its last token on the host: the runner asks for a step's masks once its
+forward is launched, and EngineCore post-processes the previous step then, while the device runs the
+forward (EngineCore._token_mask), so async scheduling keeps its overlap.
 """
 
 from __future__ import annotations
@@ -89,12 +89,12 @@ class Grammars:
             raise GrammarError(f"the structured output's grammar does not compile: {matcher.get_error()}")
         return matcher
 
-    def masks(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
-        """(G, W) int32 host bitmask: row g the tokens matchers[g] allows next."""
-        bits = torch.empty(len(matchers), (self.vocab_size + 31) // 32, dtype=torch.int32,
-                           pin_memory=self.pin_memory)
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m, g) for g, m in enumerate(matchers)],
-                                                     bits)
+    def masks(self, matchers: list[llguidance.LLMatcher | None]) -> torch.Tensor:
+        """(G, W) int32 host bitmask: row g the tokens matchers[g] allows next (None: every token)."""
+        bits = torch.full((len(matchers), (self.vocab_size + 31) // 32), -1, dtype=torch.int32,
+                          pin_memory=self.pin_memory)
+        rows = [(m, g) for g, m in enumerate(matchers) if m is not None]
+        llguidance.torch.fill_next_token_bitmask_par(self._executor, rows, bits)
         return bits
 
     @staticmethod
