@@ -112,6 +112,8 @@ class Sampler:
             from kernels.sampling import sample_logits
             self._sample_logits = sample_logits
             self.argmax, self._warm_up_argmax = argmax.argmax_rows, argmax.warm_up
+            from kernels.token_mask import mask_tokens_
+            self._mask_tokens_ = mask_tokens_
         self.floats = torch.zeros(n, FLOAT_FIELDS, device=device)  # (R, 6)
         self.ints = torch.zeros(n, INT_FIELDS, dtype=torch.int64, device=device)  # (R, 4)
         self.counts: torch.Tensor | None = None  # (R, V) int32 generated-token counts, once penalties appear
@@ -121,8 +123,8 @@ class Sampler:
 
     def warm_up(self, model_dtype: torch.dtype = torch.float32) -> None:
         """Compiles the sampling kernel's variants (the whole vocabulary over fp32 logits and over the
-        model's own, and a compact top-k row of COMPACT_TOP_K tokens) and the argmax's (1..max_rows rows of
-        either dtype) before the first request: a Triton compile mid-serving stalls every stream for about a
+        model's own, and a compact top-k row of COMPACT_TOP_K tokens), the argmax's (1..max_rows rows of
+        either dtype) and the token mask's before the first request: a Triton compile mid-serving stalls every stream for about a
         second. Reads row 0's parameters as a step would and changes no state."""
         if not self.kernel:
             return
@@ -133,6 +135,8 @@ class Sampler:
             logits = torch.zeros(1, self.vocab_size, dtype=dtype, device=self.device)  # (1, V)
             self._sample(logits, floats, ints, SAMPLED | TOP)
         self._sample(logits.float(), floats, ints, SAMPLED | TOP, compact=rows)
+        words = torch.full((1, (self.vocab_size + 31) // 32), -1, dtype=torch.int32, device=self.device)
+        self._mask_tokens_(logits.float(), rows, words)  # a structured output's token mask
 
     def reads_model_dtype(self, flags: int, compact: torch.Tensor | None) -> bool:
         """Whether a step with these flags draws straight from logits in the model's dtype: the kernel
@@ -216,7 +220,11 @@ class Sampler:
             if flags & ALLOW:
                 logits = self.bias.floor_allowed(logits, rows)
         if token_mask is not None:  # last: no bias, penalty or floor lifts a token the grammar refuses
-            logits = mask_tokens(logits, *token_mask)
+            if not self.kernel:
+                logits = mask_tokens(logits, *token_mask)
+            else:  # in place (kernels/token_mask.py), on a copy where the raw logits still give logprobs
+                logits = logits.clone() if logits is raw and flags & LOGPROBS else logits
+                self._mask_tokens_(logits, *token_mask)
         if flags & SAMPLED:
             return self._sample(logits, floats, ints, flags, compact), raw
         return self.argmax(logits), raw
