@@ -66,7 +66,7 @@ def run_engine(config: EngineConfig, reqs, static_graphs: bool = False, ops: str
     stats = {"no_samples": 0, "shared_rows": 0, "mixed_keys": []}
     execute = runner.execute
 
-    def spy(step, table_of):
+    def spy(step, table_of, token_mask=None):
         if not step.samples:
             stats["no_samples"] += 1
         if len(set(step.sample_sources)) < len(step.sample_sources):
@@ -74,7 +74,7 @@ def run_engine(config: EngineConfig, reqs, static_graphs: bool = False, ops: str
         graphs, key, _ = runner._plan(step)
         if graphs is runner.mixed_graphs and graphs is not None:
             stats["mixed_keys"].append(key)
-        return execute(step, table_of)
+        return execute(step, table_of, token_mask)
 
     runner.execute = spy
     for rid, prompt, params in reqs:

@@ -8,11 +8,13 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import threading
 import time
 
 import httpx
+import llguidance
 import pytest
 import torch
 from engine_helpers import TINY, make_engine, run_all, wait_until
@@ -102,6 +104,16 @@ def test_logit_bias_and_min_tokens_cross_the_wire(engine):
     (res,) = run_all(engine, [("biased", engine.tokenizer.encode("bias me"), params)])
     c = res.choices[0]
     assert res.error is None and c.token_ids == [z, z, z, 2] and c.finish_reason == "stop"
+
+
+def test_a_structured_output_crosses_the_wire(engine):
+    """The grammar reaches the core process, which masks the draws and ends the choice when it is whole."""
+    grammar = llguidance.LLMatcher.grammar_from_regex("(red|green|blue)-[0-9]{2}")
+    params = SamplingParams(max_tokens=20, temperature=0.9, seed=11, n=2, grammar=grammar)
+    (res,) = run_all(engine, [("guided", engine.tokenizer.encode("a colour"), params)])
+    assert res.error is None and len(res.choices) == 2
+    for c in res.choices.values():
+        assert re.fullmatch("(red|green|blue)-[0-9]{2}", c.text) and c.finish_reason == "stop"
 
 
 def test_prompt_logprobs_with_ranks_cross_the_wire(engine):

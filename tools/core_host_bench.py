@@ -47,7 +47,7 @@ def decode_step_ms(batch: int, steps: int, repeats: int) -> tuple[float, list[fl
     """(min of the medians, the medians) of a full-batch decode step's host time."""
     core = new_core(batch * 200 + 64, batch)
     gen = torch.Generator().manual_seed(0)
-    core.runner.execute = lambda sched, table_of: StepResult(
+    core.runner.execute = lambda sched, table_of, token_mask=None: StepResult(
         torch.randint(3, 200, (len(sched.samples), 1), generator=gen), None, None)
     params = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)  # under max_model_len
     for i in range(batch):

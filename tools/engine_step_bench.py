@@ -28,6 +28,7 @@ import statistics
 import time
 from pathlib import Path
 
+import llguidance
 import torch
 
 from server.engine import runner as runner_module
@@ -175,14 +176,17 @@ def run_batch(core, probe: Probe, batch: int, prompt_len: int, warmup: int, step
 
 
 def closed_loop(core, concurrency: int, num_requests: int, prompt_len: int, output_len: int,
-                cached: bool = False, sampled: bool = False, probe: Probe | None = None) -> dict:
+                cached: bool = False, sampled: bool = False, probe: Probe | None = None,
+                guided: bool = False) -> dict:
     """The HTTP benchmark's workload without HTTP: `concurrency` requests of `prompt_len` random prompt tokens
     and `output_len` greedy output tokens (ignore_eos) kept in flight on the core, a new one added as one
     finishes, until `num_requests` finished. -> output tok/s over the whole run (prefill included).
     cached=True runs the same prompts twice and reports the second run, served from the prefix cache (as
     serving_bench's c64_cached / c256_cached), with the share of its prompt tokens found cached.
     sampled=True draws as MODES["sample"] (serving_bench's c64_sampled) instead of greedy. With the core's
-    `probe`, each step of the trace carries its call's host phases (schedule, execute: the launch, wait)."""
+    `probe`, each step of the trace carries its call's host phases (schedule, execute: the launch, wait).
+    guided=True gives every request a structured output, the regex [a-z]{output_len} (it completes at
+    output_len tokens): the token masks, and steps post-processed before the next is planned."""
     if cached:
         closed_loop(core, concurrency, num_requests, prompt_len, output_len)
     usage0 = core.kv.usage()
@@ -193,6 +197,8 @@ def closed_loop(core, concurrency: int, num_requests: int, prompt_len: int, outp
     prompts = [torch.randint(3, vocab, (prompt_len,), generator=gen).tolist() for _ in range(num_requests)]
     params = SamplingParams(max_tokens=output_len, ignore_eos=True,
                             **MODES["sample" if sampled else "greedy"])
+    if guided:
+        params.grammar = llguidance.LLMatcher.grammar_from_regex(f"[a-z]{{{output_len}}}")
     added, finished, tokens = 0, 0, 0
     timeline = StepTimeline(core.async_scheduling)
     t0 = time.perf_counter()
@@ -216,7 +222,7 @@ def closed_loop(core, concurrency: int, num_requests: int, prompt_len: int, outp
     queries = usage1.prefix_queries - usage0.prefix_queries
     return {"closed_loop": True, "concurrency": concurrency, "num_requests": num_requests,
             "prompt_len": prompt_len, "output_len": output_len, "async_scheduling": core.async_scheduling,
-            "cached": cached, "sampled": sampled,
+            "cached": cached, "sampled": sampled, "guided": guided,
             "prefix_hit_rate": (usage1.prefix_hits - usage0.prefix_hits) / queries if queries else 0.0,
             "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "steps": timeline.summary()}
 
@@ -283,11 +289,12 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="default: the model's, as `pagewalk serve` (the decode tables are that wide)")
     ap.add_argument("--out", type=Path, default=Path("engine_step_bench.json"))
-    ap.add_argument("--closed-loop", nargs="*", default=[], metavar="C:N[:cached|:sampled]",
+    ap.add_argument("--closed-loop", nargs="*", default=[], metavar="C:N[:cached|:sampled|:guided]",
                     help="also the HTTP benchmark's workload offline: C requests in flight, N in all "
                          "(--prompt-len in, --output-len out), async scheduling on; :cached runs it twice "
                          "and reports the second run, its prompts served from the prefix cache; :sampled "
-                         "draws with temperature 0.8, top_p 0.95 instead of greedy")
+                         "draws with temperature 0.8, top_p 0.95 instead of greedy; :guided gives every "
+                         "request a structured output (the regex [a-z]{output-len})")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--cprofile", type=Path, default=None,
                     help="also run the measured steps again under cProfile (its timings are not reported) "
@@ -319,10 +326,11 @@ def main() -> None:
     core.async_scheduling = True
     for spec in args.closed_loop:
         c, n, *flag = spec.split(":")
-        if flag not in ([], ["cached"], ["sampled"]):
-            raise SystemExit(f"--closed-loop takes C:N, C:N:cached or C:N:sampled, got {spec!r}")
+        if flag not in ([], ["cached"], ["sampled"], ["guided"]):
+            raise SystemExit(f"--closed-loop takes C:N, C:N:cached, C:N:sampled or C:N:guided, got {spec!r}")
         loops.append(closed_loop(core, int(c), int(n), args.prompt_len, args.output_len,
-                                 cached=flag == ["cached"], sampled=flag == ["sampled"], probe=probe))
+                                 cached=flag == ["cached"], sampled=flag == ["sampled"], probe=probe,
+                                 guided=flag == ["guided"]))
         print(f"closed loop {spec}: {loops[-1]['tok_s']:.0f} tok/s, prefix hits "
               f"{loops[-1]['prefix_hit_rate']:.0%}", flush=True)
     meta = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

@@ -3,7 +3,9 @@
 One EngineCore (`bench` preset on CUDA unless told otherwise, async scheduling as served), built and warmed
 up as `pagewalk serve` builds it. Then random traffic: requests of 1..--max-prompt tokens arriving every
 few steps, greedy and sampled (temperature, top-p, top-k, min-p, penalties), n up to 3, some asking for
-logprobs, some with logit_bias / min_tokens / allowed_token_ids, some aborted, for --steps steps. Recorded:
+logprobs, some with logit_bias / min_tokens / allowed_token_ids, some with a structured output (a JSON schema
+or a regex: their steps are post-processed before the next is planned), some aborted, for --steps steps.
+Recorded:
 - every Triton compile after start-up (a JIT compile stalls every stream for a fraction of a second to
   seconds): the kernel and its specialization, and the step that triggered it;
 - every host-device synchronisation torch reports (torch.cuda.set_sync_debug_mode("warn")), by call site.
@@ -22,6 +24,7 @@ import traceback
 import warnings
 from pathlib import Path
 
+import llguidance
 import torch
 import triton
 
@@ -51,6 +54,12 @@ def random_params(rng: random.Random) -> SamplingParams:
         fields["min_tokens"] = rng.randint(0, fields["max_tokens"])
         if rng.random() < 0.3:
             fields["allowed_token_ids"] = rng.sample(range(1000), rng.randint(1, 64))
+    elif rng.random() < 0.1:  # a structured output: the token mask, steps post-processed before the next
+        fields["grammar"] = rng.choice([
+            llguidance.LLMatcher.grammar_from_regex(f"[a-{rng.choice('cfz')}]{{2,{rng.randint(3, 40)}}}"),
+            llguidance.LLMatcher.grammar_from_json_schema(
+                {"type": "object", "properties": {"k": {"type": "integer"}, "v": {"type": "string"}},
+                 "required": ["k"]}, defaults={"whitespace_flexible": False})])
     return SamplingParams(**fields)
 
 

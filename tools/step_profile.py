@@ -50,7 +50,7 @@ class StepTimer:
         inner = runner.execute
         loop_clock = time.pthread_getcpuclockid(self.loop_thread)
 
-        def execute(step, table_of):
+        def execute(step, table_of, token_mask=None):
             full = len(step.decodes) == self.batch and not step.prefills
             if self.profiler is not None:
                 self.profiler.disable()
@@ -58,7 +58,7 @@ class StepTimer:
             if full:
                 self.starts.append((t0, c0, time.clock_gettime(loop_clock)))
             try:
-                return inner(step, table_of)
+                return inner(step, table_of, token_mask)
             finally:
                 if full:
                     self.durations.append((time.perf_counter() - t0, time.thread_time() - c0))

@@ -1,7 +1,9 @@
 """One choice on the API side: the core's token ids -> text deltas, stop strings, logprob token strings.
 
 The core ends a choice on EOS / a stop token id (finish "stop", that last id is counted but never
-detokenized, unless include_stop_str_in_output), on max_tokens ("length"), or on an abort or error. A stop
+detokenized, unless include_stop_str_in_output), on max_tokens ("length"), or on an abort or error. A
+structured output also ends with finish "stop" on its grammar's last token, whose text is output: a guided
+choice's last id is dropped only where it is EOS or a stop token id. A stop
 string is found here, once the choice has min_tokens tokens: the choice ends with finish "stop" and the caller
 aborts it in the core; tokens the core sends after that are dropped.
 """
@@ -19,7 +21,7 @@ from server.model.detokenizer import detokenizer_for
 
 class ChoiceStream:
     __slots__ = ("index", "detokenizer", "stops", "text_of", "want_logprobs", "finish_reason", "num_tokens",
-                 "min_tokens", "stop_text_kept")
+                 "min_tokens", "stop_text_kept", "guided_eos")
 
     def __init__(self, index: int, params: SamplingParams, tokenizer, text_of: Callable[[int], str],
                  prompt_token_ids: list[int] = ()):
@@ -29,6 +31,8 @@ class ChoiceStream:
         self.stops = StopStrings(params.stop, params.include_stop_str_in_output) if params.stop else None
         self.min_tokens = params.min_tokens  # stop strings count from this many tokens on
         self.stop_text_kept = params.include_stop_str_in_output  # a stop token's text too
+        # a structured output's EOS ids: its "stop" may come on a content token (the grammar complete)
+        self.guided_eos = frozenset(tokenizer.eos_token_ids) if params.grammar is not None else None
         self.text_of = text_of  # token id -> its text alone (logprob entries)
         self.want_logprobs = params.logprobs is not None
         self.finish_reason: str | None = None
@@ -52,7 +56,8 @@ class ChoiceStream:
             return ChoiceDelta(self.index, self.detokenizer.push(ids[0]), ids, None, None,
                                stop_reason, u.prompt_logprobs), False
         # EOS or a stop token id: its text is not part of the output (but where stop text is kept)
-        by_token = reason == "stop" and not self.stop_text_kept
+        by_token = reason == "stop" and not self.stop_text_kept and (
+            self.guided_eos is None or stop_reason is not None or not ids or ids[-1] in self.guided_eos)
         pieces = []
         taken = len(ids)
         hit = None

@@ -7,6 +7,10 @@ N's ids reach the host (pinned copy + event) while N+1 runs. A choice that finis
 token more in N+1; the scheduler discards it, nothing emits it. `async_scheduling=False` post-processes
 each step before planning the next; the tokens are the same.
 
+A request with a structured output (SamplingParams.grammar) waits for its matchers to compile
+(server/engine/grammar.py) before it is scheduled; a step that samples guided choices is post-processed
+before the next is planned, since their next masks need its tokens.
+
 Ints only: the core never sees text. It ends a choice on EOS, a stop token id or max_tokens; stop strings
 are found in the API process, which aborts the choice here. A failure inside one request's post-processing
 fails that request; a failure of the batch (runner, fork copies, sampler) fails the requests in that batch;
@@ -19,11 +23,14 @@ import itertools
 import logging
 import numbers
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import NamedTuple
 
 import torch
 
 from kvcache import KVCacheManager
 from kvcache.snapshot import block_map
+from server.engine.grammar import Grammars, TokenMask
 from server.engine.outputs import CoreStats, EngineRequest, SeqUpdate, StepUpdate, TokenLogprobs
 from server.engine.prompt_logprobs import prompt_logprobs
 from server.engine.request import Request
@@ -35,10 +42,22 @@ from server.engine.sequence import SeqStatus, Sequence
 
 logger = logging.getLogger("pagewalk.engine")
 
+COMPILE_WAIT_S = 0.01  # a core with nothing but grammars compiling waits this long for one, not spinning
+
+
+class _Launched(NamedTuple):
+    """A step on the device: its plan, its samples on their way, whether some sample was guided."""
+
+    sched: SchedulerOutput
+    result: StepResult
+    guided: bool
+
 
 class EngineCore:
     def __init__(self, runner, kv: KVCacheManager, eos_token_ids: set[int], max_num_seqs: int,
-                 max_num_batched_tokens: int, async_scheduling: bool = True):
+                 max_num_batched_tokens: int, async_scheduling: bool = True,
+                 grammars: Grammars | None = None):
+        """grammars: the structured outputs' vocabulary and compile threads; None refuses them."""
         self.runner = runner
         self.kv = kv
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -46,7 +65,10 @@ class EngineCore:
         self.async_scheduling = async_scheduling
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
-        self._in_flight: tuple[SchedulerOutput, StepResult] | None = None  # launched, not post-processed
+        self._in_flight: _Launched | None = None  # launched, not post-processed
+        self.grammars = grammars
+        self._compiling: dict[str, Future] = {}  # request id -> its matcher, compiling (not yet scheduled)
+        self._guided: set[str] = set()  # the requests with a structured output
         self.generated_tokens = 0  # output tokens in the updates, all time
         self.prefill_tokens = 0  # prompt (and recomputed) tokens scheduled, all time
 
@@ -61,6 +83,8 @@ class EngineCore:
             raise ValueError("the prompt must hold at least one token")
         _check_prompt(er.prompt_token_ids, self.runner.config.vocab_size)
         er.params.validate(self.runner.config.vocab_size)
+        if er.params.grammar is not None and self.grammars is None:
+            raise ValueError("structured outputs are unavailable: this core has no vocabulary for grammars")
         if er.request_id in self.requests:
             raise ValueError(f"request id {er.request_id!r} is already in the engine")
         self._check_fits(len(er.prompt_token_ids), er.params)
@@ -78,7 +102,11 @@ class EngineCore:
             child.status = SeqStatus.FORK_PENDING
             parent.fork_children.append(child)
         self.requests[req.request_id] = req
-        self.scheduler.add(parent)
+        if er.params.grammar is None:
+            self.scheduler.add(parent)
+        else:  # scheduled once its matchers are built (_admit_compiled)
+            self._guided.add(req.request_id)
+            self._compiling[req.request_id] = self.grammars.compile(er.params.grammar)
 
     def _check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         total = num_prompt_tokens + params.max_tokens
@@ -136,39 +164,76 @@ class EngineCore:
     def _forget_if_finished(self, req: Request) -> None:
         if req.finished:
             del self.requests[req.request_id]
+            self._guided.discard(req.request_id)
+            self._compiling.pop(req.request_id, None)  # aborted while compiling: its result is dropped
+
+    def _admit_compiled(self) -> list[SeqUpdate]:
+        """Schedule the requests whose matcher has compiled, each choice with its own; fail those whose
+        grammar does not compile."""
+        sched = self.scheduler
+        if self._in_flight is None and not sched.running and not sched.waiting:
+            wait(self._compiling.values(), COMPILE_WAIT_S, FIRST_COMPLETED)
+        updates: list[SeqUpdate] = []
+        for rid, future in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[rid]
+            try:
+                matcher = future.result()
+            except Exception as e:  # GrammarError, or llguidance's own
+                updates += self.abort_request(rid, None, "error", _describe(e))
+                continue
+            req = self.requests[rid]
+            for seq in req.seqs:  # none has a token yet: each starts from the grammar's start
+                seq.matcher = matcher if seq is req.seqs[0] else matcher.deep_copy()
+            self.scheduler.add(req.seqs[0])
+        return updates
 
     # ---- one step ---------------------------------------------------------------------------------
     def step(self) -> StepUpdate:
         """Schedule and launch a step; return the updates of the step that finished on the device (the
         previous one with async scheduling, this one without)."""
+        updates = self._admit_compiled() if self._compiling else []
+        if self._in_flight is not None and self._in_flight.guided:  # the next masks need its tokens
+            updates += self._postprocess(self._in_flight)
+            self._in_flight = None
         sched = self.scheduler.schedule()
-        launched, updates = None, []
+        launched = None
         now = time.monotonic()
         for c in sched.prefills:  # a request first runs in a prefill chunk
             req = self.requests[c.seq.request_id]
             req.scheduled_time = req.scheduled_time or now
         if not sched.is_empty:
             try:
-                launched = (sched, self.runner.execute(sched, self.kv.table_view))
+                mask = self._token_mask(sched) if self._guided else None
+                launched = _Launched(sched, self.runner.execute(sched, self.kv.table_view, mask),
+                                     mask is not None)
             except Exception as e:  # the whole batch failed: fail its requests, keep serving
-                updates = self._fail_batch(sched, e)
+                updates += self._fail_batch(sched, e)
         if self.async_scheduling:
             done, self._in_flight = self._in_flight, launched
         else:
             done = launched
         if done is not None:
-            updates += self._postprocess(*done)
+            updates += self._postprocess(done)
         self.generated_tokens += sum(len(u.new_token_ids) for u in updates)
         self.prefill_tokens += sched.num_prefill_tokens
         return StepUpdate(updates, self.stats(sched.num_prefill_tokens, sched.num_decode_tokens,
                                               len(sched.preempted)))
 
-    def _postprocess(self, sched: SchedulerOutput, result: StepResult) -> list[SeqUpdate]:
+    def _token_mask(self, sched: SchedulerOutput) -> TokenMask | None:
+        """The masks of the step's guided samples (their matchers have every token they sampled)."""
+        guided = [g for g, seq in enumerate(sched.samples) if seq.matcher is not None]
+        if not guided:
+            return None
+        return TokenMask(guided, self.grammars.masks([sched.samples[g].matcher for g in guided]))
+
+    def _postprocess(self, launched: _Launched) -> list[SeqUpdate]:
         try:
-            samples = result.wait()
+            samples = launched.result.wait()
         except Exception as e:  # the device failed this batch
-            return self._fail_batch(sched, e)
-        taken = self.scheduler.postprocess(sched, samples.token_ids)
+            return self._fail_batch(launched.sched, e)
+        taken = self.scheduler.postprocess(launched.sched, samples.token_ids)
         return self._process(taken, samples)
 
     def _fail_batch(self, sched: SchedulerOutput, e: Exception) -> list[SeqUpdate]:
@@ -222,9 +287,12 @@ class EngineCore:
             if samples.logprobs is not None and p.logprobs is not None else None
         num_output = len(token_ids) - len(seq.prompt_token_ids)
         reason, stop_token = None, None
+        complete = seq.matcher is not None and self.grammars.accept(seq.matcher, token)
         if p.stop_token_ids and token in p.stop_token_set:
             reason, stop_token = "stop", token
         elif token in self.eos_token_ids and not p.ignore_eos:
+            reason = "stop"
+        elif complete:  # the structured output is whole (its last token, or EOS where the grammar ends)
             reason = "stop"
         elif num_output >= p.max_tokens:
             reason = "length"

@@ -13,6 +13,7 @@ import torch
 
 from kvcache import KVCacheManager
 from server.engine.core import EngineCore
+from server.engine.grammar import Grammars
 from server.engine.runner import ModelRunner
 from server.engine.wire import CoreInfo
 from server.model import load_model
@@ -63,8 +64,10 @@ def build_core(config: EngineConfig) -> tuple[EngineCore, CoreInfo]:
     async_scheduling = config.async_scheduling
     if async_scheduling is None:
         async_scheduling = runner.device.type == "cuda"
-    core = EngineCore(runner, kv, set(tokenizer.eos_token_ids), config.max_num_seqs,
-                      config.max_num_batched_tokens, async_scheduling)
+    eos = set(tokenizer.eos_token_ids)
+    grammars = Grammars(tokenizer, model.config.vocab_size, eos, pin_memory=runner.device.type == "cuda")
+    core = EngineCore(runner, kv, eos, config.max_num_seqs, config.max_num_batched_tokens, async_scheduling,
+                      grammars)
     param = next(model.parameters())
     info = CoreInfo(model=model.config.name, device=str(param.device),
                     dtype=str(param.dtype).removeprefix("torch."), attention_backend=runner.attention_backend,

@@ -41,6 +41,7 @@ from server.engine.cuda_graphs import (
     mixed_sizes,
     padded_size,
 )
+from server.engine.grammar import TokenMask
 from server.engine.kv_cache_tensors import KVCacheTensors
 from server.engine.sampler import (
     BIAS,
@@ -202,13 +203,18 @@ class ModelRunner:
     # ---- public API -------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput, table_of: TableOf) -> StepResult:
+    def execute(self, step: SchedulerOutput, table_of: TableOf, token_mask: TokenMask | None = None
+                ) -> StepResult:
         """Launch `step` (inputs, forward, fork copies, sampling) and start copying its samples to the host;
-        returns without waiting for the device."""
+        returns without waiting for the device. token_mask: the guided samples' allowed tokens."""
         s = self.forward_step(step, table_of, need_logits=False)
         if not step.samples:  # a step of prefill chunks that all stop short of their prompt's end
             return StepResult(torch.empty(0, 1, dtype=torch.int64), None, None)
-        out = self.sampler(s.logits, s.rows, s.flags, s.num_logprobs, s.greedy, s.compact)
+        mask = None
+        if token_mask is not None:  # (G,) sample indices, (G, W) bits: a pinned copy on CUDA, not waited for
+            mask = (torch.tensor(token_mask.samples, dtype=torch.int64).to(self.device, non_blocking=True),
+                    token_mask.bits.to(self.device, non_blocking=True))
+        out = self.sampler(s.logits, s.rows, s.flags, s.num_logprobs, s.greedy, s.compact, mask)
         self.state.record_samples(s.rows, out.token_ids)
         return self._to_host(out)
 

@@ -26,7 +26,8 @@ from server.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 MASK32 = 0xFFFF_FFFF
 
 # SamplingParams.flags bits: what a step's rows need, OR-ed on the host to skip work nobody asked for
-SAMPLED, TOP, MIN_P, PENALTIES, LOGPROBS, BIAS, ALLOW, GUIDED = 1, 2, 4, 8, 16, 32, 64, 128  # ALLOW: with BIAS
+# (ALLOW comes with BIAS; GUIDED: a structured output's token mask, server/engine/grammar.py)
+SAMPLED, TOP, MIN_P, PENALTIES, LOGPROBS, BIAS, ALLOW, GUIDED = 1, 2, 4, 8, 16, 32, 64, 128
 FLOAT_FIELDS = 6  # temperature, top_p, min_p, presence, frequency, repetition
 INT_FIELDS = 4  # top_k, seed key, samples drawn so far, min_tokens
 
@@ -139,7 +140,7 @@ class Sampler:
         that copy (22 us at 64 rows of 128256 on an H200) and each of the kernel's passes over a row reads
         half the bytes. Penalties, biases and logprobs work on an fp32 row, compact top-k rows on fp32
         values."""
-        return self.kernel and not flags & (PENALTIES | LOGPROBS | BIAS) and compact is None
+        return self.kernel and not flags & (PENALTIES | LOGPROBS | BIAS | GUIDED) and compact is None
 
     # ---- row state --------------------------------------------------------------------------------
     def init_rows(self, rows: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor) -> None:
@@ -173,16 +174,18 @@ class Sampler:
 
     # ---- one step ---------------------------------------------------------------------------------
     def __call__(self, logits: torch.Tensor | None, rows: torch.Tensor, flags: int, num_logprobs: int = 0,
-                 greedy: torch.Tensor | None = None, compact: torch.Tensor | None = None) -> SampleOutput:
+                 greedy: torch.Tensor | None = None, compact: torch.Tensor | None = None,
+                 token_mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> SampleOutput:
         """logits (S, V), rows (S,) device -> SampleOutput; advances each row's sample count. `greedy`: the
         step's argmax ids (S,), computed already (a decode graph's); then logits may be None, and the flags
-        must ask for nothing but the argmax. `compact` (K,): the samples for which draws_from_best holds."""
+        must ask for nothing but the argmax. `compact` (K,): the samples for which draws_from_best holds.
+        `token_mask`: (G,) int64 sample indices and their (G, W) int32 allowed-token bits (GUIDED rows)."""
         rows = rows.long()
         if greedy is not None:
-            assert not flags & (PENALTIES | SAMPLED | LOGPROBS | BIAS), "precomputed argmax ids: plain greedy"
+            assert not flags & (PENALTIES | SAMPLED | LOGPROBS | BIAS | GUIDED), "precomputed argmax: greedy"
             tokens = greedy
         else:
-            tokens, raw = self._draw_step(logits, rows, flags, compact)
+            tokens, raw = self._draw_step(logits, rows, flags, compact, token_mask)
         # the sample counters (the draws' offsets, min_tokens' count): a step without draws or biases, whose
         # rows read neither, leaves them be
         if flags & (SAMPLED | BIAS):
@@ -198,7 +201,8 @@ class Sampler:
             out.top_ids, out.top_logprobs = top.indices, top.values
         return out
 
-    def _draw_step(self, logits: torch.Tensor, rows: torch.Tensor, flags: int, compact: torch.Tensor | None
+    def _draw_step(self, logits: torch.Tensor, rows: torch.Tensor, flags: int, compact: torch.Tensor | None,
+                   token_mask: tuple[torch.Tensor, torch.Tensor] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> the step's tokens (S,) and its raw logits (S, V): fp32, or as given where reads_model_dtype."""
         raw = logits if self.reads_model_dtype(flags, compact) else logits.float()  # (S, V)
@@ -211,6 +215,8 @@ class Sampler:
             logits = self._apply_penalties(logits, rows, floats)
             if flags & ALLOW:
                 logits = self.bias.floor_allowed(logits, rows)
+        if token_mask is not None:  # last: no bias, penalty or floor lifts a token the grammar refuses
+            logits = mask_tokens(logits, *token_mask)
         if flags & SAMPLED:
             return self._sample(logits, floats, ints, flags, compact), raw
         return self.argmax(logits), raw
@@ -261,6 +267,15 @@ class Sampler:
         picked = self._sample_logits(values, f[:, 0], f[:, 1], f[:, 2], i[:, 0], i[:, 1], i[:, 2],
                                      GREEDY_TEMPERATURE)
         return ids.gather(1, picked[:, None]).squeeze(1)
+
+
+def mask_tokens(logits: torch.Tensor, samples: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """logits (S, V) fp32; samples (G,) int64; bits (G, W) int32, bit j of word w allowing token 32 w + j ->
+    a copy of logits with every token row samples[g] does not allow at -inf."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    allowed = ((bits[:, :, None] >> shifts) & 1).view(bits.shape[0], -1)[:, :logits.shape[1]]  # (G, V)
+    masked = logits.index_select(0, samples).masked_fill_(allowed == 0, float("-inf"))
+    return logits.index_copy(0, samples, masked)
 
 
 def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:

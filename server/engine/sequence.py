@@ -45,6 +45,7 @@ class Sequence:
     # admission in a step only looks them up; dropped once admitted (32 admissions over a 496-token cached
     # prefix: the step's schedule() 1.02 -> 0.68 ms, add_request +0.45 ms outside the step; CI CPU, 3 runs)
     prefix_keys: list = field(default_factory=list)
+    matcher: object = None  # a structured output's llguidance LLMatcher (server/engine/grammar.py)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

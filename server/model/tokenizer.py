@@ -116,6 +116,10 @@ class HFTokenizer:
         self._byte_level: bool | None = None  # bytes_of's: found on first use (it reads the whole json)
         self._added: set[str] | None = None
 
+    def to_json(self) -> str:
+        """The tokenizer.json text (`tokenizers`' own serialisation): what llguidance reads."""
+        return self._tok.to_str()
+
     def _token_id(self, token: str | None) -> int | None:
         if token is None:
             return None

@@ -1,0 +1,133 @@
+"""Structured outputs in the core: an llguidance matcher per guided choice, and a step's token masks.
+
+A request whose SamplingParams.grammar is set (an llguidance grammar: JSON schema, regex, Lark, choice; the
+API builds it, server/api/structured_output.py) gets one LLMatcher per choice. Building one compiles the
+grammar against the vocabulary: about a millisecond for a small JSON schema, more for a large one (llguidance
+bounds it by its parser limits), so it runs on a worker thread, which llguidance lets run without the GIL, and
+the request joins the scheduler only when its matchers are ready (EngineCore.step). The vocabulary as
+llguidance reads it is built there too, by the first compile: ~1 s for a 128K-token tokenizer.json, paid by
+the first structured request rather than by every start-up.
+
+Each step, the matchers of the step's guided samples write the tokens they allow as a bitmask (G, W) int32,
+W = ceil(V / 32), bit j of word w allowing token 32 w + j, into pinned memory (LLExecutor: the G rows in
+parallel, without the GIL); the runner sends it with the step and the sampler sets every other logit to
+-inf (Sampler: after biases and penalties). Each sampled token then advances its matcher (`accept`); the
+choice ends ("stop") when the grammar is complete, which is also when the mask allows only EOS.
+
+A guided choice's next mask needs its last token on the host, so EngineCore post-processes a step that
+sampled guided choices before it plans the next: with async scheduling those steps lose their overlap,
+and a guided choice never computes a token past its end.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import llguidance
+import llguidance.torch
+import torch
+
+from server.model.tokenizer import ByteTokenizer, HFTokenizer
+
+COMPILE_THREADS = 2  # grammars compiling at once, beside the core's own thread
+
+
+@dataclass
+class TokenMask:
+    """A step's token masks: samples (G,) the indices (in SchedulerOutput.samples) of its guided samples,
+    bits (G, W) int32 host (pinned on CUDA) their allowed tokens."""
+
+    samples: list[int]
+    bits: torch.Tensor
+
+
+class GrammarError(ValueError):
+    """A grammar that does not compile, or a sampled token it refuses."""
+
+
+class Grammars:
+    """The model's vocabulary as llguidance reads it, the compile threads, and the masks of a step."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int], pin_memory: bool) -> None:
+        """tokenizer: the model's (server/model/tokenizer.py); vocab_size: the logits' width (ids past the
+        tokenizer's are never allowed)."""
+        self._source = (tokenizer, vocab_size, sorted(eos_token_ids))
+        self.vocab_size = vocab_size
+        self.pin_memory = pin_memory
+        self._compiles = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="pagewalk-grammar")
+        self._lock = threading.Lock()  # the compile threads build the vocabulary once
+
+    @functools.cached_property
+    def _executor(self) -> llguidance.LLExecutor:
+        return llguidance.LLExecutor()  # its threads start with the first guided step
+
+    def compile(self, grammar: str) -> Future:
+        """Start building a matcher for `grammar`; the future's result is the LLMatcher, or GrammarError."""
+        return self._compiles.submit(self._matcher, grammar)
+
+    def _vocabulary(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if not hasattr(self, "_ll_tokenizer"):
+                tokenizer, vocab_size, eos = self._source
+                try:
+                    self._ll_tokenizer = llguidance.LLTokenizer(_llguidance_source(tokenizer, vocab_size),
+                                                                n_vocab=vocab_size, eos_token=eos)
+                except Exception as e:  # noqa: BLE001 -- llguidance raises plain exceptions for tokenizers
+                    self._ll_tokenizer = GrammarError(
+                        f"structured outputs are unavailable: llguidance cannot read this model's tokenizer "
+                        f"({type(e).__name__}: {e})")
+            if isinstance(self._ll_tokenizer, GrammarError):
+                raise self._ll_tokenizer
+            return self._ll_tokenizer
+
+    def _matcher(self, grammar: str) -> llguidance.LLMatcher:
+        matcher = llguidance.LLMatcher(self._vocabulary(), grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"the structured output's grammar does not compile: {matcher.get_error()}")
+        return matcher
+
+    def masks(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
+        """(G, W) int32 host bitmask: row g the tokens matchers[g] allows next."""
+        bits = torch.empty(len(matchers), (self.vocab_size + 31) // 32, dtype=torch.int32,
+                           pin_memory=self.pin_memory)
+        llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m, g) for g, m in enumerate(matchers)],
+                                                     bits)
+        return bits
+
+    @staticmethod
+    def accept(matcher: llguidance.LLMatcher, token: int) -> bool:
+        """Advance `matcher` by the sampled `token`; -> whether the grammar is complete. GrammarError where
+        the matcher refuses it (a token the mask did not allow: a bug, or a mask-free draw)."""
+        if not matcher.consume_token(token) or matcher.is_error():
+            raise GrammarError(f"the structured output refused token {token}: {matcher.get_error()}")
+        return matcher.is_stopped()
+
+    def close(self) -> None:
+        self._compiles.shutdown(wait=False, cancel_futures=True)
+
+
+def _llguidance_source(tokenizer, vocab_size: int):
+    """What llguidance.LLTokenizer reads: a `tokenizers` JSON string, or a TokenizerWrapper of token bytes."""
+    if isinstance(tokenizer, HFTokenizer):
+        return tokenizer.to_json()
+    if isinstance(tokenizer, ByteTokenizer):
+        return llguidance.TokenizerWrapper(_ByteVocabulary(tokenizer, vocab_size))
+    raise TypeError(f"no llguidance vocabulary for {type(tokenizer).__name__}")
+
+
+class _ByteVocabulary:
+    """The byte tokenizer as llguidance.TokenizerWrapper reads it: each id's bytes (specials and unused ids
+    empty), the special ids, and an encoder of bytes."""
+
+    def __init__(self, tokenizer: ByteTokenizer, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self.eos_token_id = ByteTokenizer.EOS
+        self.bos_token_id = ByteTokenizer.BOS
+        self.tokens = tokenizer.token_bytes + [b""] * (vocab_size - len(tokenizer.token_bytes))
+        self.special_token_ids = [ByteTokenizer.PAD, ByteTokenizer.BOS, ByteTokenizer.EOS]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return [b + ByteTokenizer.OFFSET for b in text]

@@ -1,0 +1,259 @@
+"""Structured outputs in the engine core (server/engine/grammar.py): whole engines token by token against a
+dense greedy reference that masks the logits with its own llguidance matcher (async scheduling on and off,
+eager and static-graph steps, preemption, n = 2 forks, guided and free requests in one batch); seeded
+sampled choices whose every output matches the grammar; grammars that do not compile; aborts while a
+grammar compiles; the sampler's bitmask against a dense mask."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import llguidance
+import pytest
+import torch
+
+from server.api.choice_stream import ChoiceStream
+from server.engine.engine import EngineConfig, build_core
+from server.engine.grammar import Grammars
+from server.engine.outputs import EngineRequest, SeqUpdate
+from server.engine.sampler import GUIDED, Sampler, mask_tokens, row_fields, step_flags
+from server.engine.sampling_params import SamplingParams
+from server.model.tokenizer import ByteTokenizer
+
+EOS = ByteTokenizer.EOS
+TOKENIZER = ByteTokenizer()
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "tag": {"enum": ["ab", "c"]}},
+          "required": ["n", "tag"], "additionalProperties": False}
+REGEX = "(yes|no): [a-d]{2,4}!"
+
+
+def json_grammar(schema: dict) -> str:
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+
+
+def regex_grammar(regex: str) -> str:
+    return llguidance.LLMatcher.grammar_from_regex(regex)
+
+
+def config(async_scheduling: bool, num_blocks: int = 64, max_num_seqs: int = 6, device: str = "cpu"
+           ) -> EngineConfig:
+    return EngineConfig(model="tiny", device=device, dtype="float32", block_size=4, num_blocks=num_blocks,
+                        max_num_seqs=max_num_seqs, max_num_batched_tokens=24,
+                        attention_backend="torch" if device == "cpu" else "triton",
+                        async_scheduling=async_scheduling)
+
+
+def run(core, reqs, max_steps: int = 3000):
+    """Add reqs [(rid, prompt, params)], step until idle -> ({(rid, index): tokens}, {(rid, index): (finish
+    reason, error)})."""
+    for rid, prompt, params in reqs:
+        core.add_request(EngineRequest(rid, prompt, params, 0.0))
+    tokens, ends = {}, {}
+    for _ in range(max_steps):
+        if not core.has_work():
+            break
+        for u in core.step().updates:
+            tokens.setdefault((u.request_id, u.index), []).extend(u.new_token_ids)
+            if u.finish_reason is not None:
+                ends[(u.request_id, u.index)] = (u.finish_reason, u.error)
+    assert not core.has_work()
+    return tokens, ends
+
+
+def dense_guided(model, vocab: llguidance.LLTokenizer, prompt: list[int], params: SamplingParams
+                 ) -> list[int]:
+    """Greedy through the contiguous forward, each step's logits masked by a matcher of its own; ends as the
+    core ends a choice (EOS, the grammar complete, max_tokens)."""
+    matcher = llguidance.LLMatcher(vocab, params.grammar, log_level=0) if params.grammar else None
+    ids, out = list(prompt), []
+    dev = next(model.parameters()).device
+    with torch.inference_mode():
+        for _ in range(params.max_tokens):
+            hidden = model(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev))
+            logits = model.compute_logits(hidden[-1:])[0].float().cpu()
+            if matcher is not None:
+                allowed = torch.tensor(list(matcher.compute_bitmask()), dtype=torch.uint8)  # bit j of byte b
+                bits = ((allowed[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).flatten()
+                logits = logits.masked_fill(bits[:logits.numel()] == 0, float("-inf"))
+            t = int(logits.argmax())
+            ids.append(t)
+            out.append(t)
+            if matcher is not None:
+                assert matcher.consume_token(t), matcher.get_error()
+            if (t == EOS and not params.ignore_eos) or (matcher is not None and matcher.is_stopped()):
+                break
+    return out
+
+
+def mixed_requests():
+    gen = torch.Generator().manual_seed(3)
+    reqs = []
+    grammars = [json_grammar(SCHEMA), None, regex_grammar(REGEX), json_grammar(SCHEMA), None,
+                regex_grammar("[x-z]+")]
+    for i, grammar in enumerate(grammars):
+        prompt = torch.randint(3, 250, (5 + 4 * i,), generator=gen).tolist()
+        params = SamplingParams(max_tokens=24, temperature=0.0, n=2 if i in (2, 3) else 1, grammar=grammar)
+        reqs.append((f"r{i}", prompt, params))
+    return reqs
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("static_graphs", [False, True])
+def test_engine_tokens_equal_the_dense_guided_reference(static_graphs, async_scheduling):
+    core, _ = build_core(config(async_scheduling, num_blocks=20, max_num_seqs=5))  # small: preemptions
+    if static_graphs:  # the graph paths on CPU: static buffers, each forward run eagerly on replay
+        core.runner.mixed_graphs = core.runner._mixed_graphs(use_cuda_graphs=False)
+        core.runner.mixed_graphs.capture()
+        core.runner.graphs = core.runner._decode_graphs(use_cuda_graphs=False)
+        core.runner.graphs.capture()
+    check_against_dense_guided(core)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_gpu_engine_with_graphs_equals_the_dense_guided_reference(async_scheduling):
+    """CUDA graphs and the Triton backend: guided decode-graph steps take the sampler's fp32 path, the
+    bitmask crosses as a pinned copy, the sampling and argmax kernels draw over the masked logits."""
+    core, _ = build_core(config(async_scheduling, num_blocks=20, max_num_seqs=5, device="cuda"))
+    assert core.runner.graphs is not None
+    check_against_dense_guided(core)
+    assert core.runner.graphs.num_replays > 0
+
+
+def check_against_dense_guided(core) -> None:
+    reqs = mixed_requests()
+    tokens, ends = run(core, reqs)
+    vocab = core.grammars._vocabulary()
+    completed = 0
+    for rid, prompt, params in reqs:
+        want = dense_guided(core.runner.model, vocab, prompt, params)
+        for i in range(params.n):
+            assert tokens[(rid, i)] == want, (rid, i)
+            assert ends[(rid, i)][1] is None
+        text = TOKENIZER.decode(want)
+        if params.grammar == json_grammar(SCHEMA) and ends[(rid, 0)][0] == "stop":
+            value = json.loads(text)
+            assert set(value) == {"n", "tag"} and value["tag"] in ("ab", "c")
+            completed += 1
+        if params.grammar == regex_grammar(REGEX) and ends[(rid, 0)][0] == "stop":
+            assert re.fullmatch(REGEX, text)
+            completed += 1
+    assert completed >= 2  # some structured outputs ran to their end
+    assert core.scheduler.num_preemptions > 0
+    assert not core.requests and not core._guided and not core._compiling
+    assert core.kv.num_free_blocks == core.kv.num_blocks - 1  # nothing leaked
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_seeded_sampled_choices_keep_to_the_grammar(device):
+    """On CUDA the sampling kernel draws over the masked rows."""
+    core, _ = build_core(config(async_scheduling=True, device=device))
+    regex = "[a-e]{3}-[0-9]{1,3}"
+    reqs = [(f"s{i}", [1, 60 + i, 70], SamplingParams(max_tokens=16, temperature=1.3, top_p=0.95, seed=i, n=2,
+                                                      grammar=regex_grammar(regex))) for i in range(4)]
+    tokens, ends = run(core, reqs)
+    for key, toks in tokens.items():
+        assert ends[key] == ("stop", None)
+        assert re.fullmatch(regex, TOKENIZER.decode(toks)), TOKENIZER.decode(toks)
+    again, _ = run(build_core(config(async_scheduling=False, device=device))[0], reqs)
+    assert again == tokens  # seeded: the same draws whatever the scheduling
+
+
+def test_a_grammar_that_does_not_compile_fails_its_request_only():
+    core, _ = build_core(config(async_scheduling=True))
+    bad = regex_grammar("a(b")  # an unclosed group: only compiling it against the vocabulary finds out
+    reqs = [("bad", [1, 70, 71], SamplingParams(max_tokens=8, temperature=0.0, grammar=bad, n=2)),
+            ("ok", [1, 70, 71], SamplingParams(max_tokens=8, temperature=0.0, grammar=regex_grammar("ok")))]
+    tokens, ends = run(core, reqs)
+    for i in range(2):
+        reason, error = ends[("bad", i)]
+        assert reason == "error" and "does not compile" in error
+        assert ("bad", i) not in tokens or tokens[("bad", i)] == []
+    assert TOKENIZER.decode(tokens[("ok", 0)]) == "ok" and ends[("ok", 0)] == ("stop", None)
+    assert not core.requests and core.kv.num_free_blocks == core.kv.num_blocks - 1
+
+
+def test_an_abort_while_the_grammar_compiles_forgets_the_request():
+    core, _ = build_core(config(async_scheduling=True))
+    core.add_request(EngineRequest("g", [1, 70], SamplingParams(max_tokens=8, grammar=json_grammar(SCHEMA)),
+                                   0.0))
+    assert "g" in core._compiling
+    updates = core.abort_request("g")
+    assert [(u.index, u.finish_reason) for u in updates] == [(0, "abort")]
+    assert not core.requests and not core._compiling and not core._guided and not core.has_work()
+    core.step()  # the compile finishing later changes nothing
+    assert not core.requests and not core.scheduler.waiting
+
+
+def test_the_core_refuses_a_grammar_with_allowed_token_ids():
+    core, _ = build_core(config(async_scheduling=False))
+    params = SamplingParams(grammar=regex_grammar("a"), allowed_token_ids=[70])
+    with pytest.raises(ValueError, match="allowed_token_ids cannot be combined"):
+        core.add_request(EngineRequest("x", [1, 70], params, 0.0))
+    assert not core.requests
+
+
+def test_a_core_without_grammars_refuses_structured_outputs():
+    core, _ = build_core(config(async_scheduling=False))
+    core.grammars = None
+    with pytest.raises(ValueError, match="structured outputs are unavailable"):
+        core.add_request(EngineRequest("x", [1, 70], SamplingParams(grammar=regex_grammar("a")), 0.0))
+
+
+def test_the_mask_of_an_unreadable_tokenizer_fails_the_request():
+    grammars = Grammars(object(), 300, {EOS}, pin_memory=False)
+    with pytest.raises(ValueError, match="llguidance cannot read"):
+        grammars.compile(regex_grammar("a")).result()
+
+
+@pytest.mark.parametrize("vocab", [40, 64, 259])
+def test_mask_tokens_equals_a_dense_mask(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32
+    bits = torch.randint(-2**31, 2**31, (3, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    logits = torch.randn(5, vocab, generator=gen)
+    samples = torch.tensor([4, 0, 2])
+    got = mask_tokens(logits, samples, bits)
+    want = logits.clone()
+    for g, s in enumerate(samples.tolist()):
+        for t in range(vocab):
+            if not (int(bits[g, t // 32]) >> (t % 32)) & 1:
+                want[s, t] = float("-inf")
+    assert torch.equal(got, want)
+    assert torch.isfinite(logits).all()  # the input is left as it was (the raw logits give logprobs)
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_sampled_rows_draw_only_allowed_tokens(kernel):
+    """The torch draw and the sampling kernel (the Triton interpreter on CPU) over masked rows."""
+    vocab, rows = 64, 4
+    sampler = Sampler(max_rows=rows, vocab_size=vocab, device=torch.device("cpu"), kernel=kernel)
+    params = SamplingParams(temperature=1.0, top_p=0.9, grammar="x")
+    f, i = row_fields(params, 5, 0)
+    sampler.init_rows(torch.arange(rows), torch.tensor([f] * rows), torch.tensor([i] * rows))
+    allowed = [3, 17, 40, 63]
+    bits = torch.zeros(rows, 2, dtype=torch.int64)
+    for t in allowed:
+        bits[:, t // 32] |= 1 << (t % 32)
+    bits = bits.to(torch.int32)  # bit 31 set: a negative int32 word
+    gen = torch.Generator().manual_seed(0)
+    flags = step_flags(params)
+    assert flags & GUIDED
+    for _ in range(6):
+        logits = torch.randn(rows, vocab, generator=gen) * 3
+        out = sampler(logits, torch.arange(rows), flags, token_mask=(torch.arange(rows), bits))
+        assert set(out.token_ids.tolist()) <= set(allowed)
+
+
+@pytest.mark.parametrize("guided", [False, True])
+def test_the_api_keeps_a_grammars_last_token_and_drops_eos(guided):
+    """A "stop" on a content token is a complete structured output (its text is output); EOS never is."""
+    params = SamplingParams(grammar=regex_grammar("ab") if guided else None)
+    a, b = TOKENIZER.encode("ab", add_bos=False)
+    for last, text in ((b, "ab" if guided else "a"), (EOS, "a")):
+        choice = ChoiceStream(0, params, TOKENIZER, TOKENIZER.token_text)
+        delta, _ = choice.apply(SeqUpdate("r", 0, [a, last], None, "stop"))
+        assert (delta.text, delta.finish_reason) == (text, "stop")
