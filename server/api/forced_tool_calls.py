@@ -4,7 +4,7 @@ grammar forces (structured_output.py compiles the schema here), as vLLM serves t
 
 - named, {"type": "function", "function": {"name": f}}: the reply is f's arguments, JSON that follows f's
   `parameters` (none: any JSON object); it comes back as one call of f with content null and finish "stop"
-  (OpenAI's and vLLM's: the call was asked for, not chosen);
+  (OpenAI's and vLLM's: the call was asked for, not chosen), a cut reply's arguments as far as they go;
 - "required": the reply is a JSON array of {"name": a tool's name, "parameters": its arguments}, at least one
   (at most one with parallel_tool_calls false); each item comes back as a call, finish "tool_calls". A reply
   cut before its array closes (max_tokens) is content, as written, with no calls.
