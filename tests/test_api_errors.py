@@ -58,8 +58,11 @@ BAD_COMPLETIONS = [
     ({**CMPL, "logit_bias": {"five": 100}}, "logit_bias"),
     ({**CMPL, "best_of": 3}, "best_of"),  # more than n: ranking candidates is not implemented
     ({**CMPL, "n": 2, "best_of": 1}, "best_of"),  # fewer than n
-    ({**CMPL, "response_format": {"type": "json_object"}}, "response_format"),
-    ({**CMPL, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({**CMPL, "response_format": {"type": "xml"}}, "response_format.type"),
+    ({**CMPL, "response_format": {"type": "json_schema"}}, "response_format"),  # no json_schema
+    ({**CMPL, "response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                         "schema": {"type": 1}}}},
+     "response_format"),
     ({**CMPL, "stream": True, "stream_options": {"continuous_usage_stats": True}},
      "stream_options.continuous_usage_stats"),
     ({**CMPL, "return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
@@ -88,7 +91,9 @@ BAD_COMPLETIONS = [
     ({**CMPL, "min_tokens": 3.5}, "min_tokens"),
     ({**CMPL, "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
     ({**CMPL, "skip_special_tokens": "no"}, "skip_special_tokens"),  # a bool (false spells them)
-    ({**CMPL, "guided_json": {"type": "object"}}, "guided_json"),
+    ({**CMPL, "guided_json": {"type": "wat"}}, "guided_json"),
+    ({**CMPL, "guided_regex": "(unclosed"}, "guided_regex"),
+    ({**CMPL, "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     ({**CMPL, "prompt_logprobs": 21}, "prompt_logprobs"),
     ({**CMPL, "stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),  # vLLM's: not with a stream
     ({**CMPL, "add_special_tokens": "yes"}, "add_special_tokens"),
@@ -99,7 +104,7 @@ BAD_CHATS = [
     ({"messages": []}, "messages"),
     ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # no parser
     ({**CHAT, "tools": [{"type": "function"}]}, "tools[0].function"),
-    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ({**CHAT, "response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"content": "hi"}]}, "messages[0].role"),
@@ -110,8 +115,9 @@ BAD_CHATS = [
     ({**CHAT, "logprobs": 1}, "logprobs"),
     ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
     ({**CHAT, "top_logprobs": 30, "logprobs": True}, "top_logprobs"),
-    ({**CHAT, "tool_choice": "required"}, "tool_choice"),
+    ({**CHAT, "tool_choice": "required"}, "tool_choice"),  # no tools
     ({**CHAT, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({**CHAT, "tool_choice": "any"}, "tool_choice"),
     ({**CHAT, "functions": [{"name": "f"}]}, "functions"),
     ({**CHAT, "echo": True}, "echo"),
     ({**CHAT, "store": True}, "store"),

@@ -109,9 +109,8 @@ def test_auto_tool_choice_needs_the_server_to_parse_calls(engine):
 @pytest.mark.parametrize("fields,param", [
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
     ({"tools": [{"type": "retrieval"}]}, "tools"),
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),  # needs guided decoding
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-     "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
 ])
 def test_bad_tools_and_forced_choices_are_400s(engine, fields, param):
     r = chat(create_app(engine, tool_call_parser="hermes"), **fields)

@@ -24,6 +24,7 @@ from server.api.engine_stream import (
     usage,
 )
 from server.api.errors import APIError
+from server.api.forced_tool_calls import ForcedCalls, HeldReply, forced_calls
 from server.api.logprobs import chat_logprobs, vllm_prompt_logprobs
 from server.api.openapi_bodies import request_body
 from server.api.outputs import ChoiceDelta
@@ -57,6 +58,7 @@ from server.api.streaming import (
     json_text,
     sse_event,
 )
+from server.api.structured_output import request_grammar
 from server.api.tool_calls import ToolCall, ToolCallStream
 from server.api.tool_calls import parse as parse_tool_calls
 from server.engine.sampling_params import SamplingParams
@@ -76,10 +78,31 @@ class ChatJob:
     params: SamplingParams
     reservation: Reservation | None = None  # its queue places (admit)
     tool_call_parser: str | None = None  # the replies may hold tool calls, in this parser's format
+    forced: ForcedCalls | None = None  # tool_choice "required" or named: the replies are calls
 
     @property
     def num_top(self) -> int:
         return self.req.top_logprobs or 0
+
+    @property
+    def parses_calls(self) -> bool:
+        return self.tool_call_parser is not None or self.forced is not None
+
+    def parsed(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """A reply's text -> (content, calls): forced calls, or those the tool call parser finds."""
+        if self.forced is not None:
+            return self.forced.parse(text)
+        return parse_tool_calls(self.tool_call_parser, text)
+
+    def call_stream(self) -> ToolCallStream | HeldReply:
+        return self.forced.stream() if self.forced is not None else ToolCallStream(self.tool_call_parser)
+
+    def finish_with_calls(self, reason: str | None) -> str | None:
+        """A reply with tool calls that ended on a stop ends with "tool_calls" (OpenAI's), but a named
+        function's ("stop"); a cut one keeps its reason ("length", "abort")."""
+        if reason != "stop":
+            return reason
+        return self.forced.finish_reason if self.forced is not None else "tool_calls"
 
     def allowed_calls(self, calls: list[ToolCall]) -> list[ToolCall]:
         """parallel_tool_calls false: at most one call (the first), as OpenAI's contract says."""
@@ -128,7 +151,8 @@ async def create_chat_completion(request: Request) -> Response:
     engine = request.app.state.engine
     req = await parse_body(request, ChatCompletionRequest)
     check_model(engine, req.model)
-    job = _job(engine, req, request.app.state.limits, request.app.state.tool_call_parser)
+    job = _job(engine, req, request.app.state.limits, request.app.state.tool_call_parser,
+               await request_grammar(req))
     job.reservation = admit(request, [job.prompt], job.params,
                             "top_logprobs" if req.top_logprobs else "logprobs",
                             tokens_field({"max_completion_tokens": req.max_completion_tokens,
@@ -138,7 +162,7 @@ async def create_chat_completion(request: Request) -> Response:
 
 
 def _job(engine, req: ChatCompletionRequest, limits: RequestLimits | None = None,
-         tool_call_parser: str | None = None) -> ChatJob:
+         tool_call_parser: str | None = None, grammar: str | None = None) -> ChatJob:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true.", "top_logprobs")
     if req.calls_tools and tool_call_parser is None:
@@ -156,11 +180,12 @@ def _job(engine, req: ChatCompletionRequest, limits: RequestLimits | None = None
     check_cut_room(cut_to, max_tokens, engine.max_model_len, limit_param)
     check_context_length(engine, [prompt], max_tokens, "messages", limit_param)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, max_tokens, logprobs, engine.tokenizer.vocab_size, engine.sampling_defaults)
+    params = sampling_params(req, max_tokens, logprobs, engine.tokenizer.vocab_size, engine.sampling_defaults,
+                             grammar)
     if req.calls_tools and tool_call_parser == "hermes" and req.skip_special_tokens is None:
         params.skip_special_tokens = False  # models that make <tool_call> a special token keep it (vLLM's)
     return ChatJob(engine, req, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), prompt, params,
-                   tool_call_parser=tool_call_parser if req.calls_tools else None)
+                   tool_call_parser=tool_call_parser if req.calls_tools else None, forced=forced_calls(req))
 
 
 def _room_left(engine, num_prompt_tokens: int, n: int, limits: RequestLimits, logprobs: int | None,
@@ -191,7 +216,7 @@ async def _complete(job: ChatJob) -> bytes:
     ]
     for choice in choices:
         if choice.message.tool_calls:
-            choice.finish_reason = _finish_with_calls(choice.finish_reason)
+            choice.finish_reason = job.finish_with_calls(choice.finish_reason)
     prompt_lps = None
     if job.req.prompt_logprobs is not None and states[0].prompt_logprobs is not None:
         prompt_lps = vllm_prompt_logprobs(tok, job.prompt, states[0].prompt_logprobs, job.req.prompt_logprobs)
@@ -204,26 +229,20 @@ async def _complete(job: ChatJob) -> bytes:
 
 def _message(job: ChatJob, text: str) -> ChatResponseMessage:
     """A choice's reply: its text, or with tool calls parsed from it, the text before them and the calls."""
-    if job.tool_call_parser is None:
+    if not job.parses_calls:
         return ChatResponseMessage(content=text)
-    content, calls = parse_tool_calls(job.tool_call_parser, text)
+    content, calls = job.parsed(text)
     calls = job.allowed_calls(calls)
     return ChatResponseMessage(content=content, tool_calls=[_call_out(c) for c in calls] or None)
-
-
-def _finish_with_calls(reason: str | None) -> str | None:
-    """A reply with tool calls that ended on a stop ends with "tool_calls" (OpenAI's); a cut one keeps its
-    reason ("length", "abort")."""
-    return "tool_calls" if reason == "stop" else reason
 
 
 def _call_out(call: ToolCall) -> ToolCallOut:
     return ToolCallOut(id=call.id, function=ToolCallFunction(name=call.name, arguments=call.arguments))
 
 
-def _tool_delta_events(job: ChatJob, tools: ToolCallStream, d: ChoiceDelta) -> list[str]:
-    """A delta of a choice whose reply may hold tool calls: its text less what ToolCallStream holds; at the
-    choice's end the held text, then the calls in one delta (finish "tool_calls" where it ended on a stop)."""
+def _tool_delta_events(job: ChatJob, tools: ToolCallStream | HeldReply, d: ChoiceDelta) -> list[str]:
+    """A delta of a choice whose reply may hold tool calls: its text less what the stream holds; at the
+    choice's end the held text, then the calls in one delta (finish_with_calls' reason)."""
     d.text = tools.feed(d.text)
     if d.finish_reason is None:
         return [job.delta_event(d)] if d.text or d.token_ids else []
@@ -232,7 +251,7 @@ def _tool_delta_events(job: ChatJob, tools: ToolCallStream, d: ChoiceDelta) -> l
     d.text += held
     if not calls:
         return [job.delta_event(d)]
-    reason = _finish_with_calls(d.finish_reason)
+    reason = job.finish_with_calls(d.finish_reason)
     deltas = [DeltaToolCall(index=i, **_call_out(c).model_dump()) for i, c in enumerate(calls)]
     last = ChatChunkChoice(index=d.index, delta=ChatDelta(tool_calls=deltas), finish_reason=reason,
                            stop_reason=d.stop_reason)
@@ -244,7 +263,7 @@ def _tool_delta_events(job: ChatJob, tools: ToolCallStream, d: ChoiceDelta) -> l
 
 async def _stream(job: ChatJob) -> AsyncIterator[str]:
     states = [StreamedChoice() for _ in range(job.params.n)]
-    tools = [ToolCallStream(job.tool_call_parser) for _ in states] if job.tool_call_parser else None
+    tools = [job.call_stream() for _ in states] if job.parses_calls else None
     for i in range(job.params.n):
         role = ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
         yield job.frame.event(job.chunk([role], first=(i == 0)))

@@ -39,6 +39,7 @@ from server.api.streaming import (
     json_str,
     sse_event,
 )
+from server.api.structured_output import request_grammar
 from server.engine.sampling_params import SamplingParams
 
 router = APIRouter()
@@ -137,7 +138,7 @@ async def create_completion(request: Request) -> Response:
     engine = request.app.state.engine
     req = await parse_body(request, CompletionRequest)
     check_model(engine, req.model)
-    job = _job(engine, req)
+    job = _job(engine, req, await request_grammar(req))
     job.reservation = admit(request, job.prompts, job.params,
                             tokens_param=tokens_field({"max_tokens": req.max_tokens}, req.n, "prompt"),
                             prompt_ks=_prompt_ks(req))
@@ -146,7 +147,7 @@ async def create_completion(request: Request) -> Response:
                               job.reservation)
 
 
-def _job(engine, req: CompletionRequest) -> CompletionJob:
+def _job(engine, req: CompletionRequest, grammar: str | None = None) -> CompletionJob:
     tok = engine.tokenizer
     prompt = req.prompt
     if isinstance(prompt, str) or isinstance(prompt[0], str):
@@ -170,7 +171,7 @@ def _job(engine, req: CompletionRequest) -> CompletionJob:
     max_tokens = max(1, max_tokens)  # scoring: the one sampled token is dropped
     check_cut_room(cut_to, max_tokens, engine.max_model_len, "max_tokens")
     check_context_length(engine, prompts, max_tokens, "prompt")
-    params = sampling_params(req, max_tokens, req.logprobs, tok.vocab_size, engine.sampling_defaults)
+    params = sampling_params(req, max_tokens, req.logprobs, tok.vocab_size, engine.sampling_defaults, grammar)
     if req.echo and req.logprobs is not None:  # the echoed prompt comes with its logprobs
         params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
     return CompletionJob(engine, req, f"cmpl-{uuid.uuid4().hex}", int(time.time()), prompts, texts, params,

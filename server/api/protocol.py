@@ -63,6 +63,57 @@ class StreamOptions(_Request):
     continuous_usage_stats: Annotated[Any, refused_unless(None, False)] = None  # vLLM's: usage per chunk
 
 
+class JsonSchemaFormat(_Request):
+    """OpenAI's response_format.json_schema: the schema the reply's JSON follows."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON object
+    strict: bool | None = None  # pagewalk's replies always follow the schema
+
+
+class ResponseFormat(_Request):
+    """OpenAI's response_format: free text, any JSON object, or JSON that follows a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("'json_schema' goes with type 'json_schema', and only with it")
+        return self
+
+
+class StructuredOutputs(_Request):
+    """vLLM's structured_outputs: exactly one constraint on the reply's text."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")  # a JSON schema (or its JSON text)
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)  # the reply is one of these strings
+    grammar: str | None = None  # Lark, or llama.cpp's GBNF
+    json_object: bool | None = None  # true: any JSON object
+    disable_fallback: bool | None = None  # one backend (llguidance): nothing to fall back from
+    disable_any_whitespace: Annotated[Any, refused_unless(None, True)] = None  # JSON is compact already
+    disable_additional_properties: Annotated[Any, refused_unless(None, False)] = None
+    whitespace_pattern: Annotated[Any, refused_unless(None)] = None
+    structural_tag: Annotated[Any, refused_unless(None)] = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = self.given()
+        if len(given) != 1:
+            raise ValueError("give exactly one of 'json', 'regex', 'choice', 'grammar' and 'json_object' "
+                             f"(got {', '.join(given) or 'none'})")
+        return self
+
+    def given(self) -> dict[str, Any]:
+        """The constraints set, by their JSON names (json_object false asks for nothing)."""
+        values = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                  "json_object": self.json_object or None}
+        return {name: value for name, value in values.items() if value is not None}
+
+
 class _SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -92,19 +143,20 @@ class _SamplingRequest(_Request):
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=2**31)  # vLLM's: the prompt's last k tokens
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's: each prompt token's logprob + top-k
     skip_special_tokens: bool | None = None  # vLLM's; None: True (the text leaves special tokens out)
+    # a structured output (server/api/structured_output.py): at most one of these per request
+    response_format: ResponseFormat | None = None  # OpenAI's
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
+    guided_json: dict[str, Any] | str | None = None  # vLLM's legacy fields: structured_outputs' meanings
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
     # OpenAI fields pagewalk does not implement: accepted only at their no-op value, never silently ignored
     best_of: int | None = None
-    response_format: dict[str, Any] | None = None
     # vLLM's sampling extensions pagewalk does not implement, likewise
     spaces_between_special_tokens: Annotated[Any, refused_unless(None, True)] = None
     bad_words: Annotated[Any, refused_unless(None, [])] = None
     use_beam_search: Annotated[Any, refused_unless(None, False)] = None
     length_penalty: Annotated[Any, refused_unless(None, 1.0)] = None
-    guided_json: Annotated[Any, refused_unless(None)] = None
-    guided_regex: Annotated[Any, refused_unless(None)] = None
-    guided_choice: Annotated[Any, refused_unless(None)] = None
-    guided_grammar: Annotated[Any, refused_unless(None)] = None
-    structured_outputs: Annotated[Any, refused_unless(None)] = None
     logits_processors: Annotated[Any, refused_unless(None, [])] = None
     return_tokens_as_token_ids: Annotated[Any, refused_unless(None, False)] = None
     detokenize: Annotated[Any, refused_unless(None, True)] = None
@@ -143,13 +195,6 @@ class _SamplingRequest(_Request):
             raise ValueError(f"best_of ({v}) must be at least n ({n})")
         if v is not None and v > n:
             raise ValueError("best_of greater than n is not supported by pagewalk (use n)")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format_only(cls, v):
-        if v is not None and v.get("type", "text") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported by pagewalk")
         return v
 
     @property
@@ -274,13 +319,25 @@ class Tool(_Request):
     function: ToolFunction
 
 
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    """tool_choice naming the one function the reply calls."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None
-    tool_choice: Annotated[str | dict[str, Any] | None, refused_unless(None, "none", "auto")] = None
+    # "required" and a named function are served by guided decoding (server/api/forced_tool_calls.py)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # false: at most the first call a reply holds
     functions: Annotated[list[dict[str, Any]] | None, refused_unless(None, [])] = None
     function_call: Annotated[str | dict[str, Any] | None, refused_unless(None, "none", "auto")] = None

@@ -9,10 +9,11 @@ from server.engine.sampling_params import SamplingParams, bad_token_ids
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
-def sampling_params(req: _SamplingRequest, max_tokens: int, logprobs: int | None,
-                    vocab_size: int, defaults: dict | None = None) -> SamplingParams:
+def sampling_params(req: _SamplingRequest, max_tokens: int, logprobs: int | None, vocab_size: int,
+                    defaults: dict | None = None, grammar: str | None = None) -> SamplingParams:
     """Builds SamplingParams from the request; an invalid value becomes a 400 naming its field. `defaults`:
-    the model's generation_config.json values for the fields a request leaves out (then OpenAI's)."""
+    the model's generation_config.json values for the fields a request leaves out (then OpenAI's); `grammar`:
+    the request's structured output (structured_output.request_grammar)."""
     d = defaults or {}
     params = SamplingParams(
         max_tokens=max_tokens,
@@ -35,6 +36,7 @@ def sampling_params(req: _SamplingRequest, max_tokens: int, logprobs: int | None
         include_stop_str_in_output=bool(req.include_stop_str_in_output),
         allowed_token_ids=None if req.allowed_token_ids is None else list(req.allowed_token_ids),
         prompt_logprobs=req.prompt_logprobs,
+        grammar=grammar,
     )
     try:
         params.validate(vocab_size)

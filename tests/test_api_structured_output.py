@@ -1,0 +1,311 @@
+"""Structured outputs on the API side: each request field becomes the llguidance grammar SamplingParams carry
+(response_format, structured_outputs, guided_*, chat tool_choice "required" / named), a bad one is a 400
+naming its field, and a forced tool call's reply comes back as tool_calls. The engine is scripted here: what
+it receives is checked, and its reply is given."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from llguidance import LLMatcher
+
+from server.api.app import create_app
+from server.api.errors import APIError
+from server.api.forced_tool_calls import ForcedCalls
+from server.api.outputs import ChoiceDelta, RequestOutput
+from server.api.protocol import ChatCompletionRequest, CompletionRequest
+from server.api.structured_output import grammar_of, json_grammar, validate
+from tests.asgi_client import post
+from tests.engine_helpers import started_engine
+
+pytestmark = pytest.mark.timeout(120)
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}},
+         {"type": "function", "function": {"name": "get_time"}}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def completion(**fields) -> CompletionRequest:
+    return CompletionRequest.model_validate({"prompt": "hi", **fields})
+
+
+def chat_request(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})
+
+
+def grammar(req) -> tuple[str, str] | None:
+    """(grammar text, its field) of a request, validated as the API validates it."""
+    g = grammar_of(req)
+    if g is not None:
+        validate(g)
+    return None if g is None else (g.text, g.param)
+
+
+def json_schema_of(text: str) -> dict:
+    """The JSON schema a JSON grammar compiles (its compile options too)."""
+    (entry,) = json.loads(text)["grammars"]
+    return entry["json_schema"]
+
+
+def test_no_structured_output_and_text_are_no_grammar():
+    assert grammar(completion()) is None
+    assert grammar(completion(response_format={"type": "text"})) is None
+    assert grammar(chat_request(tools=TOOLS, tool_choice="none")) is None
+    assert grammar(chat_request(tools=TOOLS, tool_choice="auto")) is None
+    assert grammar(completion(structured_outputs={"json_object": False, "regex": "a"})) == (
+        LLMatcher.grammar_from_regex("a"), "structured_outputs")
+
+
+@pytest.mark.parametrize("fields,param,schema", [
+    ({"response_format": {"type": "json_object"}}, "response_format", {"type": "object"}),
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}},
+     "response_format", SCHEMA),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "any"}}}, "response_format",
+     {"type": "object"}),
+    ({"structured_outputs": {"json": SCHEMA}}, "structured_outputs", SCHEMA),
+    ({"structured_outputs": {"json": json.dumps(SCHEMA)}}, "structured_outputs", SCHEMA),
+    ({"structured_outputs": {"json_object": True}}, "structured_outputs", {"type": "object"}),
+    ({"guided_json": SCHEMA}, "guided_json", SCHEMA),
+    ({"guided_json": json.dumps(SCHEMA)}, "guided_json", SCHEMA),
+])
+def test_json_fields_compile_their_schema_compact(fields, param, schema):
+    for req in (completion(**fields), chat_request(**fields)):
+        text, got_param = grammar(req)
+        assert got_param == param and json_schema_of(text) == {**schema, "x-guidance":
+                                                               {"whitespace_flexible": False}}
+
+
+def test_a_schemas_own_options_override_the_compact_default():
+    schema = {"type": "object", "x-guidance": {"whitespace_flexible": True}}
+    text, _ = grammar(completion(guided_json=schema))
+    assert json_schema_of(text)["x-guidance"] == {"whitespace_flexible": True}
+    compact = {"whitespace_flexible": False}
+    assert json_schema_of(json_grammar(None)) == {"type": "object", "x-guidance": compact}
+
+
+@pytest.mark.parametrize("kind,value,expected", [
+    ("regex", r"\d{3}", LLMatcher.grammar_from_regex(r"\d{3}")),
+    ("choice", ["yes", "no", 'say "hi"'], 'start: "yes" | "no" | "say \\"hi\\""'),
+    ("grammar", 'start: "a"+', LLMatcher.grammar_from_lark('start: "a"+')),
+    ("grammar", 'root ::= "yes" | "no"', None),  # GBNF, converted to Lark
+])
+def test_vllm_fields_and_their_legacy_names(kind, value, expected):
+    text, param = grammar(completion(structured_outputs={kind: value}))
+    assert param == "structured_outputs" and (expected is None or text == expected)
+    assert grammar(completion(**{f"guided_{kind}": value})) == (text, f"guided_{kind}")
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}},
+     "response_format"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
+    ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs"),
+    ({"structured_outputs": {"grammar": "root ::= foo"}}, "structured_outputs"),  # GBNF that fails to convert
+    ({"guided_json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}, "guided_json"),
+    ({"guided_json": "[1, 2]"}, "guided_json"),
+    ({"guided_regex": "(a"}, "guided_regex"),
+    ({"guided_grammar": "start: ("}, "guided_grammar"),
+    # two sources
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "structured_outputs"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ({"structured_outputs": {"regex": "a"}, "guided_json": SCHEMA}, "guided_json"),
+])
+def test_bad_structured_outputs_are_400s_naming_the_field(fields, param):
+    with pytest.raises(APIError) as e:
+        grammar(completion(**fields))
+    assert e.value.status == 400 and e.value.param == param and param in e.value.message
+
+
+@pytest.mark.parametrize("fields", [
+    {"structured_outputs": {}},
+    {"structured_outputs": {"regex": "a", "choice": ["a"]}},
+    {"structured_outputs": {"json_object": False}},
+    {"structured_outputs": {"choice": []}},
+    {"structured_outputs": {"regex": "a", "structural_tag": {}}},
+    {"guided_choice": []},
+    {"guided_choice": "a"},
+    {"response_format": {"type": "grammar"}},
+    {"response_format": {"type": "json_object", "json_schema": {"name": "x"}}},
+])
+def test_malformed_fields_fail_validation(fields):
+    with pytest.raises(ValueError):
+        completion(**fields)
+
+
+def test_tool_choice_named_is_that_functions_parameters():
+    text, param = grammar(chat_request(tools=TOOLS, tool_choice=NAMED))
+    assert param == "tool_choice" and json_schema_of(text) == {**SCHEMA, "x-guidance":
+                                                               {"whitespace_flexible": False}}
+    named = {"type": "function", "function": {"name": "get_time"}}  # no parameters: any JSON object
+    assert json_schema_of(grammar(chat_request(tools=TOOLS, tool_choice=named))[0])["type"] == "object"
+
+
+def test_tool_choice_required_is_an_array_of_calls():
+    text, param = grammar(chat_request(tools=TOOLS, tool_choice="required"))
+    schema = json_schema_of(text)
+    assert param == "tool_choice" and schema["type"] == "array" and schema["minItems"] == 1
+    assert "maxItems" not in schema
+    names = [item["properties"]["name"] for item in schema["items"]["anyOf"]]
+    assert names == [{"const": "get_weather"}, {"const": "get_time"}]
+    assert schema["items"]["anyOf"][0]["properties"]["parameters"] == SCHEMA
+    one = json_schema_of(grammar(chat_request(tools=TOOLS, tool_choice="required",
+                                              parallel_tool_calls=False))[0])
+    assert one["maxItems"] == 1
+
+
+def test_required_moves_each_tools_defs_to_the_root():
+    params = {"type": "object", "properties": {"p": {"$ref": "#/$defs/Point"}}, "required": ["p"],
+              "$defs": {"Point": {"type": "object", "properties": {"x": {"type": "integer"}}}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    schema = json_schema_of(grammar(chat_request(tools=tools, tool_choice="required"))[0])
+    assert schema["$defs"] == params["$defs"]
+    assert "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+    other = {**params, "$defs": {"Point": {"type": "string"}}}
+    clash = tools + [{"type": "function", "function": {"name": "g", "parameters": other}}]
+    with pytest.raises(APIError) as e:
+        grammar(chat_request(tools=clash, tool_choice="required"))
+    assert e.value.param == "tools"
+
+
+@pytest.mark.parametrize("fields", [
+    {"tool_choice": "required"},  # no tools
+    {"tool_choice": NAMED},
+    {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_news"}}},
+    {"tools": TOOLS, "tool_choice": "required", "guided_json": SCHEMA},  # one structured output a request
+    {"tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "json_object"}},
+])
+def test_bad_forced_tool_choices_are_400s(fields):
+    with pytest.raises(APIError) as e:
+        grammar(chat_request(**fields))
+    assert e.value.status == 400 and e.value.param == "tool_choice"
+
+
+def test_forced_replies_parse_into_calls():
+    (call,) = ForcedCalls("f").parse('{"a":1}')[1]
+    assert (call.name, call.arguments) == ("f", '{"a":1}')
+    reply = '[{"name":"f","parameters":{"a":1}},{"name":"g","parameters":{}}]'
+    content, calls = ForcedCalls(None).parse(reply)
+    assert content is None
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a": 1}), ("g", {})]
+    assert ForcedCalls(None).parse('[{"name":"f","param') == ('[{"name":"f","param', [])  # cut: content
+    assert ForcedCalls(None).finish_reason == "tool_calls" and ForcedCalls("f").finish_reason == "stop"
+
+
+# ---- over HTTP ------------------------------------------------------------------------------------------
+
+ENDPOINTS = [("/v1/completions", {"prompt": "hi"}),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]
+
+@pytest.fixture(scope="module")
+def engine():
+    with started_engine(model="tiny", device="cpu", attention_backend="torch", num_blocks=64) as eng:
+        yield eng
+
+
+def scripted(reply: str, seen: list):
+    """engine.generate that records the params it gets and streams `reply` in three deltas per choice."""
+    def generate(request_id, prompt, params, admitted=False):
+        seen.append(params)
+
+        async def outputs():
+            step = max(1, len(reply) // 3)
+            parts = [reply[i:i + step] for i in range(0, len(reply), step)]
+            for k, part in enumerate(parts):
+                last = k == len(parts) - 1
+                yield RequestOutput(request_id, prompt, [ChoiceDelta(i, part, [3 + k], None,
+                                                                     "stop" if last else None)
+                                                         for i in range(params.n)], finished=last)
+        return outputs()
+    return generate
+
+
+def chat(app, stream: bool = False, **fields):
+    return post(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Weather in Paris?"}],
+                                              "max_tokens": 30, "stream": stream, **fields})
+
+
+def streamed(r) -> tuple[str, list[dict], list[str]]:
+    """(content, tool call deltas, finish reasons) of a streamed chat answer."""
+    assert r.status_code == 200, r.text
+    content, calls, finishes = "", [], []
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            for c in json.loads(line[6:])["choices"]:
+                content += c["delta"].get("content") or ""
+                calls += c["delta"].get("tool_calls") or []
+                finishes += [c["finish_reason"]] if c["finish_reason"] else []
+    return content, calls, finishes
+
+
+@pytest.mark.parametrize("path,base", ENDPOINTS)
+def test_the_grammar_reaches_the_engine(engine, monkeypatch, path, base):
+    seen = []
+    monkeypatch.setattr(engine, "generate", scripted('{"city":"Paris"}', seen))
+    app = create_app(engine)
+    for stream in (False, True):
+        r = post(app, path, {**base, "max_tokens": 8, "stream": stream, "guided_json": SCHEMA})
+        assert r.status_code == 200, r.text
+        assert seen.pop().grammar == grammar(completion(guided_json=SCHEMA))[0]
+    r = post(app, path, {**base, "max_tokens": 8})
+    assert r.status_code == 200 and seen.pop().grammar is None
+
+
+@pytest.mark.parametrize("path,base", ENDPOINTS)
+@pytest.mark.parametrize("fields,param", [
+    ({"guided_regex": "(a"}, "guided_regex"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"structured_outputs": {"regex": "a", "json_object": True}}, "structured_outputs"),
+    ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice"),
+    ({"guided_choice": ["a"], "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+])
+def test_bad_structured_outputs_are_400s_over_http(engine, path, base, fields, param):
+    r = post(create_app(engine), path, {**base, "max_tokens": 4, **fields})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error" and "Traceback" not in r.text
+
+
+def test_a_named_tool_choice_returns_one_call_of_it(engine, monkeypatch):
+    seen = []
+    monkeypatch.setattr(engine, "generate", scripted('{"city":"Paris"}', seen))
+    app = create_app(engine)  # no --enable-auto-tool-choice needed
+    for choice in chat(app, tools=TOOLS, tool_choice=NAMED, n=2).json()["choices"]:
+        assert choice["finish_reason"] == "stop" and choice["message"]["content"] is None
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"] == {"name": "get_weather", "arguments": '{"city":"Paris"}'}
+        assert call["id"].startswith("chatcmpl-tool-")
+    assert json_schema_of(seen.pop().grammar)["required"] == ["city"]
+    content, calls, finishes = streamed(chat(app, stream=True, tools=TOOLS, tool_choice=NAMED))
+    assert content == "" and finishes == ["stop"]
+    (call,) = calls
+    assert call["index"] == 0 and call["function"] == {"name": "get_weather", "arguments": '{"city":"Paris"}'}
+
+
+def test_a_required_tool_choice_returns_the_arrays_calls(engine, monkeypatch):
+    reply = '[{"name":"get_weather","parameters":{"city":"Paris"}},{"name":"get_time","parameters":{}}]'
+    monkeypatch.setattr(engine, "generate", scripted(reply, []))
+    app = create_app(engine, tool_call_parser="hermes")  # the parser is for "auto" only
+    choice = chat(app, tools=TOOLS, tool_choice="required").json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+             for c in choice["message"]["tool_calls"]]
+    assert calls == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    content, deltas, finishes = streamed(chat(app, stream=True, tools=TOOLS, tool_choice="required"))
+    assert content == "" and finishes == ["tool_calls"] and [d["index"] for d in deltas] == [0, 1]
+    # parallel_tool_calls false: the grammar allows one call; a reply with more keeps the first
+    choice = chat(app, tools=TOOLS, tool_choice="required", parallel_tool_calls=False).json()["choices"][0]
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
+
+
+def test_a_required_reply_that_does_not_parse_is_content(engine, monkeypatch):
+    monkeypatch.setattr(engine, "generate", scripted('[{"name":"get_weather","para', []))
+    app = create_app(engine)
+    choice = chat(app, tools=TOOLS, tool_choice="required").json()["choices"][0]
+    cut = '[{"name":"get_weather","para'
+    assert choice["message"]["content"] == cut and "tool_calls" not in choice["message"]
+    assert streamed(chat(app, stream=True, tools=TOOLS, tool_choice="required"))[:2] == (cut, [])
