@@ -27,11 +27,11 @@ def test_out_of_memory_in_a_step_fails_that_step_and_the_engine_goes_on(monkeypa
         runner = engine.client.core.runner
         execute, calls = runner.execute, {"n": 0}
 
-        def flaky(step, table_of):
+        def flaky(step, table_of, token_mask=None):
             calls["n"] += 1
             if calls["n"] == 3:  # mid-decode of the first batch
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-            return execute(step, table_of)
+            return execute(step, table_of, token_mask)
 
         monkeypatch.setattr(runner, "execute", flaky)
         prompt = engine.tokenizer.encode("hello")

@@ -36,7 +36,7 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 def workload(rng: random.Random) -> tuple[str, str, dict]:
     """(kind, path, body) of one request."""
     kind = rng.choice(["plain", "stream", "chat", "chat_stream", "multi", "stops", "logprobs", "refused",
-                       "hangup_stream", "hangup_plain", "biased"])
+                       "hangup_stream", "hangup_plain", "biased", "guided"])
     max_tokens = rng.randint(4, 48)
     if kind in ("chat", "chat_stream"):
         messages = [{"role": "user", "content": f"say {rng.random()}"}]
@@ -65,6 +65,13 @@ def workload(rng: random.Random) -> tuple[str, str, dict]:
                     stop=["e"], include_stop_str_in_output=rng.random() < 0.5)
         if rng.random() < 0.5:
             body["allowed_token_ids"] = rng.sample(printable, rng.randint(1, 12)) + [2]  # EOS among them
+    elif kind == "guided":  # structured outputs: grammars compiling, token masks, the grammar ending a choice
+        body.update(n=rng.randint(1, 2), temperature=rng.choice([0, 0.8]), stream=rng.random() < 0.5,
+                    structured_outputs=rng.choice([
+                        {"regex": f"[a-{rng.choice('cfz')}]{{1,{rng.randint(2, 40)}}}"},
+                        {"choice": [f"option {i}" for i in range(rng.randint(1, 5))]},
+                        {"json": {"type": "object", "properties": {"k": {"type": "integer"}},
+                                  "required": ["k"]}}]))
     return kind, "/v1/completions", body
 
 

@@ -28,7 +28,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import llguidance
-import llguidance.torch
 import torch
 
 from server.model.tokenizer import ByteTokenizer, HFTokenizer
@@ -99,7 +98,8 @@ class Grammars:
         bits = torch.full((len(matchers), (self.vocab_size + 31) // 32), -1, dtype=torch.int32,
                           pin_memory=self.pin_memory)
         rows = [(m, g) for g, m in enumerate(matchers) if m is not None]
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, rows, bits)
+        # (llguidance.torch's fill_next_token_bitmask_par, whose module torch.compiles a function on import)
+        self._executor.unsafe_compute_mask_ptr(rows, bits.data_ptr(), bits.shape[1] * 4, bits.shape[0])
         return bits
 
     @staticmethod
