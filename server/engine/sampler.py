@@ -124,8 +124,8 @@ class Sampler:
     def warm_up(self, model_dtype: torch.dtype = torch.float32) -> None:
         """Compiles the sampling kernel's variants (the whole vocabulary over fp32 logits and over the
         model's own, and a compact top-k row of COMPACT_TOP_K tokens), the argmax's (1..max_rows rows of
-        either dtype) and the token mask's before the first request: a Triton compile mid-serving stalls every stream for about a
-        second. Reads row 0's parameters as a step would and changes no state."""
+        either dtype) and the token mask's before the first request: a Triton compile mid-serving stalls
+        every stream for about a second. Reads row 0's parameters as a step would and changes no state."""
         if not self.kernel:
             return
         rows = torch.zeros(1, dtype=torch.long, device=self.device)
