@@ -9,7 +9,8 @@ import torch
 from kernels.token_mask import BLOCK, mask_tokens_
 from server.engine.sampler import mask_tokens
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
 
 
 def dense_mask(bits: torch.Tensor, vocab: int) -> torch.Tensor:
