@@ -185,8 +185,10 @@ def closed_loop(core, concurrency: int, num_requests: int, prompt_len: int, outp
     serving_bench's c64_cached / c256_cached), with the share of its prompt tokens found cached.
     sampled=True draws as MODES["sample"] (serving_bench's c64_sampled) instead of greedy. With the core's
     `probe`, each step of the trace carries its call's host phases (schedule, execute: the launch, wait).
-    guided=True gives every request a structured output, the regex [a-z]{output_len} (it completes at
-    output_len tokens): the token masks, and steps post-processed before the next is planned."""
+    guided=True gives every request a structured output, the regex [a-z]+, with EOS biased by -100 so that
+    each runs to output_len tokens as the free ones do: the token masks, the matchers on the host. (A regex
+    that counts, [a-z]{128}, makes each matcher build a new lexer state every token: 7.4 ms steps at 256
+    rows against 3.2 on an H100.)"""
     if cached:
         closed_loop(core, concurrency, num_requests, prompt_len, output_len)
     usage0 = core.kv.usage()
@@ -199,7 +201,8 @@ def closed_loop(core, concurrency: int, num_requests: int, prompt_len: int, outp
     params = SamplingParams(max_tokens=output_len, ignore_eos=True,
                             **MODES["sample" if sampled else "greedy"])
     if guided:
-        params.grammar = llguidance.LLMatcher.grammar_from_regex(f"[a-z]{{{output_len}}}")
+        params.grammar = llguidance.LLMatcher.grammar_from_regex("[a-z]+")
+        params.logit_bias = {eos: -100.0 for eos in core.eos_token_ids}
     added, finished, tokens = 0, 0, 0
     timeline = StepTimeline(core.async_scheduling)
     t0 = time.perf_counter()
@@ -295,7 +298,7 @@ def main() -> None:
                          "(--prompt-len in, --output-len out), async scheduling on; :cached runs it twice "
                          "and reports the second run, its prompts served from the prefix cache; :sampled "
                          "draws with temperature 0.8, top_p 0.95 instead of greedy; :guided gives every "
-                         "request a structured output (the regex [a-z]{output-len})")
+                         "request a structured output (the regex [a-z]+, EOS biased away)")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--cprofile", type=Path, default=None,
                     help="also run the measured steps again under cProfile (its timings are not reported) "
