@@ -265,3 +265,22 @@ def test_the_api_keeps_a_grammars_last_token_and_drops_eos(guided):
         choice = ChoiceStream(0, params, TOKENIZER, TOKENIZER.token_text)
         delta, _ = choice.apply(SeqUpdate("r", 0, [a, last], None, "stop"))
         assert (delta.text, delta.finish_reason) == (text, "stop")
+
+
+@pytest.mark.parametrize("threads", [None, 2])
+def test_masks_cover_the_model_rows_past_the_tokenizer(threads, monkeypatch):
+    """The bench preset's 128256-row embedding over the 259-id byte tokenizer: llguidance sees the tokenizer's
+    ids alone, the rows past them are never allowed; the core's thread or an executor computes the masks."""
+    grammars = Grammars(ByteTokenizer(600), 600, {EOS}, pin_memory=False)
+    if threads is not None:
+        monkeypatch.setattr(Grammars, "_executor", llguidance.LLExecutor(threads))
+    matchers = [grammars.compile(regex_grammar("[a-c]+")).result() for _ in range(3)]
+    grammars.accept(matchers[1], TOKENIZER.encode("b", add_bos=False)[0])
+    bits = grammars.masks([matchers[0], matchers[1], None])
+    assert bits.shape == (3, (600 + 31) // 32)
+    logits = torch.zeros(3, 600)
+    allowed = torch.isfinite(mask_tokens(logits, torch.arange(3), bits))
+    abc = TOKENIZER.encode("abc", add_bos=False)
+    assert allowed[0].nonzero().view(-1).tolist() == abc
+    assert allowed[1].nonzero().view(-1).tolist() == sorted([*abc, EOS])  # the regex may end after "b"
+    assert allowed[2, :ByteTokenizer.NUM_IDS].all() and not allowed[:, ByteTokenizer.NUM_IDS:].any()

@@ -35,8 +35,11 @@ from server.model.tokenizer import ByteTokenizer, HFTokenizer
 COMPILE_THREADS = 2  # grammars compiling at once, beside the core's own thread
 # threads computing a step's masks: llguidance's default (80% of the CPUs) took 8.0 ms for 64 rows of the
 # bench vocabulary on a 16-core H100 host, 4 threads 0.09 ms (1: 0.11, 2: 0.11; 256 rows: default 2.8 ms, 4
-# threads 0.27, 1: 0.55); tools/grammar_mask_probe
+# threads 0.27, 1: 0.55; tools/grammar_mask_probe). Its worker threads spin a while after each batch: on a
+# 2-core machine they starved the core's own thread (a 256 KB torch.zeros after the masks took ~8 ms), so
+# below CPUS_PER_MASK_THREAD cores a thread each, the core's thread computes the masks itself.
 MASK_THREADS = 4
+CPUS_PER_MASK_THREAD = 4
 
 
 @dataclass
@@ -57,16 +60,18 @@ class Grammars:
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int], pin_memory: bool) -> None:
         """tokenizer: the model's (server/model/tokenizer.py); vocab_size: the logits' width (ids past the
-        tokenizer's are never allowed)."""
-        self._source = (tokenizer, vocab_size, sorted(eos_token_ids))
+        tokenizer's, an embedding's padding rows, are never allowed)."""
+        self._source = (tokenizer, sorted(eos_token_ids))
         self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32  # the step's bitmask rows
         self.pin_memory = pin_memory
         self._compiles = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="pagewalk-grammar")
         self._lock = threading.Lock()  # the compile threads build the vocabulary once
 
     @functools.cached_property
-    def _executor(self) -> llguidance.LLExecutor:
-        return llguidance.LLExecutor(min(MASK_THREADS, os.cpu_count() or 1))
+    def _executor(self) -> llguidance.LLExecutor | None:
+        threads = min(MASK_THREADS, (os.cpu_count() or 1) // CPUS_PER_MASK_THREAD)
+        return llguidance.LLExecutor(threads) if threads >= 2 else None
 
     def compile(self, grammar: str) -> Future:
         """Start building a matcher for `grammar`; the future's result is the LLMatcher, or GrammarError."""
@@ -75,10 +80,10 @@ class Grammars:
     def _vocabulary(self) -> llguidance.LLTokenizer:
         with self._lock:
             if not hasattr(self, "_ll_tokenizer"):
-                tokenizer, vocab_size, eos = self._source
-                try:
-                    self._ll_tokenizer = llguidance.LLTokenizer(_llguidance_source(tokenizer, vocab_size),
-                                                                n_vocab=vocab_size, eos_token=eos)
+                tokenizer, eos = self._source
+                try:  # the tokenizer's own ids only: 128K empty padding tokens (the bench preset's byte
+                    # vocabulary) made every mask ~0.5 ms a row
+                    self._ll_tokenizer = llguidance.LLTokenizer(_llguidance_source(tokenizer), eos_token=eos)
                 except Exception as e:  # noqa: BLE001 -- llguidance raises plain exceptions for tokenizers
                     self._ll_tokenizer = GrammarError(
                         f"structured outputs are unavailable: llguidance cannot read this model's tokenizer "
@@ -94,13 +99,25 @@ class Grammars:
         return matcher
 
     def masks(self, matchers: list[llguidance.LLMatcher | None]) -> torch.Tensor:
-        """(G, W) int32 host bitmask: row g the tokens matchers[g] allows next (None: every token)."""
-        bits = torch.full((len(matchers), (self.vocab_size + 31) // 32), -1, dtype=torch.int32,
-                          pin_memory=self.pin_memory)
+        """(G, W) int32 host bitmask: row g the tokens matchers[g] allows next (None: every token the
+        tokenizer has)."""
+        vocab = self._vocabulary().vocab_size
+        own = (vocab + 31) // 32  # the tokenizer's words, <= W but for a bad model
+        bits = torch.full((len(matchers), own), -1, dtype=torch.int32, pin_memory=self.pin_memory)
+        if vocab % 32:  # the None rows: no id past the tokenizer's
+            bits[:, -1] = (1 << vocab % 32) - 1
         rows = [(m, g) for g, m in enumerate(matchers) if m is not None]
         # (llguidance.torch's fill_next_token_bitmask_par, whose module torch.compiles a function on import)
-        self._executor.unsafe_compute_mask_ptr(rows, bits.data_ptr(), bits.shape[1] * 4, bits.shape[0])
-        return bits
+        if self._executor is not None:
+            self._executor.unsafe_compute_mask_ptr(rows, bits.data_ptr(), own * 4, len(matchers))
+        else:
+            for matcher, g in rows:
+                matcher.unsafe_compute_mask_ptr(bits[g].data_ptr(), own * 4)
+        if own == self.words:
+            return bits
+        wide = torch.zeros(len(matchers), self.words, dtype=torch.int32, pin_memory=self.pin_memory)
+        wide[:, :min(own, self.words)] = bits[:, :self.words]
+        return wide
 
     @staticmethod
     def accept(matcher: llguidance.LLMatcher, token: int) -> bool:
@@ -114,24 +131,23 @@ class Grammars:
         self._compiles.shutdown(wait=False, cancel_futures=True)
 
 
-def _llguidance_source(tokenizer, vocab_size: int):
+def _llguidance_source(tokenizer):
     """What llguidance.LLTokenizer reads: a `tokenizers` JSON string, or a TokenizerWrapper of token bytes."""
     if isinstance(tokenizer, HFTokenizer):
         return tokenizer.to_json()
     if isinstance(tokenizer, ByteTokenizer):
-        return llguidance.TokenizerWrapper(_ByteVocabulary(tokenizer, vocab_size))
+        return llguidance.TokenizerWrapper(_ByteVocabulary(tokenizer))
     raise TypeError(f"no llguidance vocabulary for {type(tokenizer).__name__}")
 
 
 class _ByteVocabulary:
-    """The byte tokenizer as llguidance.TokenizerWrapper reads it: each id's bytes (specials and unused ids
-    empty), the special ids, and an encoder of bytes."""
+    """The byte tokenizer as llguidance.TokenizerWrapper reads it: each id's bytes (the specials' empty), the
+    special ids, and an encoder of bytes. The ids past NUM_IDS (unused) are left out."""
 
-    def __init__(self, tokenizer: ByteTokenizer, vocab_size: int) -> None:
-        self._tokenizer = tokenizer
+    def __init__(self, tokenizer: ByteTokenizer) -> None:
         self.eos_token_id = ByteTokenizer.EOS
         self.bos_token_id = ByteTokenizer.BOS
-        self.tokens = tokenizer.token_bytes + [b""] * (vocab_size - len(tokenizer.token_bytes))
+        self.tokens = tokenizer.token_bytes
         self.special_token_ids = [ByteTokenizer.PAD, ByteTokenizer.BOS, ByteTokenizer.EOS]
 
     def __call__(self, text: bytes) -> list[int]:
