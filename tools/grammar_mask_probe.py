@@ -80,7 +80,8 @@ def probe_rows(grammars: Grammars, matchers: list, pin: bool, steps: int) -> lis
            median_ms(lambda: torch.full(shape, -1, dtype=torch.int32), steps),
            median_ms(lambda: grammars.masks(matchers), steps)]
     rows = [(m, g) for g, m in enumerate(matchers)]
-    bits = torch.full(shape, -1, dtype=torch.int32)
+    own = (grammars._vocabulary().vocab_size + 31) // 32  # llguidance's words: the tokenizer's own ids
+    bits = torch.full((len(matchers), own), -1, dtype=torch.int32)
     for executor in map(llguidance.LLExecutor, THREADS):
         fill = functools.partial(llguidance.torch.fill_next_token_bitmask_par, executor, rows, bits)
         out.append(median_ms(fill, steps))
