@@ -284,3 +284,29 @@ def test_masks_cover_the_model_rows_past_the_tokenizer(threads, monkeypatch):
     assert allowed[0].nonzero().view(-1).tolist() == abc
     assert allowed[1].nonzero().view(-1).tolist() == sorted([*abc, EOS])  # the regex may end after "b"
     assert allowed[2, :ByteTokenizer.NUM_IDS].all() and not allowed[:, ByteTokenizer.NUM_IDS:].any()
+
+
+def test_a_step_whose_guided_choices_all_just_ended_serves_its_free_rows():
+    """Async scheduling: the guided choice ends at step N, already scheduled in N+1; its mask callback
+    then has no live matcher, which llguidance's executor refuses ("No interpreters"): the batch failed,
+    the free request with it (a review)."""
+    core, _ = build_core(config(async_scheduling=True))
+    core.grammars._executor = llguidance.LLExecutor(2)  # the path of hosts with 8 CPUs or more
+    reqs = [("free", [1, 70, 71, 72], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)),
+            ("guided", [1, 80, 81], SamplingParams(max_tokens=12, temperature=0.0,
+                                                   grammar=regex_grammar("ab")))]
+    tokens, ends = run(core, reqs)
+    assert ends[("guided", 0)] == ("stop", None) and TOKENIZER.decode(tokens[("guided", 0)]) == "ab"
+    assert ends[("free", 0)] == ("length", None) and len(tokens[("free", 0)]) == 12
+
+
+def test_compiles_of_aborted_requests_that_have_not_started_never_run():
+    core, _ = build_core(config(async_scheduling=True))
+    slow = json_grammar({"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(400)}})
+    for i in range(8):
+        core.add_request(EngineRequest(f"slow{i}", [1, 70], SamplingParams(max_tokens=4, grammar=slow), 0.0))
+    futures = list(core._compiling.values())
+    for i in range(8):
+        core.abort_request(f"slow{i}")  # the clients hung up
+    assert sum(f.cancelled() for f in futures) >= 8 - 2  # 2 compile threads: at most 2 had started
+    assert not core.requests and not core._compiling and not core._guided

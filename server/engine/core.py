@@ -167,7 +167,9 @@ class EngineCore:
         if req.finished:
             del self.requests[req.request_id]
             self._guided.discard(req.request_id)
-            self._compiling.pop(req.request_id, None)  # aborted while compiling: its result is dropped
+            compiling = self._compiling.pop(req.request_id, None)
+            if compiling is not None:  # aborted while compiling: a compile not started yet never starts
+                compiling.cancel()
 
     def _admit_compiled(self) -> list[SeqUpdate]:
         """Schedule the requests whose matcher has compiled, each choice with its own; fail those whose

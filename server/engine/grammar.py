@@ -40,6 +40,12 @@ COMPILE_THREADS = 2  # grammars compiling at once, beside the core's own thread
 # below CPUS_PER_MASK_THREAD cores a thread each, the core's thread computes the masks itself.
 MASK_THREADS = 4
 CPUS_PER_MASK_THREAD = 4
+# llguidance's parser limits, for the API's check of a grammar and the core's matchers alike: its defaults but
+# a lexer step's fuel, 200K (~14 ms of one mask, ~14K a ms) -> 50K, so that no grammar holds every stream's
+# step for more than a few ms; a grammar over a limit fails its request (at the API's check, or mid-stream)
+LIMITS = llguidance.LLParserLimits(step_lexer_fuel=50_000)
+CHECKED_TOKENS = 2  # the API's check follows a grammar this many tokens (its limits may bite at the first)
+MAX_ERROR_CHARS = 300  # llguidance's messages may quote the grammar and its parser state
 
 
 @dataclass
@@ -61,7 +67,7 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int], pin_memory: bool) -> None:
         """tokenizer: the model's (server/model/tokenizer.py); vocab_size: the logits' width (ids past the
         tokenizer's, an embedding's padding rows, are never allowed)."""
-        self._source = (tokenizer, sorted(eos_token_ids))
+        self._source = (tokenizer, eos_token_ids)
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32  # the step's bitmask rows
         self.pin_memory = pin_memory
@@ -80,22 +86,19 @@ class Grammars:
     def _vocabulary(self) -> llguidance.LLTokenizer:
         with self._lock:
             if not hasattr(self, "_ll_tokenizer"):
-                tokenizer, eos = self._source
-                try:  # the tokenizer's own ids only: 128K empty padding tokens (the bench preset's byte
-                    # vocabulary) made every mask ~0.5 ms a row
-                    self._ll_tokenizer = llguidance.LLTokenizer(_llguidance_source(tokenizer), eos_token=eos)
-                except Exception as e:  # noqa: BLE001 -- llguidance raises plain exceptions for tokenizers
-                    self._ll_tokenizer = GrammarError(
-                        f"structured outputs are unavailable: llguidance cannot read this model's tokenizer "
-                        f"({type(e).__name__}: {e})")
+                try:
+                    self._ll_tokenizer = vocabulary(*self._source)
+                except GrammarError as e:
+                    self._ll_tokenizer = e
             if isinstance(self._ll_tokenizer, GrammarError):
                 raise self._ll_tokenizer
             return self._ll_tokenizer
 
     def _matcher(self, grammar: str) -> llguidance.LLMatcher:
-        matcher = llguidance.LLMatcher(self._vocabulary(), grammar, log_level=0)
+        matcher = llguidance.LLMatcher(self._vocabulary(), grammar, log_level=0, limits=LIMITS)
         if matcher.is_error():
-            raise GrammarError(f"the structured output's grammar does not compile: {matcher.get_error()}")
+            raise GrammarError(f"the structured output's grammar does not compile: "
+                               f"{brief(matcher.get_error())}")
         return matcher
 
     def masks(self, matchers: list[llguidance.LLMatcher | None]) -> torch.Tensor:
@@ -107,8 +110,9 @@ class Grammars:
         if vocab % 32:  # the None rows: no id past the tokenizer's
             bits[:, -1] = (1 << vocab % 32) - 1
         rows = [(m, g) for g, m in enumerate(matchers) if m is not None]
-        # (llguidance.torch's fill_next_token_bitmask_par, whose module torch.compiles a function on import)
-        if self._executor is not None:
+        # (llguidance.torch's fill_next_token_bitmask_par, whose module torch.compiles a function on import;
+        # its executor refuses an empty list: every guided choice of the step ended in the step before)
+        if self._executor is not None and rows:
             self._executor.unsafe_compute_mask_ptr(rows, bits.data_ptr(), own * 4, len(matchers))
         else:
             for matcher, g in rows:
@@ -124,11 +128,46 @@ class Grammars:
         """Advance `matcher` by the sampled `token`; -> whether the grammar is complete. GrammarError where
         the matcher refuses it (a token the mask did not allow: a bug, or a mask-free draw)."""
         if not matcher.consume_token(token) or matcher.is_error():
-            raise GrammarError(f"the structured output refused token {token}: {matcher.get_error()}")
+            raise GrammarError(f"the structured output refused token {token}: {brief(matcher.get_error())}")
         return matcher.is_stopped()
 
     def close(self) -> None:
         self._compiles.shutdown(wait=False, cancel_futures=True)
+
+
+def vocabulary(tokenizer, eos_token_ids) -> llguidance.LLTokenizer:
+    """The tokenizer (server/model/tokenizer.py) as llguidance reads it: its own ids only (the 128K empty
+    padding ids of the bench preset's byte vocabulary made every mask ~0.5 ms a row). ~1 s for a 128K-token
+    tokenizer.json. GrammarError where llguidance cannot read it."""
+    try:
+        return llguidance.LLTokenizer(_llguidance_source(tokenizer), eos_token=sorted(eos_token_ids))
+    except Exception as e:  # noqa: BLE001 -- llguidance raises plain exceptions for tokenizers it cannot read
+        raise GrammarError(f"structured outputs are unavailable: llguidance cannot read this model's "
+                           f"tokenizer ({type(e).__name__}: {brief(str(e))})") from None
+
+
+def check(vocab: llguidance.LLTokenizer, grammar: str) -> str | None:
+    """Why `grammar` cannot serve a request over `vocab` (None: it can): it does not compile within LIMITS,
+    allows no token, or fails within its first CHECKED_TOKENS tokens (following its lowest allowed id each
+    time: a parser limit such as 2000 Earley items a row bites where a choice of 2,500 strings or a schema
+    of 500 optional properties takes its first token)."""
+    matcher = llguidance.LLMatcher(vocab, grammar, log_level=0, limits=LIMITS)
+    for _ in range(CHECKED_TOKENS):
+        if matcher.is_error():
+            return brief(matcher.get_error())
+        if matcher.is_stopped():
+            return None
+        allowed = int.from_bytes(matcher.compute_bitmask(), "little")  # bit t: token t
+        if matcher.is_error():
+            return brief(matcher.get_error())
+        if not allowed:
+            return "the grammar allows no token"
+        matcher.consume_token((allowed & -allowed).bit_length() - 1)
+    return brief(matcher.get_error()) if matcher.is_error() else None
+
+
+def brief(error: str) -> str:
+    return error if len(error) <= MAX_ERROR_CHARS else error[:MAX_ERROR_CHARS] + "..."
 
 
 def _llguidance_source(tokenizer):
