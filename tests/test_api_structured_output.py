@@ -16,6 +16,8 @@ from server.api.forced_tool_calls import ForcedCalls
 from server.api.outputs import ChoiceDelta, RequestOutput
 from server.api.protocol import ChatCompletionRequest, CompletionRequest
 from server.api.structured_output import grammar_of, json_grammar, validate
+from server.engine.grammar import Grammars
+from server.model.tokenizer import ByteTokenizer
 from tests.asgi_client import post
 from tests.engine_helpers import started_engine
 
@@ -152,24 +154,74 @@ def test_tool_choice_required_is_an_array_of_calls():
     assert "maxItems" not in schema
     names = [item["properties"]["name"] for item in schema["items"]["anyOf"]]
     assert names == [{"const": "get_weather"}, {"const": "get_time"}]
-    assert schema["items"]["anyOf"][0]["properties"]["parameters"] == SCHEMA
+    parameters = [item["properties"]["parameters"] for item in schema["items"]["anyOf"]]
+    assert parameters == [{"$ref": "#/$defs/tool_0"}, {"$ref": "#/$defs/tool_1"}]
+    assert schema["$defs"] == {"tool_0": SCHEMA, "tool_1": {"type": "object"}}
     one = json_schema_of(grammar(chat_request(tools=TOOLS, tool_choice="required",
                                               parallel_tool_calls=False))[0])
     assert one["maxItems"] == 1
 
 
-def test_required_moves_each_tools_defs_to_the_root():
-    params = {"type": "object", "properties": {"p": {"$ref": "#/$defs/Point"}}, "required": ["p"],
-              "$defs": {"Point": {"type": "object", "properties": {"x": {"type": "integer"}}}}}
-    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
-    schema = json_schema_of(grammar(chat_request(tools=tools, tool_choice="required"))[0])
-    assert schema["$defs"] == params["$defs"]
-    assert "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
-    other = {**params, "$defs": {"Point": {"type": "string"}}}
-    clash = tools + [{"type": "function", "function": {"name": "g", "parameters": other}}]
-    with pytest.raises(APIError) as e:
-        grammar(chat_request(tools=clash, tool_choice="required"))
-    assert e.value.param == "tools"
+def required_grammar(*parameters: dict) -> str:
+    """The "required" grammar over tools f0, f1, ... with these parameters."""
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": p}}
+             for i, p in enumerate(parameters)]
+    return grammar(chat_request(tools=tools, tool_choice="required"))[0]
+
+
+def accepts(grammar_text: str, text: str) -> bool:
+    """Whether the grammar, over the byte tokenizer, takes `text` whole and may end there."""
+    tok = ByteTokenizer()
+    matcher = Grammars(tok, 300, set(tok.eos_token_ids), False).compile(grammar_text).result()
+    return all(matcher.consume_token(t) for t in tok.encode(text, add_bos=False)) and matcher.is_accepting()
+
+
+def test_required_rebases_each_tools_root_references_into_its_defs_entry():
+    params = {"type": "object", "properties": {"kid": {"$ref": "#"}, "p": {"$ref": "#/$defs/P~1Q"},
+                                               "c": {"const": {"$ref": "#"}}},
+              "$defs": {"P/Q": {"$ref": "#/properties/c"}}, "x-other": {"$ref": "other.json#/a"}}
+    schema = json_schema_of(required_grammar(params))
+    assert schema["$defs"]["tool_0"] == {
+        "type": "object", "properties": {"kid": {"$ref": "#/$defs/tool_0"},
+                                         "p": {"$ref": "#/$defs/tool_0/$defs/P~1Q"},
+                                         "c": {"const": {"$ref": "#"}}},  # data, not a reference
+        "$defs": {"P/Q": {"$ref": "#/$defs/tool_0/properties/c"}}, "x-other": {"$ref": "other.json#/a"}}
+
+
+def test_required_keeps_a_recursive_tools_root_ref_at_its_parameters():
+    tree = {"type": "object", "additionalProperties": False,
+            "properties": {"label": {"type": "string", "maxLength": 3}, "kid": {"$ref": "#"}}}
+    g = required_grammar(tree)
+    assert accepts(g, '[{"name":"f0","parameters":{"kid":{"label":"a","kid":{}}}}]')
+    assert not accepts(g, '[{"name":"f0","parameters":{"kid":[{"name":"f0","parameters":{}}]}}]')
+
+
+@pytest.mark.parametrize("key", ["$defs", "definitions"])
+def test_required_resolves_a_tools_own_definitions(key):
+    params = {"type": "object", "properties": {"x": {"$ref": f"#/{key}/X"}}, key: {"X": {"type": "integer"}},
+              "required": ["x"], "additionalProperties": False}
+    g = required_grammar(params)
+    assert accepts(g, '[{"name":"f0","parameters":{"x":1}}]')
+    assert not accepts(g, '[{"name":"f0","parameters":{"x":"a"}}]')
+
+
+def test_required_lets_tools_define_one_name_differently():
+    def point(x: dict) -> dict:
+        return {"type": "object", "properties": {"p": {"$ref": "#/$defs/Point"}}, "required": ["p"],
+                "additionalProperties": False, "$defs": {"Point": x}}
+    g = required_grammar(point({"type": "integer"}), point({"type": "string", "maxLength": 2}))
+    assert accepts(g, '[{"name":"f0","parameters":{"p":1}},{"name":"f1","parameters":{"p":"ab"}}]')
+    assert not accepts(g, '[{"name":"f0","parameters":{"p":"ab"}}]')
+    assert not accepts(g, '[{"name":"f1","parameters":{"p":1}}]')
+
+
+def test_required_leaves_a_tool_with_its_own_id_as_written():
+    tree = {"$id": "https://example.com/tree.json", "type": "object",
+            "properties": {"n": {"type": "integer"}, "kid": {"$ref": "#"}}, "additionalProperties": False}
+    g = required_grammar(tree)
+    assert json_schema_of(g)["$defs"]["tool_0"] == tree  # its "#" already means itself
+    assert accepts(g, '[{"name":"f0","parameters":{"kid":{"n":1}}}]')
+    assert not accepts(g, '[{"name":"f0","parameters":{"kid":[]}}]')
 
 
 @pytest.mark.parametrize("fields", [

@@ -97,24 +97,61 @@ def forced_schema(req: ChatCompletionRequest) -> dict[str, Any] | None:
 
 def _calls_schema(tools: list[Tool], parallel: bool) -> dict[str, Any]:
     """A JSON array of {"name": const, "parameters": that tool's schema}, any of the tools per item. Each
-    schema's $defs move to the root, where its "#/$defs/..." references point once it is nested."""
+    tool's whole schema sits in the root's $defs as "tool_<i>", its root-relative references rewritten to
+    point there: "#" still means the tool's parameters, and its own $defs or definitions stay inside it, so
+    tools may define one name differently."""
     defs: dict[str, Any] = {}
     items = []
-    for tool in tools:
-        parameters = dict(tool.function.parameters or ANY_OBJECT)
-        own_defs = parameters.pop("$defs", None) if isinstance(parameters.get("$defs"), dict) else None
-        for name, definition in (own_defs or {}).items():
-            if defs.setdefault(name, definition) != definition:
-                raise APIError(400, f"Tools define '$defs/{name}' differently; tool_choice \"required\" "
-                                    "needs one definition of each name.", "tools")
+    for i, tool in enumerate(tools):
+        name = f"tool_{i}"
+        defs[name] = _rebased(tool.function.parameters or ANY_OBJECT, f"#/$defs/{name}")
         items.append({"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-                      "properties": {"name": {"const": tool.function.name}, "parameters": parameters}})
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+                      "properties": {"name": {"const": tool.function.name},
+                                     "parameters": {"$ref": f"#/$defs/{name}"}}})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}, "$defs": defs}
     if not parallel:
         schema["maxItems"] = 1
-    if defs:
-        schema["$defs"] = defs
     return schema
+
+
+# Keywords whose values are JSON data, not schemas: a "$ref" in them is data and stays as written.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# Keywords whose values map names to schemas: a name there ("$ref", "default") is no keyword.
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
+                          "dependencies"})
+
+
+def _rebased(node: Any, base: str) -> Any:
+    """A copy of a schema moved to `base`: every root-relative $ref ("#", "#/...") is prefixed with it.
+    A subschema with its own $id is a resource of its own, whose "#" already means itself: left as is."""
+    if isinstance(node, list):
+        return [_rebased(item, base) for item in node]
+    if not isinstance(node, dict) or _is_resource(node):
+        return node
+    return {key: _rebased_keyword(key, value, base) for key, value in node.items()}
+
+
+def _rebased_keyword(key: str, value: Any, base: str) -> Any:
+    if key == "$ref":
+        return _rebased_ref(value, base)
+    if key in _DATA_KEYWORDS:
+        return value
+    if key in _SCHEMA_MAPS and isinstance(value, dict):
+        return {name: _rebased(schema, base) for name, schema in value.items()}
+    return _rebased(value, base)
+
+
+def _rebased_ref(ref: Any, base: str) -> Any:
+    """A root-relative reference under `base` ("#" -> base, "#/a/b" -> base + "/a/b", its escapes kept);
+    other references (URLs, "other.json#...", "#anchor") as they are."""
+    if ref == "#" or isinstance(ref, str) and ref.startswith("#/"):
+        return base + ref[1:]
+    return ref
+
+
+def _is_resource(node: dict[str, Any]) -> bool:
+    """Whether the subschema sets a base URI ("$id" that is not a draft-07 "#anchor")."""
+    return isinstance(node.get("$id"), str) and not node["$id"].startswith("#")
 
 
 def _is_call(item) -> bool:
