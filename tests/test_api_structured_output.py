@@ -41,7 +41,7 @@ def grammar(req) -> tuple[str, str] | None:
     """(grammar text, its field) of a request, validated as the API validates it."""
     g = grammar_of(req)
     if g is not None:
-        validate(g)
+        validate(g, ByteTokenizer())
     return None if g is None else (g.text, g.param)
 
 

@@ -8,33 +8,35 @@ The sources, at most one per request (two are a 400 naming the second):
 - guided_json, guided_regex, guided_choice, guided_grammar (vLLM's legacy fields, with the same meanings);
 - chat tool_choice "required" or a named function (forced_tool_calls.py gives the schema).
 JSON compiles compact: no whitespace between tokens, where a small model may otherwise loop on newlines; a
-schema's own "x-guidance" options still override that. Every grammar is validated here, so that a bad one is
-a 400 naming its field rather than an error from the core.
+schema's own "x-guidance" options still override that. Every grammar is built and checked here, on a worker
+thread, against the model's vocabulary with the core's parser limits (server/engine/grammar.py check: it
+compiles, allows a token, takes its first tokens), so that a bad one is a 400 naming its field rather than
+an error from the core.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import llguidance
-from llguidance import LLMatcher, LLParserLimits
+from llguidance import LLMatcher
 
 from server.api.errors import APIError
 from server.api.forced_tool_calls import forced_schema
 from server.api.protocol import ChatCompletionRequest, _SamplingRequest
+from server.engine import grammar as core_grammar
 from server.engine.sampling_params import MAX_GRAMMAR_CHARS
 
 ANY_OBJECT = {"type": "object"}
 JSON_DEFAULTS = {"whitespace_flexible": False}  # llguidance JsonCompileOptions, under the schema's own
-# llguidance's defaults but for the grammar's symbols (500_000): a request's grammar stays well below them.
-# initial_lexer_fuel bounds the lexer's build (~50k/ms: ~20 ms). Neither bounds the JSON schema compile:
-# its time grows with the schema (optional properties ~quadratically), which the body limit (1 MiB) bounds.
-LIMITS = LLParserLimits(max_grammar_size=200_000, initial_lexer_fuel=1_000_000)
-MAX_ERROR_CHARS = 1000  # llguidance's messages quote the grammar: a huge one is cut
+# a context-free grammar's text: llguidance converts GBNF to Lark in Python, in time quadratic in its rules,
+# holding the GIL (1,000 rules, 24 KB: 1.2 s; a review), so the text is bounded before it is converted
+MAX_CFG_CHARS = 8 << 10
 
 
 @dataclass(frozen=True)
@@ -46,13 +48,21 @@ class Grammar:
 def grammar_of(req: _SamplingRequest) -> Grammar | None:
     """The request's structured output as a grammar, None for free text; a 400 naming the field for two
     sources or a value that does not compile (validate checks the grammar itself)."""
+    source = _source(req)
+    return None if source is None else _build(*source)
+
+
+def _source(req: _SamplingRequest) -> tuple[str, Callable[[], str]] | None:
+    """The request's one structured output (field, grammar builder), None for free text; a 400 for two.
+    Cheap: nothing is built."""
     sources = _sources(req)
     if len(sources) > 1:
         names = ", ".join(param for param, _ in sources)
         raise APIError(400, f"A request takes one structured output, got {names}.", sources[1][0])
-    if not sources:
-        return None
-    param, build = sources[0]
+    return sources[0] if sources else None
+
+
+def _build(param: str, build: Callable[[], str]) -> Grammar:
     try:
         text = build()
     except ValueError as e:  # JSON text that does not parse, GBNF that does not convert
@@ -63,24 +73,36 @@ def grammar_of(req: _SamplingRequest) -> Grammar | None:
     return Grammar(text, param)
 
 
-def validate(grammar: Grammar) -> None:
-    """A 400 naming the grammar's field unless llguidance accepts it (within LIMITS). Blocking: a realistic
-    schema takes 0.3-0.5 ms, a regex or Lark grammar ~0.8 ms, a 300-property schema 5-12 ms, 3000 properties
-    ~0.3 s and 10000 optional ones ~2.6 s (llguidance 1.9.1, one CPU core); it drops the GIL."""
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar.text, limits=LIMITS)
-    if is_error:
-        message = messages[0] if messages else "the grammar is invalid"
-        raise APIError(400, f"Invalid '{grammar.param}': {message[:MAX_ERROR_CHARS]}", grammar.param,
-                       "invalid_grammar")
+def validate(grammar: Grammar, tokenizer) -> None:
+    """A 400 naming the grammar's field unless it can serve a request over the model's vocabulary
+    (core_grammar.check, with the core's limits). Blocking: compiling a realistic schema takes ~0.5 ms, a
+    regex or Lark grammar ~1 ms, a 300-property schema 5-12 ms, 3000 properties ~0.3 s (llguidance 1.9.1,
+    one CPU core; MAX_GRAMMAR_CHARS bounds it); it drops the GIL. The vocabulary is built on first use."""
+    error = core_grammar.check(_vocabulary(tokenizer), grammar.text)
+    if error is not None:
+        raise APIError(400, f"Invalid '{grammar.param}': {error}", grammar.param, "invalid_grammar")
 
 
-async def request_grammar(req: _SamplingRequest) -> str | None:
-    """grammar_of, validated off the event loop (validate can take seconds): the text for SamplingParams."""
-    grammar = grammar_of(req)
-    if grammar is None:
-        return None
-    await asyncio.to_thread(validate, grammar)
+@functools.cache
+def _vocabulary(tokenizer) -> llguidance.LLTokenizer:
+    """The model's vocabulary as llguidance reads it, once per tokenizer (~1 s for 128K tokens)."""
+    try:
+        return core_grammar.vocabulary(tokenizer, tokenizer.eos_token_ids)
+    except core_grammar.GrammarError as e:
+        raise APIError(400, str(e), None, "structured_outputs_unavailable") from None
+
+
+def _checked(param: str, build: Callable[[], str], tokenizer) -> str:
+    grammar = _build(param, build)
+    validate(grammar, tokenizer)
     return grammar.text
+
+
+async def request_grammar(req: _SamplingRequest, tokenizer) -> str | None:
+    """The request's grammar (grammar_of), checked (validate): the text for SamplingParams. Both run on a
+    worker thread: building converts GBNF in Python, checking compiles the grammar."""
+    source = _source(req)
+    return None if source is None else await asyncio.to_thread(_checked, *source, tokenizer)
 
 
 def json_grammar(schema: dict[str, Any] | str | None) -> str:
@@ -119,4 +141,6 @@ def _vllm_grammar(kind: str, value) -> str:
         return LLMatcher.grammar_from_regex(value)
     if kind == "choice":  # Lark alternatives of the strings, quoted as JSON
         return llguidance.grammar_from("choice", value)
+    if len(value) > MAX_CFG_CHARS:
+        raise ValueError(f"the grammar has {len(value)} characters, more than {MAX_CFG_CHARS}")
     return llguidance.grammar_from("grammar", value)  # Lark, or GBNF converted to Lark
