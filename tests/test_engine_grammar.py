@@ -212,7 +212,7 @@ def test_a_core_without_grammars_refuses_structured_outputs():
 
 
 def test_the_mask_of_an_unreadable_tokenizer_fails_the_request():
-    grammars = Grammars(object(), 300, {EOS}, pin_memory=False)
+    grammars = Grammars(object(), 300, {EOS})
     with pytest.raises(ValueError, match="llguidance cannot read"):
         grammars.compile(regex_grammar("a")).result()
 
@@ -271,7 +271,7 @@ def test_the_api_keeps_a_grammars_last_token_and_drops_eos(guided):
 def test_masks_cover_the_model_rows_past_the_tokenizer(threads, monkeypatch):
     """The bench preset's 128256-row embedding over the 259-id byte tokenizer: llguidance sees the tokenizer's
     ids alone, the rows past them are never allowed; the core's thread or an executor computes the masks."""
-    grammars = Grammars(ByteTokenizer(600), 600, {EOS}, pin_memory=False)
+    grammars = Grammars(ByteTokenizer(600), 600, {EOS})
     if threads is not None:
         monkeypatch.setattr(Grammars, "_executor", llguidance.LLExecutor(threads))
     matchers = [grammars.compile(regex_grammar("[a-c]+")).result() for _ in range(3)]

@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args()
     pin = torch.cuda.is_available()
-    grammars = Grammars(ByteTokenizer(VOCAB), VOCAB, {ByteTokenizer.EOS}, pin_memory=pin)
+    grammars = Grammars(ByteTokenizer(VOCAB), VOCAB, {ByteTokenizer.EOS})
     grammar = llguidance.LLMatcher.grammar_from_regex("[a-z]{128}")
     t0 = time.perf_counter()
     matchers = [grammars.compile(grammar).result() for _ in range(256)]

@@ -65,7 +65,7 @@ def build_core(config: EngineConfig) -> tuple[EngineCore, CoreInfo]:
     if async_scheduling is None:
         async_scheduling = runner.device.type == "cuda"
     eos = set(tokenizer.eos_token_ids)
-    grammars = Grammars(tokenizer, model.config.vocab_size, eos, pin_memory=runner.device.type == "cuda")
+    grammars = Grammars(tokenizer, model.config.vocab_size, eos)
     core = EngineCore(runner, kv, eos, config.max_num_seqs, config.max_num_batched_tokens, async_scheduling,
                       grammars)
     param = next(model.parameters())

@@ -9,9 +9,9 @@ llguidance reads it is built there too, by the first compile: ~1 s for a 128K-to
 the first structured request rather than by every start-up.
 
 Each step, the matchers of the step's guided samples write the tokens they allow as a bitmask (G, W) int32,
-W = ceil(V / 32), bit j of word w allowing token 32 w + j, into pinned memory (LLExecutor: the G rows in
-parallel, without the GIL); the runner sends it with the step and the sampler sets every other logit to
--inf (Sampler: after biases and penalties). Each sampled token then advances its matcher (`accept`); the
+W = ceil(V / 32), bit j of word w allowing token 32 w + j (LLExecutor: the G rows in parallel, without the
+GIL); the runner sends it with the step (pinned buffers it reuses) and the sampler sets every other logit
+to -inf (Sampler: after biases and penalties). Each sampled token then advances its matcher (`accept`); the
 choice ends ("stop") when the grammar is complete, which is also when the mask allows only EOS.
 
 A guided choice's next mask needs its last token on the host: the runner asks for a step's masks once its
@@ -51,7 +51,7 @@ MAX_ERROR_CHARS = 300  # llguidance's messages may quote the grammar and its par
 @dataclass
 class TokenMask:
     """A step's token masks: samples (G,) the indices (in SchedulerOutput.samples) of its guided samples,
-    bits (G, W) int32 host (pinned on CUDA) their allowed tokens."""
+    bits (G, W) int32 host their allowed tokens."""
 
     samples: list[int]
     bits: torch.Tensor
@@ -64,13 +64,12 @@ class GrammarError(ValueError):
 class Grammars:
     """The model's vocabulary as llguidance reads it, the compile threads, and the masks of a step."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int], pin_memory: bool) -> None:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int]) -> None:
         """tokenizer: the model's (server/model/tokenizer.py); vocab_size: the logits' width (ids past the
         tokenizer's, an embedding's padding rows, are never allowed)."""
         self._source = (tokenizer, eos_token_ids)
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32  # the step's bitmask rows
-        self.pin_memory = pin_memory
         self._compiles = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="pagewalk-grammar")
         self._lock = threading.Lock()  # the compile threads build the vocabulary once
 
@@ -106,7 +105,7 @@ class Grammars:
         tokenizer has)."""
         vocab = self._vocabulary().vocab_size
         own = (vocab + 31) // 32  # the tokenizer's words, <= W but for a bad model
-        bits = torch.full((len(matchers), own), -1, dtype=torch.int32, pin_memory=self.pin_memory)
+        bits = torch.full((len(matchers), own), -1, dtype=torch.int32)
         if vocab % 32:  # the None rows: no id past the tokenizer's
             bits[:, -1] = (1 << vocab % 32) - 1
         rows = [(m, g) for g, m in enumerate(matchers) if m is not None]
@@ -119,7 +118,7 @@ class Grammars:
                 matcher.unsafe_compute_mask_ptr(bits[g].data_ptr(), own * 4)
         if own == self.words:
             return bits
-        wide = torch.zeros(len(matchers), self.words, dtype=torch.int32, pin_memory=self.pin_memory)
+        wide = torch.zeros(len(matchers), self.words, dtype=torch.int32)
         wide[:, :min(own, self.words)] = bits[:, :self.words]
         return wide
 
