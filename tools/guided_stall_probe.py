@@ -1,0 +1,85 @@
+"""Where a guided closed loop's long decode steps go: `python -m tools.guided_stall_probe`.
+
+The engine core as engine_step_bench builds it (bench preset on CUDA), one closed loop of 64 requests in
+flight with every request guided (engine_step_bench's :guided), with the core's and runner's host phases
+timed per step: the forward's launch, the mask callback's post-processing of the step before (its wait,
+its finish checks with the matchers' accept), the masks, their copy, the sampler's launch. Prints the phases
+of the decode-only steps over 3 ms and the medians of the others."""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+
+import torch
+
+from server.engine import runner as runner_module
+from server.engine.engine import EngineConfig, build_core
+from tools.engine_step_bench import closed_loop
+
+
+def timed(obj, name: str, phases: dict) -> None:
+    inner = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            phases[name] = phases.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+
+    setattr(obj, name, wrapper)
+
+
+def main() -> None:
+    core, _ = build_core(EngineConfig(model="bench", device="cuda", dtype="bfloat16", max_num_seqs=64,
+                                      max_num_batched_tokens=8192, gpu_memory_utilization=0.8))
+    phases: dict = {}
+    for obj, name in ((core.grammars, "masks"), (core, "_process"), (core.scheduler, "postprocess"),
+                      (core.runner, "forward_step"), (core.runner.sampler, "_draw_step"),
+                      (core.runner.mask_packer, "send"), (core.runner, "_to_host"),
+                      (core.scheduler, "schedule")):
+        timed(obj, name, phases)
+    wait = runner_module.StepResult.wait
+
+    def timed_wait(result):
+        t0 = time.perf_counter()
+        try:
+            return wait(result)
+        finally:
+            phases["wait"] = phases.get("wait", 0.0) + (time.perf_counter() - t0) * 1e3
+
+    runner_module.StepResult.wait = timed_wait
+    gcs: list = []
+    gc.callbacks.append(lambda phase, info: gcs.append((phase, info["generation"], time.perf_counter())))
+    steps: list = []
+    step = core.step
+
+    def traced_step():
+        phases.clear()
+        n_gc = len(gcs)
+        t0 = time.perf_counter()
+        update = step()
+        wall = (time.perf_counter() - t0) * 1e3
+        steps.append((wall, update.stats.num_prefill_tokens, dict(phases), len(gcs) - n_gc))
+        return update
+
+    core.step = traced_step
+    closed_loop(core, 64, 256, 512, 128, guided=True)  # warm-up: compiles, allocations
+    steps.clear()
+    result = closed_loop(core, 64, 256, 512, 128, guided=True)
+    decode = [s for s in steps if s[1] == 0]
+    slow = [s for s in decode if s[0] > 3.0]
+    print(f"guided loop: {result['tok_s']:.0f} tok/s, {len(decode)} decode-only steps, {len(slow)} over 3 "
+          f"ms; gc passes in slow steps: {sum(s[3] for s in slow)}, in all: {sum(s[3] for s in decode)}")
+    names = sorted({k for s in decode for k in s[2]})
+    print("median of the others: " + ", ".join(
+        f"{k} {statistics.median(s[2].get(k, 0.0) for s in decode if s[0] <= 3.0):.3f}" for k in names))
+    for wall, _, ph, n_gc in slow[:25]:
+        print(f"{wall:6.2f} ms gc {n_gc}: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(ph.items())))
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
