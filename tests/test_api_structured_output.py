@@ -172,7 +172,7 @@ def required_grammar(*parameters: dict) -> str:
 def accepts(grammar_text: str, text: str) -> bool:
     """Whether the grammar, over the byte tokenizer, takes `text` whole and may end there."""
     tok = ByteTokenizer()
-    matcher = Grammars(tok, 300, set(tok.eos_token_ids), False).compile(grammar_text).result()
+    matcher = Grammars(tok, 300, set(tok.eos_token_ids)).compile(grammar_text).result()
     return all(matcher.consume_token(t) for t in tok.encode(text, add_bos=False)) and matcher.is_accepting()
 
 

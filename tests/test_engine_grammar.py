@@ -310,3 +310,17 @@ def test_compiles_of_aborted_requests_that_have_not_started_never_run():
         core.abort_request(f"slow{i}")  # the clients hung up
     assert sum(f.cancelled() for f in futures) >= 8 - 2  # 2 compile threads: at most 2 had started
     assert not core.requests and not core._compiling and not core._guided
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_choice_aborted_while_its_grammar_compiles_stays_aborted(async_scheduling):
+    """n = 3: choice 1 aborted before the matchers are ready; its parent was in no scheduler list then, and
+    the child was forked later all the same (a review)."""
+    core, _ = build_core(config(async_scheduling))
+    params = SamplingParams(n=3, grammar=regex_grammar("[a-c]{3,5}"), max_tokens=8, temperature=1.0, seed=2)
+    core.add_request(EngineRequest("r", [1, 70, 71, 72, 73], params, 0.0))
+    updates = core.abort_request("r", 1)
+    assert [(u.index, u.finish_reason) for u in updates] == [(1, "abort")]
+    tokens, ends = run(core, [])
+    assert ("r", 1) not in tokens and set(ends) == {("r", 0), ("r", 2)}
+    assert not core.requests and core.kv.num_free_blocks == core.kv.num_blocks - 1

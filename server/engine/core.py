@@ -152,8 +152,11 @@ class EngineCore:
             return []
         open_before = req.unfinished()
         seqs = open_before if index is None else [s for s in open_before if s.index == index]
+        parent = req.seqs[0]
         for seq in seqs:
             seq.finish_reason = reason
+            if seq in parent.fork_children:  # (a parent whose grammar compiles is in no scheduler list)
+                parent.fork_children.remove(seq)
             self.scheduler.finish(seq)
         updates = []
         for seq in open_before:

@@ -41,9 +41,14 @@ COMPILE_THREADS = 2  # grammars compiling at once, beside the core's own thread
 MASK_THREADS = 4
 CPUS_PER_MASK_THREAD = 4
 # llguidance's parser limits, for the API's check of a grammar and the core's matchers alike: its defaults but
-# a lexer step's fuel, 200K (~14 ms of one mask, ~14K a ms) -> 50K, so that no grammar holds every stream's
-# step for more than a few ms; a grammar over a limit fails its request (at the API's check, or mid-stream)
-LIMITS = llguidance.LLParserLimits(step_lexer_fuel=50_000)
+# - a lexer step's fuel, 200K (~14 ms of one mask, ~14K a ms) -> 50K, so that no grammar holds every stream's
+#   step for more than a few ms;
+# - the Earley items of one row, 2,000 -> 20,000: an object's optional properties take ~4 items each and a
+#   choice's strings one, so 500 properties or 2,000 strings already failed, at whichever token first
+#   predicts them (mid-stream where they sit behind other fields); 20,000 holds any such fan-out that fits
+#   MAX_GRAMMAR_CHARS (3,000 properties: 12,007 items), at ~20K items a ms.
+# A grammar over a limit fails its request: at the API's check, or where the limit bites mid-stream.
+LIMITS = llguidance.LLParserLimits(step_lexer_fuel=50_000, max_items_in_row=20_000)
 CHECKED_TOKENS = 2  # the API's check follows a grammar this many tokens (its limits may bite at the first)
 MAX_ERROR_CHARS = 300  # llguidance's messages may quote the grammar and its parser state
 
@@ -148,8 +153,8 @@ def vocabulary(tokenizer, eos_token_ids) -> llguidance.LLTokenizer:
 def check(vocab: llguidance.LLTokenizer, grammar: str) -> str | None:
     """Why `grammar` cannot serve a request over `vocab` (None: it can): it does not compile within LIMITS,
     allows no token, or fails within its first CHECKED_TOKENS tokens (following its lowest allowed id each
-    time: a parser limit such as 2000 Earley items a row bites where a choice of 2,500 strings or a schema
-    of 500 optional properties takes its first token)."""
+    time: a parser limit bites where a wide choice or object is first predicted, the first token when it
+    is the grammar's top level). Best effort: a limit that bites further in ends the choice with an error."""
     matcher = llguidance.LLMatcher(vocab, grammar, log_level=0, limits=LIMITS)
     for _ in range(CHECKED_TOKENS):
         if matcher.is_error():
@@ -166,7 +171,10 @@ def check(vocab: llguidance.LLTokenizer, grammar: str) -> str | None:
 
 
 def brief(error: str) -> str:
-    return error if len(error) <= MAX_ERROR_CHARS else error[:MAX_ERROR_CHARS] + "..."
+    """llguidance's message without the parser state it dumps after its first line (which quotes the
+    grammar and the tokens so far), at most MAX_ERROR_CHARS."""
+    first = error.strip().split("\n", 1)[0]
+    return first if len(first) <= MAX_ERROR_CHARS else first[:MAX_ERROR_CHARS] + "..."
 
 
 def _llguidance_source(tokenizer):
