@@ -87,6 +87,19 @@ def test_json_object_is_an_object(app):
     assert isinstance(json.loads(text), dict) and finish == "stop", text
 
 
+def merged_calls(deltas: list[dict]) -> list[dict]:
+    """Streamed tool-call deltas -> whole calls: a call's first delta names it, the next ones (a named
+    tool_choice's) carry further pieces of its arguments."""
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        if d["index"] not in calls:
+            calls[d["index"]] = {"id": d["id"], "function": dict(d["function"])}
+        else:
+            assert "id" not in d and "name" not in d["function"]
+            calls[d["index"]]["function"]["arguments"] += d["function"]["arguments"]
+    return [calls[i] for i in sorted(calls)]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_forced_tool_calls_have_arguments_that_parse(app, stream):
     path, base = CHAT
@@ -98,7 +111,7 @@ def test_forced_tool_calls_have_arguments_that_parse(app, stream):
         if stream:
             chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
             deltas = [c["choices"][0] for c in chunks if c["choices"]]
-            (calls,) = [d["delta"]["tool_calls"] for d in deltas if d["delta"].get("tool_calls")]
+            calls = merged_calls([c for d in deltas for c in d["delta"].get("tool_calls") or []])
             reason = deltas[-1]["finish_reason"]
         else:
             choice = r.json()["choices"][0]

@@ -8,7 +8,9 @@ grammar forces (structured_output.py compiles the schema here), as vLLM serves t
 - "required": the reply is a JSON array of {"name": a tool's name, "parameters": its arguments}, at least one
   (at most one with parallel_tool_calls false); each item comes back as a call, finish "tool_calls". A reply
   cut before its array closes (max_tokens) is content, as written, with no calls.
-Streamed, the reply is held and its calls go out whole in one delta when the choice ends, as auto calls do.
+Streamed, a named function's call goes out as the reply is generated: its id, type and name with the first
+piece of its arguments, then each next piece (OpenAI's form); a "required" reply is held and its calls go
+out whole in one delta when the choice ends, as auto calls do.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.api.errors import APIError
-from server.api.protocol import ChatCompletionRequest, Tool
+from server.api.protocol import ChatCompletionRequest, DeltaFunction, DeltaToolCall, Tool
 from server.api.tool_calls import ToolCall
 
 ANY_OBJECT = {"type": "object"}
@@ -49,8 +51,8 @@ class ForcedCalls:
         return None, [ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
                       for item in items]
 
-    def stream(self) -> HeldReply:
-        return HeldReply(self)
+    def stream(self) -> HeldReply | NamedCallStream:
+        return HeldReply(self) if self.name is None else NamedCallStream(self.name)
 
 
 class HeldReply:
@@ -68,6 +70,22 @@ class HeldReply:
         held, self.held = self.held, ""
         content, calls = self.forced.parse(held)
         return content or "", calls
+
+
+class NamedCallStream:
+    """A streamed named call: piece(text) gives the DeltaToolCall that carries the next piece of its
+    arguments, the first one with the call's id, type and name."""
+
+    def __init__(self, name: str) -> None:
+        self.call = ToolCall(name, "")
+        self.started = False
+
+    def piece(self, text: str) -> DeltaToolCall:
+        if self.started:
+            return DeltaToolCall(index=0, function=DeltaFunction(arguments=text))
+        self.started = True
+        return DeltaToolCall(index=0, id=self.call.id, type="function",
+                             function=DeltaFunction(name=self.call.name, arguments=text))
 
 
 def forced_calls(req: ChatCompletionRequest) -> ForcedCalls | None:

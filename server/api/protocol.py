@@ -457,8 +457,19 @@ class ToolCallOut(BaseModel):
     function: ToolCallFunction
 
 
-class DeltaToolCall(ToolCallOut):
+class DeltaFunction(BaseModel):
+    name: str | None = Field(**OmitIfNone)  # on a call's first delta
+    arguments: str  # the whole arguments, or the next piece of them
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed call: whole in one delta, or (a named tool_choice's) its id, type and name first and then
+    its arguments piece by piece, as OpenAI streams them."""
+
     index: int  # the call's place in the reply's calls (a streamed delta names it)
+    id: str | None = Field(**OmitIfNone)
+    type: Literal["function"] | None = Field(**OmitIfNone)
+    function: DeltaFunction
 
 
 class ChatResponseMessage(BaseModel):
