@@ -135,9 +135,6 @@ class Grammars:
             raise GrammarError(f"the structured output refused token {token}: {brief(matcher.get_error())}")
         return matcher.is_stopped()
 
-    def close(self) -> None:
-        self._compiles.shutdown(wait=False, cancel_futures=True)
-
 
 def vocabulary(tokenizer, eos_token_ids) -> llguidance.LLTokenizer:
     """The tokenizer (server/model/tokenizer.py) as llguidance reads it: its own ids only (the 128K empty
