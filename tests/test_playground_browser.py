@@ -114,6 +114,8 @@ def blocks_in(pg, state: str) -> list[int]:
 
 
 def test_page_loads_without_console_errors(page, server):
+    # the page names the model once its /v1/models fetch answers, which may come after the stream is live
+    page.wait_for_function("document.getElementById('model').textContent !== 'model: ?'", timeout=15_000)
     assert page.inner_text("#model") == "model: tiny"
     health = httpx.get(f"{server}/health").json()
     assert count(page, "total") == health["kv_cache"]["num_blocks"] == 160
