@@ -13,13 +13,14 @@ from llguidance import LLMatcher
 from server.api.app import create_app
 from server.api.errors import APIError
 from server.api.forced_tool_calls import ForcedCalls
-from server.api.outputs import ChoiceDelta, RequestOutput
 from server.api.protocol import ChatCompletionRequest, CompletionRequest
 from server.api.structured_output import grammar_of, json_grammar, validate
 from server.engine.grammar import Grammars
 from server.model.tokenizer import ByteTokenizer
+from tests import test_api_tool_calls
 from tests.asgi_client import post
 from tests.engine_helpers import started_engine
+from tests.test_api_tool_calls import chat, streamed
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -261,37 +262,7 @@ def engine():
 
 def scripted(reply: str, seen: list):
     """engine.generate that records the params it gets and streams `reply` in three deltas per choice."""
-    def generate(request_id, prompt, params, admitted=False):
-        seen.append(params)
-
-        async def outputs():
-            step = max(1, len(reply) // 3)
-            parts = [reply[i:i + step] for i in range(0, len(reply), step)]
-            for k, part in enumerate(parts):
-                last = k == len(parts) - 1
-                yield RequestOutput(request_id, prompt, [ChoiceDelta(i, part, [3 + k], None,
-                                                                     "stop" if last else None)
-                                                         for i in range(params.n)], finished=last)
-        return outputs()
-    return generate
-
-
-def chat(app, stream: bool = False, **fields):
-    return post(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Weather in Paris?"}],
-                                              "max_tokens": 30, "stream": stream, **fields})
-
-
-def streamed(r) -> tuple[str, list[dict], list[str]]:
-    """(content, tool call deltas, finish reasons) of a streamed chat answer."""
-    assert r.status_code == 200, r.text
-    content, calls, finishes = "", [], []
-    for line in r.text.splitlines():
-        if line.startswith("data: {"):
-            for c in json.loads(line[6:])["choices"]:
-                content += c["delta"].get("content") or ""
-                calls += c["delta"].get("tool_calls") or []
-                finishes += [c["finish_reason"]] if c["finish_reason"] else []
-    return content, calls, finishes
+    return test_api_tool_calls.scripted(None, reply, pieces=3, seen=seen)
 
 
 @pytest.mark.parametrize("path,base", ENDPOINTS)

@@ -33,9 +33,13 @@ def engine():
         yield eng
 
 
-def scripted(engine, reply: str, pieces: int = 5):
-    """engine.generate streams `reply` in about `pieces` deltas per choice, each choice ending on a stop."""
+def scripted(engine, reply: str, pieces: int = 5, seen: list | None = None):
+    """engine.generate streams `reply` in about `pieces` deltas per choice, each choice ending on a stop;
+    `seen` records the SamplingParams it gets."""
     def generate(request_id, prompt, params, admitted=False):
+        if seen is not None:
+            seen.append(params)
+
         async def outputs():
             step = max(1, len(reply) // pieces)
             parts = [reply[i:i + step] for i in range(0, len(reply), step)]
