@@ -48,9 +48,9 @@ class Probe:
         self.tokens: dict[str, list[int]] = {}  # request id -> tokens emitted
         self.phases: dict[str, float] = {}
         self.replays: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._wrap(core.scheduler, "schedule")
-        self._wrap(core.scheduler, "postprocess")
-        self._wrap(core.runner, "execute")
+        self.wrap(core.scheduler, "schedule")
+        self.wrap(core.scheduler, "postprocess")
+        self.wrap(core.runner, "execute")
         wait = runner_module.StepResult.wait
         probe = self
 
@@ -83,7 +83,8 @@ class Probe:
 
             graphs.replay = timed_replay
 
-    def _wrap(self, obj, name: str) -> None:
+    def wrap(self, obj, name: str) -> None:
+        """Time every call of obj.name into phases[name] (seconds, summed over the step)."""
         inner = getattr(obj, name)
 
         def timed(*args, **kwargs):

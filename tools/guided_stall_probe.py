@@ -14,61 +14,36 @@ import time
 
 import torch
 
-from server.engine import runner as runner_module
 from server.engine.engine import EngineConfig, build_core
-from tools.engine_step_bench import closed_loop
-
-
-def timed(obj, name: str, phases: dict) -> None:
-    inner = getattr(obj, name)
-
-    def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            phases[name] = phases.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
-
-    setattr(obj, name, wrapper)
+from tools.engine_step_bench import Probe, closed_loop
 
 
 def main() -> None:
     core, _ = build_core(EngineConfig(model="bench", device="cuda", dtype="bfloat16", max_num_seqs=64,
                                       max_num_batched_tokens=8192, gpu_memory_utilization=0.8))
-    phases: dict = {}
-    for obj, name in ((core.grammars, "masks"), (core, "_process"), (core.scheduler, "postprocess"),
-                      (core.runner, "forward_step"), (core.runner.sampler, "_draw_step"),
-                      (core.runner.mask_packer, "send"), (core.runner, "_to_host"),
-                      (core.scheduler, "schedule")):
-        timed(obj, name, phases)
-    wait = runner_module.StepResult.wait
-
-    def timed_wait(result):
-        t0 = time.perf_counter()
-        try:
-            return wait(result)
-        finally:
-            phases["wait"] = phases.get("wait", 0.0) + (time.perf_counter() - t0) * 1e3
-
-    runner_module.StepResult.wait = timed_wait
+    probe = Probe(core)  # schedule, postprocess, execute, wait
+    for obj, name in ((core.grammars, "masks"), (core, "_process"), (core.runner, "forward_step"),
+                      (core.runner.sampler, "_draw_step"), (core.runner.mask_packer, "send"),
+                      (core.runner, "_to_host")):
+        probe.wrap(obj, name)
     gcs: list = []
     gc.callbacks.append(lambda phase, info: gcs.append((phase, info["generation"], time.perf_counter())))
     steps: list = []
     step = core.step
 
-    def traced_step():
-        phases.clear()
+    def traced_step():  # closed_loop gives the probe fresh phases before each step
         n_gc = len(gcs)
         t0 = time.perf_counter()
         update = step()
         wall = (time.perf_counter() - t0) * 1e3
-        steps.append((wall, update.stats.num_prefill_tokens, dict(phases), len(gcs) - n_gc))
+        phases_ms = {k: v * 1e3 for k, v in probe.phases.items()}
+        steps.append((wall, update.stats.num_prefill_tokens, phases_ms, len(gcs) - n_gc))
         return update
 
     core.step = traced_step
-    closed_loop(core, 64, 256, 512, 128, guided=True)  # warm-up: compiles, allocations
+    closed_loop(core, 64, 256, 512, 128, guided=True, probe=probe)  # warm-up: compiles, allocations
     steps.clear()
-    result = closed_loop(core, 64, 256, 512, 128, guided=True)
+    result = closed_loop(core, 64, 256, 512, 128, guided=True, probe=probe)
     decode = [s for s in steps if s[1] == 0]
     slow = [s for s in decode if s[0] > 3.0]
     print(f"guided loop: {result['tok_s']:.0f} tok/s, {len(decode)} decode-only steps, {len(slow)} over 3 "
