@@ -17,8 +17,6 @@ an error from the core.
 from __future__ import annotations
 
 import asyncio
-import threading
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -84,23 +82,12 @@ def validate(grammar: Grammar, tokenizer) -> None:
         raise APIError(400, f"Invalid '{grammar.param}': {error}", grammar.param, "invalid_grammar")
 
 
-_vocabularies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> vocabulary or error
-_vocabularies_lock = threading.Lock()  # the first requests of a new tokenizer build it once, not each
-
-
 def _vocabulary(tokenizer) -> llguidance.LLTokenizer:
-    """The model's vocabulary as llguidance reads it, built once per tokenizer (~1 s for 128K tokens), and
-    a tokenizer llguidance cannot read refused at once from then on."""
-    with _vocabularies_lock:
-        if tokenizer not in _vocabularies:
-            try:
-                _vocabularies[tokenizer] = core_grammar.vocabulary(tokenizer, tokenizer.eos_token_ids)
-            except core_grammar.GrammarError as e:
-                _vocabularies[tokenizer] = e
-        vocab = _vocabularies[tokenizer]
-    if isinstance(vocab, core_grammar.GrammarError):
-        raise APIError(400, str(vocab), None, "structured_outputs_unavailable")
-    return vocab
+    """The model's vocabulary as llguidance reads it (core_grammar.vocabulary: built once per tokenizer)."""
+    try:
+        return core_grammar.vocabulary(tokenizer, tokenizer.eos_token_ids)
+    except core_grammar.GrammarError as e:
+        raise APIError(400, str(e), None, "structured_outputs_unavailable") from None
 
 
 def _checked(param: str, build: Callable[[], str], tokenizer) -> str:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -73,10 +74,8 @@ class Grammars:
         """tokenizer: the model's (server/model/tokenizer.py); vocab_size: the logits' width (ids past the
         tokenizer's, an embedding's padding rows, are never allowed)."""
         self._source = (tokenizer, eos_token_ids)
-        self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32  # the step's bitmask rows
         self._compiles = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="pagewalk-grammar")
-        self._lock = threading.Lock()  # the compile threads build the vocabulary once
 
     @functools.cached_property
     def _executor(self) -> llguidance.LLExecutor | None:
@@ -88,15 +87,7 @@ class Grammars:
         return self._compiles.submit(self._matcher, grammar)
 
     def _vocabulary(self) -> llguidance.LLTokenizer:
-        with self._lock:
-            if not hasattr(self, "_ll_tokenizer"):
-                try:
-                    self._ll_tokenizer = vocabulary(*self._source)
-                except GrammarError as e:
-                    self._ll_tokenizer = e
-            if isinstance(self._ll_tokenizer, GrammarError):
-                raise self._ll_tokenizer
-            return self._ll_tokenizer
+        return vocabulary(*self._source)
 
     def _matcher(self, grammar: str) -> llguidance.LLMatcher:
         matcher = llguidance.LLMatcher(self._vocabulary(), grammar, log_level=0, limits=LIMITS)
@@ -136,15 +127,31 @@ class Grammars:
         return matcher.is_stopped()
 
 
+_vocabularies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> vocabulary or error
+_vocabularies_lock = threading.Lock()  # its first users (compile threads, the API's checks) build it once
+
+
 def vocabulary(tokenizer, eos_token_ids) -> llguidance.LLTokenizer:
-    """The tokenizer (server/model/tokenizer.py) as llguidance reads it: its own ids only (the 128K empty
-    padding ids of the bench preset's byte vocabulary made every mask ~0.5 ms a row). ~1 s for a 128K-token
-    tokenizer.json. GrammarError where llguidance cannot read it."""
+    """The tokenizer (server/model/tokenizer.py) as llguidance reads it, built once per tokenizer (~1 s for a
+    128K-token tokenizer.json) for every user in the process; GrammarError where llguidance cannot read it,
+    from then on at once."""
+    with _vocabularies_lock:
+        if tokenizer not in _vocabularies:
+            _vocabularies[tokenizer] = _built_vocabulary(tokenizer, eos_token_ids)
+        vocab = _vocabularies[tokenizer]
+    if isinstance(vocab, GrammarError):
+        raise vocab
+    return vocab
+
+
+def _built_vocabulary(tokenizer, eos_token_ids) -> llguidance.LLTokenizer | GrammarError:
+    """Its own ids only: the 128K empty padding ids of the bench preset's byte vocabulary made every mask
+    ~0.5 ms a row."""
     try:
         return llguidance.LLTokenizer(_llguidance_source(tokenizer), eos_token=sorted(eos_token_ids))
     except Exception as e:  # noqa: BLE001 -- llguidance raises plain exceptions for tokenizers it cannot read
-        raise GrammarError(f"structured outputs are unavailable: llguidance cannot read this model's "
-                           f"tokenizer ({type(e).__name__}: {brief(str(e))})") from None
+        return GrammarError(f"structured outputs are unavailable: llguidance cannot read this model's "
+                            f"tokenizer ({type(e).__name__}: {brief(str(e))})")
 
 
 def check(vocab: llguidance.LLTokenizer, grammar: str) -> str | None:
