@@ -11,8 +11,10 @@ import time
 import httpx
 import pytest
 
+from server.api import structured_output
 from server.api.app import create_app
 from server.api.structured_output import MAX_CFG_CHARS
+from server.engine import grammar as core_grammar
 from tests.asgi_client import post
 from tests.engine_helpers import started_engine
 
@@ -91,3 +93,19 @@ def test_a_slow_grammar_does_not_block_the_event_loop(app):
 
     status, waited = asyncio.run(go())
     assert status == 200 and waited < 0.25, waited
+
+
+def test_a_grammar_is_checked_once_for_the_requests_that_repeat_it(app, monkeypatch):
+    """Clients send one schema with every request: its check's verdict is kept (a bad one's too)."""
+    checks = []
+    check = core_grammar.check
+    monkeypatch.setattr(core_grammar, "check", lambda vocab, text: checks.append(text) or check(vocab, text))
+    structured_output._check.cache_clear()
+    good = {"type": "object", "properties": {"repeated": {"type": "integer"}}, "required": ["repeated"]}
+    bad = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+    for _ in range(3):
+        r = post(app, COMPLETIONS, {"prompt": "x", "max_tokens": 4, "temperature": 0, "guided_json": good})
+        assert r.status_code == 200, r.text[:300]
+        r = post(app, COMPLETIONS, {"prompt": "x", "max_tokens": 4, "guided_json": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "guided_json"
+    assert len(checks) == 2

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import llguidance
 import pytest
 import torch
 
 from server.api.choice_stream import ChoiceStream
+from server.engine import grammar as grammar_module
 from server.engine.engine import EngineConfig, build_core
 from server.engine.grammar import Grammars
 from server.engine.outputs import EngineRequest, SeqUpdate
@@ -329,3 +331,86 @@ def test_a_choice_aborted_while_its_grammar_compiles_stays_aborted(async_schedul
     tokens, ends = run(core, [])
     assert ("r", 1) not in tokens and set(ends) == {("r", 0), ("r", 2)}
     assert not core.requests and core.kv.num_free_blocks == core.kv.num_blocks - 1
+
+
+class CountedCompiles:
+    """Grammars._matcher counted, and held at a gate for the grammars in `held` until it opens."""
+
+    def __init__(self, monkeypatch, held=()):
+        self.count: dict[str, int] = {}
+        self.held, self.gate = set(held), threading.Event()
+        compile_ = Grammars._matcher
+
+        def matcher(grammars, grammar):
+            self.count[grammar] = self.count.get(grammar, 0) + 1
+            if grammar in self.held:
+                self.gate.wait(10)
+            return compile_(grammars, grammar)
+
+        monkeypatch.setattr(Grammars, "_matcher", matcher)
+
+
+def test_a_grammar_compiles_once_and_each_request_gets_a_matcher_of_its_own(monkeypatch):
+    compiles = CountedCompiles(monkeypatch)
+    grammars = Grammars(TOKENIZER, 300, {EOS})
+    grammar = regex_grammar("(ab|ac)d")
+    first, second = (grammars.compile(grammar).result() for _ in range(2))
+    assert compiles.count == {grammar: 1} and first is not second
+    a = TOKENIZER.encode("a", add_bos=False)[0]
+    grammars.accept(first, a)  # advancing one leaves the other (and the kept one) at the start
+    allowed = torch.isfinite(mask_tokens(torch.zeros(3, 300), torch.arange(3),
+                                         grammars.masks([first, second, grammars.compile(grammar).result()])))
+    assert allowed[0].nonzero().view(-1).tolist() == TOKENIZER.encode("bc", add_bos=False)
+    assert allowed[1].nonzero().view(-1).tolist() == allowed[2].nonzero().view(-1).tolist() == [a]
+    assert compiles.count == {grammar: 1}
+
+
+def test_requests_that_ask_while_a_grammar_compiles_share_its_compile(monkeypatch):
+    grammar = json_grammar(SCHEMA)
+    compiles = CountedCompiles(monkeypatch, held=[grammar])
+    grammars = Grammars(TOKENIZER, 300, {EOS})
+    futures = [grammars.compile(grammar) for _ in range(5)]
+    assert not any(f.done() for f in futures)
+    compiles.gate.set()
+    matchers = [f.result(10) for f in futures]
+    assert len({id(m) for m in matchers}) == 5 and compiles.count == {grammar: 1}
+
+
+def test_a_grammar_that_failed_fails_again_without_compiling(monkeypatch):
+    compiles = CountedCompiles(monkeypatch)
+    grammars = Grammars(TOKENIZER, 300, {EOS})
+    bad = regex_grammar("a(b")
+    for _ in range(3):
+        with pytest.raises(ValueError, match="does not compile"):
+            grammars.compile(bad).result()
+    assert compiles.count == {bad: 1}
+
+
+def test_the_kept_compiles_are_bounded_least_recently_asked_first(monkeypatch):
+    compiles = CountedCompiles(monkeypatch)
+    monkeypatch.setattr(grammar_module, "CACHED_GRAMMARS", 2)
+    grammars = Grammars(TOKENIZER, 300, {EOS})
+    a, b, c = (regex_grammar(r) for r in ("a+", "b+", "c+"))
+    for grammar in (a, b, a, c, a, b):  # c evicts b (a was asked after b), then b evicts c
+        grammars.compile(grammar).result()
+    assert compiles.count == {a: 1, b: 2, c: 1} and list(grammars._compiled) == [a, b]
+    monkeypatch.setattr(grammar_module, "CACHED_GRAMMAR_CHARS", len(a) + len(b) - 1)
+    grammars.compile(c).result()  # over the text bound: only the newest stays
+    assert list(grammars._compiled) == [c] and grammars._compiled_chars == len(c)
+
+
+def test_a_compile_every_asker_dropped_before_it_started_never_runs(monkeypatch):
+    busy = [regex_grammar(f"busy{i}") for i in range(2)]  # hold both compile threads
+    compiles = CountedCompiles(monkeypatch, held=busy)
+    grammars = Grammars(TOKENIZER, 300, {EOS})
+    running = [grammars.compile(grammar) for grammar in busy]
+    dropped, kept = regex_grammar("x+"), regex_grammar("y+")
+    askers = [grammars.compile(dropped) for _ in range(3)]
+    wanted = [grammars.compile(kept), grammars.compile(kept)]
+    assert all(f.cancel() for f in askers) and wanted[0].cancel()  # one asker of `kept` stays
+    compiles.gate.set()
+    for f in [*running, wanted[1]]:
+        f.result(10)
+    grammars._compiles.shutdown(wait=True)
+    assert dropped not in compiles.count and compiles.count[kept] == 1
+    assert dropped not in grammars._compiled and kept in grammars._compiled

@@ -11,7 +11,8 @@ JSON compiles compact: no whitespace between tokens, where a small model may oth
 schema's own "x-guidance" options still override that. Every grammar is built and checked here, on a worker
 thread, against the model's vocabulary with the core's parser limits (server/engine/grammar.py check: it
 compiles, allows a token, takes its first tokens), so that a bad one is a 400 naming its field rather than
-an error from the core.
+an error from the core. The verdicts of the CHECKED_GRAMMARS most recent grammars are kept: a client that
+sends one schema with every request has it compiled here once.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 import llguidance
@@ -36,6 +37,9 @@ JSON_DEFAULTS = {"whitespace_flexible": False}  # llguidance JsonCompileOptions,
 # a context-free grammar's text: llguidance converts GBNF to Lark in Python, in time quadratic in its rules,
 # holding the GIL (1,000 rules, 24 KB: 1.2 s; a review), so the text is bounded before it is converted
 MAX_CFG_CHARS = 8 << 10
+# grammars whose check's verdict is kept: the verdicts hold no compiled state, their keys the texts (at most
+# MAX_GRAMMAR_CHARS each: 8 MiB in all at worst)
+CHECKED_GRAMMARS = 64
 
 
 @dataclass(frozen=True)
@@ -77,9 +81,15 @@ def validate(grammar: Grammar, tokenizer) -> None:
     (core_grammar.check, with the core's limits). Blocking: compiling a realistic schema takes ~0.5 ms, a
     regex or Lark grammar ~1 ms, a 300-property schema 5-12 ms, 3000 properties ~0.3 s (llguidance 1.9.1,
     one CPU core; MAX_GRAMMAR_CHARS bounds it); it drops the GIL. The vocabulary is built on first use."""
-    error = core_grammar.check(_vocabulary(tokenizer), grammar.text)
+    error = _check(_vocabulary(tokenizer), grammar.text)
     if error is not None:
         raise APIError(400, f"Invalid '{grammar.param}': {error}", grammar.param, "invalid_grammar")
+
+
+@lru_cache(maxsize=CHECKED_GRAMMARS)
+def _check(vocab: llguidance.LLTokenizer, text: str) -> str | None:
+    """core_grammar.check, remembered (the vocabulary is one per tokenizer: core_grammar.vocabulary)."""
+    return core_grammar.check(vocab, text)
 
 
 def _vocabulary(tokenizer) -> llguidance.LLTokenizer:

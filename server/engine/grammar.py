@@ -4,7 +4,8 @@ A request whose SamplingParams.grammar is set (an llguidance grammar: JSON schem
 API builds it, server/api/structured_output.py) gets one LLMatcher per choice. Building one compiles the
 grammar against the vocabulary: about a millisecond for a small JSON schema, more for a large one (llguidance
 bounds it by its parser limits), so it runs on a worker thread, which llguidance lets run without the GIL, and
-the request joins the scheduler only when its matchers are ready (EngineCore.step). The vocabulary as
+the request joins the scheduler only when its matchers are ready (EngineCore.step). Each grammar compiles
+once: its requests get copies of its matcher (the CACHED_GRAMMARS most recent are kept). The vocabulary as
 llguidance reads it is built there too, by the first compile: ~1 s for a 128K-token tokenizer.json, paid by
 the first structured request rather than by every start-up.
 
@@ -25,8 +26,9 @@ import functools
 import os
 import threading
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from collections import OrderedDict
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import llguidance
 import torch
@@ -34,6 +36,11 @@ import torch
 from server.model.tokenizer import ByteTokenizer, HFTokenizer
 
 COMPILE_THREADS = 2  # grammars compiling at once, beside the core's own thread
+# compiled grammars kept, most recently asked for first: requests repeat a few grammars (a tool set, a
+# response format), and a copy of a compiled matcher takes ~1 us where compiling takes ~1 ms (a 300-property
+# schema 5-12 ms). Bounded in count and in grammar text, which their compiled size follows.
+CACHED_GRAMMARS = 64
+CACHED_GRAMMAR_CHARS = 2 * 1024 * 1024
 # threads computing a step's masks: llguidance's default (80% of the CPUs) took 8.0 ms for 64 rows of the
 # bench vocabulary on a 16-core H100 host, 4 threads 0.09 ms (1: 0.11, 2: 0.11; 256 rows: default 2.8 ms, 4
 # threads 0.27, 1: 0.55; tools/grammar_mask_probe). Its worker threads spin a while after each batch: on a
@@ -76,6 +83,9 @@ class Grammars:
         self._source = (tokenizer, eos_token_ids)
         self.words = (vocab_size + 31) // 32  # the step's bitmask rows
         self._compiles = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="pagewalk-grammar")
+        self._compiled: OrderedDict[str, _Compile] = OrderedDict()  # grammar text -> its compile, LRU order
+        self._compiled_chars = 0
+        self._lock = threading.Lock()  # the core adds compiles, a compile thread drops one nobody wants
 
     @functools.cached_property
     def _executor(self) -> llguidance.LLExecutor | None:
@@ -83,8 +93,43 @@ class Grammars:
         return llguidance.LLExecutor(threads) if threads >= 2 else None
 
     def compile(self, grammar: str) -> Future:
-        """Start building a matcher for `grammar`; the future's result is the LLMatcher, or GrammarError."""
-        return self._compiles.submit(self._matcher, grammar)
+        """A matcher of its own for `grammar`, at its start; the future's result is the LLMatcher, or
+        GrammarError. A copy of the grammar's compiled matcher: compiled once on a compile thread for every
+        request that asks while it compiles, and kept for the CACHED_GRAMMARS most recently asked (a grammar
+        that fails fails again at once). Cancelling the future drops the request's interest: a compile that
+        every asker dropped before it started never runs."""
+        mine: Future = Future()
+        with self._lock:
+            compile_ = self._compiled.get(grammar)
+            if compile_ is None:
+                compile_ = self._compiled[grammar] = _Compile()
+                compile_.done = self._compiles.submit(self._first_matcher, grammar, compile_)
+                self._compiled_chars += len(grammar)
+                self._evict()
+            else:
+                self._compiled.move_to_end(grammar)
+            if compile_.askers is not None:
+                compile_.askers.append(mine)
+        compile_.done.add_done_callback(functools.partial(_deliver_copy, mine))
+        return mine
+
+    def _evict(self) -> None:
+        """Drops the least recently asked compiles past the bounds (the newest stays, however large)."""
+        while len(self._compiled) > 1 and (len(self._compiled) > CACHED_GRAMMARS
+                                           or self._compiled_chars > CACHED_GRAMMAR_CHARS):
+            grammar, _ = self._compiled.popitem(last=False)
+            self._compiled_chars -= len(grammar)
+
+    def _first_matcher(self, grammar: str, compile_: _Compile) -> llguidance.LLMatcher:
+        """The compile thread's job: the grammar's matcher, which is never advanced (askers get copies)."""
+        with self._lock:
+            if all(asker.cancelled() for asker in compile_.askers):  # every request went away meanwhile
+                if self._compiled.get(grammar) is compile_:
+                    del self._compiled[grammar]
+                    self._compiled_chars -= len(grammar)
+                raise CancelledError
+            compile_.askers = None  # later askers find it started
+        return self._matcher(grammar)
 
     def _vocabulary(self) -> llguidance.LLTokenizer:
         return vocabulary(*self._source)
@@ -125,6 +170,28 @@ class Grammars:
         if not matcher.consume_token(token) or matcher.is_error():
             raise GrammarError(f"the structured output refused token {token}: {brief(matcher.get_error())}")
         return matcher.is_stopped()
+
+
+@dataclass
+class _Compile:
+    """One grammar's compile: `done`, the future of its matcher; `askers`, the requests' futures that wait
+    for it to start (None once it has)."""
+
+    done: Future | None = None
+    askers: list[Future] | None = field(default_factory=list)
+
+
+def _deliver_copy(mine: Future, compiled: Future) -> None:
+    """Completes a request's future with a copy of the compiled matcher (or with the compile's error), unless
+    the request went away (its future cancelled)."""
+    if not mine.set_running_or_notify_cancel():
+        return
+    try:
+        matcher = compiled.result().deep_copy()
+    except BaseException as e:  # noqa: BLE001 -- GrammarError, llguidance's own, a dropped compile
+        mine.set_exception(e)
+    else:
+        mine.set_result(matcher)
 
 
 _vocabularies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> vocabulary or error
