@@ -71,6 +71,44 @@ def test_chat_delta_event_matches_pydantic(delta, return_token_ids, include_usag
     assert job.delta_event(delta) == chunk_event(job.chunk([choice]), include_usage)
 
 
+CONTINUOUS = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+
+@pytest.mark.parametrize("return_token_ids", [False, True])
+@pytest.mark.parametrize("with_prompt_ids", [False, True])
+@pytest.mark.parametrize("delta", DELTAS, ids=range(len(DELTAS)))
+def test_continuous_usage_chunks_match_pydantic(delta, with_prompt_ids, return_token_ids):
+    """continuous_usage_stats: the hand-built tail writes the usage so far as the pydantic chunk does."""
+    req = CompletionRequest(prompt=PROMPTS, stream=True, return_token_ids=return_token_ids, **CONTINUOUS)
+    job = CompletionJob(ENGINE, req, "cmpl-abc123", 1, PROMPTS, ["", ""], SamplingParams(n=2))
+    job.running_usage.completion_tokens = 11
+    choice = job.choice(3, delta.text, delta, 0, delta.token_ids, with_prompt_ids)
+    expected = sse_event(job.response([choice], job.running_usage.usage()))
+    assert '"usage":{"prompt_tokens":5,"completion_tokens":11,"total_tokens":16}' in expected
+    assert job.delta_event(3, delta, 0, with_prompt_ids) == expected
+
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], stream=True,
+                                return_token_ids=return_token_ids, **CONTINUOUS)
+    chat = ChatJob(ENGINE, req, "chatcmpl-xyz", 1, PROMPTS[0], SamplingParams())
+    chat.running_usage.completion_tokens = 2
+    choice = ChatChunkChoice(index=delta.index, delta=ChatDelta(content=delta.text), logprobs=None,
+                             finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                             token_ids=chat.ids(delta.token_ids))
+    expected = sse_event(chat.chunk([choice], chat.running_usage.usage()))
+    assert chat.delta_event(delta) == expected and chat.frame.event(chat.chunk([choice])) == expected
+
+
+def test_continuous_usage_goes_before_the_first_chunks_prompt_ids():
+    """The usage of the first chat chunk comes where the chunk model puts it: before prompt_token_ids."""
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], stream=True,
+                                return_token_ids=True, **CONTINUOUS)
+    chat = ChatJob(ENGINE, req, "chatcmpl-xyz", 1, PROMPTS[0], SamplingParams())
+    role = ChatChunkChoice(index=0, delta=ChatDelta(role="assistant", content=""))
+    event = chat.frame.event(chat.chunk([role], first=True))
+    usage = '"usage":{"prompt_tokens":3,"completion_tokens":0,"total_tokens":3}'
+    assert event.endswith(f'{usage},"prompt_token_ids":[1,72,105]}}\n\n')
+
+
 def test_chunks_carry_usage_null_only_where_usage_is_asked_for():
     """OpenAI: with include_usage every chunk but the last carries "usage": null; without, none has it."""
     delta = DELTAS[0]

@@ -15,11 +15,12 @@ from fastapi import APIRouter, Request, Response
 from server.api.admission import RequestLimits, Reservation
 from server.api.engine_stream import (
     ChoiceState,
-    StreamedChoice,
+    RunningUsage,
     admit,
     collect_choices,
     engine_error,
     merged_outputs,
+    streamed_choices,
     tokens_field,
     usage,
 )
@@ -51,6 +52,7 @@ from server.api.protocol import (
 from server.api.sampling import sampling_params
 from server.api.streaming import (
     ChunkFrame,
+    UsageChunkFrame,
     chunk_frame,
     job_response,
     json_member,
@@ -117,9 +119,14 @@ class ChatJob:
                                    choices=choices, usage=usage_, prompt_token_ids=prompt_ids)
 
     @cached_property
-    def frame(self) -> ChunkFrame:
+    def running_usage(self) -> RunningUsage | None:
+        """The usage so far that every streamed chunk carries (continuous usage); None: they carry none."""
+        return RunningUsage(len(self.prompt)) if self.req.continuous_usage else None
+
+    @cached_property
+    def frame(self) -> ChunkFrame | UsageChunkFrame:
         return chunk_frame(self.request_id, "chat.completion.chunk", self.created, self.engine.model_name,
-                           self.req.include_usage)
+                           self.req.include_usage, self.running_usage)
 
     def delta_event(self, d: ChoiceDelta) -> str:
         """The SSE event of one streamed delta: the bytes of frame.event(chunk([ChatChunkChoice(...)])),
@@ -281,7 +288,7 @@ def _named_call_events(job: ChatJob, call: NamedCallStream, d: ChoiceDelta) -> l
 
 
 async def _stream(job: ChatJob) -> AsyncIterator[str]:
-    states = [StreamedChoice() for _ in range(job.params.n)]
+    states = streamed_choices([0] * job.params.n, job.running_usage)
     tools = [job.call_stream() for _ in states] if job.parses_calls else None
     for i in range(job.params.n):
         role = ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))

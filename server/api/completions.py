@@ -15,11 +15,12 @@ from fastapi import APIRouter, Request, Response
 from server.api.admission import Reservation
 from server.api.engine_stream import (
     ChoiceState,
-    StreamedChoice,
+    RunningUsage,
     admit,
     collect_choices,
     engine_error,
     merged_outputs,
+    streamed_choices,
     tokens_field,
     usage,
 )
@@ -33,6 +34,7 @@ from server.api.protocol import CompletionChoice, CompletionLogprobs, Completion
 from server.api.sampling import DEFAULT_COMPLETION_MAX_TOKENS, check_token_ids, sampling_params
 from server.api.streaming import (
     ChunkFrame,
+    UsageChunkFrame,
     chunk_frame,
     job_response,
     json_member,
@@ -106,9 +108,14 @@ class CompletionJob:
                                   choices=choices, usage=usage_)
 
     @cached_property
-    def frame(self) -> ChunkFrame:
+    def running_usage(self) -> RunningUsage | None:
+        """The usage so far that every streamed chunk carries (continuous usage); None: they carry none."""
+        return RunningUsage(sum(map(len, self.prompts))) if self.req.continuous_usage else None
+
+    @cached_property
+    def frame(self) -> ChunkFrame | UsageChunkFrame:
         return chunk_frame(self.request_id, "text_completion", self.created, self.engine.model_name,
-                           self.req.include_usage)
+                           self.req.include_usage, self.running_usage)
 
     def delta_event(self, index: int, delta: ChoiceDelta, offset: int, with_prompt_ids: bool) -> str:
         """The SSE event of one streamed delta: the bytes of frame.event(response([choice(...)])), built
@@ -224,7 +231,7 @@ async def _complete(job: CompletionJob) -> bytes:
 
 async def _stream(job: CompletionJob) -> AsyncIterator[str]:
     n = job.params.n
-    states = [StreamedChoice(job.first_offset(i)) for i in range(len(job.prompts) * n)]
+    states = streamed_choices([job.first_offset(i) for i in range(len(job.prompts) * n)], job.running_usage)
     started = [False] * len(states)
     if job.req.echo and job.req.logprobs is None:
         for index in range(len(states)):

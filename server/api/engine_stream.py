@@ -70,6 +70,41 @@ class StreamedChoice:
         self.num_tokens += len(delta.token_ids)
 
 
+@dataclass
+class RunningUsage:
+    """A streamed request's usage so far, which each of its chunks carries with
+    stream_options.continuous_usage_stats: counted as usage() counts the final one (every prompt once, the
+    tokens of all choices summed), so the last chunk's equals it."""
+
+    prompt_tokens: int
+    completion_tokens: int = 0
+
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                     total_tokens=self.prompt_tokens + self.completion_tokens)
+
+
+class CountedChoice(StreamedChoice):
+    """A StreamedChoice whose tokens also count into its request's RunningUsage; a class of its own so that
+    a stream without continuous usage does no more per delta than before."""
+
+    def __init__(self, text_offset: int, running: RunningUsage):
+        super().__init__(text_offset)
+        self.running = running
+
+    def add(self, delta: ChoiceDelta) -> None:
+        super().add(delta)
+        self.running.completion_tokens += len(delta.token_ids)
+
+
+def streamed_choices(text_offsets: list[int], running: RunningUsage | None) -> list[StreamedChoice]:
+    """One StreamedChoice per choice (its first token's text offset given), counting into `running` where
+    the chunks carry the usage so far."""
+    if running is None:
+        return [StreamedChoice(offset) for offset in text_offsets]
+    return [CountedChoice(offset, running) for offset in text_offsets]
+
+
 def tokens_field(limits: dict[str, int | None], n: int | None, prompt_field: str) -> str:
     """The field a refusal of a request's total tokens names: the first token limit the client sent
     (`limits`: field -> value, None unsent), else what makes the total (n, or the prompt with one choice)."""

@@ -60,7 +60,8 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool | None = False
-    continuous_usage_stats: Annotated[Any, refused_unless(None, False)] = None  # vLLM's: usage per chunk
+    # vLLM's: every chunk before the usage chunk carries the usage so far; only with include_usage, as vLLM
+    continuous_usage_stats: bool | None = False
 
 
 class JsonSchemaFormat(_Request):
@@ -200,6 +201,12 @@ class _SamplingRequest(_Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every streamed chunk carries the usage so far: continuous_usage_stats, which (as in vLLM) asks for
+        nothing without include_usage."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 # A completion prompt. Pydantic's smart union spends ~60 us on a 512-id prompt (it weighs every member); left

@@ -16,7 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from server.api.admission import Reservation, rejected_to_api_error
 from server.api.async_engine import RequestRejected
-from server.api.engine_stream import ClientDisconnected, unless_disconnected
+from server.api.engine_stream import ClientDisconnected, RunningUsage, unless_disconnected
 from server.api.errors import APIError, error_body
 from server.api.protocol import dump
 
@@ -81,9 +81,32 @@ class ChunkFrame:
         return chunk_event(chunk, self.include_usage)
 
 
-def chunk_frame(id_: str, object_: str, created: int, model: str, include_usage: bool) -> ChunkFrame:
-    return ChunkFrame(chunk_head(id_, object_, created, model),
-                      USAGE_NULL_TAIL if include_usage else CHUNK_TAIL, include_usage)
+class UsageChunkFrame:
+    """A ChunkFrame whose chunks each carry the request's usage so far (stream_options.continuous_usage_stats)
+    where the others carry `"usage": null`: its tail is built from the running counts at every chunk."""
+
+    def __init__(self, head: str, running: RunningUsage):
+        self.head = head
+        self.running = running  # the stream's CountedChoices advance it
+
+    @property
+    def tail(self) -> str:
+        """`],"usage":{...}}`: the bytes pydantic writes for the Usage (its field order), the chunk's end."""
+        p, c = self.running.prompt_tokens, self.running.completion_tokens
+        return f'],"usage":{{"prompt_tokens":{p},"completion_tokens":{c},"total_tokens":{p + c}}}}}\n\n'
+
+    def event(self, chunk: BaseModel) -> str:
+        chunk.usage = self.running.usage()  # in the chunk model's own field order (before prompt ids)
+        return sse_event(chunk)
+
+
+def chunk_frame(id_: str, object_: str, created: int, model: str, include_usage: bool,
+                running: RunningUsage | None = None) -> ChunkFrame | UsageChunkFrame:
+    """The frame of one response's chunks; `running` (continuous usage): each carries the usage so far."""
+    head = chunk_head(id_, object_, created, model)
+    if running is not None:
+        return UsageChunkFrame(head, running)
+    return ChunkFrame(head, USAGE_NULL_TAIL if include_usage else CHUNK_TAIL, include_usage)
 
 
 def sse_error(err: APIError) -> str:
