@@ -17,6 +17,9 @@
 #            module loaded at start-up, none on first use; STALLS_LOADING="LAZY" runs the first only), and
 #            tools/lm_head_first_call_probe; STALLS_ARGS are passed to closed_loop_stalls
 #   sampler  tools/sampler_bench (the sort-free sampling kernel against the sorted torch path and greedy)
+#   guided   structured outputs: the engine's closed loops free and every request guided at 64 and 256 in
+#            flight (tools/engine_step_bench :guided), the host phases of the guided loop's steps
+#            (tools/guided_stall_probe) and a step's masks (tools/grammar_mask_probe)
 #   serving  tools/serving_bench (server under loadtest at concurrency 1/16/64/256, the engine offline,
 #            HF generate); SERVING_ARGS are passed to it
 # Usage: OUT=/some/dir [PARTS=hazards,prefill] [SERVING_ARGS="--long"] bash tools/serving_gpu_run.sh
@@ -71,6 +74,16 @@ fi
 if has sampler; then
   timeout 120 python3 -m tools.sampler_bench --out "$OUT" > "$OUT/sampler_bench.log" 2>&1
   tail -n 20 "$OUT/sampler_bench.log"
+fi
+if has guided; then
+  timeout 300 python3 -m tools.engine_step_bench --batches 64 --modes greedy --steps 16 --warmup 4 \
+    --closed-loop 64:256 64:256:guided 256:256 256:256:guided --out "$OUT/guided_loops.json" \
+    > "$OUT/guided_loops.log" 2>&1
+  grep -v '^\[' "$OUT/guided_loops.log" | tail -n 14
+  timeout 200 python3 -m tools.guided_stall_probe > "$OUT/guided_stall_probe.log" 2>&1
+  head -c 3000 "$OUT/guided_stall_probe.log"
+  timeout 120 python3 -m tools.grammar_mask_probe --steps 20 > "$OUT/grammar_mask_probe.log" 2>&1
+  tail -n 12 "$OUT/grammar_mask_probe.log"
 fi
 if has serving; then
   # shellcheck disable=SC2086
