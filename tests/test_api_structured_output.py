@@ -243,8 +243,8 @@ def test_forced_replies_parse_into_calls():
     assert (call.name, call.arguments) == ("f", '{"a":1}')
     reply = '[{"name":"f","parameters":{"a":1}},{"name":"g","parameters":{}}]'
     content, calls = ForcedCalls(None).parse(reply)
-    assert content is None
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a": 1}), ("g", {})]
+    assert content is None  # each call's arguments: its "parameters" text as generated (compact)
+    assert [(c.name, c.arguments) for c in calls] == [("f", '{"a":1}'), ("g", "{}")]
     assert ForcedCalls(None).parse('[{"name":"f","param') == ('[{"name":"f","param', [])  # cut: content
     assert ForcedCalls(None).finish_reason == "tool_calls" and ForcedCalls("f").finish_reason == "stop"
 
@@ -260,9 +260,9 @@ def engine():
         yield eng
 
 
-def scripted(reply: str, seen: list):
+def scripted(reply: str, seen: list, finish: str = "stop"):
     """engine.generate that records the params it gets and streams `reply` in three deltas per choice."""
-    return test_api_tool_calls.scripted(None, reply, pieces=3, seen=seen)
+    return test_api_tool_calls.scripted(None, reply, pieces=3, seen=seen, finish=finish)
 
 
 @pytest.mark.parametrize("path,base", ENDPOINTS)
@@ -324,16 +324,29 @@ def test_a_required_tool_choice_returns_the_arrays_calls(engine, monkeypatch):
              for c in choice["message"]["tool_calls"]]
     assert calls == [("get_weather", {"city": "Paris"}), ("get_time", {})]
     content, deltas, finishes = streamed(chat(app, stream=True, tools=TOOLS, tool_choice="required"))
-    assert content == "" and finishes == ["tool_calls"] and [d["index"] for d in deltas] == [0, 1]
+    assert content == "" and finishes == ["tool_calls"]
+    # each call streams: its id, type and name first, then the pieces of its arguments
+    assert [d["function"].get("name") for d in deltas if "id" in d] == ["get_weather", "get_time"]
+    assert ["".join(d["function"]["arguments"] for d in deltas if d["index"] == i) for i in (0, 1)] == [
+        '{"city":"Paris"}', "{}"]
     # parallel_tool_calls false: the grammar allows one call; a reply with more keeps the first
     choice = chat(app, tools=TOOLS, tool_choice="required", parallel_tool_calls=False).json()["choices"][0]
     assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
 
 
-def test_a_required_reply_that_does_not_parse_is_content(engine, monkeypatch):
-    monkeypatch.setattr(engine, "generate", scripted('[{"name":"get_weather","para', []))
+def test_a_required_reply_cut_before_its_array_closes(engine, monkeypatch):
+    """Unary, it is content; streamed, the calls and pieces already sent stand (a reply cut before its
+    first call's name is complete is content)."""
+    cut = '[{"name":"get_weather","parameters":{"ci'
+    monkeypatch.setattr(engine, "generate", scripted(cut, [], finish="length"))
     app = create_app(engine)
     choice = chat(app, tools=TOOLS, tool_choice="required").json()["choices"][0]
-    cut = '[{"name":"get_weather","para'
     assert choice["message"]["content"] == cut and "tool_calls" not in choice["message"]
-    assert streamed(chat(app, stream=True, tools=TOOLS, tool_choice="required"))[:2] == (cut, [])
+    assert choice["finish_reason"] == "length"
+    content, deltas, finishes = streamed(chat(app, stream=True, tools=TOOLS, tool_choice="required"))
+    assert content == "" and finishes == ["length"] and {d["index"] for d in deltas} == {0}
+    assert deltas[0]["function"]["name"] == "get_weather"
+    assert "".join(d["function"]["arguments"] for d in deltas) == '{"ci'
+    monkeypatch.setattr(engine, "generate", scripted('[{"name":"get_wea', [], finish="length"))
+    assert streamed(chat(app, stream=True, tools=TOOLS, tool_choice="required")) == (
+        '[{"name":"get_wea', [], ["length"])

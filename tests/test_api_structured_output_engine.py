@@ -88,8 +88,8 @@ def test_json_object_is_an_object(app):
 
 
 def merged_calls(deltas: list[dict]) -> list[dict]:
-    """Streamed tool-call deltas -> whole calls: a call's first delta names it, the next ones (a named
-    tool_choice's) carry further pieces of its arguments."""
+    """Streamed tool-call deltas -> whole calls: a call's first delta names it, the next ones carry further
+    pieces of its arguments."""
     calls: dict[int, dict] = {}
     for d in deltas:
         if d["index"] not in calls:

@@ -33,8 +33,8 @@ def engine():
         yield eng
 
 
-def scripted(engine, reply: str, pieces: int = 5, seen: list | None = None):
-    """engine.generate streams `reply` in about `pieces` deltas per choice, each choice ending on a stop;
+def scripted(engine, reply: str, pieces: int = 5, seen: list | None = None, finish: str = "stop"):
+    """engine.generate streams `reply` in about `pieces` deltas per choice, each choice ending with `finish`;
     `seen` records the SamplingParams it gets."""
     def generate(request_id, prompt, params, admitted=False):
         if seen is not None:
@@ -46,7 +46,7 @@ def scripted(engine, reply: str, pieces: int = 5, seen: list | None = None):
             for k, part in enumerate(parts):
                 last = k == len(parts) - 1
                 yield RequestOutput(request_id, prompt, [
-                    ChoiceDelta(i, part, [3 + k], None, "stop" if last else None) for i in range(params.n)],
+                    ChoiceDelta(i, part, [3 + k], None, finish if last else None) for i in range(params.n)],
                     finished=last)
         return outputs()
     return generate

@@ -25,7 +25,7 @@ from server.api.engine_stream import (
     usage,
 )
 from server.api.errors import APIError
-from server.api.forced_tool_calls import ForcedCalls, HeldReply, NamedCallStream, forced_calls
+from server.api.forced_tool_calls import ForcedCalls, NamedCallStream, RequiredCallStream, forced_calls
 from server.api.logprobs import chat_logprobs, vllm_prompt_logprobs
 from server.api.openapi_bodies import request_body
 from server.api.outputs import ChoiceDelta
@@ -96,7 +96,7 @@ class ChatJob:
             return self.forced.parse(text)
         return parse_tool_calls(self.tool_call_parser, text)
 
-    def call_stream(self) -> ToolCallStream | HeldReply | NamedCallStream:
+    def call_stream(self) -> ToolCallStream | NamedCallStream | RequiredCallStream:
         return self.forced.stream() if self.forced is not None else ToolCallStream(self.tool_call_parser)
 
     def finish_with_calls(self, reason: str | None) -> str | None:
@@ -247,12 +247,13 @@ def _call_out(call: ToolCall) -> ToolCallOut:
     return ToolCallOut(id=call.id, function=ToolCallFunction(name=call.name, arguments=call.arguments))
 
 
-def _tool_delta_events(job: ChatJob, tools: ToolCallStream | HeldReply | NamedCallStream, d: ChoiceDelta
-                       ) -> list[str]:
-    """A delta of a choice whose reply may hold tool calls: its text less what the stream holds; at the
-    choice's end the held text, then the calls in one delta (finish_with_calls' reason)."""
-    if isinstance(tools, NamedCallStream):
-        return _named_call_events(job, tools, d)
+def _tool_delta_events(job: ChatJob, tools: ToolCallStream | NamedCallStream | RequiredCallStream,
+                       d: ChoiceDelta) -> list[str]:
+    """A delta of a choice whose reply may hold tool calls: a forced reply's as its calls' pieces; an "auto"
+    one's text less what the stream holds, at the choice's end the held text, then the calls in one delta
+    (finish_with_calls' reason)."""
+    if not isinstance(tools, ToolCallStream):
+        return _forced_call_events(job, tools, d)
     d.text = tools.feed(d.text)
     if d.finish_reason is None:
         return [job.delta_event(d)] if d.text or d.token_ids else []
@@ -271,19 +272,25 @@ def _tool_delta_events(job: ChatJob, tools: ToolCallStream | HeldReply | NamedCa
     return events
 
 
-def _named_call_events(job: ChatJob, call: NamedCallStream, d: ChoiceDelta) -> list[str]:
-    """A delta of a named tool_choice's reply: its text as the next piece of the call's arguments (the first
-    delta with the call's id and name, even an empty one); the last with finish_with_calls' reason."""
+def _forced_call_events(job: ChatJob, calls: NamedCallStream | RequiredCallStream, d: ChoiceDelta
+                        ) -> list[str]:
+    """A delta of a forced reply: the calls' pieces its text gives (a call's first with its id and name), and
+    as content the text that leaves the calls' shape; the last one also what the reply's end leaves, with
+    finish_with_calls' reason once a call has gone out."""
+    content, deltas = calls.feed(d.text)
+    if d.finish_reason is not None:
+        rest, more = calls.finish()
+        content, deltas = content + rest, deltas + more
     said_per_token = job.req.return_token_ids or job.req.logprobs
-    if not d.text and call.started and d.finish_reason is None and not said_per_token:
-        return []  # ids whose text the detokenizer holds (part of a character)
-    delta = ChatDelta(tool_calls=[call.piece(d.text)]) if d.text or not call.started else ChatDelta()
+    if not content and not deltas and d.finish_reason is None and not said_per_token:
+        return []  # ids that give nothing yet (part of a character, the array's own tokens)
     logprobs = None
     if job.req.logprobs:
         logprobs = chat_logprobs(d.logprobs or [], job.num_top, job.engine.tokenizer)
-    choice = ChatChunkChoice(index=d.index, delta=delta, logprobs=logprobs,
-                             finish_reason=job.finish_with_calls(d.finish_reason), stop_reason=d.stop_reason,
-                             token_ids=job.ids(d.token_ids))
+    reason = job.finish_with_calls(d.finish_reason) if calls.started else d.finish_reason
+    delta = ChatDelta(content=content or None, tool_calls=deltas or None)
+    choice = ChatChunkChoice(index=d.index, delta=delta, logprobs=logprobs, finish_reason=reason,
+                             stop_reason=d.stop_reason, token_ids=job.ids(d.token_ids))
     return [job.frame.event(job.chunk([choice]))]
 
 

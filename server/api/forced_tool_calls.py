@@ -6,11 +6,14 @@ grammar forces (structured_output.py compiles the schema here), as vLLM serves t
   `parameters` (none: any JSON object); it comes back as one call of f with content null and finish "stop"
   (OpenAI's and vLLM's: the call was asked for, not chosen), a cut reply's arguments as far as they go;
 - "required": the reply is a JSON array of {"name": a tool's name, "parameters": its arguments}, at least one
-  (at most one with parallel_tool_calls false); each item comes back as a call, finish "tool_calls". A reply
-  cut before its array closes (max_tokens) is content, as written, with no calls.
-Streamed, a named function's call goes out as the reply is generated: its id, type and name with the first
-piece of its arguments, then each next piece (OpenAI's form); a "required" reply is held and its calls go
-out whole in one delta when the choice ends, as auto calls do.
+  (at most one with parallel_tool_calls false); each item comes back as a call whose arguments are the exact
+  text of its "parameters" value (compact, as generated), finish "tool_calls". A reply cut before its array
+  closes (max_tokens) is content, as written, with no calls.
+Streamed, each call goes out as the reply is generated (OpenAI's form, as vLLM streams them): its id, type
+and name with the first piece of its arguments ("" where none is generated yet), then each next piece; the
+pieces of a call join into the unary reply's arguments. A named call's first delta goes out at once, a
+"required" call's once its name is complete (call_array.py scans the array). A streamed reply cut mid-array
+ends with the calls and pieces already sent; one cut before its first call is content, as unary.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from server.api.call_array import CallArrayScanner
 from server.api.errors import APIError
 from server.api.protocol import ChatCompletionRequest, DeltaFunction, DeltaToolCall, Tool
 from server.api.tool_calls import ToolCall
@@ -28,9 +32,11 @@ ANY_OBJECT = {"type": "object"}
 
 @dataclass(frozen=True)
 class ForcedCalls:
-    """How a forced reply becomes calls: `name`, the named function's; None for "required"."""
+    """How a forced reply becomes calls: `name`, the named function's; None for "required", whose stream sends
+    the first call alone unless `parallel` (parallel_tool_calls)."""
 
     name: str | None
+    parallel: bool = True
 
     @property
     def finish_reason(self) -> str:
@@ -39,60 +45,87 @@ class ForcedCalls:
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The reply's text -> (content, calls), as tool_calls.parse: the named function's one call, or the
-        array's calls; an array that does not parse (a cut reply) is content without calls."""
+        array's calls, each with its "parameters" text as the stream sends it; a reply that is not a closed
+        array of calls in JSON (a cut reply) is content without calls."""
         if self.name is not None:
             return None, [ToolCall(self.name, text)]
-        try:
-            items = json.loads(text)
-        except json.JSONDecodeError:
+        scanner = CallArrayScanner()
+        pieces, content = scanner.feed(text)
+        if content or not scanner.complete or not _is_json(text):
             return text, []
-        if not isinstance(items, list) or not all(_is_call(item) for item in items):
-            return text, []
-        return None, [ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
-                      for item in items]
+        calls: list[ToolCall] = []
+        for piece in pieces:
+            if piece.name is not None:
+                calls.append(ToolCall(piece.name, piece.arguments))
+            else:
+                calls[-1].arguments += piece.arguments
+        return None, calls
 
-    def stream(self) -> HeldReply | NamedCallStream:
-        return HeldReply(self) if self.name is None else NamedCallStream(self.name)
-
-
-class HeldReply:
-    """A streamed forced reply (ToolCallStream's interface): all of it is held, and parsed when it ends."""
-
-    def __init__(self, forced: ForcedCalls) -> None:
-        self.forced = forced
-        self.held = ""
-
-    def feed(self, text: str) -> str:
-        self.held += text
-        return ""
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        held, self.held = self.held, ""
-        content, calls = self.forced.parse(held)
-        return content or "", calls
+    def stream(self) -> NamedCallStream | RequiredCallStream:
+        if self.name is not None:
+            return NamedCallStream(self.name)
+        return RequiredCallStream(None if self.parallel else 1)
 
 
 class NamedCallStream:
-    """A streamed named call: piece(text) gives the DeltaToolCall that carries the next piece of its
-    arguments, the first one with the call's id, type and name."""
+    """A streamed named call: feed(text) -> (content: none; the DeltaToolCall that carries the next piece of
+    its arguments, the first one, even empty, with the call's id, type and name)."""
 
     def __init__(self, name: str) -> None:
         self.call = ToolCall(name, "")
         self.started = False
 
-    def piece(self, text: str) -> DeltaToolCall:
+    def feed(self, text: str) -> tuple[str, list[DeltaToolCall]]:
         if self.started:
-            return DeltaToolCall(index=0, function=DeltaFunction(arguments=text))
+            return "", [_call_delta(0, text)] if text else []
         self.started = True
-        return DeltaToolCall(index=0, id=self.call.id, type="function",
-                             function=DeltaFunction(name=self.call.name, arguments=text))
+        return "", [_call_delta(0, text, self.call)]
+
+    def finish(self) -> tuple[str, list[DeltaToolCall]]:
+        return "", []
+
+
+class RequiredCallStream:
+    """A streamed "required" reply: feed(text) -> (the content it gives: none while it keeps the array's
+    shape; the DeltaToolCalls it gives: a call's id, type and name once its name is complete, then the
+    pieces of its "parameters" text), calls past `max_calls` left out."""
+
+    def __init__(self, max_calls: int | None) -> None:
+        self.scanner = CallArrayScanner()
+        self.max_calls = max_calls
+
+    @property
+    def started(self) -> bool:
+        """Whether a call has gone out."""
+        return self.scanner.calls > 0
+
+    def feed(self, text: str) -> tuple[str, list[DeltaToolCall]]:
+        pieces, content = self.scanner.feed(text)
+        deltas = [_call_delta(p.index, p.arguments, None if p.name is None else ToolCall(p.name, ""))
+                  for p in pieces if self.max_calls is None or p.index < self.max_calls]
+        return content, deltas
+
+    def finish(self) -> tuple[str, list[DeltaToolCall]]:
+        """The reply ended: a reply in which no call began is content; a cut call stays as far as it went."""
+        return self.scanner.finish(), []
+
+
+def _call_delta(index: int, arguments: str, call: ToolCall | None = None) -> DeltaToolCall:
+    """The DeltaToolCall of call `index` carrying a piece of its arguments; a call's first, given the call,
+    also carries its id, type and name."""
+    if call is None:
+        return DeltaToolCall(index=index, function=DeltaFunction(arguments=arguments))
+    return DeltaToolCall(index=index, id=call.id, type="function",
+                         function=DeltaFunction(name=call.name, arguments=arguments))
 
 
 def forced_calls(req: ChatCompletionRequest) -> ForcedCalls | None:
     """The request's forced calls, None unless tool_choice is "required" or names a function."""
     if req.tool_choice is None or isinstance(req.tool_choice, str) and req.tool_choice != "required":
         return None
-    return ForcedCalls(None if req.tool_choice == "required" else req.tool_choice.function.name)
+    if req.tool_choice == "required":
+        return ForcedCalls(None, req.parallel_tool_calls is not False)
+    return ForcedCalls(req.tool_choice.function.name)
 
 
 def forced_schema(req: ChatCompletionRequest) -> dict[str, Any] | None:
@@ -105,7 +138,7 @@ def forced_schema(req: ChatCompletionRequest) -> dict[str, Any] | None:
         shown = '"required"' if forced.name is None else f"naming '{forced.name}'"
         raise APIError(400, f"tool_choice {shown} needs 'tools'.", "tool_choice")
     if forced.name is None:
-        return _calls_schema(req.tools, req.parallel_tool_calls is not False)
+        return _calls_schema(req.tools, forced.parallel)
     tool = next((t for t in req.tools if t.function.name == forced.name), None)
     if tool is None:
         raise APIError(400, f"tool_choice names '{forced.name}', which is not among the tools.",
@@ -172,5 +205,9 @@ def _is_resource(node: dict[str, Any]) -> bool:
     return isinstance(node.get("$id"), str) and not node["$id"].startswith("#")
 
 
-def _is_call(item) -> bool:
-    return isinstance(item, dict) and isinstance(item.get("name"), str) and "parameters" in item
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True

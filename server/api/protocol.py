@@ -470,8 +470,8 @@ class DeltaFunction(BaseModel):
 
 
 class DeltaToolCall(BaseModel):
-    """A streamed call: whole in one delta, or (a named tool_choice's) its id, type and name first and then
-    its arguments piece by piece, as OpenAI streams them."""
+    """A streamed call: whole in one delta (an "auto" one), or (a forced tool_choice's) its id, type and name
+    first and then its arguments piece by piece, as OpenAI streams them."""
 
     index: int  # the call's place in the reply's calls (a streamed delta names it)
     id: str | None = Field(**OmitIfNone)
