@@ -76,7 +76,7 @@ if has sampler; then
   tail -n 20 "$OUT/sampler_bench.log"
 fi
 if has guided; then
-  timeout 300 python3 -m tools.engine_step_bench --batches 64 --modes greedy --steps 16 --warmup 4 \
+  timeout 300 python3 -m tools.engine_step_bench --batches 64 256 --modes greedy --steps 16 --warmup 4 \
     --closed-loop 64:256 64:256:guided 256:256 256:256:guided --out "$OUT/guided_loops.json" \
     > "$OUT/guided_loops.log" 2>&1
   grep -v '^\[' "$OUT/guided_loops.log" | tail -n 14
