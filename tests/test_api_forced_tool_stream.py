@@ -158,3 +158,18 @@ def test_every_deltas_token_ids_are_streamed(engine, monkeypatch):
     (streamed,) = streamed_choices(r).values()
     assert streamed.token_ids == [3 + k for k in range(len(text))]
     assert [(c["name"], c["arguments"]) for c in streamed.calls.values()] == REPLIES["two calls"]
+
+
+def test_a_reply_that_stops_before_its_array_closes_is_not_finished_as_calls(engine, monkeypatch):
+    """A stop string (or a stop token) ends the reply mid-call: the call that went out is cut, its arguments
+    are no JSON, so the stream ends "stop" as the unary reply does (content, no calls), not "tool_calls"
+    (a review)."""
+    app = create_app(engine)
+    cut = '[{"name":"f","parameters":{"city":"Par'
+    monkeypatch.setattr(engine, "generate", scripted(engine, cut, pieces=4))
+    (unary,) = chat(app, tools=TOOLS, tool_choice="required").json()["choices"]
+    assert (unary["finish_reason"], unary["message"]["content"]) == ("stop", cut)
+    assert not unary["message"].get("tool_calls")
+    (streamed,) = streamed_choices(chat(app, stream=True, tools=TOOLS, tool_choice="required")).values()
+    assert [(c["name"], c["arguments"]) for c in streamed.calls.values()] == [("f", '{"city":"Par')]
+    assert streamed.finishes == ["stop"]

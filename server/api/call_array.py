@@ -115,6 +115,7 @@ class CallArrayScanner:
         self.held: list[str] = []  # the text so far, while no call has begun
         self.value: JsonValueScan | None = None  # the name's or the parameters' value being read
         self.name: list[str] = []  # the name's JSON string so far
+        self.closed = False  # the array has closed: its calls are whole, whatever text follows
 
     @property
     def complete(self) -> bool:
@@ -157,6 +158,7 @@ class CallArrayScanner:
             return i
         if step == _NEXT:
             self.step = _ITEM if c == "," else _DONE if c == "]" else _OFF
+            self.closed = self.step == _DONE
         elif step == _END or c != step[self.matched]:
             self.step = _OFF
         else:

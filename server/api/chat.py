@@ -276,7 +276,7 @@ def _forced_call_events(job: ChatJob, calls: NamedCallStream | RequiredCallStrea
                         ) -> list[str]:
     """A delta of a forced reply: the calls' pieces its text gives (a call's first with its id and name), and
     as content the text that leaves the calls' shape; the last one also what the reply's end leaves, with
-    finish_with_calls' reason once a call has gone out."""
+    finish_with_calls' reason once a call has gone out (and a "required" array has closed)."""
     content, deltas = calls.feed(d.text)
     if d.finish_reason is not None:
         rest, more = calls.finish()
@@ -287,7 +287,7 @@ def _forced_call_events(job: ChatJob, calls: NamedCallStream | RequiredCallStrea
     logprobs = None
     if job.req.logprobs:
         logprobs = chat_logprobs(d.logprobs or [], job.num_top, job.engine.tokenizer)
-    reason = job.finish_with_calls(d.finish_reason) if calls.started else d.finish_reason
+    reason = job.finish_with_calls(d.finish_reason) if calls.started and calls.complete else d.finish_reason
     delta = ChatDelta(content=content or None, tool_calls=deltas or None)
     choice = ChatChunkChoice(index=d.index, delta=delta, logprobs=logprobs, finish_reason=reason,
                              stop_reason=d.stop_reason, token_ids=job.ids(d.token_ids))

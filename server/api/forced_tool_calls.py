@@ -71,6 +71,8 @@ class NamedCallStream:
     """A streamed named call: feed(text) -> (content: none; the DeltaToolCall that carries the next piece of
     its arguments, the first one, even empty, with the call's id, type and name)."""
 
+    complete = True  # its finish reason is "stop" however the reply ended (finish_with_calls)
+
     def __init__(self, name: str) -> None:
         self.call = ToolCall(name, "")
         self.started = False
@@ -98,6 +100,12 @@ class RequiredCallStream:
     def started(self) -> bool:
         """Whether a call has gone out."""
         return self.scanner.calls > 0
+
+    @property
+    def complete(self) -> bool:
+        """Whether the calls are whole (the array closed): a reply that stopped before (a stop string) has a
+        cut call."""
+        return self.scanner.closed
 
     def feed(self, text: str) -> tuple[str, list[DeltaToolCall]]:
         pieces, content = self.scanner.feed(text)
