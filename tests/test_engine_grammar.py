@@ -6,9 +6,12 @@ grammar compiles; the sampler's bitmask against a dense mask."""
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import threading
+import traceback
+import types
 
 import llguidance
 import pytest
@@ -414,3 +417,29 @@ def test_a_compile_every_asker_dropped_before_it_started_never_runs(monkeypatch)
     grammars._compiles.shutdown(wait=True)
     assert dropped not in compiles.count and compiles.count[kept] == 1
     assert dropped not in grammars._compiled and kept in grammars._compiled
+
+
+def test_the_kept_compile_holds_no_requests_matcher(monkeypatch):
+    """The matchers of the requests that asked while the grammar compiled advance through whole replies: the
+    kept compile must not reference them (a Future keeps its done callbacks; a review)."""
+    grammar = regex_grammar("a+")
+    compiles = CountedCompiles(monkeypatch, held=[grammar])
+    grammars = Grammars(TOKENIZER, 300, {EOS})
+    future = grammars.compile(grammar)
+    compiles.gate.set()
+    matcher = future.result(10)
+    del future
+    gc.collect()
+    assert not [r for r in gc.get_referrers(matcher) if not isinstance(r, types.FrameType)]
+
+
+def test_a_kept_failure_raises_an_error_of_its_own_for_each_request():
+    """Raising one kept exception for every request grew its traceback by each raiser's frames (a review)."""
+    grammars = Grammars(TOKENIZER, 300, {EOS})
+    bad = regex_grammar("a(b")
+    errors = []
+    for _ in range(20):
+        with pytest.raises(ValueError, match="does not compile") as caught:
+            grammars.compile(bad).result()
+        errors.append(caught.value)
+    assert len({id(e) for e in errors}) == 20 and len(traceback.extract_tb(errors[-1].__traceback__)) < 10

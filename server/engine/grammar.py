@@ -103,14 +103,18 @@ class Grammars:
             compile_ = self._compiled.get(grammar)
             if compile_ is None:
                 compile_ = self._compiled[grammar] = _Compile()
-                compile_.done = self._compiles.submit(self._first_matcher, grammar, compile_)
                 self._compiled_chars += len(grammar)
                 self._evict()
+                # the job takes the lock first, so it cannot finish (and call _deliver) while this holds it
+                compile_.done = self._compiles.submit(self._first_matcher, grammar, compile_)
+                compile_.done.add_done_callback(functools.partial(self._deliver, compile_))
             else:
                 self._compiled.move_to_end(grammar)
-            if compile_.askers is not None:
+            ready = compile_.done.done()
+            if not ready:
                 compile_.askers.append(mine)
-        compile_.done.add_done_callback(functools.partial(_deliver_copy, mine))
+        if ready:
+            _deliver_copy(mine, compile_.done)
         return mine
 
     def _evict(self) -> None:
@@ -128,8 +132,15 @@ class Grammars:
                     del self._compiled[grammar]
                     self._compiled_chars -= len(grammar)
                 raise CancelledError
-            compile_.askers = None  # later askers find it started
         return self._matcher(grammar)
+
+    def _deliver(self, compile_: _Compile, done: Future) -> None:
+        """The compile's callback: each request that asked while it ran gets its copy. The list is emptied:
+        the kept compile holds none of their futures, whose matchers advance through whole replies."""
+        with self._lock:
+            askers, compile_.askers = compile_.askers, []
+        for asker in askers:
+            _deliver_copy(asker, done)
 
     def _vocabulary(self) -> llguidance.LLTokenizer:
         return vocabulary(*self._source)
@@ -175,10 +186,10 @@ class Grammars:
 @dataclass
 class _Compile:
     """One grammar's compile: `done`, the future of its matcher; `askers`, the requests' futures that wait
-    for it to start (None once it has)."""
+    for it to finish."""
 
     done: Future | None = None
-    askers: list[Future] | None = field(default_factory=list)
+    askers: list[Future] = field(default_factory=list)
 
 
 def _deliver_copy(mine: Future, compiled: Future) -> None:
@@ -186,12 +197,20 @@ def _deliver_copy(mine: Future, compiled: Future) -> None:
     the request went away (its future cancelled)."""
     if not mine.set_running_or_notify_cancel():
         return
-    try:
-        matcher = compiled.result().deep_copy()
-    except BaseException as e:  # noqa: BLE001 -- GrammarError, llguidance's own, a dropped compile
-        mine.set_exception(e)
+    error = compiled.exception()
+    if error is not None:  # GrammarError, llguidance's own
+        mine.set_exception(_own_error(error))
     else:
-        mine.set_result(matcher)
+        mine.set_result(compiled.result().deep_copy())
+
+
+def _own_error(error: BaseException) -> BaseException:
+    """A kept error as a new exception for one request: raising the kept one again would grow its traceback
+    (and keep each raiser's frames) for as long as it is kept."""
+    try:
+        return type(error)(*error.args)
+    except Exception:  # noqa: BLE001 -- an exception type that takes other arguments
+        return GrammarError(str(error))
 
 
 _vocabularies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> vocabulary or error
@@ -207,7 +226,7 @@ def vocabulary(tokenizer, eos_token_ids) -> llguidance.LLTokenizer:
             _vocabularies[tokenizer] = _built_vocabulary(tokenizer, eos_token_ids)
         vocab = _vocabularies[tokenizer]
     if isinstance(vocab, GrammarError):
-        raise vocab
+        raise _own_error(vocab)
     return vocab
 
 
