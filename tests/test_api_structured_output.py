@@ -129,7 +129,9 @@ def test_bad_structured_outputs_are_400s_naming_the_field(fields, param):
     {"structured_outputs": {"regex": "a", "choice": ["a"]}},
     {"structured_outputs": {"json_object": False}},
     {"structured_outputs": {"choice": []}},
-    {"structured_outputs": {"regex": "a", "structural_tag": {}}},
+    {"structured_outputs": {"regex": "a", "structural_tag": {  # served, but one constraint only
+        "structures": [{"begin": "<a>", "schema": {}, "end": "</a>"}], "triggers": ["<a"]}}},
+    {"structured_outputs": {"structural_tag": {}}},
     {"guided_choice": []},
     {"guided_choice": "a"},
     {"response_format": {"type": "grammar"}},

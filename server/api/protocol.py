@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationInfo,
@@ -73,17 +74,79 @@ class JsonSchemaFormat(_Request):
     strict: bool | None = None  # pagewalk's replies always follow the schema
 
 
-class ResponseFormat(_Request):
-    """OpenAI's response_format: free text, any JSON object, or JSON that follows a schema."""
+Trigger = Annotated[str, Field(min_length=1)]  # a structural tag's: text that opens a structure
 
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
+
+class TagStructure(_Request):
+    """One structure of a structural tag: its begin, a JSON value that follows its schema, its end."""
+
+    begin: str
+    schema_: dict[str, Any] = Field(alias="schema")
+    end: str
+
+    def trigger(self, triggers: list[str]) -> str | None:
+        """The trigger that opens it: the shortest its begin starts with (where one trigger starts another,
+        the shorter one is written first, so a structure under the longer one would never open)."""
+        return min((t for t in triggers if self.begin.startswith(t)), key=len, default=None)
+
+
+def _each_structure_triggered(structures: list[TagStructure], triggers: list[str]) -> None:
+    for i, structure in enumerate(structures):
+        if structure.trigger(triggers) is None:
+            raise ValueError(f"structures[{i}].begin {json.dumps(structure.begin)} starts with none of the "
+                             f"triggers {json.dumps(triggers)}")
+
+
+class StructuralTag(_Request):
+    """vLLM's structural tag in its structures-and-triggers form (xgrammar's first; the later {"format": ...}
+    one is not served): free text in which each trigger the model writes opens one of the structures whose
+    begin starts with it."""
+
+    type: Literal["structural_tag"] | None = None  # vLLM's JSON text of it is its response_format's
+    structures: list[TagStructure] = Field(min_length=1)
+    triggers: list[Trigger] = Field(min_length=1)
 
     @model_validator(mode="after")
-    def _schema_with_its_type(self):
+    def _triggered(self):
+        _each_structure_triggered(self.structures, self.triggers)
+        return self
+
+
+class ResponseFormat(_Request):
+    """OpenAI's response_format: free text, any JSON object, or JSON that follows a schema; or vLLM's
+    structural tag (its structures and triggers: StructuralTag)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+    structures: list[TagStructure] | None = Field(None, min_length=1)
+    triggers: list[Trigger] | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _fields_with_their_type(self):
         if (self.type == "json_schema") != (self.json_schema is not None):
             raise ValueError("'json_schema' goes with type 'json_schema', and only with it")
+        tagged = self.type == "structural_tag"
+        if tagged != (self.structures is not None) or tagged != (self.triggers is not None):
+            raise ValueError("'structures' and 'triggers' go with type 'structural_tag', and only with it")
+        if tagged:
+            _each_structure_triggered(self.structures, self.triggers)
         return self
+
+
+def _json_text(value: Any) -> Any:
+    """vLLM's structured_outputs.structural_tag is a JSON text (its response_format's object, dumped): the
+    object it holds; an object as it is."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"not a JSON text: {e}") from None
+    if value is not None and not isinstance(value, dict):
+        raise ValueError("must be an object (structures, triggers) or its JSON text")
+    return value
+
+
+_STRUCTURAL_TAG_TEXT = BeforeValidator(_json_text, json_schema_input_type=str | StructuralTag | None)
 
 
 class StructuredOutputs(_Request):
@@ -98,20 +161,21 @@ class StructuredOutputs(_Request):
     disable_any_whitespace: Annotated[Any, refused_unless(None, True)] = None  # JSON is compact already
     disable_additional_properties: Annotated[Any, refused_unless(None, False)] = None
     whitespace_pattern: Annotated[Any, refused_unless(None)] = None
-    structural_tag: Annotated[Any, refused_unless(None)] = None
+    # free text with structures at its triggers: the object, or its JSON text (vLLM's form)
+    structural_tag: Annotated[StructuralTag | None, _STRUCTURAL_TAG_TEXT] = None
 
     @model_validator(mode="after")
     def _exactly_one(self):
         given = self.given()
         if len(given) != 1:
-            raise ValueError("give exactly one of 'json', 'regex', 'choice', 'grammar' and 'json_object' "
-                             f"(got {', '.join(given) or 'none'})")
+            raise ValueError("give exactly one of 'json', 'regex', 'choice', 'grammar', 'json_object' and "
+                             f"'structural_tag' (got {', '.join(given) or 'none'})")
         return self
 
     def given(self) -> dict[str, Any]:
         """The constraints set, by their JSON names (json_object false asks for nothing)."""
         values = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
-                  "json_object": self.json_object or None}
+                  "json_object": self.json_object or None, "structural_tag": self.structural_tag}
         return {name: value for name, value in values.items() if value is not None}
 
 

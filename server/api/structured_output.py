@@ -3,10 +3,14 @@ matcher from it, masks each step's logits and ends the choice when the grammar i
 
 The sources, at most one per request (two are a 400 naming the second):
 - response_format (OpenAI's): text -> no grammar; json_object -> any JSON object; json_schema -> its schema;
+  structural_tag (vLLM's) -> its structural tag (below);
 - structured_outputs (vLLM's): exactly one of json (a schema, or its JSON text), regex, choice, grammar (Lark
-  or llama.cpp's GBNF), json_object;
+  or llama.cpp's GBNF), json_object, structural_tag (the object, or its JSON text);
 - guided_json, guided_regex, guided_choice, guided_grammar (vLLM's legacy fields, with the same meanings);
 - chat tool_choice "required" or a named function (forced_tool_calls.py gives the schema).
+A structural tag is free text in which each trigger the model writes opens a structure whose begin starts with
+it: the rest of that begin, a JSON value that follows its schema, its end, then free text again (llguidance's
+StructTag: a lazy lexeme per trigger). Its triggers are text, never special tokens (structural_tag_grammar).
 JSON compiles compact: no whitespace between tokens, where a small model may otherwise loop on newlines; a
 schema's own "x-guidance" options still override that. Every grammar is built and checked here, on a worker
 thread, against the model's vocabulary with the core's parser limits (server/engine/grammar.py check: it
@@ -18,6 +22,7 @@ sends one schema with every request has it compiled here once.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache, partial
@@ -28,7 +33,7 @@ from llguidance import LLMatcher
 
 from server.api.errors import APIError
 from server.api.forced_tool_calls import forced_schema
-from server.api.protocol import ChatCompletionRequest, _SamplingRequest
+from server.api.protocol import ChatCompletionRequest, TagStructure, _SamplingRequest
 from server.engine import grammar as core_grammar
 from server.engine.sampling_params import MAX_GRAMMAR_CHARS
 
@@ -123,7 +128,9 @@ def _sources(req: _SamplingRequest) -> list[tuple[str, Callable[[], str]]]:
     """(field, grammar builder) of every structured output the request sets."""
     sources = []
     fmt = req.response_format
-    if fmt is not None and fmt.type != "text":
+    if fmt is not None and fmt.type == "structural_tag":
+        sources.append(("response_format", partial(structural_tag_grammar, fmt.structures, fmt.triggers)))
+    elif fmt is not None and fmt.type != "text":
         schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
         sources.append(("response_format", partial(json_grammar, schema)))
     so = req.structured_outputs
@@ -149,6 +156,30 @@ def _vllm_grammar(kind: str, value) -> str:
         return LLMatcher.grammar_from_regex(value)
     if kind == "choice":  # Lark alternatives of the strings, quoted as JSON
         return llguidance.grammar_from("choice", value)
+    if kind == "structural_tag":
+        return structural_tag_grammar(value.structures, value.triggers)
     if len(value) > MAX_CFG_CHARS:
         raise ValueError(f"the grammar has {len(value)} characters, more than {MAX_CFG_CHARS}")
     return llguidance.grammar_from("grammar", value)  # Lark, or GBNF converted to Lark
+
+
+def structural_tag_grammar(structures: list[TagStructure], triggers: list[str]) -> str:
+    """A structural tag -> its Lark grammar (llguidance's StructTag.to_grammar): free text in which each
+    trigger the model writes goes on with one of the structures that begin with it (the shortest trigger of
+    its begin: TagStructure.trigger), a compact JSON value of its schema, its end. The triggers are matched
+    as text (assume_special=False): llguidance would read a trigger shaped like <...> as the name of a
+    special token, which a vocabulary where it is plain text lacks (over the byte tokenizer its compile
+    panics). Where a trigger is a special token of the model's tokenizer, the grammar takes its spelling in
+    text pieces, not the special token, which free text never allows."""
+    tags = [llguidance.StructTag(trigger=s.trigger(triggers), begin=s.begin, grammar=_compact(s.schema_),
+                                 end=s.end) for s in structures]
+    return llguidance.StructTag.to_grammar(tags, assume_special=False)
+
+
+def _compact(schema: dict[str, Any]) -> dict[str, Any]:
+    """The schema with JSON_DEFAULTS under its own "x-guidance" options, as json_grammar compiles it (a
+    structure's schema is inlined in the Lark grammar, where no defaults are passed)."""
+    own = schema.get("x-guidance", {})
+    if not isinstance(own, dict):
+        raise ValueError(f"a schema's 'x-guidance' must be an object, got {json.dumps(own)}")
+    return {**schema, "x-guidance": {**JSON_DEFAULTS, **own}}
