@@ -284,6 +284,7 @@ def test_masks_cover_the_model_rows_past_the_tokenizer(threads, monkeypatch):
     grammars = Grammars(ByteTokenizer(600), 600, {EOS})
     if threads is not None:
         monkeypatch.setattr(Grammars, "_executor", llguidance.LLExecutor(threads))
+        grammars.row_ms = 1.0  # rows costly enough for the executor
     matchers = [grammars.compile(regex_grammar("[a-c]+")).result() for _ in range(3)]
     grammars.accept(matchers[1], TOKENIZER.encode("b", add_bos=False)[0])
     bits = grammars.masks([matchers[0], matchers[1], None])
@@ -302,6 +303,7 @@ def test_a_step_whose_guided_choices_all_just_ended_serves_its_free_rows():
     the free request with it (a review)."""
     core, _ = build_core(config(async_scheduling=True))
     core.grammars._executor = llguidance.LLExecutor(2)  # the path of hosts with 8 CPUs or more
+    core.grammars.row_ms = 1.0  # and of costly rows
     reqs = [("free", [1, 70, 71, 72], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)),
             ("guided", [1, 80, 81], SamplingParams(max_tokens=12, temperature=0.0,
                                                    grammar=regex_grammar("ab")))]
@@ -443,3 +445,35 @@ def test_a_kept_failure_raises_an_error_of_its_own_for_each_request():
             grammars.compile(bad).result()
         errors.append(caught.value)
     assert len({id(e) for e in errors}) == 20 and len(traceback.extract_tb(errors[-1].__traceback__)) < 10
+
+
+class CountedExecutor:
+    """An LLExecutor that counts its steps."""
+
+    def __init__(self):
+        self.executor, self.steps = llguidance.LLExecutor(2), 0
+
+    def unsafe_compute_mask_ptr(self, *args):
+        self.steps += 1
+        return self.executor.unsafe_compute_mask_ptr(*args)
+
+
+def test_cheap_masks_stay_on_the_cores_thread_and_costly_ones_go_to_the_executor(monkeypatch):
+    executor = CountedExecutor()
+    monkeypatch.setattr(Grammars, "_executor", executor)
+    grammars = Grammars(TOKENIZER, 300, {EOS})
+    matchers = [grammars.compile(regex_grammar("[a-c]+")).result() for _ in range(3)]
+    want = grammars.masks(matchers)  # the first step measures a row on the core's thread
+    assert executor.steps == 0 and 0 < grammars.row_ms < grammar_module.PARALLEL_MASKS_MS / 3
+    for _ in range(5):
+        assert torch.equal(grammars.masks(matchers), want)
+    assert executor.steps == 0  # 3 rows of ~a few us: the core's thread
+    monkeypatch.setattr(grammar_module, "PARALLEL_MASKS_MS", 0.0)  # every row now worth the executor
+    measured = []
+    for _ in range(2 * grammar_module.REMEASURE_EVERY):
+        before = grammars.row_ms
+        assert torch.equal(grammars.masks(matchers), want)
+        measured.append(grammars.row_ms != before)
+    assert executor.steps == 2 * grammar_module.REMEASURE_EVERY - 2 and sum(measured) <= 2
+    assert not grammars.masks([None, None]).eq(0).all()  # no live matcher: no executor call (it refuses [])
+    assert executor.steps == 2 * grammar_module.REMEASURE_EVERY - 2

@@ -10,10 +10,11 @@ llguidance reads it is built there too, by the first compile: ~1 s for a 128K-to
 the first structured request rather than by every start-up.
 
 Each step, the matchers of the step's guided samples write the tokens they allow as a bitmask (G, W) int32,
-W = ceil(V / 32), bit j of word w allowing token 32 w + j (LLExecutor: the G rows in parallel, without the
-GIL); the runner sends it with the step (pinned buffers it reuses) and the sampler sets every other logit
-to -inf (Sampler: after biases and penalties). Each sampled token then advances its matcher (`accept`); the
-choice ends ("stop") when the grammar is complete, which is also when the mask allows only EOS.
+W = ceil(V / 32), bit j of word w allowing token 32 w + j (on the core's thread, or on LLExecutor's threads
+in parallel without the GIL where the rows cost more: PARALLEL_MASKS_MS); the runner sends it with the step
+(pinned buffers it reuses) and the sampler sets every other logit to -inf (Sampler: after biases and
+penalties). Each sampled token then advances its matcher (`accept`); the choice ends ("stop") when the
+grammar is complete, which is also when the mask allows only EOS.
 
 A guided choice's next mask needs its last token on the host: the runner asks for a step's masks once its
 forward is launched, and EngineCore post-processes the previous step then, while the device runs the
@@ -25,6 +26,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
@@ -48,6 +50,15 @@ CACHED_GRAMMAR_CHARS = 2 * 1024 * 1024
 # below CPUS_PER_MASK_THREAD cores a thread each, the core's thread computes the masks itself.
 MASK_THREADS = 4
 CPUS_PER_MASK_THREAD = 4
+# Where the executor runs at all, it takes a step's masks only when the core's thread would take longer than
+# PARALLEL_MASKS_MS over them (rows x the measured ms a row). Cheap rows stay on the core's thread: over the
+# bench preset's 259-id vocabulary (~3 us a row) the executor's steps stalled for 3-10 ms 15-22 times in 512
+# (the core's thread: 5-6, 2 of them collector passes; tools/guided_stall_probe), and the guided closed loops
+# ran 0.5-3.6% faster without it at 64 and 256 in flight (H100 host, 16 cores). A 128K-token vocabulary costs
+# ~10x a row (llguidance walks a larger token trie), where 64 rows on one thread would take about a ms.
+PARALLEL_MASKS_MS = 0.5
+REMEASURE_EVERY = 64  # of the executor's steps, one runs on the core's thread to measure a row's cost again
+ROW_COST_WEIGHT = 0.2  # a new measurement's weight in row_ms (a wave's first masks cost a few times more)
 # llguidance's parser limits, for the API's check of a grammar and the core's matchers alike: its defaults but
 # - a lexer step's fuel, 200K (~14 ms of one mask, ~14K a ms) -> 50K, so that no grammar holds every stream's
 #   step for more than a few ms;
@@ -86,6 +97,8 @@ class Grammars:
         self._compiled: OrderedDict[str, _Compile] = OrderedDict()  # grammar text -> its compile, LRU order
         self._compiled_chars = 0
         self._lock = threading.Lock()  # the core adds compiles, a compile thread drops one nobody wants
+        self.row_ms = 0.0  # a mask row's cost on the core's thread, measured (a moving average)
+        self._parallel_steps = 0  # the executor's steps since the last measurement
 
     @functools.cached_property
     def _executor(self) -> llguidance.LLExecutor | None:
@@ -161,18 +174,29 @@ class Grammars:
         if vocab % 32:  # the None rows: no id past the tokenizer's
             bits[:, -1] = (1 << vocab % 32) - 1
         rows = [(m, g) for g, m in enumerate(matchers) if m is not None]
-        # (llguidance.torch's fill_next_token_bitmask_par, whose module torch.compiles a function on import;
-        # its executor refuses an empty list: every guided choice of the step ended in the step before)
-        if self._executor is not None and rows:
+        # (llguidance.torch's fill_next_token_bitmask_par, whose module torch.compiles a function on import)
+        if self._takes_executor(len(rows)):
             self._executor.unsafe_compute_mask_ptr(rows, bits.data_ptr(), own * 4, len(matchers))
-        else:
+        elif rows:
+            start = time.perf_counter()
             for matcher, g in rows:
                 matcher.unsafe_compute_mask_ptr(bits[g].data_ptr(), own * 4)
+            measured = (time.perf_counter() - start) * 1e3 / len(rows)
+            self.row_ms += ROW_COST_WEIGHT * (measured - self.row_ms) if self.row_ms else measured
         if own == self.words:
             return bits
         wide = torch.zeros(len(matchers), self.words, dtype=torch.int32)
         wide[:, :min(own, self.words)] = bits[:, :self.words]
         return wide
+
+    def _takes_executor(self, rows: int) -> bool:
+        """Whether a step's `rows` masks go to the executor: where there is one, the core's thread would take
+        over PARALLEL_MASKS_MS, and this is not the step of REMEASURE_EVERY that measures a row again. (Its
+        executor refuses an empty list: every guided choice of the step ended in the step before.)"""
+        if self._executor is None or rows == 0 or rows * self.row_ms <= PARALLEL_MASKS_MS:
+            return False
+        self._parallel_steps = (self._parallel_steps + 1) % REMEASURE_EVERY
+        return self._parallel_steps != 0
 
     @staticmethod
     def accept(matcher: llguidance.LLMatcher, token: int) -> bool:
