@@ -477,3 +477,36 @@ def test_cheap_masks_stay_on_the_cores_thread_and_costly_ones_go_to_the_executor
     assert executor.steps == 2 * grammar_module.REMEASURE_EVERY - 2 and sum(measured) <= 2
     assert not grammars.masks([None, None]).eq(0).all()  # no live matcher: no executor call (it refuses [])
     assert executor.steps == 2 * grammar_module.REMEASURE_EVERY - 2
+
+
+def test_a_kept_compile_serves_a_bounded_number_of_requests(monkeypatch):
+    """Copies share the compiled matcher's lexer, which grows with what each explores (a review)."""
+    compiles = CountedCompiles(monkeypatch)
+    grammars = Grammars(TOKENIZER, 300, {EOS})
+    grammar = regex_grammar("[ab]*a[ab]{3}")
+    for _ in range(grammar_module.COPIES_PER_COMPILE + 1):
+        grammars.compile(grammar).result()
+    assert compiles.count == {grammar: 2} and len(grammars._compiled) == 1
+    assert grammars._compiled_chars == len(grammar)
+
+
+def test_a_choice_whose_grammar_fails_drops_its_compile(monkeypatch):
+    """A parser or lexer limit reached mid-stream (perhaps by the copies' shared lexer) fails the request, and
+    its grammar's next request compiles afresh."""
+    core, _ = build_core(config(async_scheduling=True))
+    grammar = regex_grammar("[a-c]+")
+    accept = Grammars.accept
+
+    def failing(matcher, token):
+        if failing.calls == 1:
+            raise grammar_module.GrammarError("lexer error: too many states")
+        failing.calls += 1
+        return accept(matcher, token)
+
+    failing.calls = 0
+    core.grammars.accept = failing
+    reqs = [("g", [1, 70, 71], SamplingParams(max_tokens=8, temperature=0.0, grammar=grammar))]
+    tokens, ends = run(core, reqs)
+    assert ends[("g", 0)][0] == "error" and "too many states" in ends[("g", 0)][1]
+    assert grammar not in core.grammars._compiled and core.grammars._compiled_chars == 0
+    assert not core.requests and core.kv.num_free_blocks == core.kv.num_blocks - 1

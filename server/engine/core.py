@@ -33,7 +33,7 @@ import torch
 
 from kvcache import KVCacheManager
 from kvcache.snapshot import block_map
-from server.engine.grammar import Grammars, TokenMask
+from server.engine.grammar import GrammarError, Grammars, TokenMask
 from server.engine.outputs import CoreStats, EngineRequest, SeqUpdate, StepUpdate, TokenLogprobs
 from server.engine.prompt_logprobs import prompt_logprobs
 from server.engine.request import Request
@@ -290,6 +290,8 @@ class EngineCore:
             except Exception as e:  # this request only
                 logger.exception("request %s failed", seq.request_id)
                 failed[seq.request_id] = _describe(e)
+                if isinstance(e, GrammarError):  # its grammar compiles afresh for the next request
+                    self.grammars.forget(seq.params.grammar)
         for rid, error in failed.items():  # its choices already updated this step keep their update
             updates += self.abort_request(rid, None, "error", error)
         return updates

@@ -43,6 +43,11 @@ COMPILE_THREADS = 2  # grammars compiling at once, beside the core's own thread
 # schema 5-12 ms). Bounded in count and in grammar text, which their compiled size follows.
 CACHED_GRAMMARS = 64
 CACHED_GRAMMAR_CHARS = 2 * 1024 * 1024
+# llguidance's copies share the compiled matcher's lexer, whose states (a lazily built DFA) grow with what
+# every copy explores: over the bench vocabulary a regex like [ab]*a[ab]{40} grew it ~60 KB a request (a
+# review: 160 MiB and its lexer's state limit after ~2,700 requests, when every later copy failed). A kept
+# compile serves this many copies, then the grammar compiles afresh; a choice whose grammar fails drops it.
+COPIES_PER_COMPILE = 32
 # threads computing a step's masks: llguidance's default (80% of the CPUs) took 8.0 ms for 64 rows of the
 # bench vocabulary on a 16-core H100 host, 4 threads 0.09 ms (1: 0.11, 2: 0.11; 256 rows: default 2.8 ms, 4
 # threads 0.27, 1: 0.55; tools/grammar_mask_probe). Its worker threads spin a while after each batch: on a
@@ -109,11 +114,14 @@ class Grammars:
         """A matcher of its own for `grammar`, at its start; the future's result is the LLMatcher, or
         GrammarError. A copy of the grammar's compiled matcher: compiled once on a compile thread for every
         request that asks while it compiles, and kept for the CACHED_GRAMMARS most recently asked (a grammar
-        that fails fails again at once). Cancelling the future drops the request's interest: a compile that
+        that fails fails again at once), for COPIES_PER_COMPILE requests each. Cancelling the future drops the request's interest: a compile that
         every asker dropped before it started never runs."""
         mine: Future = Future()
         with self._lock:
             compile_ = self._compiled.get(grammar)
+            if compile_ is not None and compile_.copies >= COPIES_PER_COMPILE:
+                self._drop(grammar)
+                compile_ = None
             if compile_ is None:
                 compile_ = self._compiled[grammar] = _Compile()
                 self._compiled_chars += len(grammar)
@@ -123,12 +131,23 @@ class Grammars:
                 compile_.done.add_done_callback(functools.partial(self._deliver, compile_))
             else:
                 self._compiled.move_to_end(grammar)
+            compile_.copies += 1
             ready = compile_.done.done()
             if not ready:
                 compile_.askers.append(mine)
         if ready:
             _deliver_copy(mine, compile_.done)
         return mine
+
+    def forget(self, grammar: str) -> None:
+        """A choice failed in `grammar` (a parser or lexer limit, which the copies' shared lexer may have
+        reached): its next request compiles it afresh."""
+        with self._lock:
+            self._drop(grammar)
+
+    def _drop(self, grammar: str) -> None:
+        if self._compiled.pop(grammar, None) is not None:
+            self._compiled_chars -= len(grammar)
 
     def _evict(self) -> None:
         """Drops the least recently asked compiles past the bounds (the newest stays, however large)."""
@@ -142,8 +161,7 @@ class Grammars:
         with self._lock:
             if all(asker.cancelled() for asker in compile_.askers):  # every request went away meanwhile
                 if self._compiled.get(grammar) is compile_:
-                    del self._compiled[grammar]
-                    self._compiled_chars -= len(grammar)
+                    self._drop(grammar)
                 raise CancelledError
         return self._matcher(grammar)
 
@@ -210,10 +228,11 @@ class Grammars:
 @dataclass
 class _Compile:
     """One grammar's compile: `done`, the future of its matcher; `askers`, the requests' futures that wait
-    for it to finish."""
+    for it to finish; `copies`, how many requests it served."""
 
     done: Future | None = None
     askers: list[Future] = field(default_factory=list)
+    copies: int = 0  # handed out (COPIES_PER_COMPILE)
 
 
 def _deliver_copy(mine: Future, compiled: Future) -> None:
