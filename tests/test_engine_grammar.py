@@ -131,9 +131,9 @@ def check_against_dense_guided(core) -> None:
     reqs = mixed_requests()
     masks, ended_rows = core.grammars.masks, []
 
-    def spy(matchers):  # with async scheduling a choice ends while its next step runs: it gets no mask
+    def spy(matchers, costly=None):  # with async scheduling a choice ends while its next step runs: no mask
         ended_rows.append(matchers.count(None))
-        return masks(matchers)
+        return masks(matchers, costly)
 
     core.grammars.masks = spy
     tokens, ends = run(core, reqs)
@@ -510,3 +510,47 @@ def test_a_choice_whose_grammar_fails_drops_its_compile(monkeypatch):
     assert ends[("g", 0)][0] == "error" and "too many states" in ends[("g", 0)][1]
     assert grammar not in core.grammars._compiled and core.grammars._compiled_chars == 0
     assert not core.requests and core.kv.num_free_blocks == core.kv.num_blocks - 1
+
+
+def test_rows_and_tokens_over_the_time_limit_are_reported(monkeypatch):
+    grammars = Grammars(TOKENIZER, 300, {EOS})
+    matchers = [grammars.compile(regex_grammar("[a-c]+")).result() for _ in range(2)]
+    costly: list = []
+    grammars.masks(matchers, costly)
+    assert costly == []  # a few us a row
+    monkeypatch.setattr(grammar_module, "MAX_TOKEN_MS", 0.0)
+    grammars.masks([matchers[0], None, matchers[1]], costly)
+    assert [g for g, _ in costly] == [0, 2] and all(ms > 0 for _, ms in costly)
+    with pytest.raises(ValueError, match="took .* ms over one token"):
+        grammars.accept(matchers[0], TOKENIZER.encode("a", add_bos=False)[0])
+
+
+def test_an_executor_step_over_the_time_limit_sends_the_next_to_the_cores_thread(monkeypatch):
+    executor = CountedExecutor()
+    monkeypatch.setattr(Grammars, "_executor", executor)
+    monkeypatch.setattr(grammar_module, "PARALLEL_MASKS_MS", 0.0)
+    grammars = Grammars(TOKENIZER, 300, {EOS})
+    grammars.row_ms = 1.0
+    matchers = [grammars.compile(regex_grammar("[a-c]+")).result() for _ in range(2)]
+    grammars.masks(matchers)
+    assert executor.steps == 1
+    monkeypatch.setattr(grammar_module, "MAX_TOKEN_MS", 0.0)  # that step was "too long"
+    costly: list = []
+    grammars.masks(matchers, costly)  # the executor's, over the limit
+    grammars.masks(matchers, costly)  # the core's thread: each row timed
+    assert executor.steps == 2 and [g for g, _ in costly] == [0, 1]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_grammar_over_the_time_limit_fails_its_request_alone(monkeypatch, async_scheduling):
+    core, _ = build_core(config(async_scheduling))
+    monkeypatch.setattr(grammar_module, "MAX_TOKEN_MS", 0.0)
+    reqs = [("free", [1, 70, 71, 72], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)),
+            ("guided", [1, 80, 81], SamplingParams(max_tokens=6, temperature=0.0, n=2,
+                                                   grammar=regex_grammar("[a-c]+")))]
+    tokens, ends = run(core, reqs)
+    assert ends[("free", 0)] == ("length", None) and len(tokens[("free", 0)]) == 6
+    for i in range(2):
+        reason, error = ends[("guided", i)]
+        assert reason == "error" and "ms over one token" in error
+    assert not core.requests and not core._too_costly and core.kv.num_free_blocks == core.kv.num_blocks - 1

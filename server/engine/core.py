@@ -33,7 +33,7 @@ import torch
 
 from kvcache import KVCacheManager
 from kvcache.snapshot import block_map
-from server.engine.grammar import GrammarError, Grammars, TokenMask
+from server.engine.grammar import GrammarError, Grammars, TokenMask, too_costly
 from server.engine.outputs import CoreStats, EngineRequest, SeqUpdate, StepUpdate, TokenLogprobs
 from server.engine.prompt_logprobs import prompt_logprobs
 from server.engine.request import Request
@@ -70,6 +70,7 @@ class EngineCore:
         self._in_flight: _Launched | None = None  # launched, not post-processed
         self.grammars = grammars
         self._compiling: dict[str, Future] = {}  # request id -> its matcher, compiling (not yet scheduled)
+        self._too_costly: dict[str, float] = {}  # guided request id -> its mask's ms, over MAX_TOKEN_MS
         self._guided: set[str] = set()  # the requests with a structured output
         self.generated_tokens = 0  # output tokens in the updates, all time
         self.prefill_tokens = 0  # prompt (and recomputed) tokens scheduled, all time
@@ -170,6 +171,7 @@ class EngineCore:
         if req.finished:
             del self.requests[req.request_id]
             self._guided.discard(req.request_id)
+            self._too_costly.pop(req.request_id, None)
             compiling = self._compiling.pop(req.request_id, None)
             if compiling is not None:  # aborted while compiling: a compile not started yet never starts
                 compiling.cancel()
@@ -240,7 +242,11 @@ class EngineCore:
                 self._in_flight = None
             seqs = [sched.samples[g] for g in guided]
             matchers = [None if seq.is_finished else seq.matcher for seq in seqs]
-            return TokenMask(guided, self.grammars.masks(matchers))
+            costly: list[tuple[int, float]] = []
+            bits = self.grammars.masks(matchers, costly)
+            for i, took_ms in costly:  # its token in this step fails its request (_finish_checks)
+                self._too_costly[seqs[i].request_id] = took_ms
+            return TokenMask(guided, bits)
 
         return masks
 
@@ -305,6 +311,8 @@ class EngineCore:
             if samples.logprobs is not None and p.logprobs is not None else None
         num_output = len(token_ids) - len(seq.prompt_token_ids)
         reason, stop_token = None, None
+        if seq.request_id in self._too_costly:
+            raise GrammarError(too_costly(self._too_costly[seq.request_id]))
         complete = seq.matcher is not None and self.grammars.accept(seq.matcher, token)
         if p.stop_token_ids and token in p.stop_token_set:
             reason, stop_token = "stop", token

@@ -62,6 +62,11 @@ CPUS_PER_MASK_THREAD = 4
 # ran 0.5-3.6% faster without it at 64 and 256 in flight (H100 host, 16 cores). A 128K-token vocabulary costs
 # ~10x a row (llguidance walks a larger token trie), where 64 rows on one thread would take about a ms.
 PARALLEL_MASKS_MS = 0.5
+# A guided choice whose grammar takes longer than this over one token (its mask, or its accept) fails: every
+# stream's step waits for it. A small grammar takes ~3-30 us a token; an ambiguous one (s: s s | "x") grows
+# without a bound llguidance's parser limits catch (a review: 16 ms at 400 tokens, 1.1 s a token over a
+# 128K-token vocabulary at 100), a 3,000-property schema takes ~40 ms at its "{" over the bench vocabulary.
+MAX_TOKEN_MS = 50.0
 REMEASURE_EVERY = 64  # of the executor's steps, one runs on the core's thread to measure a row's cost again
 ROW_COST_WEIGHT = 0.2  # a new measurement's weight in row_ms (a wave's first masks cost a few times more)
 # llguidance's parser limits, for the API's check of a grammar and the core's matchers alike: its defaults but
@@ -114,8 +119,8 @@ class Grammars:
         """A matcher of its own for `grammar`, at its start; the future's result is the LLMatcher, or
         GrammarError. A copy of the grammar's compiled matcher: compiled once on a compile thread for every
         request that asks while it compiles, and kept for the CACHED_GRAMMARS most recently asked (a grammar
-        that fails fails again at once), for COPIES_PER_COMPILE requests each. Cancelling the future drops the request's interest: a compile that
-        every asker dropped before it started never runs."""
+        that fails fails again at once), for COPIES_PER_COMPILE requests each. Cancelling the future drops
+        the request's interest: a compile that every asker dropped before it started never runs."""
         mine: Future = Future()
         with self._lock:
             compile_ = self._compiled.get(grammar)
@@ -183,9 +188,11 @@ class Grammars:
                                f"{brief(matcher.get_error())}")
         return matcher
 
-    def masks(self, matchers: list[llguidance.LLMatcher | None]) -> torch.Tensor:
+    def masks(self, matchers: list[llguidance.LLMatcher | None],
+              costly: list[tuple[int, float]] | None = None) -> torch.Tensor:
         """(G, W) int32 host bitmask: row g the tokens matchers[g] allows next (None: every token the
-        tokenizer has)."""
+        tokenizer has). Appends to `costly` (row, ms) of each row that took over MAX_TOKEN_MS, found on the
+        core's thread: a step the executor took that long sends the next one there."""
         vocab = self._vocabulary().vocab_size
         own = (vocab + 31) // 32  # the tokenizer's words, <= W but for a bad model
         bits = torch.full((len(matchers), own), -1, dtype=torch.int32)
@@ -193,12 +200,18 @@ class Grammars:
             bits[:, -1] = (1 << vocab % 32) - 1
         rows = [(m, g) for g, m in enumerate(matchers) if m is not None]
         # (llguidance.torch's fill_next_token_bitmask_par, whose module torch.compiles a function on import)
+        start = time.perf_counter()
         if self._takes_executor(len(rows)):
             self._executor.unsafe_compute_mask_ptr(rows, bits.data_ptr(), own * 4, len(matchers))
+            if (time.perf_counter() - start) * 1e3 > MAX_TOKEN_MS:  # find the row on the core's thread
+                self._parallel_steps = REMEASURE_EVERY - 1
         elif rows:
-            start = time.perf_counter()
             for matcher, g in rows:
+                row_start = time.perf_counter()
                 matcher.unsafe_compute_mask_ptr(bits[g].data_ptr(), own * 4)
+                took_ms = (time.perf_counter() - row_start) * 1e3
+                if costly is not None and took_ms > MAX_TOKEN_MS:
+                    costly.append((g, took_ms))
             measured = (time.perf_counter() - start) * 1e3 / len(rows)
             self.row_ms += ROW_COST_WEIGHT * (measured - self.row_ms) if self.row_ms else measured
         if own == self.words:
@@ -219,9 +232,14 @@ class Grammars:
     @staticmethod
     def accept(matcher: llguidance.LLMatcher, token: int) -> bool:
         """Advance `matcher` by the sampled `token`; -> whether the grammar is complete. GrammarError where
-        the matcher refuses it (a token the mask did not allow: a bug, or a mask-free draw)."""
+        the matcher refuses it (a token the mask did not allow: a bug, or a mask-free draw), or where it took
+        over MAX_TOKEN_MS."""
+        start = time.perf_counter()
         if not matcher.consume_token(token) or matcher.is_error():
             raise GrammarError(f"the structured output refused token {token}: {brief(matcher.get_error())}")
+        took_ms = (time.perf_counter() - start) * 1e3
+        if took_ms > MAX_TOKEN_MS:
+            raise GrammarError(too_costly(took_ms))
         return matcher.is_stopped()
 
 
@@ -301,6 +319,11 @@ def check(vocab: llguidance.LLTokenizer, grammar: str) -> str | None:
             return "the grammar allows no token"
         matcher.consume_token((allowed & -allowed).bit_length() - 1)
     return brief(matcher.get_error()) if matcher.is_error() else None
+
+
+def too_costly(took_ms: float) -> str:
+    return (f"the structured output's grammar took {took_ms:.0f} ms over one token, more than the "
+            f"{MAX_TOKEN_MS:.0f} ms a token every stream waits for")
 
 
 def brief(error: str) -> str:
