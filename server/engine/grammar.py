@@ -57,11 +57,12 @@ MASK_THREADS = 4
 CPUS_PER_MASK_THREAD = 4
 # Where the executor runs at all, it takes a step's masks only when the core's thread would take longer than
 # PARALLEL_MASKS_MS over them (rows x the measured ms a row). Cheap rows stay on the core's thread: over the
-# bench preset's 259-id vocabulary (~3 us a row) the executor's steps stalled for 3-10 ms 15-22 times in 512
-# (the core's thread: 5-6, 2 of them collector passes; tools/guided_stall_probe), and the guided closed loops
-# ran 0.5-3.6% faster without it at 64 and 256 in flight (H100 host, 16 cores). A 128K-token vocabulary costs
-# ~10x a row (llguidance walks a larger token trie), where 64 rows on one thread would take about a ms.
-PARALLEL_MASKS_MS = 0.5
+# bench preset's 259-id vocabulary (~3 us a row: 0.2 ms at 64 rows, 0.8 at 256) the executor's steps stalled
+# for 3-10 ms 15-22 times in 512 at 64 in flight (the core's thread: 5-6, 2 of them collector passes;
+# tools/guided_stall_probe), and the guided closed loops ran 0.5-3.6% faster without it at 64 and at 256 in
+# flight (an H100 host, 16 cores). A synthetic 128K-token vocabulary took 4-7 us a row on the 2-core CI box
+# (tools/mask_row_cost_probe), the executor 3x less at 256 rows of a regex, no less at 64 or over JSON.
+PARALLEL_MASKS_MS = 1.0
 # A guided choice whose grammar takes longer than this over one token (its mask, or its accept) fails: every
 # stream's step waits for it. A small grammar takes ~3-30 us a token; an ambiguous one (s: s s | "x") grows
 # without a bound llguidance's parser limits catch (a review: 16 ms at 400 tokens, 1.1 s a token over a
@@ -70,8 +71,8 @@ MAX_TOKEN_MS = 50.0
 REMEASURE_EVERY = 64  # of the executor's steps, one runs on the core's thread to measure a row's cost again
 ROW_COST_WEIGHT = 0.2  # a new measurement's weight in row_ms (a wave's first masks cost a few times more)
 # llguidance's parser limits, for the API's check of a grammar and the core's matchers alike: its defaults but
-# - a lexer step's fuel, 200K (~14 ms of one mask, ~14K a ms) -> 50K, so that no grammar holds every stream's
-#   step for more than a few ms;
+# - a lexer step's fuel, 200K (~14 ms of one mask, ~14K a ms) -> 50K, so that no lexer step holds every
+#   stream's step for more than a few ms (MAX_TOKEN_MS bounds a token's whole mask and parse);
 # - the Earley items of one row, 2,000 -> 20,000: an object's optional properties take ~4 items each and a
 #   choice's strings one, so 500 properties or 2,000 strings already failed, at whichever token first
 #   predicts them (mid-stream where they sit behind other fields); 20,000 holds any such fan-out that fits
