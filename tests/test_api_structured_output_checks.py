@@ -6,13 +6,16 @@ and neither building nor checking blocks the event loop (cases from a review).""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from server.api import structured_output
 from server.api.app import create_app
+from server.api.errors import APIError
 from server.api.structured_output import MAX_CFG_CHARS
 from server.engine import grammar as core_grammar
 from tests.asgi_client import post
@@ -109,3 +112,65 @@ def test_a_grammar_is_checked_once_for_the_requests_that_repeat_it(app, monkeypa
         r = post(app, COMPLETIONS, {"prompt": "x", "max_tokens": 4, "guided_json": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "guided_json"
     assert len(checks) == 2
+
+
+def test_checks_past_the_pending_bound_are_a_429(app, monkeypatch):
+    """The API's checks run before admission: their own bound (MAX_PENDING_CHECKS) refuses the excess."""
+    monkeypatch.setattr(structured_output, "MAX_PENDING_CHECKS", 0)
+    r = post(app, COMPLETIONS, {"prompt": "x", "max_tokens": 2, "guided_regex": "[a-z]+"})
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "too_many_grammar_checks"
+    assert post(app, COMPLETIONS, {"prompt": "x", "max_tokens": 2}).status_code == 200  # no grammar, no check
+    assert structured_output._CHECKS.pending == 0
+
+
+def test_checks_run_on_threads_of_their_own(app, monkeypatch):
+    """Not on the event loop's default executor, which shutdown uses (a review: SIGTERM waited 20 s behind
+    hung-up clients' checks)."""
+    threads = []
+    checked = structured_output._checked
+
+    def recorded(*args):
+        threads.append(threading.current_thread().name)
+        return checked(*args)
+
+    monkeypatch.setattr(structured_output, "_checked", recorded)
+    r = post(app, COMPLETIONS, {"prompt": "x", "max_tokens": 2, "guided_regex": "[a-z]+"})
+    assert r.status_code == 200 and threads and threads[0].startswith("pagewalk-check")
+    assert structured_output._CHECKS.pending == 0
+
+
+def test_a_check_whose_client_went_away_is_dropped(monkeypatch):
+    """A client gone while its grammar waits for a check thread: the check never runs, nothing stays
+    pending."""
+    ran, gate = [], threading.Event()
+    checks = structured_output.GrammarChecks()
+    checks.pool = ThreadPoolExecutor(1)
+
+    def slow(*args):
+        ran.append(args[0])
+        gate.wait(5)
+        return "grammar"
+
+    monkeypatch.setattr(structured_output, "_checked", slow)
+
+    class Gone:
+        async def is_disconnected(self):
+            return True
+
+    class Here:
+        async def is_disconnected(self):
+            return False
+
+    async def scenario():
+        busy = asyncio.ensure_future(checks.run(Here(), "busy", None, None))  # holds the one thread
+        await asyncio.sleep(0.05)
+        with pytest.raises(APIError) as gone:
+            await checks.run(Gone(), "gone", None, None)
+        assert gone.value.status == 499
+        gate.set()
+        assert await busy == "grammar"
+
+    asyncio.run(scenario())
+    checks.pool.shutdown(wait=True)
+    assert ran == ["busy"] and checks.pending == 0

@@ -159,7 +159,7 @@ async def create_chat_completion(request: Request) -> Response:
     req = await parse_body(request, ChatCompletionRequest)
     check_model(engine, req.model)
     job = _job(engine, req, request.app.state.limits, request.app.state.tool_call_parser,
-               await request_grammar(req, engine.tokenizer))
+               await request_grammar(request, req, engine.tokenizer))
     job.reservation = admit(request, [job.prompt], job.params,
                             "top_logprobs" if req.top_logprobs else "logprobs",
                             tokens_field({"max_completion_tokens": req.max_completion_tokens,

@@ -145,7 +145,7 @@ async def create_completion(request: Request) -> Response:
     engine = request.app.state.engine
     req = await parse_body(request, CompletionRequest)
     check_model(engine, req.model)
-    job = _job(engine, req, await request_grammar(req, engine.tokenizer))
+    job = _job(engine, req, await request_grammar(request, req, engine.tokenizer))
     job.reservation = admit(request, job.prompts, job.params,
                             tokens_param=tokens_field({"max_tokens": req.max_tokens}, req.n, "prompt"),
                             prompt_ks=_prompt_ks(req))

@@ -24,13 +24,17 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import Any
 
 import llguidance
+from fastapi import Request
 from llguidance import LLMatcher
 
+from server.api.admission import RETRY_AFTER_S
+from server.api.engine_stream import ClientDisconnected, unless_disconnected
 from server.api.errors import APIError
 from server.api.forced_tool_calls import forced_schema
 from server.api.protocol import ChatCompletionRequest, TagStructure, _SamplingRequest
@@ -45,6 +49,8 @@ MAX_CFG_CHARS = 8 << 10
 # grammars whose check's verdict is kept: the verdicts hold no compiled state, their keys the texts (at most
 # MAX_GRAMMAR_CHARS each: 8 MiB in all at worst)
 CHECKED_GRAMMARS = 64
+CHECK_THREADS = 2  # grammars checked at once (one may take a second: MAX_GRAMMAR_CHARS)
+MAX_PENDING_CHECKS = 32  # checks queued or running; a request past them is a 429
 
 
 @dataclass(frozen=True)
@@ -111,11 +117,40 @@ def _checked(param: str, build: Callable[[], str], tokenizer) -> str:
     return grammar.text
 
 
-async def request_grammar(req: _SamplingRequest, tokenizer) -> str | None:
+class GrammarChecks:
+    """The API's grammar checks: CHECK_THREADS threads of their own (not the event loop's default executor,
+    which shutdown uses), at most MAX_PENDING_CHECKS queued or running. They run before admission, so this
+    bound is theirs: a client sending grammars that take a second each and hanging up parked unbounded
+    work here (a review: a 20-character regex then waited 19 s, and SIGTERM 20 s)."""
+
+    def __init__(self) -> None:
+        self.pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="pagewalk-check")
+        self.pending = 0  # (the event loop's thread alone counts)
+
+    async def run(self, request: Request, param: str, build: Callable[[], str], tokenizer) -> str:
+        """_checked on a check thread; a 429 when MAX_PENDING_CHECKS are pending; dropped (a 499) when the
+        client goes away first (a check not started never starts)."""
+        if self.pending >= MAX_PENDING_CHECKS:
+            raise APIError(429, f"{MAX_PENDING_CHECKS} structured outputs are being checked; retry later.",
+                           param, "too_many_grammar_checks", {"Retry-After": str(RETRY_AFTER_S)})
+        self.pending += 1
+        try:
+            work = asyncio.get_running_loop().run_in_executor(self.pool, _checked, param, build, tokenizer)
+            return await unless_disconnected(request, work)
+        except ClientDisconnected:
+            raise APIError(499, "The client went away while its structured output was checked.") from None
+        finally:
+            self.pending -= 1
+
+
+_CHECKS = GrammarChecks()
+
+
+async def request_grammar(request: Request, req: _SamplingRequest, tokenizer) -> str | None:
     """The request's grammar (grammar_of), checked (validate): the text for SamplingParams. Both run on a
-    worker thread: building converts GBNF in Python, checking compiles the grammar."""
+    check thread (GrammarChecks): building converts GBNF in Python, checking compiles the grammar."""
     source = _source(req)
-    return None if source is None else await asyncio.to_thread(_checked, *source, tokenizer)
+    return None if source is None else await _CHECKS.run(request, *source, tokenizer)
 
 
 def json_grammar(schema: dict[str, Any] | str | None) -> str:
