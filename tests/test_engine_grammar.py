@@ -416,7 +416,7 @@ def test_a_compile_every_asker_dropped_before_it_started_never_runs(monkeypatch)
     compiles.gate.set()
     for f in [*running, wanted[1]]:
         f.result(10)
-    grammars._compiles.shutdown(wait=True)
+    grammars._small_compiles.shutdown(wait=True)
     assert dropped not in compiles.count and compiles.count[kept] == 1
     assert dropped not in grammars._compiled and kept in grammars._compiled
 
@@ -554,3 +554,16 @@ def test_a_grammar_over_the_time_limit_fails_its_request_alone(monkeypatch, asyn
         reason, error = ends[("guided", i)]
         assert reason == "error" and "ms over one token" in error
     assert not core.requests and not core._too_costly and core.kv.num_free_blocks == core.kv.num_blocks - 1
+
+
+def test_a_small_grammar_does_not_wait_behind_large_compiles(monkeypatch):
+    large = [json_grammar({"type": "object", "properties": {f"k{j}_{i}": {"type": "integer"}
+                                                            for i in range(400)}}) for j in range(3)]
+    assert all(len(g) > grammar_module.SMALL_GRAMMAR_CHARS for g in large)
+    compiles = CountedCompiles(monkeypatch, held=large)  # the large compiles wait at the gate
+    grammars = Grammars(TOKENIZER, 300, {EOS})
+    waiting = [grammars.compile(g) for g in large]
+    small = grammars.compile(regex_grammar("[a-c]+")).result(10)  # its own lane
+    assert small is not None and not any(f.done() for f in waiting)
+    compiles.gate.set()
+    assert all(f.result(30) for f in waiting)
