@@ -512,7 +512,7 @@ def test_a_choice_whose_grammar_fails_drops_its_compile(monkeypatch):
     assert not core.requests and core.kv.num_free_blocks == core.kv.num_blocks - 1
 
 
-def test_rows_and_tokens_over_the_time_limit_are_reported(monkeypatch):
+def test_rows_over_the_time_limit_are_reported(monkeypatch):
     grammars = Grammars(TOKENIZER, 300, {EOS})
     matchers = [grammars.compile(regex_grammar("[a-c]+")).result() for _ in range(2)]
     costly: list = []
@@ -521,8 +521,6 @@ def test_rows_and_tokens_over_the_time_limit_are_reported(monkeypatch):
     monkeypatch.setattr(grammar_module, "MAX_TOKEN_MS", 0.0)
     grammars.masks([matchers[0], None, matchers[1]], costly)
     assert [g for g, _ in costly] == [0, 2] and all(ms > 0 for _, ms in costly)
-    with pytest.raises(ValueError, match="took .* ms over one token"):
-        grammars.accept(matchers[0], TOKENIZER.encode("a", add_bos=False)[0])
 
 
 def test_an_executor_step_over_the_time_limit_sends_the_next_to_the_cores_thread(monkeypatch):
@@ -567,3 +565,24 @@ def test_a_small_grammar_does_not_wait_behind_large_compiles(monkeypatch):
     assert small is not None and not any(f.done() for f in waiting)
     compiles.gate.set()
     assert all(f.result(30) for f in waiting)
+
+
+def test_one_token_over_the_time_limit_is_forgiven(monkeypatch):
+    """One slow token may be the host's (the core's thread descheduled): a choice fails at its second."""
+    core, _ = build_core(config(async_scheduling=True))
+    masks = core.grammars.masks
+
+    def once_costly(matchers, costly=None):
+        bits = masks(matchers, costly)
+        if costly is not None and not once_costly.done:
+            costly.append((0, 80.0))
+            once_costly.done = True
+        return bits
+
+    once_costly.done = False
+    core.grammars.masks = once_costly
+    reqs = [("g", [1, 80, 81], SamplingParams(max_tokens=6, temperature=0.0, grammar=regex_grammar("ab")))]
+    tokens, ends = run(core, reqs)
+    assert once_costly.done and ends[("g", 0)] == ("stop", None)
+    assert TOKENIZER.decode(tokens[("g", 0)]) == "ab"
+    assert not core._strikes and not core._too_costly

@@ -33,6 +33,7 @@ import torch
 
 from kvcache import KVCacheManager
 from kvcache.snapshot import block_map
+from server.engine import grammar
 from server.engine.grammar import GrammarError, Grammars, TokenMask, too_costly
 from server.engine.outputs import CoreStats, EngineRequest, SeqUpdate, StepUpdate, TokenLogprobs
 from server.engine.prompt_logprobs import prompt_logprobs
@@ -70,7 +71,8 @@ class EngineCore:
         self._in_flight: _Launched | None = None  # launched, not post-processed
         self.grammars = grammars
         self._compiling: dict[str, Future] = {}  # request id -> its matcher, compiling (not yet scheduled)
-        self._too_costly: dict[str, float] = {}  # guided request id -> its mask's ms, over MAX_TOKEN_MS
+        self._strikes: dict[str, int] = {}  # guided request id -> its tokens over grammar.MAX_TOKEN_MS
+        self._too_costly: dict[str, float] = {}  # -> the mask's ms that made GRAMMAR_STRIKES: it fails
         self._guided: set[str] = set()  # the requests with a structured output
         self.generated_tokens = 0  # output tokens in the updates, all time
         self.prefill_tokens = 0  # prompt (and recomputed) tokens scheduled, all time
@@ -172,6 +174,7 @@ class EngineCore:
             del self.requests[req.request_id]
             self._guided.discard(req.request_id)
             self._too_costly.pop(req.request_id, None)
+            self._strikes.pop(req.request_id, None)
             compiling = self._compiling.pop(req.request_id, None)
             if compiling is not None:  # aborted while compiling: a compile not started yet never starts
                 compiling.cancel()
@@ -244,11 +247,29 @@ class EngineCore:
             matchers = [None if seq.is_finished else seq.matcher for seq in seqs]
             costly: list[tuple[int, float]] = []
             bits = self.grammars.masks(matchers, costly)
-            for i, took_ms in costly:  # its token in this step fails its request (_finish_checks)
-                self._too_costly[seqs[i].request_id] = took_ms
+            for i, took_ms in costly:  # at its last strike, its token in this step fails it (_finish_checks)
+                if self._strike(seqs[i].request_id):
+                    self._too_costly[seqs[i].request_id] = took_ms
             return TokenMask(guided, bits)
 
         return masks
+
+    def _accept(self, seq: Sequence, token: int) -> bool:
+        """The guided choice's matcher takes its token (Grammars.accept) -> whether the grammar is complete;
+        GrammarError where its request's grammar made its last strike (its mask, or this parse)."""
+        if seq.request_id in self._too_costly:
+            raise GrammarError(too_costly(self._too_costly[seq.request_id]))
+        start = time.perf_counter()
+        complete = self.grammars.accept(seq.matcher, token)
+        took_ms = (time.perf_counter() - start) * 1e3
+        if took_ms > grammar.MAX_TOKEN_MS and self._strike(seq.request_id):
+            raise GrammarError(too_costly(took_ms))
+        return complete
+
+    def _strike(self, request_id: str) -> bool:
+        """A token of the request's grammar took over MAX_TOKEN_MS -> whether that fails it."""
+        self._strikes[request_id] = self._strikes.get(request_id, 0) + 1
+        return self._strikes[request_id] >= grammar.GRAMMAR_STRIKES
 
     def _postprocess(self, launched: _Launched) -> list[SeqUpdate]:
         try:
@@ -311,9 +332,7 @@ class EngineCore:
             if samples.logprobs is not None and p.logprobs is not None else None
         num_output = len(token_ids) - len(seq.prompt_token_ids)
         reason, stop_token = None, None
-        if seq.request_id in self._too_costly:
-            raise GrammarError(too_costly(self._too_costly[seq.request_id]))
-        complete = seq.matcher is not None and self.grammars.accept(seq.matcher, token)
+        complete = seq.matcher is not None and self._accept(seq, token)
         if p.stop_token_ids and token in p.stop_token_set:
             reason, stop_token = "stop", token
         elif token in self.eos_token_ids and not p.ignore_eos:
