@@ -523,20 +523,39 @@ def test_rows_over_the_time_limit_are_reported(monkeypatch):
     assert [g for g, _ in costly] == [0, 2] and all(ms > 0 for _, ms in costly)
 
 
-def test_an_executor_step_over_the_time_limit_sends_the_next_to_the_cores_thread(monkeypatch):
+def test_an_executor_step_over_the_time_limit_is_timed_again_row_by_row(monkeypatch):
+    """The executor's step tells no row's time: its rows are computed again on the core's thread, in the same
+    step (a mask moves no matcher), so that a slow token between cheap ones is struck (a review)."""
     executor = CountedExecutor()
     monkeypatch.setattr(Grammars, "_executor", executor)
     monkeypatch.setattr(grammar_module, "PARALLEL_MASKS_MS", 0.0)
     grammars = Grammars(TOKENIZER, 300, {EOS})
     grammars.row_ms = 1.0
     matchers = [grammars.compile(regex_grammar("[a-c]+")).result() for _ in range(2)]
-    grammars.masks(matchers)
+    want = grammars.masks(matchers)
     assert executor.steps == 1
-    monkeypatch.setattr(grammar_module, "MAX_TOKEN_MS", 0.0)  # that step was "too long"
+    monkeypatch.setattr(grammar_module, "MAX_TOKEN_MS", 0.0)  # every step and row "too long" now
     costly: list = []
-    grammars.masks(matchers, costly)  # the executor's, over the limit
-    grammars.masks(matchers, costly)  # the core's thread: each row timed
+    assert torch.equal(grammars.masks(matchers, costly), want)
     assert executor.steps == 2 and [g for g, _ in costly] == [0, 1]
+
+
+def test_a_slow_row_moves_the_measured_row_cost_a_bounded_step(monkeypatch):
+    """A row over the limit is left out of row_ms, and one measurement counts as at most ROW_COST_JUMP times
+    it: one slow step kept cheap rows on the executor for ~700 steps (a review)."""
+    grammars = Grammars(TOKENIZER, 300, {EOS})
+    matchers = [grammars.compile(regex_grammar("[a-c]+")).result() for _ in range(4)]
+    grammars.masks(matchers)
+    first = grammars.row_ms
+    monkeypatch.setattr(grammar_module, "MAX_TOKEN_MS", 0.0)
+    grammars.masks(matchers, [])  # every row over the limit: none measured
+    assert grammars.row_ms == first
+    monkeypatch.setattr(grammar_module, "MAX_TOKEN_MS", 50.0)
+    clock = iter(x * 1e-3 for x in [0, 0, 40, 40, 80, 80, 120, 120, 160])  # rows of 40 ms each
+    monkeypatch.setattr(grammar_module.time, "perf_counter", lambda: next(clock))
+    grammars.masks(matchers)
+    jump = grammar_module.ROW_COST_JUMP
+    assert grammars.row_ms == pytest.approx(first + grammar_module.ROW_COST_WEIGHT * (jump - 1) * first)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -585,4 +604,25 @@ def test_one_token_over_the_time_limit_is_forgiven(monkeypatch):
     tokens, ends = run(core, reqs)
     assert once_costly.done and ends[("g", 0)] == ("stop", None)
     assert TOKENIZER.decode(tokens[("g", 0)]) == "ab"
+    assert not core._strikes and not core._too_costly
+
+
+def test_each_choice_has_its_own_strikes(monkeypatch):
+    """n = 2 choices take their first token from the grammar's start in one step: one slow token each is
+    each one's first strike, not the request's second (a review)."""
+    core, _ = build_core(config(async_scheduling=True))
+    masks = core.grammars.masks
+
+    def first_step_costly(matchers, costly=None):
+        bits = masks(matchers, costly)
+        if costly is not None and not first_step_costly.done:
+            costly.extend((g, 80.0) for g, m in enumerate(matchers) if m is not None)
+            first_step_costly.done = True
+        return bits
+
+    first_step_costly.done = False
+    core.grammars.masks = first_step_costly
+    params = SamplingParams(max_tokens=6, temperature=0.0, n=2, grammar=regex_grammar("ab"))
+    tokens, ends = run(core, [("g", [1, 80, 81], params)])
+    assert first_step_costly.done and ends == {("g", 0): ("stop", None), ("g", 1): ("stop", None)}
     assert not core._strikes and not core._too_costly

@@ -71,7 +71,7 @@ class EngineCore:
         self._in_flight: _Launched | None = None  # launched, not post-processed
         self.grammars = grammars
         self._compiling: dict[str, Future] = {}  # request id -> its matcher, compiling (not yet scheduled)
-        self._strikes: dict[str, int] = {}  # guided request id -> its tokens over grammar.MAX_TOKEN_MS
+        self._strikes: dict[tuple[str, int], int] = {}  # guided choice -> its tokens over MAX_TOKEN_MS
         self._too_costly: dict[str, float] = {}  # -> the mask's ms that made GRAMMAR_STRIKES: it fails
         self._guided: set[str] = set()  # the requests with a structured output
         self.generated_tokens = 0  # output tokens in the updates, all time
@@ -174,7 +174,8 @@ class EngineCore:
             del self.requests[req.request_id]
             self._guided.discard(req.request_id)
             self._too_costly.pop(req.request_id, None)
-            self._strikes.pop(req.request_id, None)
+            for seq in req.seqs:
+                self._strikes.pop((req.request_id, seq.index), None)
             compiling = self._compiling.pop(req.request_id, None)
             if compiling is not None:  # aborted while compiling: a compile not started yet never starts
                 compiling.cancel()
@@ -248,7 +249,7 @@ class EngineCore:
             costly: list[tuple[int, float]] = []
             bits = self.grammars.masks(matchers, costly)
             for i, took_ms in costly:  # at its last strike, its token in this step fails it (_finish_checks)
-                if self._strike(seqs[i].request_id):
+                if self._strike(seqs[i]):
                     self._too_costly[seqs[i].request_id] = took_ms
             return TokenMask(guided, bits)
 
@@ -262,14 +263,16 @@ class EngineCore:
         start = time.perf_counter()
         complete = self.grammars.accept(seq.matcher, token)
         took_ms = (time.perf_counter() - start) * 1e3
-        if took_ms > grammar.MAX_TOKEN_MS and self._strike(seq.request_id):
+        if took_ms > grammar.MAX_TOKEN_MS and self._strike(seq):
             raise GrammarError(too_costly(took_ms))
         return complete
 
-    def _strike(self, request_id: str) -> bool:
-        """A token of the request's grammar took over MAX_TOKEN_MS -> whether that fails it."""
-        self._strikes[request_id] = self._strikes.get(request_id, 0) + 1
-        return self._strikes[request_id] >= grammar.GRAMMAR_STRIKES
+    def _strike(self, seq: Sequence) -> bool:
+        """A token of the choice's grammar took over MAX_TOKEN_MS -> whether that fails its request (each
+        choice's own count: n choices take their first token from the grammar's start in one step)."""
+        key = (seq.request_id, seq.index)
+        self._strikes[key] = self._strikes.get(key, 0) + 1
+        return self._strikes[key] >= grammar.GRAMMAR_STRIKES
 
     def _postprocess(self, launched: _Launched) -> list[SeqUpdate]:
         try:

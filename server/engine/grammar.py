@@ -74,6 +74,7 @@ MAX_TOKEN_MS = 50.0
 GRAMMAR_STRIKES = 2  # tokens over MAX_TOKEN_MS that fail a choice: one may be the host's (thread descheduled)
 REMEASURE_EVERY = 64  # of the executor's steps, one runs on the core's thread to measure a row's cost again
 ROW_COST_WEIGHT = 0.2  # a new measurement's weight in row_ms (a wave's first masks cost a few times more)
+ROW_COST_JUMP = 4.0  # a measurement counts as at most this many times row_ms
 # llguidance's parser limits, for the API's check of a grammar and the core's matchers alike: its defaults but
 # - a lexer step's fuel, 200K (~14 ms of one mask, ~14K a ms) -> 50K, so that no lexer step holds every
 #   stream's step for more than a few ms (MAX_TOKEN_MS bounds a token's mask and its parse);
@@ -199,7 +200,7 @@ class Grammars:
               costly: list[tuple[int, float]] | None = None) -> torch.Tensor:
         """(G, W) int32 host bitmask: row g the tokens matchers[g] allows next (None: every token the
         tokenizer has). Appends to `costly` (row, ms) of each row that took over MAX_TOKEN_MS, found on the
-        core's thread: a step the executor took that long sends the next one there."""
+        core's thread: a step the executor took that long is computed there again, each row timed."""
         vocab = self._vocabulary().vocab_size
         own = (vocab + 31) // 32  # the tokenizer's words, <= W but for a bad model
         bits = torch.full((len(matchers), own), -1, dtype=torch.int32)
@@ -210,22 +211,37 @@ class Grammars:
         start = time.perf_counter()
         if self._takes_executor(len(rows)):
             self._executor.unsafe_compute_mask_ptr(rows, bits.data_ptr(), own * 4, len(matchers))
-            if (time.perf_counter() - start) * 1e3 > MAX_TOKEN_MS:  # find the row on the core's thread
-                self._parallel_steps = REMEASURE_EVERY - 1
+            if (time.perf_counter() - start) * 1e3 > MAX_TOKEN_MS:  # which row? (a mask moves no matcher)
+                self._timed_rows(rows, bits, own, costly)
         elif rows:
-            for matcher, g in rows:
-                row_start = time.perf_counter()
-                matcher.unsafe_compute_mask_ptr(bits[g].data_ptr(), own * 4)
-                took_ms = (time.perf_counter() - row_start) * 1e3
-                if costly is not None and took_ms > MAX_TOKEN_MS:
-                    costly.append((g, took_ms))
-            measured = (time.perf_counter() - start) * 1e3 / len(rows)
-            self.row_ms += ROW_COST_WEIGHT * (measured - self.row_ms) if self.row_ms else measured
+            self._timed_rows(rows, bits, own, costly)
         if own == self.words:
             return bits
         wide = torch.zeros(len(matchers), self.words, dtype=torch.int32)
         wide[:, :min(own, self.words)] = bits[:, :self.words]
         return wide
+
+    def _timed_rows(self, rows: list, bits: torch.Tensor, own: int, costly: list | None) -> None:
+        """The rows' masks on the core's thread, each timed: those over MAX_TOKEN_MS go to `costly`, the
+        others into row_ms (a measurement at most ROW_COST_JUMP times it: a descheduled thread or a
+        collector pass would keep cheap rows on the executor for hundreds of steps)."""
+        cheap_ms, cheap = 0.0, 0
+        for matcher, g in rows:
+            row_start = time.perf_counter()
+            matcher.unsafe_compute_mask_ptr(bits[g].data_ptr(), own * 4)
+            took_ms = (time.perf_counter() - row_start) * 1e3
+            if took_ms > MAX_TOKEN_MS:
+                if costly is not None:
+                    costly.append((g, took_ms))
+            else:
+                cheap_ms, cheap = cheap_ms + took_ms, cheap + 1
+        if cheap:
+            measured = cheap_ms / cheap
+            if self.row_ms:
+                measured = min(measured, ROW_COST_JUMP * self.row_ms)
+                self.row_ms += ROW_COST_WEIGHT * (measured - self.row_ms)
+            else:
+                self.row_ms = measured
 
     def _takes_executor(self, rows: int) -> bool:
         """Whether a step's `rows` masks go to the executor: where there is one, the core's thread would take
