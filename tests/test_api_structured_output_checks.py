@@ -115,8 +115,8 @@ def test_a_grammar_is_checked_once_for_the_requests_that_repeat_it(app, monkeypa
 
 
 def test_checks_past_the_pending_bound_are_a_429(app, monkeypatch):
-    """The API's checks run before admission: their own bound (MAX_PENDING_CHECKS) refuses the excess."""
-    monkeypatch.setattr(structured_output, "MAX_PENDING_CHECKS", 0)
+    """The API's checks run before admission: their own bound (pending_limit) refuses the excess."""
+    monkeypatch.setattr(structured_output, "pending_limit", lambda engine: 0)
     r = post(app, COMPLETIONS, {"prompt": "x", "max_tokens": 2, "guided_regex": "[a-z]+"})
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
     assert r.json()["error"]["code"] == "too_many_grammar_checks"
@@ -163,10 +163,10 @@ def test_a_check_whose_client_went_away_is_dropped(monkeypatch):
             return False
 
     async def scenario():
-        busy = asyncio.ensure_future(checks.run(Here(), "busy", None, None))  # holds the one thread
+        busy = asyncio.ensure_future(checks.run(Here(), 8, "busy", None, None))  # holds the one thread
         await asyncio.sleep(0.05)
         with pytest.raises(APIError) as gone:
-            await checks.run(Gone(), "gone", None, None)
+            await checks.run(Gone(), 8, "gone", None, None)
         assert gone.value.status == 499
         gate.set()
         assert await busy == "grammar"
@@ -174,3 +174,21 @@ def test_a_check_whose_client_went_away_is_dropped(monkeypatch):
     asyncio.run(scenario())
     checks.pool.shutdown(wait=True)
     assert ran == ["busy"] and checks.pending == 0
+
+
+def test_a_burst_the_server_would_admit_is_not_refused_by_the_checks(app):
+    """64 guided requests at once, one grammar (its verdict kept): none is a 429 (a review: 32 pending checks
+    were the bound, below max_num_seqs)."""
+    engine = app.state.engine
+    assert structured_output.pending_limit(engine) >= engine.max_waiting + engine.config.max_num_seqs
+
+    async def burst():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            body = {"prompt": "x", "max_tokens": 1, "guided_regex": "[a-z]+"}
+            return await asyncio.gather(*(client.post(COMPLETIONS, json=body) for _ in range(64)))
+
+    answers = asyncio.run(burst())
+    assert not [r for r in answers if "too_many_grammar_checks" in r.text]
+    assert sum(r.status_code == 200 for r in answers) >= app.state.engine.config.max_num_seqs
+    assert structured_output._CHECKS.pending == 0

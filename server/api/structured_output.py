@@ -50,7 +50,6 @@ MAX_CFG_CHARS = 8 << 10
 # MAX_GRAMMAR_CHARS each: 8 MiB in all at worst)
 CHECKED_GRAMMARS = 64
 CHECK_THREADS = 2  # grammars checked at once (one may take a second: MAX_GRAMMAR_CHARS)
-MAX_PENDING_CHECKS = 32  # checks queued or running; a request past them is a 429
 
 
 @dataclass(frozen=True)
@@ -119,20 +118,21 @@ def _checked(param: str, build: Callable[[], str], tokenizer) -> str:
 
 class GrammarChecks:
     """The API's grammar checks: CHECK_THREADS threads of their own (not the event loop's default executor,
-    which shutdown uses), at most MAX_PENDING_CHECKS queued or running. They run before admission, so this
-    bound is theirs: a client sending grammars that take a second each and hanging up parked unbounded
-    work here (a review: a 20-character regex then waited 19 s, and SIGTERM 20 s)."""
+    which shutdown uses), as many queued or running as the server has places for requests (pending_limit).
+    They run before admission, so this bound is theirs: a client sending grammars that take a second each
+    and hanging up parked unbounded work here (a review: a 20-character regex then waited 19 s, and SIGTERM
+    20 s); a hung-up client's queued check is dropped."""
 
     def __init__(self) -> None:
         self.pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="pagewalk-check")
         self.pending = 0  # (the event loop's thread alone counts)
 
-    async def run(self, request: Request, param: str, build: Callable[[], str], tokenizer) -> str:
-        """_checked on a check thread; a 429 when MAX_PENDING_CHECKS are pending; dropped (a 499) when the
-        client goes away first (a check not started never starts)."""
-        if self.pending >= MAX_PENDING_CHECKS:
-            raise APIError(429, f"{MAX_PENDING_CHECKS} structured outputs are being checked; retry later.",
-                           param, "too_many_grammar_checks", {"Retry-After": str(RETRY_AFTER_S)})
+    async def run(self, request: Request, limit: int, param: str, build: Callable[[], str], tokenizer) -> str:
+        """_checked on a check thread; a 429 with `limit` checks pending (pending_limit); dropped (a 499)
+        when the client goes away first (a check not started never starts)."""
+        if self.pending >= limit:
+            raise APIError(429, f"{limit} structured outputs are being checked; retry later.", param,
+                           "too_many_grammar_checks", {"Retry-After": str(RETRY_AFTER_S)})
         self.pending += 1
         try:
             work = asyncio.get_running_loop().run_in_executor(self.pool, _checked, param, build, tokenizer)
@@ -143,6 +143,13 @@ class GrammarChecks:
             self.pending -= 1
 
 
+def pending_limit(engine) -> int:
+    """Checks queued or running at most: the requests the server can hold (its waiting queue and running
+    sequences), so that a burst it would admit is never refused here (each check, a verdict kept or a
+    regex, takes ~0.1 ms)."""
+    return engine.max_waiting + engine.config.max_num_seqs
+
+
 _CHECKS = GrammarChecks()
 
 
@@ -150,7 +157,9 @@ async def request_grammar(request: Request, req: _SamplingRequest, tokenizer) ->
     """The request's grammar (grammar_of), checked (validate): the text for SamplingParams. Both run on a
     check thread (GrammarChecks): building converts GBNF in Python, checking compiles the grammar."""
     source = _source(req)
-    return None if source is None else await _CHECKS.run(request, *source, tokenizer)
+    if source is None:
+        return None
+    return await _CHECKS.run(request, pending_limit(request.app.state.engine), *source, tokenizer)
 
 
 def json_grammar(schema: dict[str, Any] | str | None) -> str:
