@@ -488,6 +488,11 @@ def test_a_kept_compile_serves_a_bounded_number_of_requests(monkeypatch):
         grammars.compile(grammar).result()
     assert compiles.count == {grammar: 2} and len(grammars._compiled) == 1
     assert grammars._compiled_chars == len(grammar)
+    held = regex_grammar("[ab]*b[ab]{3}")
+    compiles.held.add(held)  # a burst's askers share a compile still running, however many they are
+    burst = [grammars.compile(held) for _ in range(3 * grammar_module.COPIES_PER_COMPILE)]
+    compiles.gate.set()
+    assert all(f.result(10) for f in burst) and compiles.count[held] == 1
 
 
 def test_a_choice_whose_grammar_fails_drops_its_compile(monkeypatch):

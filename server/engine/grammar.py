@@ -131,7 +131,7 @@ class Grammars:
         mine: Future = Future()
         with self._lock:
             compile_ = self._compiled.get(grammar)
-            if compile_ is not None and compile_.copies >= COPIES_PER_COMPILE:
+            if compile_ is not None and compile_.copies >= COPIES_PER_COMPILE and compile_.done.done():
                 self._drop(grammar)
                 compile_ = None
             if compile_ is None:
