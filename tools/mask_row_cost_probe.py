@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
-import time
 
 import llguidance
 import torch
+
+from tools.grammar_mask_probe import median_ms
 
 TOKENS = 128_000
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
@@ -62,15 +62,6 @@ def advanced(vocab: llguidance.LLTokenizer, grammar: str, rows: int, rng: random
             m.consume_token(int(ids[rng.randrange(min(200, len(ids)))]))
         matchers.append(m)
     return matchers
-
-
-def median_ms(fn, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
