@@ -166,8 +166,7 @@ class Grammars:
         """Drops the least recently asked compiles past the bounds (the newest stays, however large)."""
         while len(self._compiled) > 1 and (len(self._compiled) > CACHED_GRAMMARS
                                            or self._compiled_chars > CACHED_GRAMMAR_CHARS):
-            grammar, _ = self._compiled.popitem(last=False)
-            self._compiled_chars -= len(grammar)
+            self._drop(next(iter(self._compiled)))
 
     def _first_matcher(self, grammar: str, compile_: _Compile) -> llguidance.LLMatcher:
         """The compile thread's job: the grammar's matcher, which is never advanced (askers get copies)."""
