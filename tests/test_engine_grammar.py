@@ -7,6 +7,7 @@ grammar compiles; the sampler's bitmask against a dense mask."""
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import re
 import threading
@@ -631,3 +632,55 @@ def test_each_choice_has_its_own_strikes(monkeypatch):
     tokens, ends = run(core, [("g", [1, 80, 81], params)])
     assert first_step_costly.done and ends == {("g", 0): ("stop", None), ("g", 1): ("stop", None)}
     assert not core._strikes and not core._too_costly
+
+
+def slow_masks_at(core, outputs: set[int]) -> list[int]:
+    """Report the mask of one guided choice over MAX_TOKEN_MS at its output tokens `outputs` (0-based: its
+    k-th mask is its k-th token's) -> the outputs struck so far."""
+    masks = core.grammars.masks
+    struck: list[int] = []
+    counted = itertools.count()
+
+    def slow_at(matchers, costly=None):
+        bits = masks(matchers, costly)
+        if costly is not None and matchers[0] is not None:
+            k = next(counted)
+            if k in outputs:
+                costly.append((0, 80.0))
+                struck.append(k)
+        return bits
+
+    core.grammars.masks = slow_at
+    return struck
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_slow_tokens_a_window_apart_are_forgiven(async_scheduling):
+    """Two host hiccups far apart in a long reply are no costly grammar: a strike expires after STRIKE_WINDOW
+    tokens of the choice (a review)."""
+    core, _ = build_core(config(async_scheduling))
+    window = grammar_module.STRIKE_WINDOW
+    struck = slow_masks_at(core, {2, 2 + window})  # the second is the first's window's next token
+    length = window + 8
+    params = SamplingParams(max_tokens=length, temperature=0.0, grammar=regex_grammar(f"[a-c]{{{length}}}"))
+    tokens, ends = run(core, [("g", [1, 80, 81], params)])
+    assert struck == [2, 2 + window] and ends[("g", 0)] == ("stop", None)
+    assert re.fullmatch(f"[a-c]{{{length}}}", TOKENIZER.decode(tokens[("g", 0)]))
+    assert not core._strikes and not core._too_costly
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_slow_tokens_within_a_window_fail_the_choice(async_scheduling):
+    """A struck token counts for STRIKE_WINDOW tokens of its choice: the third slow token, the last of the
+    second's window, fails it (the first has expired)."""
+    core, _ = build_core(config(async_scheduling))
+    window = grammar_module.STRIKE_WINDOW
+    last = 2 * window  # 1 + window + (window - 1)
+    struck = slow_masks_at(core, {1, 1 + window, last})
+    length = last + 8
+    params = SamplingParams(max_tokens=length, temperature=0.0, grammar=regex_grammar(f"[a-c]{{{length}}}"))
+    tokens, ends = run(core, [("g", [1, 80, 81], params)])
+    reason, error = ends[("g", 0)]
+    assert struck == [1, 1 + window, last] and reason == "error" and "ms over one token" in error
+    assert len(tokens[("g", 0)]) == last  # those before its last strike; that one fails it
+    assert not core.requests and not core._strikes and not core._too_costly

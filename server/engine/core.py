@@ -71,7 +71,9 @@ class EngineCore:
         self._in_flight: _Launched | None = None  # launched, not post-processed
         self.grammars = grammars
         self._compiling: dict[str, Future] = {}  # request id -> its matcher, compiling (not yet scheduled)
-        self._strikes: dict[tuple[str, int], int] = {}  # guided choice -> its tokens over MAX_TOKEN_MS
+        # guided choice -> the positions (in its token_ids) of its tokens over MAX_TOKEN_MS, those within
+        # STRIKE_WINDOW of its latest: at most GRAMMAR_STRIKES
+        self._strikes: dict[tuple[str, int], list[int]] = {}
         self._too_costly: dict[str, float] = {}  # -> the mask's ms that made GRAMMAR_STRIKES: it fails
         self._guided: set[str] = set()  # the requests with a structured output
         self.generated_tokens = 0  # output tokens in the updates, all time
@@ -249,7 +251,7 @@ class EngineCore:
             costly: list[tuple[int, float]] = []
             bits = self.grammars.masks(matchers, costly)
             for i, took_ms in costly:  # at its last strike, its token in this step fails it (_finish_checks)
-                if self._strike(seqs[i]):
+                if self._strike(seqs[i], len(seqs[i].token_ids)):  # where this mask's token lands
                     self._too_costly[seqs[i].request_id] = took_ms
             return TokenMask(guided, bits)
 
@@ -263,16 +265,19 @@ class EngineCore:
         start = time.perf_counter()
         complete = self.grammars.accept(seq.matcher, token)
         took_ms = (time.perf_counter() - start) * 1e3
-        if took_ms > grammar.MAX_TOKEN_MS and self._strike(seq):
+        if took_ms > grammar.MAX_TOKEN_MS and self._strike(seq, len(seq.token_ids) - 1):
             raise GrammarError(too_costly(took_ms))
         return complete
 
-    def _strike(self, seq: Sequence) -> bool:
-        """A token of the choice's grammar took over MAX_TOKEN_MS -> whether that fails its request (each
-        choice's own count: n choices take their first token from the grammar's start in one step)."""
+    def _strike(self, seq: Sequence, position: int) -> bool:
+        """The choice's grammar took over MAX_TOKEN_MS over its token at `position` (in its token_ids; its
+        mask and its parse may both strike it) -> whether that fails its request: GRAMMAR_STRIKES of its
+        tokens within STRIKE_WINDOW consecutive ones (each choice's own: n choices take their first token from
+        the grammar's start in one step)."""
         key = (seq.request_id, seq.index)
-        self._strikes[key] = self._strikes.get(key, 0) + 1
-        return self._strikes[key] >= grammar.GRAMMAR_STRIKES
+        recent = [p for p in self._strikes.get(key, ()) if position - p < grammar.STRIKE_WINDOW]
+        self._strikes[key] = recent + [position]
+        return len(self._strikes[key]) >= grammar.GRAMMAR_STRIKES
 
     def _postprocess(self, launched: _Launched) -> list[SeqUpdate]:
         try:

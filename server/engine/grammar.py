@@ -72,6 +72,12 @@ PARALLEL_MASKS_MS = 1.0
 # 128K-token vocabulary at 100), a 3,000-property schema takes ~40 ms at its "{" over the bench vocabulary.
 MAX_TOKEN_MS = 50.0
 GRAMMAR_STRIKES = 2  # tokens over MAX_TOKEN_MS that fail a choice: one may be the host's (thread descheduled)
+# ... within this many consecutive tokens of the choice: a host's hiccups far apart in a long reply do not
+# add up, while a costly grammar meets its strikes in a row (slow at every token once its parse has grown) or
+# where its structure repeats a slow spot (each "{" of a list of large objects). 64 tokens fail a slow spot
+# that repeats within 64 tokens and let a rarer one hold every stream's step at most once in 64 of the
+# choice's tokens; two hiccups of the host (seconds apart) rarely fall within 64 decode steps of one choice.
+STRIKE_WINDOW = 64
 REMEASURE_EVERY = 64  # of the executor's steps, one runs on the core's thread to measure a row's cost again
 ROW_COST_WEIGHT = 0.2  # a new measurement's weight in row_ms (a wave's first masks cost a few times more)
 ROW_COST_JUMP = 4.0  # a measurement counts as at most this many times row_ms
