@@ -1,5 +1,6 @@
-"""logit_bias (OpenAI), min_tokens, include_stop_str_in_output and allowed_token_ids (vLLM) through the HTTP
-API on the tiny preset: what they do to the tokens and text, streamed and not, and the 400s of bad values."""
+"""logit_bias (OpenAI), min_tokens, include_stop_str_in_output, allowed_token_ids and bad_words (vLLM) through
+the HTTP API on the tiny preset: what they do to the tokens and text, streamed and not, and the 400s of bad
+values."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import json
 import pytest
 
 from server.api.app import create_app
-from server.engine.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from server.api.sampling import bad_words_ids
+from server.engine.sampling_params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, SamplingParams
 from server.model.tokenizer import ByteTokenizer
 from tests.asgi_client import post
 from tests.engine_helpers import started_engine
@@ -166,6 +168,11 @@ def test_allowed_ids_the_model_masks_are_still_the_only_ones(app):
     ({"min_tokens": -1}, "min_tokens", ""),
     ({"min_tokens": "2"}, "min_tokens", ""),
     ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output", ""),
+    ({"bad_words": "ab"}, "bad_words", ""),
+    ({"bad_words": [""]}, "bad_words", ""),
+    ({"bad_words": [3]}, "bad_words", ""),
+    ({"bad_words": ["w"] * (MAX_BAD_WORDS + 1)}, "bad_words", ""),
+    ({"bad_words": ["x" * MAX_BAD_WORD_TOKENS]}, "bad_words", "1 to 64 tokens"),  # its spaced spelling: 65
 ])
 def test_bad_values_are_400s_naming_the_field(app, fields, param, message):
     r = post(app, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, **fields})
@@ -187,3 +194,30 @@ def test_min_tokens_holds_back_a_bounded_number_of_stop_token_ids():
     SamplingParams(stop_token_ids=ids[:-1], min_tokens=1).validate(100_000)
     with pytest.raises(ValueError, match="min_tokens holds back at most"):
         SamplingParams(stop_token_ids=ids, min_tokens=1).validate(100_000)
+
+
+def test_bad_words_never_appear_in_the_text(app):
+    """Words taken from the plain greedy reply: the reply changes and holds none of them, streamed or not,
+    through the completions and the chat API."""
+    plain = complete(app, max_tokens=12)["choices"][0]["text"]
+    words = [plain[2:5], plain[7]]
+    for n in (1, 2):
+        for choice in complete(app, max_tokens=12, bad_words=words, n=n)["choices"]:
+            text = choice["text"]
+            assert text != plain and not any(w in text for w in words), (text, words)
+    text, _, _ = streamed(app, max_tokens=12, bad_words=words)
+    assert text != plain and not any(w in text for w in words)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, "temperature": 0}
+    plain = post(app, "/v1/chat/completions", chat).json()["choices"][0]["message"]["content"]
+    r = post(app, "/v1/chat/completions", {**chat, "bad_words": [plain[1:3]]})
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["message"]["content"]
+    assert text != plain and plain[1:3] not in text
+    assert complete(app, bad_words=[])["choices"][0]["text"] == complete(app)["choices"][0]["text"]
+
+
+def test_bad_words_encode_bare_and_after_a_space():
+    tok = ByteTokenizer()
+    ids = bad_words_ids(tok, ["  ab", "ab", " "])
+    assert ids == [tok.encode("ab", add_bos=False), tok.encode(" ab", add_bos=False),
+                   tok.encode(" ", add_bos=False)]

@@ -370,15 +370,17 @@ def test_generation_config_sampling_values_are_the_defaults_a_request_omits(tmp_
     from server.api.protocol import CompletionRequest
     from server.api.sampling import sampling_params
     from server.model.loader import sampling_defaults
+    from server.model.tokenizer import ByteTokenizer
 
     copy_checkpoint(llama_dir, tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": 2, "temperature": 0.6, "top_p": 0.9, "do_sample": True}))
     defaults = sampling_defaults(str(tmp_path))
     assert defaults == {"temperature": 0.6, "top_p": 0.9}
-    omitted = sampling_params(CompletionRequest(prompt="x"), 4, None, 320, defaults)
+    omitted = sampling_params(CompletionRequest(prompt="x"), 4, None, ByteTokenizer(320), defaults)
     assert (omitted.temperature, omitted.top_p, omitted.min_p) == (0.6, 0.9, 0.0)
-    given = sampling_params(CompletionRequest(prompt="x", temperature=0.0, top_p=1.0), 4, None, 320, defaults)
+    given = sampling_params(CompletionRequest(prompt="x", temperature=0.0, top_p=1.0), 4, None,
+                            ByteTokenizer(320), defaults)
     assert (given.temperature, given.top_p) == (0.0, 1.0)
     assert sampling_defaults("tiny") == {}
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": "hot"}))

@@ -38,6 +38,7 @@ from server.engine.sampling_params import SamplingParams
 from server.heap import freeze_startup_heap
 
 MODES = {"greedy": {"temperature": 0.0}, "sample": {"temperature": 0.8, "top_p": 0.95}}
+BAD_WORDS = 16  # words of each request in a :bad_words closed loop (vLLM bounds none; pagewalk 128)
 
 
 class Probe:
@@ -178,7 +179,7 @@ def run_batch(core, probe: Probe, batch: int, prompt_len: int, warmup: int, step
 
 def closed_loop(core, concurrency: int, num_requests: int, prompt_len: int, output_len: int,
                 cached: bool = False, sampled: bool = False, probe: Probe | None = None,
-                guided: bool = False) -> dict:
+                guided: bool = False, bad_words: bool = False) -> dict:
     """The HTTP benchmark's workload without HTTP: `concurrency` requests of `prompt_len` random prompt tokens
     and `output_len` greedy output tokens (ignore_eos) kept in flight on the core, a new one added as one
     finishes, until `num_requests` finished. -> output tok/s over the whole run (prefill included).
@@ -189,7 +190,8 @@ def closed_loop(core, concurrency: int, num_requests: int, prompt_len: int, outp
     guided=True gives every request a structured output, the regex [a-z]+, with EOS biased by -100 so that
     each runs to output_len tokens as the free ones do: the token masks, the matchers on the host. (A regex
     that counts, [a-z]{128}, makes each matcher build a new lexer state every token: 7.4 ms steps at 256
-    rows against 3.2 on an H100.)"""
+    rows against 3.2 on an H100.) bad_words=True gives every request BAD_WORDS random words of one to three
+    tokens: the sampler's fp32 path and its bad-words table on every step."""
     if cached:
         closed_loop(core, concurrency, num_requests, prompt_len, output_len)
     usage0 = core.kv.usage()
@@ -197,13 +199,16 @@ def closed_loop(core, concurrency: int, num_requests: int, prompt_len: int, outp
     # seeds apart from run_batch's (the batch size): a prompt seen before would hit the prefix cache
     # and a sampled run's apart from the greedy one's of the same size (its prompts would be cached)
     gen = torch.Generator().manual_seed(1_000_000 + 1_000 * concurrency + num_requests + 500_000 * sampled
-                                        + 2_000_000 * guided)
+                                        + 2_000_000 * guided + 3_000_000 * bad_words)
     prompts = [torch.randint(3, vocab, (prompt_len,), generator=gen).tolist() for _ in range(num_requests)]
     params = SamplingParams(max_tokens=output_len, ignore_eos=True,
                             **MODES["sample" if sampled else "greedy"])
     if guided:
         params.grammar = llguidance.LLMatcher.grammar_from_regex("[a-z]+")
         params.logit_bias = {eos: -100.0 for eos in core.eos_token_ids}
+    if bad_words:
+        params.bad_words_ids = [torch.randint(3, vocab, (1 + i % 3,), generator=gen).tolist()
+                                for i in range(BAD_WORDS)]
     added, finished, tokens = 0, 0, 0
     timeline = StepTimeline(core.async_scheduling)
     t0 = time.perf_counter()
@@ -294,12 +299,13 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="default: the model's, as `pagewalk serve` (the decode tables are that wide)")
     ap.add_argument("--out", type=Path, default=Path("engine_step_bench.json"))
-    ap.add_argument("--closed-loop", nargs="*", default=[], metavar="C:N[:cached|:sampled|:guided]",
+    ap.add_argument("--closed-loop", nargs="*", default=[], metavar="C:N[:KIND]",
                     help="also the HTTP benchmark's workload offline: C requests in flight, N in all "
                          "(--prompt-len in, --output-len out), async scheduling on; :cached runs it twice "
                          "and reports the second run, its prompts served from the prefix cache; :sampled "
                          "draws with temperature 0.8, top_p 0.95 instead of greedy; :guided gives every "
-                         "request a structured output (the regex [a-z]+, EOS biased away)")
+                         "request a structured output (the regex [a-z]+, EOS biased away); :bad_words "
+                         f"gives each {BAD_WORDS} random bad words")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--cprofile", type=Path, default=None,
                     help="also run the measured steps again under cProfile (its timings are not reported) "
@@ -331,11 +337,11 @@ def main() -> None:
     core.async_scheduling = True
     for spec in args.closed_loop:
         c, n, *flag = spec.split(":")
-        if flag not in ([], ["cached"], ["sampled"], ["guided"]):
-            raise SystemExit(f"--closed-loop takes C:N, C:N:cached, C:N:sampled or C:N:guided, got {spec!r}")
+        if flag not in ([], ["cached"], ["sampled"], ["guided"], ["bad_words"]):
+            raise SystemExit(f"--closed-loop takes C:N or C:N:cached|sampled|guided|bad_words, got {spec!r}")
         loops.append(closed_loop(core, int(c), int(n), args.prompt_len, args.output_len,
                                  cached=flag == ["cached"], sampled=flag == ["sampled"], probe=probe,
-                                 guided=flag == ["guided"]))
+                                 guided=flag == ["guided"], bad_words=flag == ["bad_words"]))
         print(f"closed loop {spec}: {loops[-1]['tok_s']:.0f} tok/s, prefix hits "
               f"{loops[-1]['prefix_hit_rate']:.0%}", flush=True)
     meta = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

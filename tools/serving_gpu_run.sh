@@ -33,7 +33,7 @@ has() { [[ ",$PARTS," == *",$1,"* ]]; }
 if has tests; then
   timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 tests/test_runner_gpu.py tests/test_runner_cuda_graphs.py \
     tests/test_engine_process.py tests/test_engine_async.py tests/test_model_fused_forward.py \
-    tests/test_kernels_sampling.py tests/test_engine_logit_bias.py tests/test_engine_grammar.py tests/test_kernels_token_mask.py tests/test_kernels_gemv.py tests/test_kernels_splitk_add.py tests/test_kernels_argmax.py \
+    tests/test_kernels_sampling.py tests/test_engine_logit_bias.py tests/test_engine_bad_words.py tests/test_engine_grammar.py tests/test_kernels_token_mask.py tests/test_kernels_gemv.py tests/test_kernels_splitk_add.py tests/test_kernels_argmax.py \
     tests/test_gpu_kernels.py::test_gpu_step_inputs_match_the_torch_derivation 2>&1 | tail -n 30 | tee "$OUT/gpu_tests.txt"
 fi
 if has hazards; then
@@ -77,9 +77,10 @@ if has sampler; then
 fi
 if has guided; then
   timeout 300 python3 -m tools.engine_step_bench --batches 64 256 --modes greedy --steps 16 --warmup 4 \
-    --closed-loop 64:256 64:256:guided 256:256 256:256:guided --out "$OUT/guided_loops.json" \
+    --closed-loop 64:256 64:256:guided 64:256:bad_words 256:256 256:256:guided 256:256:bad_words \
+    --out "$OUT/guided_loops.json" \
     > "$OUT/guided_loops.log" 2>&1
-  grep -v '^\[' "$OUT/guided_loops.log" | tail -n 14
+  grep -E '^(closed loop|async=|  (with_prompt|decode_only))' "$OUT/guided_loops.log" | tail -n 24
   timeout 200 python3 -m tools.guided_stall_probe > "$OUT/guided_stall_probe.log" 2>&1
   head -c 3000 "$OUT/guided_stall_probe.log"
   timeout 120 python3 -m tools.grammar_mask_probe --steps 20 > "$OUT/grammar_mask_probe.log" 2>&1

@@ -187,8 +187,7 @@ def _job(engine, req: ChatCompletionRequest, limits: RequestLimits | None = None
     check_cut_room(cut_to, max_tokens, engine.max_model_len, limit_param)
     check_context_length(engine, [prompt], max_tokens, "messages", limit_param)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, max_tokens, logprobs, engine.tokenizer.vocab_size, engine.sampling_defaults,
-                             grammar)
+    params = sampling_params(req, max_tokens, logprobs, engine.tokenizer, engine.sampling_defaults, grammar)
     if req.calls_tools and tool_call_parser == "hermes" and req.skip_special_tokens is None:
         params.skip_special_tokens = False  # models that make <tool_call> a special token keep it (vLLM's)
     return ChatJob(engine, req, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), prompt, params,

@@ -178,7 +178,7 @@ def _job(engine, req: CompletionRequest, grammar: str | None = None) -> Completi
     max_tokens = max(1, max_tokens)  # scoring: the one sampled token is dropped
     check_cut_room(cut_to, max_tokens, engine.max_model_len, "max_tokens")
     check_context_length(engine, prompts, max_tokens, "prompt")
-    params = sampling_params(req, max_tokens, req.logprobs, tok.vocab_size, engine.sampling_defaults, grammar)
+    params = sampling_params(req, max_tokens, req.logprobs, tok, engine.sampling_defaults, grammar)
     if req.echo and req.logprobs is not None:  # the echoed prompt comes with its logprobs
         params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
     return CompletionJob(engine, req, f"cmpl-{uuid.uuid4().hex}", int(time.time()), prompts, texts, params,

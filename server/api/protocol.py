@@ -23,6 +23,8 @@ from pydantic import (
     model_validator,
 )
 
+from server.engine.sampling_params import MAX_BAD_WORDS
+
 NonNegInt = Annotated[int, Field(ge=0)]
 # the sampler computes in float32: a larger temperature or penalty is inf there, a smaller positive penalty 0,
 # and either turns a masked (-inf) logit into NaN
@@ -205,6 +207,8 @@ class _SamplingRequest(_Request):
     min_tokens: int | None = Field(None, ge=0)  # vLLM's: no EOS, stop token or stop string before this many
     include_stop_str_in_output: bool | None = False  # vLLM's: the stop string ends the text, not cut off
     allowed_token_ids: list[NonNegInt] | None = None  # vLLM's: the only tokens sampled
+    # vLLM's: words a choice never completes (server/api/sampling.py encodes them)
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=MAX_BAD_WORDS)
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=2**31)  # vLLM's: the prompt's last k tokens
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's: each prompt token's logprob + top-k
     skip_special_tokens: bool | None = None  # vLLM's; None: True (the text leaves special tokens out)
@@ -219,7 +223,6 @@ class _SamplingRequest(_Request):
     best_of: int | None = None
     # vLLM's sampling extensions pagewalk does not implement, likewise
     spaces_between_special_tokens: Annotated[Any, refused_unless(None, True)] = None
-    bad_words: Annotated[Any, refused_unless(None, [])] = None
     use_beam_search: Annotated[Any, refused_unless(None, False)] = None
     length_penalty: Annotated[Any, refused_unless(None, 1.0)] = None
     logits_processors: Annotated[Any, refused_unless(None, [])] = None

@@ -9,12 +9,14 @@ from server.engine.sampling_params import SamplingParams, bad_token_ids
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
-def sampling_params(req: _SamplingRequest, max_tokens: int, logprobs: int | None, vocab_size: int,
+def sampling_params(req: _SamplingRequest, max_tokens: int, logprobs: int | None, tokenizer,
                     defaults: dict | None = None, grammar: str | None = None) -> SamplingParams:
-    """Builds SamplingParams from the request; an invalid value becomes a 400 naming its field. `defaults`:
-    the model's generation_config.json values for the fields a request leaves out (then OpenAI's); `grammar`:
-    the request's structured output (structured_output.request_grammar)."""
+    """Builds SamplingParams from the request; an invalid value becomes a 400 naming its field. `tokenizer`
+    (server/model/tokenizer.py) encodes the bad words; `defaults`: the model's generation_config.json values
+    for the fields a request leaves out (then OpenAI's); `grammar`: the request's structured output
+    (structured_output.request_grammar)."""
     d = defaults or {}
+    vocab_size = tokenizer.vocab_size
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=_or(req.temperature, d.get("temperature", 1.0)),
@@ -35,6 +37,7 @@ def sampling_params(req: _SamplingRequest, max_tokens: int, logprobs: int | None
         min_tokens=_or(req.min_tokens, 0),
         include_stop_str_in_output=bool(req.include_stop_str_in_output),
         allowed_token_ids=None if req.allowed_token_ids is None else list(req.allowed_token_ids),
+        bad_words_ids=bad_words_ids(tokenizer, req.bad_words or []),
         prompt_logprobs=req.prompt_logprobs,
         grammar=grammar,
     )
@@ -45,6 +48,19 @@ def sampling_params(req: _SamplingRequest, max_tokens: int, logprobs: int | None
         field = message.split(" ", 1)[0]
         raise APIError(400, message, field if field in type(req).model_fields else None) from None
     return params
+
+
+def bad_words_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each word's token ids as it starts the text and as it follows a space (vLLM's two spellings: a
+    word's tokens differ with a leading space in BPE and SentencePiece vocabularies), distinct, in order."""
+    seqs = {}
+    for word in words:
+        bare = word.lstrip()
+        for text in (bare, " " + bare):
+            ids = tokenizer.encode(text, add_bos=False) if text else []
+            if ids:
+                seqs.setdefault(tuple(ids), None)
+    return [list(ids) for ids in seqs]
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:

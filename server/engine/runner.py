@@ -30,6 +30,7 @@ import torch
 
 import kernels
 from server.engine.attention import AttentionMetadata, PagedAttention, warm_up_attention
+from server.engine.bad_words import recent_entries, word_entries
 from server.engine.batch_state import BatchState, FlatLayout, StepPacker, floats_as_int32
 from server.engine.bias_table import bias_entries
 from server.engine.cuda_graphs import (
@@ -44,6 +45,7 @@ from server.engine.cuda_graphs import (
 from server.engine.grammar import TokenMask
 from server.engine.kv_cache_tensors import KVCacheTensors
 from server.engine.sampler import (
+    BAD_WORDS,
     BIAS,
     FLOAT_FIELDS,
     INT_FIELDS,
@@ -95,6 +97,15 @@ class StepLogits:
     num_logprobs: int  # the largest logprobs any sample asked
     greedy: torch.Tensor | None = None  # (S,) argmax ids of an all-greedy decode-graph step (no forks)
     compact: torch.Tensor | None = None  # (K,) int64 device: the samples that draw from their best tokens
+
+
+@dataclass
+class NewRowWidths:
+    """What a step's new rows need of the sampler's tables: the bias table's width (entries of one row) and
+    the bad words' (words of one row, tokens of one word)."""
+
+    bias: int
+    bad_words: tuple[int, int]
 
 
 @dataclass
@@ -277,10 +288,10 @@ class ModelRunner:
         """Pack and send the step's host ints; apply its table writes and its new rows' sampler state. ->
         (flat batch, StepLogits without logits, the logits product's row count, fork copies, sample
         sources), on the device but the count."""
-        sections, num_products, num_logprobs, flags, bias_width = self._pack(step, table_of, layout)
+        sections, num_products, num_logprobs, flags, widths = self._pack(step, table_of, layout)
         (flat, writes, init_rows, init_floats, init_ints, pen_rows, pen_token_rows, pen_tokens, pen_is_output,
-         bias_rows, bias_cols, bias_ids, bias_values, bias_kinds, sample_rows, sample_sources, copies,
-         compact) = self.packer.send(sections)
+         bias_rows, bias_cols, bias_ids, bias_values, bias_kinds, *bad_words,  # BadWords.write's 7 sections
+         sample_rows, sample_sources, copies, compact) = self.packer.send(sections)
         self.state.apply_table_writes(writes)
         out = StepLogits(None, sample_rows.long(), flags, num_logprobs,  # int64 once: sampler and state index
                          compact=compact.long() if compact.numel() else None)
@@ -292,7 +303,9 @@ class ModelRunner:
             self.sampler.init_penalty_rows(pen_rows, pen_token_rows, pen_tokens, pen_is_output)
         if bias_rows.numel():
             self.sampler.bias.write(bias_rows, bias_cols, bias_ids, bias_values.view(torch.float32),
-                                    bias_kinds, bias_width)
+                                    bias_kinds, widths.bias)
+        if bad_words[0].numel():
+            self.sampler.bad_words.write(*bad_words, *widths.bad_words)
         return flat, out, num_products, copies, sample_sources
 
     def _repeats_last_decode(self, step: SchedulerOutput, graphs: StepGraphs, key) -> bool:
@@ -378,12 +391,12 @@ class ModelRunner:
 
     def _pack(self, step: SchedulerOutput, table_of: TableOf, layout: FlatLayout):
         """The step's host ints, one list per section (see forward_step), the logits product's row count,
-        the logprobs width, the OR of the samples' sampler flags and the widest new row's bias entries."""
+        the logprobs width, the OR of the samples' sampler flags and the new rows' NewRowWidths."""
         for seq in step.new_rows:
             self.state.reset_row(seq.row)
         writes: list[int] = []
         flat, num_products = self._pack_flat(step, table_of, layout, writes)
-        inits, bias_width = self._pack_new_rows(step.new_rows)
+        inits, widths = self._pack_new_rows(step.new_rows)
         flags = 0
         for seq in step.samples:
             flags |= seq.sample_flags
@@ -391,7 +404,7 @@ class ModelRunner:
         compact = [i for i, s in enumerate(step.samples) if draws_from_best(s.params)] if flags & TOP else []
         sections = [flat, writes, *inits, [s.row for s in step.samples], step.sample_sources,
                     [b for pair in step.copies for b in pair], compact]
-        return sections, num_products, num_logprobs, flags, bias_width
+        return sections, num_products, num_logprobs, flags, widths
 
     def _pack_flat(self, step: SchedulerOutput, table_of: TableOf, layout: FlatLayout, writes: list[int]):
         """-> the flat batch as `layout` packs it (decode rows, then the prefill chunks' tokens, then padding
@@ -437,15 +450,18 @@ class ModelRunner:
         return flat, len(logit_rows)
 
     @staticmethod
-    def _pack_new_rows(seqs: list[Seq]) -> tuple[list, int]:
+    def _pack_new_rows(seqs: list[Seq]) -> tuple[list, NewRowWidths]:
         """Sampler state of the sequences that took a row: parameters; for rows with penalties the prompt
         tokens (mask) and the tokens generated so far (counts, after a preemption); for rows with biases
-        their entries (bias_entries): row, column, token id, value, kind. -> (the sections, the most
-        entries of one row: the bias table's width they need)."""
+        their entries (bias_entries): row, column, token id, value, kind; for rows with bad words their
+        words' tokens (row, word, position from its end, id) and their last sampled tokens (row, position
+        from the latest, id). -> (the sections, the table sizes they need)."""
         rows, floats, ints = [], [], []
         pen_rows, pen_token_rows, pen_tokens, pen_is_output = [], [], [], []
         bias_rows, bias_cols, bias_ids, bias_values, bias_kinds = [], [], [], [], []
-        bias_width = 0
+        word_rows, word_slots, word_backs, word_tokens, recent_rows, recent_backs, recent_tokens = (
+            [], [], [], [], [], [], [])
+        bias_width = num_words = word_len = 0
         for seq in seqs:
             num_sampled = len(seq.token_ids) - seq.num_prompt_tokens
             f, i = row_fields(seq.params, seq.seed_key, num_sampled)
@@ -465,8 +481,22 @@ class ModelRunner:
                 bias_values += values
                 bias_kinds += kinds
                 bias_width = max(bias_width, len(ids))
+            if seq.sample_flags & BAD_WORDS:
+                words = seq.params.bad_words_ids
+                slots, backs, tokens = word_entries(words)
+                word_rows += [seq.row] * len(tokens)
+                word_slots += slots
+                word_backs += backs
+                word_tokens += tokens
+                backs, tokens = recent_entries(words, seq.output_token_ids)
+                recent_rows += [seq.row] * len(tokens)
+                recent_backs += backs
+                recent_tokens += tokens
+                num_words, word_len = max(num_words, len(words)), max(word_len, max(map(len, words)))
         return [rows, floats_as_int32(floats), ints, pen_rows, pen_token_rows, pen_tokens, pen_is_output,
-                bias_rows, bias_cols, bias_ids, floats_as_int32(bias_values), bias_kinds], bias_width
+                bias_rows, bias_cols, bias_ids, floats_as_int32(bias_values), bias_kinds,
+                word_rows, word_slots, word_backs, word_tokens, recent_rows, recent_backs, recent_tokens,
+                ], NewRowWidths(bias_width, (num_words, word_len))
 
     def _flat_inputs(self, flat: torch.Tensor, layout: FlatLayout, num_decode: int
                      ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:

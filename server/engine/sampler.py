@@ -20,14 +20,17 @@ from dataclasses import dataclass
 
 import torch
 
+from server.engine.bad_words import BadWords
 from server.engine.bias_table import BiasTable
 from server.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 MASK32 = 0xFFFF_FFFF
 
 # SamplingParams.flags bits: what a step's rows need, OR-ed on the host to skip work nobody asked for
-# (ALLOW comes with BIAS; GUIDED: a structured output's token mask, server/engine/grammar.py)
-SAMPLED, TOP, MIN_P, PENALTIES, LOGPROBS, BIAS, ALLOW, GUIDED = 1, 2, 4, 8, 16, 32, 64, 128
+# (ALLOW comes with BIAS; GUIDED: a structured output's token mask, server/engine/grammar.py; BAD_WORDS:
+# server/engine/bad_words.py)
+SAMPLED, TOP, MIN_P, PENALTIES, LOGPROBS, BIAS, ALLOW, GUIDED, BAD_WORDS = 1, 2, 4, 8, 16, 32, 64, 128, 256
+FP32_ROW = PENALTIES | LOGPROBS | BIAS | GUIDED | BAD_WORDS  # what changes or reads a row's logits in fp32
 FLOAT_FIELDS = 6  # temperature, top_p, min_p, presence, frequency, repetition
 INT_FIELDS = 4  # top_k, seed key, samples drawn so far, min_tokens
 
@@ -50,6 +53,8 @@ def step_flags(params: SamplingParams) -> int:
         f |= ALLOW
     if params.grammar is not None:
         f |= GUIDED
+    if params.bad_words_ids:
+        f |= BAD_WORDS
     return f
 
 
@@ -118,6 +123,7 @@ class Sampler:
         self.ints = torch.zeros(n, INT_FIELDS, dtype=torch.int64, device=device)  # (R, 4)
         self.counts: torch.Tensor | None = None  # (R, V) int32 generated-token counts, once penalties appear
         self.bias = BiasTable(n, device)  # logit_bias, min_tokens' hold-back, allowed_token_ids
+        self.bad_words = BadWords(n, device)
         self._prompt_mask: torch.Tensor | None = None  # (R, V + 1) bool; column V absorbs output tokens
         self.in_prompt: torch.Tensor | None = None  # (R, V) bool view of _prompt_mask
 
@@ -142,9 +148,9 @@ class Sampler:
         """Whether a step with these flags draws straight from logits in the model's dtype: the kernel
         widens each one to fp32 as it loads it (exactly the values of an fp32 copy), so the runner skips
         that copy (22 us at 64 rows of 128256 on an H200) and each of the kernel's passes over a row reads
-        half the bytes. Penalties, biases and logprobs work on an fp32 row, compact top-k rows on fp32
-        values."""
-        return self.kernel and not flags & (PENALTIES | LOGPROBS | BIAS | GUIDED) and compact is None
+        half the bytes. Penalties, biases, bad words and logprobs work on an fp32 row, compact top-k rows on
+        fp32 values."""
+        return self.kernel and not flags & FP32_ROW and compact is None
 
     # ---- row state --------------------------------------------------------------------------------
     def init_rows(self, rows: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor) -> None:
@@ -153,6 +159,7 @@ class Sampler:
         self.floats.index_copy_(0, rows, floats)
         self.ints.index_copy_(0, rows, ints.long())
         self.bias.clear(rows)
+        self.bad_words.clear(rows)
 
     def init_penalty_rows(self, rows: torch.Tensor, token_rows: torch.Tensor, token_ids: torch.Tensor,
                           is_output: torch.Tensor) -> None:
@@ -186,7 +193,7 @@ class Sampler:
         `token_mask`: (G,) int64 sample indices and their (G, W) int32 allowed-token bits (GUIDED rows)."""
         rows = rows.long()
         if greedy is not None:
-            assert not flags & (PENALTIES | SAMPLED | LOGPROBS | BIAS | GUIDED), "precomputed argmax: greedy"
+            assert not flags & (FP32_ROW | SAMPLED), "precomputed argmax: greedy"
             tokens = greedy
         else:
             tokens, raw = self._draw_step(logits, rows, flags, compact, token_mask)
@@ -194,6 +201,8 @@ class Sampler:
         # rows read neither, leaves them be
         if flags & (SAMPLED | BIAS):
             self.ints[:, 2].index_add_(0, rows, torch.ones_like(rows))
+        if flags & BAD_WORDS:
+            self.bad_words.record(rows, tokens)
         if self.counts is not None:
             self.counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32),
                                    accumulate=True)
@@ -219,6 +228,8 @@ class Sampler:
             logits = self._apply_penalties(logits, rows, floats)
             if flags & ALLOW:
                 logits = self.bias.floor_allowed(logits, rows)
+        if flags & BAD_WORDS:  # after the floor, which would lift a banned allowed id back
+            logits = self.bad_words.ban(logits, rows)
         if token_mask is not None:  # last: no bias, penalty or floor lifts a token the grammar refuses
             if not self.kernel:
                 logits = mask_tokens(logits, *token_mask)

@@ -9,6 +9,8 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # biased tokens of a request; also its allowed ids, the stop ids min_tokens holds back
 LOGIT_BIAS_RANGE = 100.0  # OpenAI's bound of one bias value
 MAX_N = 64
+MAX_BAD_WORDS = 128  # a request's bad_words (the API encodes each one with and without a leading space)
+MAX_BAD_WORD_TOKENS = 64  # tokens of one encoded bad word: the sampler's table is (rows, words, this wide)
 MAX_INT64 = 2**63 - 1  # seeds and top_k cross the core's wire (msgpack) as int64, as vLLM bounds its seed
 GREEDY_TEMPERATURE = 1e-5  # below it a choice takes the argmax: dividing logits by it would overflow
 # a structured output's grammar text: its compile time grows with the schema (3,000 optional properties, ~120K
@@ -39,6 +41,9 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids are held back (and stop strings ignored) until this many
     include_stop_str_in_output: bool = False  # the stop string (or stop token's text) ends the output
     allowed_token_ids: list[int] | None = None  # the only tokens sampled; None: all
+    # token sequences a choice never completes (vLLM's bad_words, encoded by the API; server/engine/
+    # bad_words.py): the last token of each is out of the draw where the choice's last tokens are the others
+    bad_words_ids: list[list[int]] = field(default_factory=list)
     # a structured output: an llguidance grammar (LLMatcher.grammar_from_*'s text; server/api/
     # structured_output.py builds it from response_format / structured_outputs); None: free text
     grammar: str | None = None
@@ -97,6 +102,7 @@ class SamplingParams:
         _check_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
         _check_bias(self.logit_bias, vocab_size)
         _check_allowed(self.allowed_token_ids, vocab_size)
+        _check_bad_words(self.bad_words_ids, vocab_size)
         _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
                "min_tokens must be an integer in [0, max_tokens={}], got {}", self.max_tokens,
                self.min_tokens)
@@ -146,6 +152,16 @@ def _check_allowed(allowed: list[int] | None, vocab_size: int) -> None:
     _check(0 < len(allowed) <= MAX_LOGIT_BIAS,
            "allowed_token_ids must hold 1 to {} token ids, got {}", MAX_LOGIT_BIAS, len(allowed))
     _check_ids(allowed, vocab_size, "allowed_token_ids")
+
+
+def _check_bad_words(words: list[list[int]], vocab_size: int) -> None:
+    _check(len(words) <= 2 * MAX_BAD_WORDS, "bad_words holds at most {} token sequences, got {}",
+           2 * MAX_BAD_WORDS, len(words))
+    for word in words:
+        _check(isinstance(word, list) and 0 < len(word) <= MAX_BAD_WORD_TOKENS,
+               "bad_words must each encode to 1 to {} tokens, got {}", MAX_BAD_WORD_TOKENS,
+               len(word) if isinstance(word, list) else word)
+        _check_ids(word, vocab_size, "bad_words token ids")
 
 
 def _check(ok: bool, message: str, *values: object) -> None:
