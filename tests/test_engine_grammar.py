@@ -21,7 +21,7 @@ import torch
 from server.api.choice_stream import ChoiceStream
 from server.engine import grammar as grammar_module
 from server.engine.engine import EngineConfig, build_core
-from server.engine.grammar import Grammars
+from server.engine.grammar import Grammars, widened
 from server.engine.outputs import EngineRequest, SeqUpdate
 from server.engine.sampler import GUIDED, Sampler, mask_tokens, row_fields, step_flags
 from server.engine.sampling_params import SamplingParams
@@ -289,7 +289,8 @@ def test_masks_cover_the_model_rows_past_the_tokenizer(threads, monkeypatch):
     matchers = [grammars.compile(regex_grammar("[a-c]+")).result() for _ in range(3)]
     grammars.accept(matchers[1], TOKENIZER.encode("b", add_bos=False)[0])
     bits = grammars.masks([matchers[0], matchers[1], None])
-    assert bits.shape == (3, (600 + 31) // 32)
+    assert bits.shape == (3, (ByteTokenizer.NUM_IDS + 31) // 32)
+    bits = widened(bits, 600)
     logits = torch.zeros(3, 600)
     allowed = torch.isfinite(mask_tokens(logits, torch.arange(3), bits))
     abc = TOKENIZER.encode("abc", add_bos=False)
@@ -364,8 +365,8 @@ def test_a_grammar_compiles_once_and_each_request_gets_a_matcher_of_its_own(monk
     assert compiles.count == {grammar: 1} and first is not second
     a = TOKENIZER.encode("a", add_bos=False)[0]
     grammars.accept(first, a)  # advancing one leaves the other (and the kept one) at the start
-    allowed = torch.isfinite(mask_tokens(torch.zeros(3, 300), torch.arange(3),
-                                         grammars.masks([first, second, grammars.compile(grammar).result()])))
+    bits = grammars.masks([first, second, grammars.compile(grammar).result()])
+    allowed = torch.isfinite(mask_tokens(torch.zeros(3, 300), torch.arange(3), widened(bits, 300)))
     assert allowed[0].nonzero().view(-1).tolist() == TOKENIZER.encode("bc", add_bos=False)
     assert allowed[1].nonzero().view(-1).tolist() == allowed[2].nonzero().view(-1).tolist() == [a]
     assert compiles.count == {grammar: 1}

@@ -232,7 +232,7 @@ def closed_loop(core, concurrency: int, num_requests: int, prompt_len: int, outp
     queries = usage1.prefix_queries - usage0.prefix_queries
     return {"closed_loop": True, "concurrency": concurrency, "num_requests": num_requests,
             "prompt_len": prompt_len, "output_len": output_len, "async_scheduling": core.async_scheduling,
-            "cached": cached, "sampled": sampled, "guided": guided,
+            "cached": cached, "sampled": sampled, "guided": guided, "bad_words": bad_words,
             "prefix_hit_rate": (usage1.prefix_hits - usage0.prefix_hits) / queries if queries else 0.0,
             "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "steps": timeline.summary()}
 

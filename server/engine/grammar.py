@@ -97,10 +97,24 @@ MAX_ERROR_CHARS = 300  # llguidance's messages may quote the grammar and its par
 @dataclass
 class TokenMask:
     """A step's token masks: samples (G,) the indices (in SchedulerOutput.samples) of its guided samples,
-    bits (G, W) int32 host their allowed tokens."""
+    bits (G, W) int32 host their allowed tokens, W words of the tokenizer's ids (the runner widens them to the
+    logits' width on the device: the ids past the tokenizer's are never allowed)."""
 
     samples: list[int]
     bits: torch.Tensor
+
+
+def widened(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(G, W) mask words of the tokenizer's ids -> (G, ceil(vocab_size / 32)), on their device: the ids past
+    the tokenizer's (an embedding's padding rows) never allowed. The runner widens them on the device, not
+    the host: the bench preset's 259 ids are 9 words a row against 4,008, which cost the host a 4 MB fill
+    and copy a step at 256 rows."""
+    words = (vocab_size + 31) // 32
+    if bits.shape[1] == words:
+        return bits
+    wide = bits.new_zeros(bits.shape[0], words)
+    wide[:, :bits.shape[1]] = bits
+    return wide
 
 
 class GrammarError(ValueError):
@@ -207,11 +221,14 @@ class Grammars:
         tokenizer has). Appends to `costly` (row, ms) of each row that took over MAX_TOKEN_MS, found on the
         core's thread: a step the executor took that long is computed there again, each row timed."""
         vocab = self._vocabulary().vocab_size
-        own = (vocab + 31) // 32  # the tokenizer's words, <= W but for a bad model
-        bits = torch.full((len(matchers), own), -1, dtype=torch.int32)
-        if vocab % 32:  # the None rows: no id past the tokenizer's
-            bits[:, -1] = (1 << vocab % 32) - 1
+        own = (vocab + 31) // 32  # the tokenizer's words
+        bits = torch.empty((len(matchers), own), dtype=torch.int32)  # a mask writes its whole row
         rows = [(m, g) for g, m in enumerate(matchers) if m is not None]
+        if len(rows) < len(matchers):  # the None rows: every id of the tokenizer's
+            free = torch.tensor([g for g, m in enumerate(matchers) if m is None])
+            bits[free] = -1
+            if vocab % 32:
+                bits[free, -1] = (1 << vocab % 32) - 1
         # (llguidance.torch's fill_next_token_bitmask_par, whose module torch.compiles a function on import)
         start = time.perf_counter()
         if self._takes_executor(len(rows)):
@@ -220,20 +237,17 @@ class Grammars:
                 self._timed_rows(rows, bits, own, costly)
         elif rows:
             self._timed_rows(rows, bits, own, costly)
-        if own == self.words:
-            return bits
-        wide = torch.zeros(len(matchers), self.words, dtype=torch.int32)
-        wide[:, :min(own, self.words)] = bits[:, :self.words]
-        return wide
+        return bits[:, :self.words]  # a bad model's tokenizer has more ids than logits
 
     def _timed_rows(self, rows: list, bits: torch.Tensor, own: int, costly: list | None) -> None:
         """The rows' masks on the core's thread, each timed: those over MAX_TOKEN_MS go to `costly`, the
         others into row_ms (a measurement at most ROW_COST_JUMP times it: a descheduled thread or a
         collector pass would keep cheap rows on the executor for hundreds of steps)."""
         cheap_ms, cheap = 0.0, 0
+        base = bits.data_ptr()  # row g at base + g * own * 4 (a view per row, bits[g], cost 2 us on CI's CPU)
         for matcher, g in rows:
             row_start = time.perf_counter()
-            matcher.unsafe_compute_mask_ptr(bits[g].data_ptr(), own * 4)
+            matcher.unsafe_compute_mask_ptr(base + g * own * 4, own * 4)
             took_ms = (time.perf_counter() - row_start) * 1e3
             if took_ms > MAX_TOKEN_MS:
                 if costly is not None:

@@ -42,7 +42,7 @@ from server.engine.cuda_graphs import (
     mixed_sizes,
     padded_size,
 )
-from server.engine.grammar import TokenMask
+from server.engine.grammar import TokenMask, widened
 from server.engine.kv_cache_tensors import KVCacheTensors
 from server.engine.sampler import (
     BAD_WORDS,
@@ -229,7 +229,7 @@ class ModelRunner:
         if token_mask is not None:  # (G,) sample indices, (G, W) bits: one pinned copy on CUDA, not awaited
             m = token_mask()
             samples, bits = self.mask_packer.send([m.samples, m.bits.numpy().reshape(-1)])
-            mask = (samples.long(), bits.view(len(m.samples), -1))
+            mask = (samples.long(), widened(bits.view(len(m.samples), -1), self.config.vocab_size))
         out = self.sampler(s.logits, s.rows, s.flags, s.num_logprobs, s.greedy, s.compact, mask)
         self.state.record_samples(s.rows, out.token_ids)
         return self._to_host(out)
