@@ -16,7 +16,7 @@ import pytest
 from server.api import structured_output
 from server.api.app import create_app
 from server.api.errors import APIError
-from server.api.structured_output import MAX_CFG_CHARS
+from server.api.grammar_texts import MAX_CFG_CHARS
 from server.engine import grammar as core_grammar
 from tests.asgi_client import post
 from tests.engine_helpers import started_engine

@@ -63,8 +63,10 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 def _loc_to_param(loc: tuple) -> str | None:
     parts = [str(p) for p in loc if p != "body"]
-    # pydantic puts union member names ("str", "list[int]") and function validator names in loc
-    parts = [p for p in parts if p not in _TYPE_TAGS and "[" not in p and not p.startswith("function-")]
+    # pydantic puts union member names ("str", "list[int]"), a tagged union's member tags ("type=tag": a
+    # structural tag's format nodes) and function validator names in loc
+    parts = [p for p in parts
+             if p not in _TYPE_TAGS and "[" not in p and "=" not in p and not p.startswith("function-")]
     if not parts:
         return None
     out = parts[0]

@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from server.api.structural_format import BoundedFormat
 from server.engine.sampling_params import MAX_BAD_WORDS
 
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -99,39 +100,52 @@ def _each_structure_triggered(structures: list[TagStructure], triggers: list[str
                              f"triggers {json.dumps(triggers)}")
 
 
+def _one_form(structures: list[TagStructure] | None, triggers: list[str] | None, fmt: Any) -> None:
+    """A structural tag is a format tree, or structures and triggers: exactly one of the two forms."""
+    if fmt is not None and (structures is not None or triggers is not None):
+        raise ValueError("give either 'format', or 'structures' and 'triggers', not both")
+    if fmt is None and (structures is None or triggers is None):
+        raise ValueError("a structural tag needs 'format', or 'structures' and 'triggers'")
+    if fmt is None:
+        _each_structure_triggered(structures, triggers)
+
+
 class StructuralTag(_Request):
-    """vLLM's structural tag in its structures-and-triggers form (xgrammar's first; the later {"format": ...}
-    one is not served): free text in which each trigger the model writes opens one of the structures whose
-    begin starts with it."""
+    """vLLM's structural tag, in either of xgrammar's forms: structures and triggers (its first: free text in
+    which each trigger the model writes opens one of the structures whose begin starts with it), or a format
+    tree ({"format": ...}, its later one, which newer vLLM builds for tool calling: structural_format.py says
+    which node types are served, format_grammar.py how a tree becomes a grammar)."""
 
     type: Literal["structural_tag"] | None = None  # vLLM's JSON text of it is its response_format's
-    structures: list[TagStructure] = Field(min_length=1)
-    triggers: list[Trigger] = Field(min_length=1)
+    structures: list[TagStructure] | None = Field(None, min_length=1)
+    triggers: list[Trigger] | None = Field(None, min_length=1)
+    format: BoundedFormat | None = None
 
     @model_validator(mode="after")
-    def _triggered(self):
-        _each_structure_triggered(self.structures, self.triggers)
+    def _in_one_form(self):
+        _one_form(self.structures, self.triggers, self.format)
         return self
 
 
 class ResponseFormat(_Request):
     """OpenAI's response_format: free text, any JSON object, or JSON that follows a schema; or vLLM's
-    structural tag (its structures and triggers: StructuralTag)."""
+    structural tag (either form: StructuralTag)."""
 
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
     structures: list[TagStructure] | None = Field(None, min_length=1)
     triggers: list[Trigger] | None = Field(None, min_length=1)
+    format: BoundedFormat | None = None
 
     @model_validator(mode="after")
     def _fields_with_their_type(self):
         if (self.type == "json_schema") != (self.json_schema is not None):
             raise ValueError("'json_schema' goes with type 'json_schema', and only with it")
-        tagged = self.type == "structural_tag"
-        if tagged != (self.structures is not None) or tagged != (self.triggers is not None):
-            raise ValueError("'structures' and 'triggers' go with type 'structural_tag', and only with it")
-        if tagged:
-            _each_structure_triggered(self.structures, self.triggers)
+        if self.type == "structural_tag":
+            _one_form(self.structures, self.triggers, self.format)
+        elif self.structures is not None or self.triggers is not None or self.format is not None:
+            raise ValueError("'structures', 'triggers' and 'format' go with type 'structural_tag', and only "
+                             "with it")
         return self
 
 
@@ -144,7 +158,7 @@ def _json_text(value: Any) -> Any:
         except ValueError as e:
             raise ValueError(f"not a JSON text: {e}") from None
     if value is not None and not isinstance(value, dict):
-        raise ValueError("must be an object (structures, triggers) or its JSON text")
+        raise ValueError("must be an object (format, or structures and triggers) or its JSON text")
     return value
 
 
@@ -163,7 +177,7 @@ class StructuredOutputs(_Request):
     disable_any_whitespace: Annotated[Any, refused_unless(None, True)] = None  # JSON is compact already
     disable_additional_properties: Annotated[Any, refused_unless(None, False)] = None
     whitespace_pattern: Annotated[Any, refused_unless(None)] = None
-    # free text with structures at its triggers: the object, or its JSON text (vLLM's form)
+    # a structural tag (either form): the object, or its JSON text (vLLM's form)
     structural_tag: Annotated[StructuralTag | None, _STRUCTURAL_TAG_TEXT] = None
 
     @model_validator(mode="after")

@@ -8,9 +8,11 @@ The sources, at most one per request (two are a 400 naming the second):
   or llama.cpp's GBNF), json_object, structural_tag (the object, or its JSON text);
 - guided_json, guided_regex, guided_choice, guided_grammar (vLLM's legacy fields, with the same meanings);
 - chat tool_choice "required" or a named function (forced_tool_calls.py gives the schema).
-A structural tag is free text in which each trigger the model writes opens a structure whose begin starts with
-it: the rest of that begin, a JSON value that follows its schema, its end, then free text again (llguidance's
-StructTag: a lazy lexeme per trigger). Its triggers are text, never special tokens (structural_tag_grammar).
+A structural tag in its structures-and-triggers form is free text in which each trigger the model writes
+opens a structure whose begin starts with it: the rest of that begin, a JSON value that follows its schema,
+its end, then free text again (llguidance's StructTag: a lazy lexeme per trigger); in its format form, a
+tree of xgrammar's format nodes (structural_format.py, format_grammar.py). Its triggers and literals are
+text, never special tokens (structural_tag_grammar).
 JSON compiles compact: no whitespace between tokens, where a small model may otherwise loop on newlines; a
 schema's own "x-guidance" options still override that. Every grammar is built and checked here, on a worker
 thread, against the model's vocabulary with the core's parser limits (server/engine/grammar.py check: it
@@ -22,12 +24,10 @@ sends one schema with every request has it compiled here once.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache, partial
-from typing import Any
 
 import llguidance
 from fastapi import Request
@@ -37,15 +37,18 @@ from server.api.admission import RETRY_AFTER_S
 from server.api.engine_stream import ClientDisconnected, unless_disconnected
 from server.api.errors import APIError
 from server.api.forced_tool_calls import forced_schema
-from server.api.protocol import ChatCompletionRequest, TagStructure, _SamplingRequest
+from server.api.format_grammar import format_grammar
+from server.api.grammar_texts import cfg_lark, compact_schema, json_grammar
+from server.api.protocol import (
+    ChatCompletionRequest,
+    ResponseFormat,
+    StructuralTag,
+    TagStructure,
+    _SamplingRequest,
+)
 from server.engine import grammar as core_grammar
 from server.engine.sampling_params import MAX_GRAMMAR_CHARS
 
-ANY_OBJECT = {"type": "object"}
-JSON_DEFAULTS = {"whitespace_flexible": False}  # llguidance JsonCompileOptions, under the schema's own
-# a context-free grammar's text: llguidance converts GBNF to Lark in Python, in time quadratic in its rules,
-# holding the GIL (1,000 rules, 24 KB: 1.2 s; a review), so the text is bounded before it is converted
-MAX_CFG_CHARS = 8 << 10
 # grammars whose check's verdict is kept: the verdicts hold no compiled state, their keys the texts (at most
 # MAX_GRAMMAR_CHARS each: 8 MiB in all at worst)
 CHECKED_GRAMMARS = 64
@@ -162,18 +165,12 @@ async def request_grammar(request: Request, req: _SamplingRequest, tokenizer) ->
     return await _CHECKS.run(request, pending_limit(request.app.state.engine), *source, tokenizer)
 
 
-def json_grammar(schema: dict[str, Any] | str | None) -> str:
-    """A JSON schema (a dict or its JSON text; None: any JSON object) -> its compact JSON grammar."""
-    return LLMatcher.grammar_from_json_schema(ANY_OBJECT if schema is None else schema,
-                                              defaults=JSON_DEFAULTS)
-
-
 def _sources(req: _SamplingRequest) -> list[tuple[str, Callable[[], str]]]:
     """(field, grammar builder) of every structured output the request sets."""
     sources = []
     fmt = req.response_format
     if fmt is not None and fmt.type == "structural_tag":
-        sources.append(("response_format", partial(structural_tag_grammar, fmt.structures, fmt.triggers)))
+        sources.append(("response_format", partial(tag_grammar, fmt)))
     elif fmt is not None and fmt.type != "text":
         schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
         sources.append(("response_format", partial(json_grammar, schema)))
@@ -201,10 +198,16 @@ def _vllm_grammar(kind: str, value) -> str:
     if kind == "choice":  # Lark alternatives of the strings, quoted as JSON
         return llguidance.grammar_from("choice", value)
     if kind == "structural_tag":
-        return structural_tag_grammar(value.structures, value.triggers)
-    if len(value) > MAX_CFG_CHARS:
-        raise ValueError(f"the grammar has {len(value)} characters, more than {MAX_CFG_CHARS}")
-    return llguidance.grammar_from("grammar", value)  # Lark, or GBNF converted to Lark
+        return tag_grammar(value)
+    return LLMatcher.grammar_from_lark(cfg_lark(value))  # Lark, or GBNF converted to Lark
+
+
+def tag_grammar(tag: StructuralTag | ResponseFormat) -> str:
+    """A structural tag in either of its forms -> its grammar: a format tree (format_grammar.py), or
+    structures and triggers."""
+    if tag.format is not None:
+        return format_grammar(tag.format)
+    return structural_tag_grammar(tag.structures, tag.triggers)
 
 
 def structural_tag_grammar(structures: list[TagStructure], triggers: list[str]) -> str:
@@ -215,15 +218,7 @@ def structural_tag_grammar(structures: list[TagStructure], triggers: list[str]) 
     special token, which a vocabulary where it is plain text lacks (over the byte tokenizer its compile
     panics). Where a trigger is a special token of the model's tokenizer, the grammar takes its spelling in
     text pieces, not the special token, which free text never allows."""
-    tags = [llguidance.StructTag(trigger=s.trigger(triggers), begin=s.begin, grammar=_compact(s.schema_),
-                                 end=s.end) for s in structures]
+    tags = [llguidance.StructTag(trigger=s.trigger(triggers), begin=s.begin,
+                                 grammar=compact_schema(s.schema_), end=s.end) for s in structures]
     return llguidance.StructTag.to_grammar(tags, assume_special=False)
 
-
-def _compact(schema: dict[str, Any]) -> dict[str, Any]:
-    """The schema with JSON_DEFAULTS under its own "x-guidance" options, as json_grammar compiles it (a
-    structure's schema is inlined in the Lark grammar, where no defaults are passed)."""
-    own = schema.get("x-guidance", {})
-    if not isinstance(own, dict):
-        raise ValueError(f"a schema's 'x-guidance' must be an object, got {json.dumps(own)}")
-    return {**schema, "x-guidance": {**JSON_DEFAULTS, **own}}

@@ -1,0 +1,179 @@
+"""A structural tag's format tree (structural_format.py) -> one llguidance grammar: a Lark rule per node (a
+few for triggered_tags), and a grammar of its own per grammar node (referenced as @g0, @g1, ...: its rules,
+lexer and %ignore stay its own, and it must compile alone, so that its text cannot change the rest).
+
+Each node's rule takes the node's text and then its stop, the literal that follows the node (a tag's end,
+the const_string after it in a sequence), so that free text can end at the first stop written: free text
+with a stop is a lazy lexeme, the text up to the stop (llguidance's StructTag does so with its triggers);
+free text without one runs to the output's end. A stop is
+- None: the output ends after the node;
+- "": something follows that is not a literal (structural_format.py refuses free text here);
+- text: that literal follows, taken by the node's rule.
+Every literal is quoted Lark text: a trigger or begin shaped like <...> is text, never a special token
+(where it is a special token of the model's tokenizer the grammar takes its spelling in text pieces). The
+pieces of a sequence are lexed greedily, as any llguidance grammar is: a regex or JSON number that could go
+on into the text after it does, so that text (e.g. a digit after an integer) is refused.
+"""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+from llguidance import LLMatcher
+
+from server.api.grammar_texts import cfg_lark, compact_schema
+from server.api.structural_format import (
+    AnyText,
+    ConstString,
+    Format,
+    Grammar,
+    JsonSchema,
+    Or,
+    Regex,
+    Sequence,
+    Tag,
+    TagsWithSeparator,
+    TriggeredTags,
+)
+from server.engine.grammar import brief
+
+ANY_TEXT = "/(?s:.*)/"
+
+
+class _Rules:
+    """The grammar being written: Lark lines (rules f0, f1, ...; terminals TEXT, TEXT3, ...) and the
+    grammars of grammar nodes (g0, g1, ...)."""
+
+    def __init__(self) -> None:
+        self.lines = [f"TEXT: {ANY_TEXT}"]
+        self.grammars: list[dict[str, str]] = []
+
+    def add(self, body: str, lazy: bool = False) -> str:
+        name = f"f{len(self.lines)}"
+        self.lines.append(f"{name}{'[lazy]' if lazy else ''}: {body}")
+        return name
+
+    def text(self, excludes: list[str]) -> str:
+        """The terminal of free text holding none of `excludes`."""
+        if not excludes:
+            return "TEXT"
+        name = f"TEXT{len(self.lines)}"
+        banned = " | ".join(_lit(e) for e in excludes)
+        self.lines.append(f"{name}: {ANY_TEXT} & ~({ANY_TEXT} ({banned}) {ANY_TEXT})")
+        return name
+
+    def grammar(self, text: str) -> str:
+        """A grammar node's reference; a ValueError unless its text compiles alone: it may reference no
+        other grammar (@format or @g1 would let it recurse into the rest of the tree)."""
+        lark = cfg_lark(text)
+        error = LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(lark))
+        if error:
+            raise ValueError(f"a grammar node does not compile as a grammar of its own: {brief(error)}")
+        name = f"g{len(self.grammars)}"
+        self.grammars.append({"name": name, "lark_grammar": lark})
+        return f"@{name}"
+
+
+def format_grammar(fmt: Format) -> str:
+    """The format tree's grammar: llguidance's top-level JSON of the Lark grammar and its grammar nodes'."""
+    rules = _Rules()
+    root = _node(rules, fmt, None)
+    lark = "\n".join(["%llguidance {}", f"start: {root}", *rules.lines])
+    return json.dumps({"grammars": [{"name": "format", "lark_grammar": lark}, *rules.grammars]})
+
+
+def _lit(text: str) -> str:
+    """Text as a Lark literal: quoted, so <...> is text ("": the empty string)."""
+    return json.dumps(text)
+
+
+def _then(body: str, stop: str | None) -> str:
+    """`body`, then the stop's literal (if any)."""
+    return f"{body} {_lit(stop)}" if stop else body
+
+
+def _node(rules: _Rules, node: Format, stop: str | None) -> str:
+    """The rule of the node's text followed by `stop` (the module's docstring)."""
+    if isinstance(node, ConstString):
+        return rules.add(_lit(node.value + (stop or "")))
+    if isinstance(node, JsonSchema):
+        return rules.add(_then(f"%json {json.dumps(compact_schema(node.json_schema))}", stop))
+    if isinstance(node, Regex):
+        regex = llguidance.regex_to_lark(node.pattern, "")  # as the regex field's (no \d rewriting)
+        return rules.add(_then(f"/{regex}/" if regex else '""', stop))  # `//` would open a comment
+    if isinstance(node, Grammar):
+        return rules.add(_then(rules.grammar(node.grammar), stop))
+    if isinstance(node, AnyText):
+        return _free_text(rules, rules.text(node.excludes), stop)
+    if isinstance(node, Sequence):
+        return _sequence(rules, node, stop)
+    if isinstance(node, Or):
+        return rules.add(" | ".join(_node(rules, element, stop) for element in node.elements))
+    if isinstance(node, Tag):
+        return _tag(rules, node, node.begin, stop)
+    if isinstance(node, TriggeredTags):
+        return _triggered_tags(rules, node, stop)
+    assert isinstance(node, TagsWithSeparator), node
+    return _tags_with_separator(rules, node, stop)
+
+
+def _free_text(rules: _Rules, text: str, stop: str | None) -> str:
+    """Free text up to the first `stop` (taken), or to the output's end."""
+    assert stop != "", "free text that nothing ends (structural_format.py refuses it)"
+    return rules.add(text) if stop is None else rules.add(f"{text} {_lit(stop)}", lazy=True)
+
+
+def _sequence(rules: _Rules, node: Sequence, stop: str | None) -> str:
+    """Each element, free text taking the const_string after it as its stop."""
+    parts, elements, i = [], node.elements, 0
+    while i < len(elements):
+        element, last = elements[i], i == len(elements) - 1
+        if element.unlimited and not last:  # the const_string after it ends it (structural_format.py)
+            parts.append(_node(rules, element, elements[i + 1].value))
+            i += 2
+            if i == len(elements) and stop:
+                parts.append(_lit(stop))
+            continue
+        parts.append(_node(rules, element, stop if last else ""))
+        i += 1
+    return rules.add(" ".join(parts))
+
+
+def _tag(rules: _Rules, tag: Tag, begin: str, stop: str | None) -> str:
+    """`begin` (the tag's, or what follows its trigger), its content up to its end, then `stop`; with an
+    empty end, what ends the content is the stop."""
+    content = _node(rules, tag.content, tag.end or stop)
+    return rules.add(_then(f"{_lit(begin)} {content}", stop if tag.end else None))
+
+
+def _triggered_tags(rules: _Rules, node: TriggeredTags, stop: str | None) -> str:
+    """Free text and tags: each tag is a lazy lexeme of free text up to its trigger, then the rest of its
+    begin, its content and its end (llguidance's StructTag with the triggers as text); the text after the
+    last tag runs to the stop."""
+    if node.at_least_one and node.stop_after_first:  # exactly one tag
+        return rules.add(" | ".join(_tag(rules, tag, tag.begin, stop) for tag in node.tags))
+    text = rules.text(node.excludes)
+    tagged = []
+    for tag in node.tags:
+        trigger = node.trigger(tag)
+        opened = rules.add(f"{text} {_lit(trigger)}", lazy=True)
+        tagged.append(f"{opened} {_tag(rules, tag, tag.begin[len(trigger):], '')}")
+    tags, tail = f"({' | '.join(tagged)})", _free_text(rules, text, stop)
+    if node.stop_after_first:  # free text, then one tag or none
+        return rules.add(f"{_then(tags, stop)} | {tail}")
+    if not node.at_least_one:
+        return rules.add(f"{tags}* {tail}")
+    first = rules.add(" | ".join(_tag(rules, tag, tag.begin, "") for tag in node.tags))
+    return rules.add(f"{first} {tags}* {tail}")
+
+
+def _tags_with_separator(rules: _Rules, node: TagsWithSeparator, stop: str | None) -> str:
+    """Tags with the separator between them; one at most after stop_after_first, or where the separator is
+    the stop (xgrammar's rule: it ends the tags)."""
+    tag = rules.add(" | ".join(_tag(rules, t, t.begin, "") for t in node.tags))
+    separator = f"{_lit(node.separator)} " if node.separator else ""
+    one = node.stop_after_first or (stop and node.separator == stop)
+    tags = tag if one else f"{tag} ({separator}{tag})*"
+    tags = rules.add(tags if node.at_least_one else f"{tags} | \"\"")
+    return rules.add(_then(tags, stop))
