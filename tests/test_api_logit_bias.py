@@ -217,7 +217,8 @@ def test_bad_words_never_appear_in_the_text(app):
 
 
 def test_bad_words_encode_bare_and_after_a_space():
+    """Each word as it starts the text and after a space; a word of whitespace alone is itself ("\n" bans a
+    newline: stripped, it had banned a space alone, a review)."""
     tok = ByteTokenizer()
-    ids = bad_words_ids(tok, ["  ab", "ab", " "])
-    assert ids == [tok.encode("ab", add_bos=False), tok.encode(" ab", add_bos=False),
-                   tok.encode(" ", add_bos=False)]
+    ids = bad_words_ids(tok, ["  ab", "ab", "\n"])
+    assert ids == [tok.encode(t, add_bos=False) for t in ("ab", " ab", "\n", " \n")]

@@ -178,6 +178,8 @@ def with_structure(**changes) -> dict:
     ({"structured_outputs": {"structural_tag": "{not json"}}, "structured_outputs.structural_tag"),
     ({"structured_outputs": {"structural_tag": 3}}, "structured_outputs.structural_tag"),
     ({"structured_outputs": {"structural_tag": "[1]"}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"structural_tag": "[" * 100_000 + "]" * 100_000}},  # json.loads' RecursionError
+     "structured_outputs.structural_tag"),  # was a 500 (a review)
     ({"structured_outputs": {"structural_tag": json.dumps({"type": "json_schema", **CALLS})}},
      "structured_outputs.structural_tag.type"),
     ({"structured_outputs": {"structural_tag": {**CALLS, "triggers": ["<tool"]}}},

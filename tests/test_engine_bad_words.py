@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.engine.bad_words import HOLD_BACK, recent_entries, word_entries
+from server.engine.bad_words import HOLD_BACK, placed_rows, recent_entries, word_entries
 from server.engine.engine import EngineConfig, build_core
 from server.engine.sampler import BAD_WORDS, Sampler, row_fields, step_flags
-from server.engine.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
+from server.engine.sampling_params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS_TOKENS, SamplingParams
 from server.model.tokenizer import ByteTokenizer
 from tests.test_engine_out_rows import run_engine
 
@@ -143,6 +143,28 @@ def test_a_resumed_row_starts_from_its_sampled_tokens():
     """After a preemption the row's recent tokens come from the host: the prompt's never count."""
     sampler = sampler_with({0: [[4, 5, 6]], 1: [[4, 5, 6]]}, outputs={0: [9, 4, 5], 1: [5]})
     assert step(sampler, [6, 6], [0, 1]) == [1, 6]
+
+
+def test_a_resumed_row_with_fewer_sampled_tokens_than_its_word_keeps_them_all():
+    """Resumed after 1 2 3 with the word 1 2 3 4 5 (4 recent tokens read): all three come back, so 4 then 5
+    completes the word and 5 is banned (a negative slice start kept only the last one: a review)."""
+    assert recent_entries([[1, 2, 3, 4, 5]], [1, 2, 3]) == ([2, 1, 0], [1, 2, 3])
+    sampler = sampler_with({0: [[1, 2, 3, 4, 5]]}, outputs={0: [1, 2, 3]})
+    assert step(sampler, [4], [0]) == [4]
+    assert step(sampler, [5], [0]) == [1]
+
+
+def test_a_request_packs_its_words_once_and_a_bounded_count_of_them():
+    """Words past MAX_BAD_WORDS_TOKENS in all are refused: each row a request takes packs them (128 words of
+    64 tokens at n = 64 packed 4M ints, a 0.6 s stall: a review); the entries are computed once a request."""
+    words = [[3 + i] * 8 for i in range(MAX_BAD_WORDS_TOKENS // 8)]
+    params = SamplingParams(bad_words_ids=words)
+    params.validate(259)
+    assert params.bad_word_entries is params.bad_word_entries
+    sections, shape = placed_rows([(r, words, params.bad_word_entries, []) for r in range(64)])
+    assert shape == (len(words), 8) and len(sections[0]) == 64 * MAX_BAD_WORDS_TOKENS
+    with pytest.raises(ValueError, match="at most 1024 tokens in all"):
+        SamplingParams(bad_words_ids=words + [[5]]).validate(259)
 
 
 def test_a_row_whose_every_allowed_token_is_banned_draws_one():

@@ -87,3 +87,11 @@ def test_streaming_sends_what_the_whole_reply_parses_to(data):
             [(c.name, c.arguments) for c in want]
     else:
         assert sent + held == text and calls == []
+
+
+@pytest.mark.parametrize("parser,wrap", [("hermes", "<tool_call>{}</tool_call>"), ("llama3_json", "{}")])
+def test_a_reply_nested_past_pythons_stack_is_content(parser, wrap):
+    """json.loads raises RecursionError, not a JSONDecodeError, on a reply of 100,000 '[': the model's text
+    is then content, not a 500."""
+    text = wrap.format("[" * 100_000 + "]" * 100_000)
+    assert parse(parser, text) == (text, [])

@@ -216,6 +216,6 @@ def _is_resource(node: dict[str, Any]) -> bool:
 def _is_json(text: str) -> bool:
     try:
         json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return False
     return True

@@ -157,6 +157,8 @@ def _json_text(value: Any) -> Any:
             value = json.loads(value)
         except ValueError as e:
             raise ValueError(f"not a JSON text: {e}") from None
+        except RecursionError:  # the body's depth guard (parsing.py) does not see into its strings
+            raise ValueError("not a JSON text: nested too deeply") from None
     if value is not None and not isinstance(value, dict):
         raise ValueError("must be an object (format, or structures and triggers) or its JSON text")
     return value
@@ -345,7 +347,7 @@ def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
         return call
     try:
         arguments = json.loads(function["arguments"])
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past Python's stack
         return call
     if not isinstance(arguments, dict):
         return call

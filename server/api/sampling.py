@@ -55,9 +55,9 @@ def bad_words_ids(tokenizer, words: list[str]) -> list[list[int]]:
     word's tokens differ with a leading space in BPE and SentencePiece vocabularies), distinct, in order."""
     seqs = {}
     for word in words:
-        bare = word.lstrip()
+        bare = word.lstrip() or word  # a word of whitespace alone is itself ("\n" bans a newline)
         for text in (bare, " " + bare):
-            ids = tokenizer.encode(text, add_bos=False) if text else []
+            ids = tokenizer.encode(text, add_bos=False)
             if ids:
                 seqs.setdefault(tuple(ids), None)
     return [list(ids) for ids in seqs]

@@ -71,7 +71,7 @@ def _llama3_json(text: str) -> tuple[str | None, list[ToolCall] | None]:
 def _call(body: str, arguments_key: str) -> ToolCall | None:
     try:
         return _named_call(json.loads(body), arguments_key)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # the model's text: any JSON, nested arbitrarily deep
         return None
 
 

@@ -16,6 +16,7 @@ its recent tokens from the host (after a preemption it has sampled some already)
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from server.engine.bias_table import HOLD_BACK
@@ -24,14 +25,15 @@ PAD = -1  # a word's column left of its first token: matches any recent token
 NONE = -2  # a recent column the row has not sampled: matches no word token (every id is >= 0)
 
 
-def word_entries(words: list[list[int]]) -> tuple[list[int], list[int], list[int]]:
-    """A row's words -> (word index, position from the word's end (0: its last token), token id) per token."""
-    slots, backs, tokens = [], [], []
-    for b, word in enumerate(words):
-        n = len(word)
-        slots += [b] * n
-        backs += range(n - 1, -1, -1)
-        tokens += word
+def word_entries(words: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A row's words -> (word index, position from the word's end (0: its last token), token id) per token,
+    (E,) int32 each: a request computes them once (SamplingParams.bad_word_entries), and each of its rows'
+    placements (forks, resumes) copies them whole."""
+    lens = np.array([len(w) for w in words], dtype=np.int64)
+    ends = np.cumsum(lens)
+    slots = np.repeat(np.arange(len(words), dtype=np.int32), lens)
+    backs = (np.repeat(ends, lens) - 1 - np.arange(int(ends[-1]) if len(words) else 0)).astype(np.int32)
+    tokens = np.array([t for w in words for t in w], dtype=np.int32)
     return slots, backs, tokens
 
 
@@ -39,8 +41,29 @@ def recent_entries(words: list[list[int]], output_ids: list[int]) -> tuple[list[
     """The sampled tokens a row's words can read: its last (longest word - 1) -> (position from the latest
     (0), token id) each."""
     need = max(map(len, words)) - 1
-    last = output_ids[len(output_ids) - need:] if need else []
+    last = output_ids[max(0, len(output_ids) - need):] if need else []
     return list(range(len(last) - 1, -1, -1)), last
+
+
+def placed_rows(placed: list[tuple[int, list[list[int]], tuple, list[int]]]) -> tuple[list, tuple[int, int]]:
+    """The rows that sequences with bad words took: (row, words, their word_entries, sampled ids) each ->
+    (BadWords.write's 7 sections: the words' rows, slots, backs, tokens and the recent tokens' rows, backs,
+    tokens; the (words, tokens per word) these rows need)."""
+    word_rows, slots, backs, tokens = [], [], [], []
+    recent_rows, recent_backs, recent_tokens = [], [], []
+    num_words = word_len = 0
+    for row, words, (s, b, t), output_ids in placed:
+        word_rows.append(np.full(len(t), row, dtype=np.int32))
+        slots.append(s)
+        backs.append(b)
+        tokens.append(t)
+        back, last = recent_entries(words, output_ids)
+        recent_rows += [row] * len(last)
+        recent_backs += back
+        recent_tokens += last
+        num_words, word_len = max(num_words, len(words)), max(word_len, max(map(len, words)))
+    words_sections = [np.concatenate(a) if a else [] for a in (word_rows, slots, backs, tokens)]
+    return [*words_sections, recent_rows, recent_backs, recent_tokens], (num_words, word_len)
 
 
 class BadWords:

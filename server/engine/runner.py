@@ -30,7 +30,7 @@ import torch
 
 import kernels
 from server.engine.attention import AttentionMetadata, PagedAttention, warm_up_attention
-from server.engine.bad_words import recent_entries, word_entries
+from server.engine.bad_words import placed_rows
 from server.engine.batch_state import BatchState, FlatLayout, StepPacker, floats_as_int32
 from server.engine.bias_table import bias_entries
 from server.engine.cuda_graphs import (
@@ -459,9 +459,8 @@ class ModelRunner:
         rows, floats, ints = [], [], []
         pen_rows, pen_token_rows, pen_tokens, pen_is_output = [], [], [], []
         bias_rows, bias_cols, bias_ids, bias_values, bias_kinds = [], [], [], [], []
-        word_rows, word_slots, word_backs, word_tokens, recent_rows, recent_backs, recent_tokens = (
-            [], [], [], [], [], [], [])
-        bias_width = num_words = word_len = 0
+        placed = []  # rows with bad words: bad_words.placed_rows
+        bias_width = 0
         for seq in seqs:
             num_sampled = len(seq.token_ids) - seq.num_prompt_tokens
             f, i = row_fields(seq.params, seq.seed_key, num_sampled)
@@ -482,21 +481,12 @@ class ModelRunner:
                 bias_kinds += kinds
                 bias_width = max(bias_width, len(ids))
             if seq.sample_flags & BAD_WORDS:
-                words = seq.params.bad_words_ids
-                slots, backs, tokens = word_entries(words)
-                word_rows += [seq.row] * len(tokens)
-                word_slots += slots
-                word_backs += backs
-                word_tokens += tokens
-                backs, tokens = recent_entries(words, seq.output_token_ids)
-                recent_rows += [seq.row] * len(tokens)
-                recent_backs += backs
-                recent_tokens += tokens
-                num_words, word_len = max(num_words, len(words)), max(word_len, max(map(len, words)))
+                p = seq.params
+                placed.append((seq.row, p.bad_words_ids, p.bad_word_entries, seq.output_token_ids))
+        word_sections, word_shape = placed_rows(placed)
         return [rows, floats_as_int32(floats), ints, pen_rows, pen_token_rows, pen_tokens, pen_is_output,
-                bias_rows, bias_cols, bias_ids, floats_as_int32(bias_values), bias_kinds,
-                word_rows, word_slots, word_backs, word_tokens, recent_rows, recent_backs, recent_tokens,
-                ], NewRowWidths(bias_width, (num_words, word_len))
+                bias_rows, bias_cols, bias_ids, floats_as_int32(bias_values), bias_kinds, *word_sections,
+                ], NewRowWidths(bias_width, word_shape)
 
     def _flat_inputs(self, flat: torch.Tensor, layout: FlatLayout, num_decode: int
                      ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:

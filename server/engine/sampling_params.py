@@ -11,6 +11,9 @@ LOGIT_BIAS_RANGE = 100.0  # OpenAI's bound of one bias value
 MAX_N = 64
 MAX_BAD_WORDS = 128  # a request's bad_words (the API encodes each one with and without a leading space)
 MAX_BAD_WORD_TOKENS = 64  # tokens of one encoded bad word: the sampler's table is (rows, words, this wide)
+# tokens of a request's encoded bad words in all: each row the request takes packs them (4 ints a token), and
+# 128 words of 64 tokens at n = 64 packed 4M ints, a 0.6 s stall of every stream (a review, on CI's CPU)
+MAX_BAD_WORDS_TOKENS = 1024
 MAX_INT64 = 2**63 - 1  # seeds and top_k cross the core's wire (msgpack) as int64, as vLLM bounds its seed
 GREEDY_TEMPERATURE = 1e-5  # below it a choice takes the argmax: dividing logits by it would overflow
 # a structured output's grammar text: its compile time grows with the schema (3,000 optional properties, ~120K
@@ -61,6 +64,14 @@ class SamplingParams:
         """stop_token_ids as the core's finish check reads them once per token: a list scan per token let
         one request's 300K ids slow every stream of the step (not a field: it does not cross the wire)."""
         return frozenset(self.stop_token_ids)
+
+    @functools.cached_property
+    def bad_word_entries(self):
+        """bad_words_ids as the runner packs them (server/engine/bad_words.py word_entries), computed once:
+        a request of n choices places n rows, and each resume places one again."""
+        from server.engine.bad_words import word_entries  # numpy and torch: the core's side
+
+        return word_entries(self.bad_words_ids)
 
     @property
     def greedy(self) -> bool:
@@ -162,6 +173,9 @@ def _check_bad_words(words: list[list[int]], vocab_size: int) -> None:
                "bad_words must each encode to 1 to {} tokens, got {}", MAX_BAD_WORD_TOKENS,
                len(word) if isinstance(word, list) else word)
         _check_ids(word, vocab_size, "bad_words token ids")
+    total = sum(map(len, words))
+    _check(total <= MAX_BAD_WORDS_TOKENS, "bad_words encode to at most {} tokens in all, got {}",
+           MAX_BAD_WORDS_TOKENS, total)
 
 
 def _check(ok: bool, message: str, *values: object) -> None:
