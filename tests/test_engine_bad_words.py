@@ -10,7 +10,7 @@ import torch
 
 from server.engine.bad_words import HOLD_BACK, placed_rows, recent_entries, word_entries
 from server.engine.engine import EngineConfig, build_core
-from server.engine.sampler import BAD_WORDS, Sampler, row_fields, step_flags
+from server.engine.sampler import BAD_WORDS, LOGPROBS, Sampler, row_fields, step_flags
 from server.engine.sampling_params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS_TOKENS, SamplingParams
 from server.model.tokenizer import ByteTokenizer
 from tests.test_engine_out_rows import run_engine
@@ -176,7 +176,7 @@ def test_a_row_whose_every_allowed_token_is_banned_draws_one():
     assert sampler(logits, torch.tensor([0]), BAD_WORDS).token_ids.tolist() == [7]
     logits[0, 20] = -50.0  # any other token wins over a banned one
     assert sampler(logits, torch.tensor([0]), BAD_WORDS).token_ids.tolist() == [20]
-    assert sampler.bad_words.ban(logits, torch.tensor([0]))[0, 7] == HOLD_BACK
+    assert sampler.bad_words.ban_(logits, torch.tensor([0]))[0, 7] == HOLD_BACK
 
 
 def test_bad_words_are_validated_and_set_their_flag():
@@ -210,3 +210,14 @@ def test_gpu_engine_with_graphs_equals_the_dense_banned_reference(async_scheduli
             assert tokens[(rid, i)] == want, (rid, i, params.bad_words_ids)
     for rid, _, params in sampled:
         assert not any(contains(tokens[(rid, 0)], w) for w in params.bad_words_ids)
+
+
+def test_logprobs_stay_the_models_where_a_word_is_banned():
+    """The ban works on a copy when the step reports logprobs: the banned best token keeps its logprob and
+    rank; the step's own logits are banned in place otherwise."""
+    sampler = sampler_with({0: [[9]]})
+    logits = torch.zeros(1, 40)
+    logits[0, 9], logits[0, 1] = 2.0, 1.0
+    out = sampler(logits, torch.tensor([0]), BAD_WORDS | LOGPROBS, num_logprobs=2)
+    assert out.token_ids.tolist() == [1] and out.top_ids[0].tolist() == [9, 1]
+    assert out.top_logprobs[0, 0] == torch.log_softmax(logits[0], dim=0)[9]

@@ -97,9 +97,9 @@ class BadWords:
         if recent_rows.numel():
             self.recent.index_put_((recent_rows.long(), L - 2 - recent_backs.long()), recent_tokens.long())
 
-    def ban(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """logits (S, V) fp32 of `rows` (S,) -> a copy with each word's last token at HOLD_BACK (or below)
-        where the row's recent tokens are the word's others."""
+    def ban_(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """logits (S, V) fp32 of `rows` (S,), in place -> them, each word's last token at HOLD_BACK (or
+        below) where the row's recent tokens are the word's others."""
         if self.words is None:
             return logits
         words = self.words[rows]  # (S, B, L)
@@ -108,7 +108,7 @@ class BadWords:
         last = words[:, :, -1].long()  # (S, B), PAD in an empty slot
         match &= last >= 0
         values = torch.where(match, HOLD_BACK, float("inf"))  # +inf: the amin keeps the logit
-        return logits.scatter_reduce(1, last.clamp(min=0), values, "amin")
+        return logits.scatter_reduce_(1, last.clamp(min=0), values, "amin")
 
     def record(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """The step's sampled tokens (S,) int64 of `rows` (S,) join their rows' recent tokens."""

@@ -228,8 +228,10 @@ class Sampler:
             logits = self._apply_penalties(logits, rows, floats)
             if flags & ALLOW:
                 logits = self.bias.floor_allowed(logits, rows)
-        if flags & BAD_WORDS:  # after the floor, which would lift a banned allowed id back
-            logits = self.bad_words.ban(logits, rows)
+        if flags & BAD_WORDS:  # after the floor, which would lift a banned allowed id back; in place, on a
+            # copy where the raw logits still give logprobs
+            logits = logits.clone() if logits is raw and flags & LOGPROBS else logits
+            logits = self.bad_words.ban_(logits, rows)
         if token_mask is not None:  # last: no bias, penalty or floor lifts a token the grammar refuses
             if not self.kernel:
                 logits = mask_tokens(logits, *token_mask)
