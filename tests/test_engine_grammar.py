@@ -6,11 +6,13 @@ grammar compiles; the sampler's bitmask against a dense mask."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import itertools
 import json
 import re
 import threading
+import time
 import traceback
 import types
 
@@ -685,3 +687,36 @@ def test_slow_tokens_within_a_window_fail_the_choice(async_scheduling):
     assert struck == [1, 1 + window, last] and reason == "error" and "ms over one token" in error
     assert len(tokens[("g", 0)]) == last  # those before its last strike; that one fails it
     assert not core.requests and not core._strikes and not core._too_costly
+
+
+class SleepingMatcher:
+    """A matcher whose every mask takes `ms` and allows every token (what Grammars.masks times)."""
+
+    def __init__(self, ms: float) -> None:
+        self.ms = ms
+
+    def unsafe_compute_mask_ptr(self, ptr: int, nbytes: int) -> None:
+        time.sleep(self.ms / 1e3)
+        ctypes.memset(ptr, 0xFF, nbytes)
+
+
+def test_a_step_over_its_budget_strikes_its_costliest_rows():
+    """Three rows of 30 ms each (under MAX_TOKEN_MS alone, 90 ms in all) beside cheap ones: the step
+    strikes the costliest until the rest fit in MAX_TOKEN_MS; cheap rows are never struck. Ten requests of
+    a 45 ms grammar made every step 450 ms before."""
+    grammars = Grammars(ByteTokenizer(), ByteTokenizer.NUM_IDS, {EOS})
+    cheap = [grammars.compile(regex_grammar("[a-c]+")).result() for _ in range(4)]
+    costly: list[tuple[int, float]] = []
+    grammars.masks([cheap[0], SleepingMatcher(30), cheap[1], SleepingMatcher(30), SleepingMatcher(30),
+                    cheap[2], None, cheap[3]], costly)
+    assert len(costly) == 2 and {g for g, _ in costly} < {1, 3, 4}, costly
+    assert all(ms >= 30 for _, ms in costly)
+
+
+def test_the_struck_rows_of_a_step():
+    limit = grammar_module.MAX_TOKEN_MS
+    assert grammar_module.struck_rows([(limit + 1, 0), (0.01, 1)]) == [(0, limit + 1)]  # over alone
+    assert grammar_module.struck_rows([(45.0, 0), (45.0, 1), (0.01, 2)]) == [(1, 45.0)]  # costliest first
+    many_cheap = [(0.9, g) for g in range(100)]  # 90 ms of rows under COSTLY_ROW_MS: slow, not costly
+    assert grammar_module.struck_rows(many_cheap) == []
+    assert grammar_module.struck_rows([(20.0, 0), (20.0, 1), (5.0, 2)]) == []  # 45 ms in all: within
