@@ -76,6 +76,31 @@ def test_stop_token_id_and_eos_are_counted_not_detokenized():
     assert (deltas[-1].finish_reason, deltas[-1].stop_reason) == ("stop", None)
 
 
+def test_without_detokenize_no_detokenizer_runs_and_the_ids_alone_go(monkeypatch):
+    """detokenize false: no detokenizer is built or fed, no token text is read (return_tokens_as_token_ids
+    spells the logprob entries), the deltas carry the ids, an ending EOS among them, and no text."""
+    def no_text(*args):
+        raise AssertionError("detokenized")
+
+    monkeypatch.setattr("server.api.choice_stream.detokenizer_for", no_text)
+    params = SamplingParams(detokenize=False, return_tokens_as_token_ids=True, logprobs=1, max_tokens=9)
+    choice = ChoiceStream(0, params, TOK, no_text)
+    a, b = ids("ab")
+    delta, abort = choice.apply(SeqUpdate("r", 0, [a, b], [(-0.5, [(a, -0.5)]), (-1.5, [(a, -0.25)])]))
+    assert (delta.text, delta.token_ids, delta.finish_reason, abort) == ("", [a, b], None, False)
+    assert [(lp.token, lp.top) for lp in delta.logprobs] == [
+        (f"token_id:{a}", [(a, f"token_id:{a}", -0.5)]), (f"token_id:{b}", [(a, f"token_id:{a}", -0.25)])]
+    delta, _ = choice.apply(SeqUpdate("r", 0, [TOK.EOS], [(-0.1, [])], "stop"))
+    assert (delta.text, delta.token_ids, delta.finish_reason) == ("", [TOK.EOS], "stop")
+    assert choice.num_tokens == 3 and choice.apply(SeqUpdate("r", 0, [a])) == (None, False)
+
+
+def test_stop_strings_need_the_text():
+    with pytest.raises(ValueError, match="^stop strings .* detokenize false"):
+        SamplingParams(stop=["x"], detokenize=False).validate(TOK.vocab_size)
+    SamplingParams(stop_token_ids=[5], detokenize=False).validate(TOK.vocab_size)
+
+
 def test_max_tokens_flushes_held_text():
     pieces, reason, stop = run("abcwo", stop=["world"], max_tokens=5)
     assert (reason, stop) == ("length", None)

@@ -45,6 +45,7 @@ def assert_error(r: httpx.Response, status: int, param: str | None = "any") -> d
 
 CMPL = {"prompt": "hi", "max_tokens": 2}
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 BAD_COMPLETIONS = [
     ({"max_tokens": 2}, "prompt"),
@@ -66,8 +67,10 @@ BAD_COMPLETIONS = [
     ({**CMPL, "stream": True, "stream_options": {"continuous_usage_stats": "yes"}},
      "stream_options.continuous_usage_stats"),
     ({**CMPL, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, "stream_options"),
-    ({**CMPL, "return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
-    ({**CMPL, "detokenize": False}, "detokenize"),
+    ({**CMPL, "return_tokens_as_token_ids": "yes"}, "return_tokens_as_token_ids"),
+    ({**CMPL, "detokenize": 0}, "detokenize"),
+    ({**CMPL, "detokenize": False, "stop": "x"}, "stop"),  # stop strings are found in the text
+    ({**CMPL, "detokenize": False, "stop": ["x", "y"], "stream": True}, "stop"),
     ({**CMPL, "logits_processors": ["x"]}, "logits_processors"),
     ({**CMPL, "prompt_embeds": "AAAA"}, "prompt_embeds"),
     ({**CMPL, "max_tokens": 0}, "max_tokens"),
@@ -119,6 +122,10 @@ BAD_CHATS = [
     ({**CHAT, "tool_choice": "required"}, "tool_choice"),  # no tools
     ({**CHAT, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     ({**CHAT, "tool_choice": "any"}, "tool_choice"),
+    ({**CHAT, "detokenize": False, "stop": ["x"]}, "stop"),
+    ({**CHAT, "detokenize": False, "tools": [TOOL], "tool_choice": "required"}, "tool_choice"),  # calls: text
+    ({**CHAT, "detokenize": False, "tools": [TOOL], "stream": True,
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     ({**CHAT, "functions": [{"name": "f"}]}, "functions"),
     ({**CHAT, "echo": True}, "echo"),
     ({**CHAT, "store": True}, "store"),
@@ -144,6 +151,10 @@ NO_OP_FIELDS = [  # OpenAI fields at the value that asks for nothing: accepted
     ("/v1/chat/completions", {**CHAT, "tool_choice": "none", "store": False, "modalities": ["text"],
                               "echo": False, "functions": [], "metadata": {"k": "v"},
                               "service_tier": "auto"}),
+    # detokenize false with what needs no text: stop token ids, tools shown and not called
+    ("/v1/completions", {**CMPL, "detokenize": False, "stop_token_ids": [5], "stop": []}),
+    ("/v1/chat/completions", {**CHAT, "detokenize": False, "tools": [TOOL], "tool_choice": "none"}),
+    ("/v1/completions", {**CMPL, "detokenize": None, "return_tokens_as_token_ids": None, "stop": "x"}),
 ]
 
 
@@ -156,6 +167,12 @@ def test_bad_completion_requests_are_400(engine, body, param):
 @pytest.mark.parametrize("body,param", BAD_CHATS)
 def test_bad_chat_requests_are_400(engine, body, param):
     assert_error(request(create_app(engine), "POST", "/v1/chat/completions", json=body), 400, param)
+
+
+def test_auto_tool_calls_without_detokenize_are_400(engine):
+    app = create_app(engine, tool_call_parser="hermes")
+    r = request(app, "POST", "/v1/chat/completions", json={**CHAT, "detokenize": False, "tools": [TOOL]})
+    assert "detokenize false" in assert_error(r, 400, "tool_choice")["message"]
 
 
 @pytest.mark.parametrize("path,body", NO_OP_FIELDS)

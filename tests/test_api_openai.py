@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
 import pytest
@@ -286,3 +287,148 @@ def test_a_refusal_of_the_requests_tokens_names_the_field_sent(app, fields, para
     r = post(app, "/v1/chat/completions", body)
     assert r.status_code == 400 and "KV cache capacity" in r.json()["error"]["message"], r.text
     assert r.json()["error"]["param"] == param
+
+
+SEEDED = {"temperature": 0.9, "seed": 11, "ignore_eos": True}  # n choices that differ, the same each run
+LOGPROB_LISTS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+
+def completion_choices(app, body: dict) -> list[dict]:
+    """A completion's choices in index order; a stream's merged per index (text, token ids and logprob
+    lists joined, its finish)."""
+    r = post(app, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    if not body.get("stream"):
+        return r.json()["choices"]
+    merged: dict[int, dict] = {}
+    for chunk in sse_payloads(r.text):
+        for ch in chunk["choices"]:
+            m = merged.setdefault(ch["index"], {"text": "", "token_ids": [], "logprobs": None,
+                                                "finish_reason": None})
+            m["text"] += ch["text"]
+            m["token_ids"] += ch.get("token_ids") or []
+            if ch["logprobs"] is not None:
+                m["logprobs"] = m["logprobs"] or {key: [] for key in LOGPROB_LISTS}
+                for key in LOGPROB_LISTS:
+                    m["logprobs"][key] += ch["logprobs"][key]
+            m["finish_reason"] = ch["finish_reason"] or m["finish_reason"]
+    return [merged[i] for i in sorted(merged)]
+
+
+def chat_choices(app, body: dict) -> list[dict]:
+    """A chat's choices in index order as {content, token_ids, logprobs (the entries), finish_reason}; a
+    stream's merged per index, with every delta's content kept in `pieces`."""
+    r = post(app, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    if not body.get("stream"):
+        return [{"content": c["message"]["content"], "token_ids": c.get("token_ids"),
+                 "logprobs": c["logprobs"]["content"] if c["logprobs"] else None,
+                 "finish_reason": c["finish_reason"]} for c in r.json()["choices"]]
+    merged: dict[int, dict] = {}
+    for chunk in sse_payloads(r.text):
+        for ch in chunk["choices"]:
+            m = merged.setdefault(ch["index"], {"content": "", "token_ids": [], "logprobs": None,
+                                                "finish_reason": None, "pieces": []})
+            m["pieces"].append(ch["delta"].get("content"))
+            m["content"] += ch["delta"].get("content") or ""
+            m["token_ids"] += ch.get("token_ids") or []
+            if ch["logprobs"] is not None:
+                m["logprobs"] = (m["logprobs"] or []) + ch["logprobs"]["content"]
+            m["finish_reason"] = ch["finish_reason"] or m["finish_reason"]
+    return [merged[i] for i in sorted(merged)]
+
+
+def is_id_string(token: str, vocab_size: int) -> bool:
+    return re.fullmatch(r"token_id:\d+", token) is not None and int(token[len("token_id:"):]) < vocab_size
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs_as_token_ids(app, engine, stream):
+    # vLLM's return_tokens_as_token_ids: each entry of tokens and each top_logprobs key is "token_id:{id}"
+    # (the byte tokenizer's tokens above 0x7f all read U+FFFD as text); the text and the logprobs stay
+    req = {"prompt": "Token ids", "max_tokens": 6, "n": 2, "logprobs": 2, "return_token_ids": True,
+           "stream": stream, **SEEDED}
+    plain = completion_choices(app, req)
+    as_ids = completion_choices(app, {**req, "return_tokens_as_token_ids": True})
+    assert plain[0]["token_ids"] != plain[1]["token_ids"]  # n choices of their own
+    for p, c in zip(plain, as_ids, strict=True):
+        assert (c["text"], c["token_ids"], c["finish_reason"]) == (p["text"], p["token_ids"], "length")
+        lp = c["logprobs"]
+        assert lp["tokens"] == [f"token_id:{t}" for t in c["token_ids"]]
+        assert lp["token_logprobs"] == p["logprobs"]["token_logprobs"]
+        for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True):
+            assert top[token] == logprob and 1 <= len(top) <= 3
+            assert all(is_id_string(key, engine.tokenizer.vocab_size) for key in top)
+        # the offsets count the strings in tokens, as vLLM's do
+        assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(len(lp["tokens"]))]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_as_token_ids_keep_each_tokens_bytes(app, engine, stream):
+    req = {"messages": [{"role": "user", "content": "ids please"}], "max_tokens": 5, "n": 2,
+           "logprobs": True, "top_logprobs": 2, "return_token_ids": True, "stream": stream, **SEEDED}
+    plain = chat_choices(app, req)
+    as_ids = chat_choices(app, {**req, "return_tokens_as_token_ids": True})
+    bytes_of = engine.tokenizer.bytes_of
+    for p, c in zip(plain, as_ids, strict=True):
+        assert (c["content"], c["token_ids"]) == (p["content"], p["token_ids"]) and len(c["token_ids"]) == 5
+        assert [e["token"] for e in c["logprobs"]] == [f"token_id:{t}" for t in c["token_ids"]]
+        assert [e["logprob"] for e in c["logprobs"]] == [e["logprob"] for e in p["logprobs"]]
+        assert [e["bytes"] for e in c["logprobs"]] == [list(bytes_of(t)) for t in c["token_ids"]]
+        for entry in c["logprobs"]:
+            assert len(entry["top_logprobs"]) == 2
+            for top in entry["top_logprobs"]:
+                assert is_id_string(top["token"], engine.tokenizer.vocab_size)
+                assert top["bytes"] == list(bytes_of(int(top["token"][len("token_id:"):])))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("logprobs", [None, 1])
+def test_completion_without_detokenize_sends_ids_and_no_text(app, stream, logprobs):
+    # vLLM's detokenize false: "" for the text, echo's too; the ids and the logprobs as with text
+    req = {"prompt": "No text", "max_tokens": 6, "n": 2, "logprobs": logprobs, "return_token_ids": True,
+           "return_tokens_as_token_ids": True, "stream": stream, **SEEDED}
+    with_text = completion_choices(app, req)
+    for echo in (False, True):
+        without = completion_choices(app, {**req, "detokenize": False, "echo": echo})
+        for w, c in zip(with_text, without, strict=True):
+            assert w["text"] and c["text"] == ""
+            assert (c["token_ids"], c["finish_reason"]) == (w["token_ids"], w["finish_reason"])
+            if logprobs is not None and not echo:
+                assert c["logprobs"] == w["logprobs"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_scoring_a_prompt_as_token_ids_without_text(app, engine, stream):
+    # echo + max_tokens 0 + logprobs: the prompt's entries spelled as ids, no text decoded
+    ids = engine.tokenizer.encode("Score me", add_bos=True)
+    req = {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1, "n": 2, "detokenize": False,
+           "return_tokens_as_token_ids": True, "stream": stream, **GREEDY}
+    for choice in completion_choices(app, req):
+        lp = choice["logprobs"]
+        assert choice["text"] == "" and lp["tokens"] == [f"token_id:{t}" for t in ids]
+        assert lp["top_logprobs"][0] is None and all(lp["tokens"][i] in lp["top_logprobs"][i]
+                                                     for i in range(1, len(ids)))
+        assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(len(ids))]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_without_detokenize_sends_ids_and_empty_content(app, stream):
+    req = {"messages": [{"role": "user", "content": "no text"}], "max_tokens": 5, "n": 2,
+           "return_token_ids": True, "stream": stream, **SEEDED}
+    with_text = chat_choices(app, req)
+    without = chat_choices(app, {**req, "detokenize": False})
+    for w, c in zip(with_text, without, strict=True):
+        assert w["content"] and c["content"] == ""
+        assert (c["token_ids"], c["finish_reason"]) == (w["token_ids"], w["finish_reason"])
+        if stream:  # the role chunk's "" and then "" in every delta beside its ids
+            assert len(c["pieces"]) > 2 and all(piece == "" for piece in c["pieces"])
+
+
+def test_structured_output_without_detokenize(app, engine):
+    # the grammar constrains the tokens in the engine: the ids it allows come without their text
+    req = {"prompt": "Answer:", "max_tokens": 8, "structured_outputs": {"choice": ["yes", "no"]},
+           "detokenize": False, "return_token_ids": True, "temperature": 0}
+    (choice,) = completion_choices(app, req)
+    assert choice["text"] == "" and choice["finish_reason"] == "stop"
+    assert engine.tokenizer.decode(choice["token_ids"]) in ("yes", "no")

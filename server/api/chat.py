@@ -176,6 +176,9 @@ def _job(engine, req: ChatCompletionRequest, limits: RequestLimits | None = None
         raise APIError(400, '"auto" tool choice requires the server to run with --enable-auto-tool-choice '
                             'and --tool-call-parser; tool_choice "none" shows the tools without calls.',
                        "tool_choice")
+    if (req.calls_tools or forced_calls(req) is not None) and not req.detokenizes:
+        raise APIError(400, "tool calls are read from the reply's text, which detokenize false leaves out; "
+                            'tool_choice "none" shows the tools without calls.', "tool_choice")
     prompt = chat_prompt_ids(engine.tokenizer, req.messages, req.add_generation_prompt,
                              req.add_special_tokens, template_variables(req.chat_template_kwargs, req.tools))
     (prompt,), cut_to = truncated([prompt], req.truncate_prompt_tokens, engine.max_model_len)

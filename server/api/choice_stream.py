@@ -1,4 +1,5 @@
-"""One choice on the API side: the core's token ids -> text deltas, stop strings, logprob token strings.
+"""One choice on the API side: the core's token ids -> text deltas, stop strings, logprob token strings
+(with detokenize false: the ids alone, no text).
 
 The core ends a choice on EOS / a stop token id (finish "stop", that last id is counted but never
 detokenized, unless include_stop_str_in_output), on max_tokens ("length"), or on an abort or error. A
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from server.api.outputs import ChoiceDelta, TokenLogprob, reported_logprob
+from server.api.outputs import ChoiceDelta, TokenLogprob, reported_logprob, token_id_string
 from server.api.stop_strings import StopStrings
 from server.engine.outputs import SeqUpdate
 from server.engine.sampling_params import SamplingParams
@@ -26,14 +27,17 @@ class ChoiceStream:
     def __init__(self, index: int, params: SamplingParams, tokenizer, text_of: Callable[[int], str],
                  prompt_token_ids: list[int] = ()):
         self.index = index
-        # the prompt's tail: the first word's space; params: whether special tokens are spelled
-        self.detokenizer = detokenizer_for(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        # the prompt's tail: the first word's space; params: whether special tokens are spelled. None: the
+        # choice has no text (detokenize false), its deltas carry ids alone
+        self.detokenizer = (detokenizer_for(tokenizer, prompt_token_ids, params.skip_special_tokens)
+                            if params.detokenize else None)
         self.stops = StopStrings(params.stop, params.include_stop_str_in_output) if params.stop else None
         self.min_tokens = params.min_tokens  # stop strings count from this many tokens on
         self.stop_text_kept = params.include_stop_str_in_output  # a stop token's text too
         # a structured output's EOS ids: its "stop" may come on a content token (the grammar complete)
         self.guided_eos = frozenset(tokenizer.eos_token_ids) if params.grammar is not None else None
-        self.text_of = text_of  # token id -> its text alone (logprob entries)
+        # token id -> its logprob entries' string: its text alone, or its id (return_tokens_as_token_ids)
+        self.text_of = token_id_string if params.return_tokens_as_token_ids else text_of
         self.want_logprobs = params.logprobs is not None
         self.finish_reason: str | None = None
         self.num_tokens = 0
@@ -47,6 +51,8 @@ class ChoiceStream:
         the core still runs it: the caller then aborts it there)."""
         if self.finish_reason is not None:
             return None, False
+        if self.detokenizer is None:
+            return self._without_text(u), False
         ids = u.new_token_ids
         reason, stop_reason = u.finish_reason, u.stop_token_id
         if reason is None and self.stops is None and not self.want_logprobs and len(ids) == 1:
@@ -83,6 +89,14 @@ class ChoiceStream:
         ids = ids[:taken] if taken < len(ids) else ids
         return ChoiceDelta(self.index, "".join(pieces), ids, self._logprobs(u, taken), reason,
                            stop_reason, u.prompt_logprobs), hit is not None and u.finish_reason is None
+
+    def _without_text(self, u: SeqUpdate) -> ChoiceDelta:
+        """detokenize false: the update's ids as they come (an ending EOS or stop token id among them, as
+        token_ids always carry it) and the core's finish; nothing is held, there are no stop strings."""
+        self.finish_reason = u.finish_reason
+        self.num_tokens += len(u.new_token_ids)
+        return ChoiceDelta(self.index, "", u.new_token_ids, self._logprobs(u, len(u.new_token_ids)),
+                           u.finish_reason, u.stop_token_id, u.prompt_logprobs)
 
     def _finish_text(self) -> tuple[str, str | None]:
         """The core ended the choice: the detokenizer's held bytes, then the held stop-string prefix

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from functools import cached_property
@@ -27,7 +27,7 @@ from server.api.engine_stream import (
 from server.api.errors import APIError
 from server.api.logprobs import completion_logprobs, echo_logprobs, joined, vllm_prompt_logprobs
 from server.api.openapi_bodies import request_body
-from server.api.outputs import ChoiceDelta
+from server.api.outputs import ChoiceDelta, token_id_string
 from server.api.parsing import check_model, parse_body
 from server.api.prompts import check_context_length, check_cut_room, truncated
 from server.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
@@ -90,11 +90,17 @@ class CompletionJob:
             return 0
         if self.req.logprobs is None:  # no offsets: the echoed text's length
             return len(self.prompt_texts[index // self.params.n])
-        text_of = self.engine.tokenizer.token_text
-        return sum(len(text_of(t)) for t in self.prompts[index // self.params.n])
+        token_string = self.token_string
+        return sum(len(token_string(t)) for t in self.prompts[index // self.params.n])
+
+    @cached_property
+    def token_string(self) -> Callable[[int], str]:
+        """A prompt token id -> its echo logprob entry's string: its text, or its id's string
+        (return_tokens_as_token_ids), as the choices' entries are spelled."""
+        return token_id_string if self.req.return_tokens_as_token_ids else self.engine.tokenizer.token_text
 
     def echo_logprobs(self, index: int, entries: list) -> CompletionLogprobs:
-        return echo_logprobs(self.engine.tokenizer, self.prompts[index // self.params.n], entries,
+        return echo_logprobs(self.token_string, self.prompts[index // self.params.n], entries,
                              self.req.logprobs or 0)
 
     def echo_choice(self, index: int, prompt_logprobs: list | None) -> CompletionChoice:
@@ -170,6 +176,8 @@ def _job(engine, req: CompletionRequest, grammar: str | None = None) -> Completi
         texts = [t if len(c) == len(p) else echo_text(tok, c, req)
                  for t, c, p in zip(texts, cut, prompts, strict=True)]
         prompts = cut
+    if not req.detokenizes:  # no text, an echo's included (a prompt of ids was never decoded: echo_text)
+        texts = [""] * len(prompts)
     scores_prompt = req.max_tokens == 0
     if scores_prompt and not req.echo:
         raise APIError(400, "max_tokens 0 generates nothing: it is only valid with echo (score the prompt).",
@@ -194,8 +202,9 @@ def _prompt_ks(req: CompletionRequest) -> dict[str, int]:
 
 
 def echo_text(tok, ids: list[int], req: CompletionRequest) -> str:
-    """The text an echo of prompt `ids` shows, decoded as the choices' text is ("" without echo)."""
-    return tok.decode(ids, req.skip_special_tokens is not False) if req.echo else ""
+    """The text an echo of prompt `ids` shows, decoded as the choices' text is ("" without echo, or where
+    detokenize is false)."""
+    return tok.decode(ids, req.skip_special_tokens is not False) if req.echo and req.detokenizes else ""
 
 
 def _prompt_only(delta: ChoiceDelta) -> ChoiceDelta:

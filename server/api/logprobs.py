@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from server.api.outputs import TokenLogprob, reported_logprob
 from server.api.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob, TopLogprob
 
@@ -20,14 +22,16 @@ def completion_logprobs(tokens: list[TokenLogprob], text_offset: int) -> Complet
     return out
 
 
-def echo_logprobs(tokenizer, prompt_ids: list[int], entries: list, k: int) -> CompletionLogprobs:
+def echo_logprobs(token_string: Callable[[int], str], prompt_ids: list[int], entries: list, k: int
+                  ) -> CompletionLogprobs:
     """The prompt's part of `echo` with `logprobs` k: one entry per prompt token from the core's prompt
     logprobs, the first without a logprob (nothing precedes it). A position's top_logprobs holds the prompt
-    token itself besides the top-k, as OpenAI's and vLLM's do."""
+    token itself besides the top-k, as OpenAI's and vLLM's do. `token_string`: a token id -> its entry's
+    string (its text, or token_id_string's)."""
     out = CompletionLogprobs()
     offset = 0
     for token, entry in zip(prompt_ids, entries, strict=True):
-        text = tokenizer.token_text(token)
+        text = token_string(token)
         out.tokens.append(text)
         out.text_offset.append(offset)
         offset += len(text)
@@ -37,7 +41,7 @@ def echo_logprobs(tokenizer, prompt_ids: list[int], entries: list, k: int) -> Co
             continue
         logprob, top = reported_logprob(entry[0]), entry[2][:k]  # (logprob, rank, top), top at least k
         out.token_logprobs.append(logprob)
-        top_of = {tokenizer.token_text(t): reported_logprob(lp) for t, lp in top}
+        top_of = {token_string(t): reported_logprob(lp) for t, lp in top}
         out.top_logprobs.append({**top_of, text: logprob})
     return out
 
@@ -72,7 +76,8 @@ def joined(first: CompletionLogprobs, then: CompletionLogprobs) -> CompletionLog
 
 def chat_logprobs(tokens: list[TokenLogprob], num_top: int, tokenizer) -> ChatLogprobs:
     """`bytes` are each token's own (tokenizer.bytes_of): a token holding part of a character gives its
-    bytes, which a client joins with its neighbours', where its text reads U+FFFD."""
+    bytes, which a client joins with its neighbours', where its text reads U+FFFD; with
+    return_tokens_as_token_ids too, where `token` is its id's string."""
     bytes_of = tokenizer.bytes_of
     return ChatLogprobs(content=[
         ChatTokenLogprob(token=lp.token, logprob=lp.logprob, bytes=list(bytes_of(lp.token_id)),

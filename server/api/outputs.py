@@ -13,10 +13,15 @@ def reported_logprob(logprob: float) -> float:
     return logprob if logprob > MIN_LOGPROB else MIN_LOGPROB
 
 
+def token_id_string(token_id: int) -> str:
+    """A logprob entry's token with return_tokens_as_token_ids, as vLLM spells it: its id, no text read."""
+    return f"token_id:{token_id}"
+
+
 @dataclass
 class TokenLogprob:
     token_id: int
-    token: str
+    token: str  # its text alone, or token_id_string's (return_tokens_as_token_ids)
     logprob: float
     top: list[tuple[int, str, float]] = field(default_factory=list)  # (token_id, token, logprob), best first
 

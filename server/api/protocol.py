@@ -217,6 +217,12 @@ class _SamplingRequest(_Request):
     stream: bool | None = False
     stream_options: StreamOptions | None = None  # declared after `stream`: its validator reads it
     return_token_ids: bool | None = False
+    # vLLM's: logprob entries name their tokens "token_id:{id}" (a completion's tokens and top_logprobs keys,
+    # chat's token of each entry and of its top_logprobs), so that a token no text spells is still told apart
+    return_tokens_as_token_ids: bool | None = False
+    # vLLM's: false sends no text ("" in its place); token ids and logprobs still go, and the API process
+    # runs no detokenizer for the request. Stop strings and tool calls need the text: a 400 with it
+    detokenize: bool | None = True
     user: str | None = None
     add_special_tokens: bool | None = None  # vLLM's; None: True for a prompt, as the template has it in chat
     logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> bias in [-100, 100]
@@ -242,8 +248,6 @@ class _SamplingRequest(_Request):
     use_beam_search: Annotated[Any, refused_unless(None, False)] = None
     length_penalty: Annotated[Any, refused_unless(None, 1.0)] = None
     logits_processors: Annotated[Any, refused_unless(None, [])] = None
-    return_tokens_as_token_ids: Annotated[Any, refused_unless(None, False)] = None
-    detokenize: Annotated[Any, refused_unless(None, True)] = None
     prompt_embeds: Annotated[Any, refused_unless(None)] = None
 
     @field_validator("stream_options")
@@ -280,6 +284,11 @@ class _SamplingRequest(_Request):
         if v is not None and v > n:
             raise ValueError("best_of greater than n is not supported by pagewalk (use n)")
         return v
+
+    @property
+    def detokenizes(self) -> bool:
+        """Whether the choices carry text: detokenize, its default (true) where it is null."""
+        return self.detokenize is not False
 
     @property
     def include_usage(self) -> bool:

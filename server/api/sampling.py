@@ -30,6 +30,8 @@ def sampling_params(req: _SamplingRequest, max_tokens: int, logprobs: int | None
         n=_or(req.n, 1),
         logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens is not False,
+        detokenize=req.detokenizes,
+        return_tokens_as_token_ids=bool(req.return_tokens_as_token_ids),
         presence_penalty=_or(req.presence_penalty, 0.0),
         frequency_penalty=_or(req.frequency_penalty, 0.0),
         repetition_penalty=_or(req.repetition_penalty, d.get("repetition_penalty", 1.0)),

@@ -37,6 +37,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; k: sampled token's + top-k
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob + top-k
     skip_special_tokens: bool = True  # False: the text spells the special tokens sampled (the API reads it)
+    detokenize: bool = True  # False: no text, the API runs no detokenizer (vLLM's; the API reads it)
+    # logprob entries name their tokens "token_id:{id}", not their text (vLLM's; the API reads it)
+    return_tokens_as_token_ids: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -110,6 +113,8 @@ class SamplingParams:
         _check(self.repetition_penalty > 0.0, "repetition_penalty must be > 0, got {}",
                self.repetition_penalty)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+        _check(self.detokenize or not self.stop, "stop strings are found in the text, which detokenize false "
+               "leaves out (stop_token_ids need no text)")
         _check_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
         _check_bias(self.logit_bias, vocab_size)
         _check_allowed(self.allowed_token_ids, vocab_size)
