@@ -40,9 +40,10 @@ def chat_request(**fields) -> ChatCompletionRequest:
 
 def grammar(req) -> tuple[str, str] | None:
     """(grammar text, its field) of a request, validated as the API validates it."""
-    g = grammar_of(req)
+    tokenizer = ByteTokenizer()
+    g = grammar_of(req, tokenizer)
     if g is not None:
-        validate(g, ByteTokenizer())
+        validate(g, tokenizer)
     return None if g is None else (g.text, g.param)
 
 

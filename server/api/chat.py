@@ -60,7 +60,7 @@ from server.api.streaming import (
     json_text,
     sse_event,
 )
-from server.api.structured_output import request_grammar
+from server.api.structured_output import Grammar, request_grammar
 from server.api.tool_calls import ToolCall, ToolCallStream
 from server.api.tool_calls import parse as parse_tool_calls
 from server.engine.sampling_params import SamplingParams
@@ -169,7 +169,7 @@ async def create_chat_completion(request: Request) -> Response:
 
 
 def _job(engine, req: ChatCompletionRequest, limits: RequestLimits | None = None,
-         tool_call_parser: str | None = None, grammar: str | None = None) -> ChatJob:
+         tool_call_parser: str | None = None, grammar: Grammar | None = None) -> ChatJob:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true.", "top_logprobs")
     if req.calls_tools and tool_call_parser is None:

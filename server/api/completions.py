@@ -41,7 +41,7 @@ from server.api.streaming import (
     json_str,
     sse_event,
 )
-from server.api.structured_output import request_grammar
+from server.api.structured_output import Grammar, request_grammar
 from server.engine.sampling_params import SamplingParams
 
 router = APIRouter()
@@ -160,7 +160,7 @@ async def create_completion(request: Request) -> Response:
                               job.reservation)
 
 
-def _job(engine, req: CompletionRequest, grammar: str | None = None) -> CompletionJob:
+def _job(engine, req: CompletionRequest, grammar: Grammar | None = None) -> CompletionJob:
     tok = engine.tokenizer
     prompt = req.prompt
     if isinstance(prompt, str) or isinstance(prompt[0], str):

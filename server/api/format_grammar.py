@@ -9,10 +9,12 @@ free text without one runs to the output's end. A stop is
 - None: the output ends after the node;
 - "": something follows that is not a literal (structural_format.py refuses free text here);
 - text: that literal follows, taken by the node's rule.
-Every literal is quoted Lark text: a trigger or begin shaped like <...> is text, never a special token
-(where it is a special token of the model's tokenizer the grammar takes its spelling in text pieces). The
-pieces of a sequence are lexed greedily, as any llguidance grammar is: a regex or JSON number that could go
-on into the text after it does, so that text (e.g. a digit after an integer) is refused.
+Every literal is quoted Lark text, and where it holds the text of a special token of the model's tokenizer,
+that token or the text (special_literals.py). Free text that a literal starting with such a text ends ends
+at the literal's spelling (the lazy lexeme) or at the token (which free text never holds), then the rest of
+the literal; one further into the literal is spelled there (the lazy lexeme's text). The pieces of a
+sequence are lexed greedily, as any llguidance grammar is: a regex or JSON number that could go on into the
+text after it does, so that text (e.g. a digit after an integer) is refused.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import llguidance
 from llguidance import LLMatcher
 
 from server.api.grammar_texts import cfg_lark, compact_schema
+from server.api.special_literals import Literals
 from server.api.structural_format import (
     AnyText,
     ConstString,
@@ -42,24 +45,29 @@ ANY_TEXT = "/(?s:.*)/"
 
 
 class _Rules:
-    """The grammar being written: Lark lines (rules f0, f1, ...; terminals TEXT, TEXT3, ...) and the
-    grammars of grammar nodes (g0, g1, ...)."""
+    """The grammar being written: Lark lines (rules f0, f1, ...; terminals TEXT, TEXT3, ...), the grammars
+    of grammar nodes (g0, g1, ...), and its literals."""
 
-    def __init__(self) -> None:
+    def __init__(self, literals: Literals) -> None:
         self.lines = [f"TEXT: {ANY_TEXT}"]
         self.grammars: list[dict[str, str]] = []
+        self.literals = literals
 
     def add(self, body: str, lazy: bool = False) -> str:
         name = f"f{len(self.lines)}"
         self.lines.append(f"{name}{'[lazy]' if lazy else ''}: {body}")
         return name
 
+    def lit(self, text: str) -> str:
+        """A literal as Lark: each special token's text in it the token or the text (special_literals.py)."""
+        return self.literals.lark(text)
+
     def text(self, excludes: list[str]) -> str:
         """The terminal of free text holding none of `excludes`."""
         if not excludes:
             return "TEXT"
         name = f"TEXT{len(self.lines)}"
-        banned = " | ".join(_lit(e) for e in excludes)
+        banned = " | ".join(_spelled(e) for e in excludes)
         self.lines.append(f"{name}: {ANY_TEXT} & ~({ANY_TEXT} ({banned}) {ANY_TEXT})")
         return name
 
@@ -75,35 +83,37 @@ class _Rules:
         return f"@{name}"
 
 
-def format_grammar(fmt: Format) -> str:
-    """The format tree's grammar: llguidance's top-level JSON of the Lark grammar and its grammar nodes'."""
-    rules = _Rules()
+def format_grammar(fmt: Format, literals: Literals) -> str:
+    """The format tree's grammar: llguidance's top-level JSON of the Lark grammar and its grammar nodes'.
+    `literals`: the model's special tokens (its `special` tells whether the grammar takes one)."""
+    rules = _Rules(literals)
     root = _node(rules, fmt, None)
     lark = "\n".join(["%llguidance {}", f"start: {root}", *rules.lines])
     return json.dumps({"grammars": [{"name": "format", "lark_grammar": lark}, *rules.grammars]})
 
 
-def _lit(text: str) -> str:
-    """Text as a Lark literal: quoted, so <...> is text ("": the empty string)."""
+def _spelled(text: str) -> str:
+    """Text as a quoted Lark literal, special tokens' texts spelled ("": the empty string): a terminal's
+    part (an exclude, the end of a lazy lexeme)."""
     return json.dumps(text)
 
 
-def _then(body: str, stop: str | None) -> str:
+def _then(rules: _Rules, body: str, stop: str | None) -> str:
     """`body`, then the stop's literal (if any)."""
-    return f"{body} {_lit(stop)}" if stop else body
+    return f"{body} {rules.lit(stop)}" if stop else body
 
 
 def _node(rules: _Rules, node: Format, stop: str | None) -> str:
     """The rule of the node's text followed by `stop` (the module's docstring)."""
     if isinstance(node, ConstString):
-        return rules.add(_lit(node.value + (stop or "")))
+        return rules.add(rules.lit(node.value + (stop or "")))
     if isinstance(node, JsonSchema):
-        return rules.add(_then(f"%json {json.dumps(compact_schema(node.json_schema))}", stop))
+        return rules.add(_then(rules, f"%json {json.dumps(compact_schema(node.json_schema))}", stop))
     if isinstance(node, Regex):
         regex = llguidance.regex_to_lark(node.pattern, "")  # as the regex field's (no \d rewriting)
-        return rules.add(_then(f"/{regex}/" if regex else '""', stop))  # `//` would open a comment
+        return rules.add(_then(rules, f"/{regex}/" if regex else '""', stop))  # `//` would open a comment
     if isinstance(node, Grammar):
-        return rules.add(_then(rules.grammar(node.grammar), stop))
+        return rules.add(_then(rules, rules.grammar(node.grammar), stop))
     if isinstance(node, AnyText):
         return _free_text(rules, rules.text(node.excludes), stop)
     if isinstance(node, Sequence):
@@ -121,7 +131,19 @@ def _node(rules: _Rules, node: Format, stop: str | None) -> str:
 def _free_text(rules: _Rules, text: str, stop: str | None) -> str:
     """Free text up to the first `stop` (taken), or to the output's end."""
     assert stop != "", "free text that nothing ends (structural_format.py refuses it)"
-    return rules.add(text) if stop is None else rules.add(f"{text} {_lit(stop)}", lazy=True)
+    return rules.add(text) if stop is None else _text_up_to(rules, text, stop)
+
+
+def _text_up_to(rules: _Rules, text: str, literal: str) -> str:
+    """Free text up to the first `literal` written (taken): a lazy lexeme of its spelling; where the literal
+    starts with a special token's text, or free text up to that token (free text never takes one) and the
+    rest of the literal."""
+    spelled = rules.add(f"{text} {_spelled(literal)}", lazy=True)
+    leading = rules.literals.leading(literal)
+    if leading is None:
+        return spelled
+    token, rest = leading
+    return rules.add(f"{spelled} | {text} {token} {rules.lit(rest)}")
 
 
 def _sequence(rules: _Rules, node: Sequence, stop: str | None) -> str:
@@ -133,7 +155,7 @@ def _sequence(rules: _Rules, node: Sequence, stop: str | None) -> str:
             parts.append(_node(rules, element, elements[i + 1].value))
             i += 2
             if i == len(elements) and stop:
-                parts.append(_lit(stop))
+                parts.append(rules.lit(stop))
             continue
         parts.append(_node(rules, element, stop if last else ""))
         i += 1
@@ -144,24 +166,24 @@ def _tag(rules: _Rules, tag: Tag, begin: str, stop: str | None) -> str:
     """`begin` (the tag's, or what follows its trigger), its content up to its end, then `stop`; with an
     empty end, what ends the content is the stop."""
     content = _node(rules, tag.content, tag.end or stop)
-    return rules.add(_then(f"{_lit(begin)} {content}", stop if tag.end else None))
+    return rules.add(_then(rules, f"{rules.lit(begin)} {content}", stop if tag.end else None))
 
 
 def _triggered_tags(rules: _Rules, node: TriggeredTags, stop: str | None) -> str:
-    """Free text and tags: each tag is a lazy lexeme of free text up to its trigger, then the rest of its
-    begin, its content and its end (llguidance's StructTag with the triggers as text); the text after the
-    last tag runs to the stop."""
+    """Free text and tags: each tag is free text up to its trigger (_text_up_to: a lazy lexeme, as
+    llguidance's StructTag writes a trigger of text), then the rest of its begin, its content and its end;
+    the text after the last tag runs to the stop."""
     if node.at_least_one and node.stop_after_first:  # exactly one tag
         return rules.add(" | ".join(_tag(rules, tag, tag.begin, stop) for tag in node.tags))
     text = rules.text(node.excludes)
     tagged = []
     for tag in node.tags:
         trigger = node.trigger(tag)
-        opened = rules.add(f"{text} {_lit(trigger)}", lazy=True)
+        opened = _text_up_to(rules, text, trigger)
         tagged.append(f"{opened} {_tag(rules, tag, tag.begin[len(trigger):], '')}")
     tags, tail = f"({' | '.join(tagged)})", _free_text(rules, text, stop)
     if node.stop_after_first:  # free text, then one tag or none
-        return rules.add(f"{_then(tags, stop)} | {tail}")
+        return rules.add(f"{_then(rules, tags, stop)} | {tail}")
     if not node.at_least_one:
         return rules.add(f"{tags}* {tail}")
     first = rules.add(" | ".join(_tag(rules, tag, tag.begin, "") for tag in node.tags))
@@ -172,8 +194,8 @@ def _tags_with_separator(rules: _Rules, node: TagsWithSeparator, stop: str | Non
     """Tags with the separator between them; one at most after stop_after_first, or where the separator is
     the stop (xgrammar's rule: it ends the tags)."""
     tag = rules.add(" | ".join(_tag(rules, t, t.begin, "") for t in node.tags))
-    separator = f"{_lit(node.separator)} " if node.separator else ""
+    separator = f"{rules.lit(node.separator)} " if node.separator else ""
     one = node.stop_after_first or (stop and node.separator == stop)
     tags = tag if one else f"{tag} ({separator}{tag})*"
     tags = rules.add(tags if node.at_least_one else f"{tags} | \"\"")
-    return rules.add(_then(tags, stop))
+    return rules.add(_then(rules, tags, stop))

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 from server.api.errors import APIError
 from server.api.protocol import _SamplingRequest
+from server.api.structured_output import Grammar
 from server.engine.sampling_params import SamplingParams, bad_token_ids
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 def sampling_params(req: _SamplingRequest, max_tokens: int, logprobs: int | None, tokenizer,
-                    defaults: dict | None = None, grammar: str | None = None) -> SamplingParams:
+                    defaults: dict | None = None, grammar: Grammar | None = None) -> SamplingParams:
     """Builds SamplingParams from the request; an invalid value becomes a 400 naming its field. `tokenizer`
     (server/model/tokenizer.py) encodes the bad words; `defaults`: the model's generation_config.json values
     for the fields a request leaves out (then OpenAI's); `grammar`: the request's structured output
-    (structured_output.request_grammar)."""
+    (structured_output.request_grammar): one whose literals take special tokens spells special tokens in
+    the reply unless the request sets skip_special_tokens, so that a trigger written as its token stays in
+    the text."""
     d = defaults or {}
     vocab_size = tokenizer.vocab_size
     params = SamplingParams(
@@ -41,8 +44,10 @@ def sampling_params(req: _SamplingRequest, max_tokens: int, logprobs: int | None
         allowed_token_ids=None if req.allowed_token_ids is None else list(req.allowed_token_ids),
         bad_words_ids=bad_words_ids(tokenizer, req.bad_words or []),
         prompt_logprobs=req.prompt_logprobs,
-        grammar=grammar,
+        grammar=None if grammar is None else grammar.text,
     )
+    if grammar is not None and grammar.special and req.skip_special_tokens is None:
+        params.skip_special_tokens = False
     try:
         params.validate(vocab_size)
     except ValueError as e:

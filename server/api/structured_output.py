@@ -10,9 +10,11 @@ The sources, at most one per request (two are a 400 naming the second):
 - chat tool_choice "required" or a named function (forced_tool_calls.py gives the schema).
 A structural tag in its structures-and-triggers form is free text in which each trigger the model writes
 opens a structure whose begin starts with it: the rest of that begin, a JSON value that follows its schema,
-its end, then free text again (llguidance's StructTag: a lazy lexeme per trigger); in its format form, a
-tree of xgrammar's format nodes (structural_format.py, format_grammar.py). Its triggers and literals are
-text, never special tokens (structural_tag_grammar).
+its end, then free text again (a lazy lexeme per trigger, as llguidance's StructTag); in its format form, a
+tree of xgrammar's format nodes (structural_format.py, format_grammar.py; the first form becomes a
+triggered_tags node). Where a trigger or another literal holds the text of a special token of the model's
+tokenizer, the grammar takes that token there, or the text spelled (special_literals.py); the reply then
+spells special tokens unless the request says otherwise (Grammar.special: sampling_params).
 JSON compiles compact: no whitespace between tokens, where a small model may otherwise loop on newlines; a
 schema's own "x-guidance" options still override that. Every grammar is built and checked here, on a worker
 thread, against the model's vocabulary with the core's parser limits (server/engine/grammar.py check: it
@@ -38,7 +40,7 @@ from server.api.engine_stream import ClientDisconnected, unless_disconnected
 from server.api.errors import APIError
 from server.api.forced_tool_calls import forced_schema
 from server.api.format_grammar import format_grammar
-from server.api.grammar_texts import cfg_lark, compact_schema, json_grammar
+from server.api.grammar_texts import cfg_lark, json_grammar
 from server.api.protocol import (
     ChatCompletionRequest,
     ResponseFormat,
@@ -46,6 +48,8 @@ from server.api.protocol import (
     TagStructure,
     _SamplingRequest,
 )
+from server.api.special_literals import Literals, special_tokens
+from server.api.structural_format import JsonSchema, Tag, TriggeredTags
 from server.engine import grammar as core_grammar
 from server.engine.sampling_params import MAX_GRAMMAR_CHARS
 
@@ -59,16 +63,21 @@ CHECK_THREADS = 2  # grammars checked at once (one may take a second: MAX_GRAMMA
 class Grammar:
     text: str  # an llguidance grammar (LLMatcher.grammar_from_*'s text)
     param: str  # the request field it comes from: its errors name it
+    special: bool = False  # whether a literal of it takes a special token (its reply then spells them)
 
 
-def grammar_of(req: _SamplingRequest) -> Grammar | None:
-    """The request's structured output as a grammar, None for free text; a 400 naming the field for two
-    sources or a value that does not compile (validate checks the grammar itself)."""
+Builder = Callable[[Literals], str]  # a grammar's text over the model's special tokens
+
+
+def grammar_of(req: _SamplingRequest, tokenizer) -> Grammar | None:
+    """The request's structured output as a grammar over the tokenizer's special tokens, None for free
+    text; a 400 naming the field for two sources or a value that does not compile (validate checks the
+    grammar itself)."""
     source = _source(req)
-    return None if source is None else _build(*source)
+    return None if source is None else _build(*source, _literals(tokenizer))
 
 
-def _source(req: _SamplingRequest) -> tuple[str, Callable[[], str]] | None:
+def _source(req: _SamplingRequest) -> tuple[str, Builder] | None:
     """The request's one structured output (field, grammar builder), None for free text; a 400 for two.
     Cheap: nothing is built."""
     sources = _sources(req)
@@ -78,15 +87,15 @@ def _source(req: _SamplingRequest) -> tuple[str, Callable[[], str]] | None:
     return sources[0] if sources else None
 
 
-def _build(param: str, build: Callable[[], str]) -> Grammar:
+def _build(param: str, build: Builder, literals: Literals) -> Grammar:
     try:
-        text = build()
+        text = build(literals)
     except ValueError as e:  # JSON text that does not parse, GBNF that does not convert
         raise APIError(400, f"Invalid '{param}': {e}", param, "invalid_grammar") from None
     if len(text) > MAX_GRAMMAR_CHARS:
         raise APIError(400, f"Invalid '{param}': the grammar has {len(text)} characters, more than "
                             f"{MAX_GRAMMAR_CHARS}.", param, "invalid_grammar")
-    return Grammar(text, param)
+    return Grammar(text, param, literals.special)
 
 
 def validate(grammar: Grammar, tokenizer) -> None:
@@ -113,10 +122,15 @@ def _vocabulary(tokenizer) -> llguidance.LLTokenizer:
         raise APIError(400, str(e), None, "structured_outputs_unavailable") from None
 
 
-def _checked(param: str, build: Callable[[], str], tokenizer) -> str:
-    grammar = _build(param, build)
+def _literals(tokenizer) -> Literals:
+    """A grammar's literals over the tokenizer's special tokens (special_literals.special_tokens)."""
+    return Literals(special_tokens(tokenizer, _vocabulary(tokenizer)))
+
+
+def _checked(param: str, build: Builder, tokenizer) -> Grammar:
+    grammar = _build(param, build, _literals(tokenizer))
     validate(grammar, tokenizer)
-    return grammar.text
+    return grammar
 
 
 class GrammarChecks:
@@ -130,7 +144,7 @@ class GrammarChecks:
         self.pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="pagewalk-check")
         self.pending = 0  # (the event loop's thread alone counts)
 
-    async def run(self, request: Request, limit: int, param: str, build: Callable[[], str], tokenizer) -> str:
+    async def run(self, request: Request, limit: int, param: str, build: Builder, tokenizer) -> Grammar:
         """_checked on a check thread; a 429 with `limit` checks pending (pending_limit); dropped (a 499)
         when the client goes away first (a check not started never starts)."""
         if self.pending >= limit:
@@ -156,16 +170,17 @@ def pending_limit(engine) -> int:
 _CHECKS = GrammarChecks()
 
 
-async def request_grammar(request: Request, req: _SamplingRequest, tokenizer) -> str | None:
-    """The request's grammar (grammar_of), checked (validate): the text for SamplingParams. Both run on a
-    check thread (GrammarChecks): building converts GBNF in Python, checking compiles the grammar."""
+async def request_grammar(request: Request, req: _SamplingRequest, tokenizer) -> Grammar | None:
+    """The request's grammar (grammar_of), checked (validate), for SamplingParams (sampling_params). Both
+    run on a check thread (GrammarChecks): building converts GBNF in Python, checking compiles the
+    grammar."""
     source = _source(req)
     if source is None:
         return None
     return await _CHECKS.run(request, pending_limit(request.app.state.engine), *source, tokenizer)
 
 
-def _sources(req: _SamplingRequest) -> list[tuple[str, Callable[[], str]]]:
+def _sources(req: _SamplingRequest) -> list[tuple[str, Builder]]:
     """(field, grammar builder) of every structured output the request sets."""
     sources = []
     fmt = req.response_format
@@ -173,7 +188,7 @@ def _sources(req: _SamplingRequest) -> list[tuple[str, Callable[[], str]]]:
         sources.append(("response_format", partial(tag_grammar, fmt)))
     elif fmt is not None and fmt.type != "text":
         schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
-        sources.append(("response_format", partial(json_grammar, schema)))
+        sources.append(("response_format", partial(_schema_grammar, schema)))
     so = req.structured_outputs
     if so is not None:
         ((kind, value),) = so.given().items()  # the model validated exactly one
@@ -185,12 +200,17 @@ def _sources(req: _SamplingRequest) -> list[tuple[str, Callable[[], str]]]:
     if isinstance(req, ChatCompletionRequest):
         schema = forced_schema(req)
         if schema is not None:
-            sources.append(("tool_choice", partial(json_grammar, schema)))
+            sources.append(("tool_choice", partial(_schema_grammar, schema)))
     return sources
 
 
-def _vllm_grammar(kind: str, value) -> str:
-    """One of vLLM's structured outputs -> its grammar."""
+def _schema_grammar(schema: dict | None, literals: Literals) -> str:
+    """A JSON schema's grammar (json_grammar): its literals are JSON's, never special tokens."""
+    return json_grammar(schema)
+
+
+def _vllm_grammar(kind: str, value, literals: Literals) -> str:
+    """One of vLLM's structured outputs -> its grammar (a structural tag's over `literals`)."""
     if kind in ("json", "json_object"):
         return json_grammar(value if kind == "json" else None)
     if kind == "regex":
@@ -198,27 +218,26 @@ def _vllm_grammar(kind: str, value) -> str:
     if kind == "choice":  # Lark alternatives of the strings, quoted as JSON
         return llguidance.grammar_from("choice", value)
     if kind == "structural_tag":
-        return tag_grammar(value)
+        return tag_grammar(value, literals)
     return LLMatcher.grammar_from_lark(cfg_lark(value))  # Lark, or GBNF converted to Lark
 
 
-def tag_grammar(tag: StructuralTag | ResponseFormat) -> str:
-    """A structural tag in either of its forms -> its grammar: a format tree (format_grammar.py), or
-    structures and triggers."""
+def tag_grammar(tag: StructuralTag | ResponseFormat, literals: Literals) -> str:
+    """A structural tag in either of its forms -> its grammar (format_grammar.py): a format tree, or
+    structures and triggers (structural_tag_format)."""
     if tag.format is not None:
-        return format_grammar(tag.format)
-    return structural_tag_grammar(tag.structures, tag.triggers)
+        return format_grammar(tag.format, literals)
+    return format_grammar(structural_tag_format(tag.structures, tag.triggers), literals)
 
 
-def structural_tag_grammar(structures: list[TagStructure], triggers: list[str]) -> str:
-    """A structural tag -> its Lark grammar (llguidance's StructTag.to_grammar): free text in which each
-    trigger the model writes goes on with one of the structures that begin with it (the shortest trigger of
-    its begin: TagStructure.trigger), a compact JSON value of its schema, its end. The triggers are matched
-    as text (assume_special=False): llguidance would read a trigger shaped like <...> as the name of a
-    special token, which a vocabulary where it is plain text lacks (over the byte tokenizer its compile
-    panics). Where a trigger is a special token of the model's tokenizer, the grammar takes its spelling in
-    text pieces, not the special token, which free text never allows."""
-    tags = [llguidance.StructTag(trigger=s.trigger(triggers), begin=s.begin,
-                                 grammar=compact_schema(s.schema_), end=s.end) for s in structures]
-    return llguidance.StructTag.to_grammar(tags, assume_special=False)
-
+def structural_tag_format(structures: list[TagStructure], triggers: list[str]) -> TriggeredTags:
+    """Structures and triggers as the format tree of the same grammar (llguidance's StructTag's with text
+    triggers, special tokens aside): free text in which each trigger the model writes goes on with one of
+    the structures that begin with it, a compact JSON value of its schema, its end. Each structure opens at
+    the shortest trigger its begin starts with (TagStructure.trigger), so each begin starts with exactly one
+    of the triggers kept, as triggered_tags asks (a longer one that it starts with starts with the shorter,
+    which opens every structure under the longer)."""
+    opening = [s.trigger(triggers) for s in structures]
+    tags = [Tag(begin=s.begin, content=JsonSchema(type="json_schema", json_schema=s.schema_), end=s.end)
+            for s in structures]
+    return TriggeredTags(type="triggered_tags", triggers=list(dict.fromkeys(opening)), tags=tags)

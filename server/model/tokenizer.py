@@ -2,8 +2,8 @@
 
 Both expose the same surface: encode(text, add_bos=True), decode(ids, skip_special_tokens=True),
 token_text(id) (the text one token adds after other text: logprob entries), bytes_of(id) (its raw bytes,
-part of a character included), vocab_size, bos_token_id, eos_token_ids, pad_token_id, chat_template (a
-ChatTemplate or None),
+part of a character included), added_tokens (each added token's text -> its id), vocab_size, bos_token_id,
+eos_token_ids, pad_token_id, chat_template (a ChatTemplate or None),
 apply_chat_template(messages, add_generation_prompt=True, variables=None) -> str and
 chat_token_ids(messages, ...) -> ids (`variables`: a dict of extra template variables, vLLM's
 chat_template_kwargs).
@@ -53,6 +53,7 @@ class ByteTokenizer:
         self.pad_token_id = self.PAD
         self.eos_token_ids = {self.EOS}
         self.chat_template = chat_template or ChatTemplate(PRESET_CHAT_TEMPLATE, "the preset")
+        self.added_tokens: dict[str, int] = {}  # its special tokens have no text
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         ids = [b + self.OFFSET for b in text.encode("utf-8")]
@@ -114,7 +115,6 @@ class HFTokenizer:
         anchor = tokenizer.encode("a", add_special_tokens=False).ids  # token_text's plain left neighbour
         self._anchor: tuple[int, str] | None = (anchor[-1], tokenizer.decode(anchor[-1:])) if anchor else None
         self._byte_level: bool | None = None  # bytes_of's: found on first use (it reads the whole json)
-        self._added: set[str] | None = None
 
     def to_json(self) -> str:
         """The tokenizer.json text (`tokenizers`' own serialisation): what llguidance reads."""
@@ -188,7 +188,7 @@ class HFTokenizer:
                 return bytes([int(piece[3:5], 16)])
             except ValueError:
                 pass
-        if self._is_byte_level() and not self._is_added(piece):
+        if self._is_byte_level() and piece not in self.added_tokens:
             table = _byte_level_table()
             if all(ch in table for ch in piece):
                 return bytes(table[ch] for ch in piece)
@@ -202,11 +202,11 @@ class HFTokenizer:
             self._byte_level = "ByteLevel" in kinds
         return self._byte_level
 
-    def _is_added(self, piece: str) -> bool:
-        """Added tokens (specials among them) are stored as their text, not through the byte table."""
-        if self._added is None:
-            self._added = {t.content for t in self._tok.get_added_tokens_decoder().values()}
-        return piece in self._added
+    @functools.cached_property
+    def added_tokens(self) -> dict[str, int]:
+        """Each added token's text -> its id (the special tokens among them): stored as their text, not
+        through the byte table; text that spells one is encoded as it (structural tags' literals take it)."""
+        return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items()}
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             variables: dict | None = None) -> str:

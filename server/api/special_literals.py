@@ -1,0 +1,92 @@
+"""A structural tag's literals over the model's special tokens: where a literal (a trigger, a begin, an end, a
+const_string, a separator) holds the text of one of the tokenizer's special tokens, the grammar takes that
+token there, or the text spelled in plain pieces.
+
+llguidance reads every added token of a tokenizer.json as special (Qwen2.5's <tool_call>, though its
+tokenizer.json calls it no special token; Llama 3's <|python_tag|>): its bytes are a marker byte (0xFF) and
+its text, which no text holds, so neither free text nor a quoted literal ever takes it. A model trained to
+write <tool_call> as one token then has to spell it; worse, where a literal is forced (a begin, an end after
+JSON), llguidance's mask offers the forced text's own tokenization, which is that token, and refuses it
+once sampled ("doesn't satisfy the grammar; forced bytes"): the choice fails. So a special token's text in
+a literal becomes `(<[id]> | "text")`. Taking the spelling too is sound, and is xgrammar's behaviour (it
+reads an added token as its text): both read the same once the reply spells special tokens, which a
+grammar that takes one asks for (Literals.special: skip_special_tokens defaults to false).
+
+The EOS ids stay text: sampling one ends the choice. The byte tokenizer's special tokens have no text: its
+literals stay text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import weakref
+from dataclasses import dataclass
+
+import llguidance
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """The special tokens a literal may hold: text -> id, and a pattern finding them in a literal."""
+
+    ids: dict[str, int]
+    pattern: re.Pattern | None  # any of the texts, the longest first (as a tokenizer matches added tokens)
+
+    def pieces(self, text: str) -> list[tuple[str, int | None]]:
+        """`text` split at the special tokens' texts: (piece, the token's id, or None for plain text)."""
+        if self.pattern is None:
+            return [(text, None)]
+        pieces, at = [], 0
+        for match in self.pattern.finditer(text):
+            if match.start() > at:
+                pieces.append((text[at:match.start()], None))
+            pieces.append((match.group(), self.ids[match.group()]))
+            at = match.end()
+        if at < len(text) or not pieces:
+            pieces.append((text[at:], None))
+        return pieces
+
+
+NO_SPECIAL_TOKENS = SpecialTokens({}, None)
+
+_known: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its SpecialTokens
+
+
+def special_tokens(tokenizer, vocab: llguidance.LLTokenizer) -> SpecialTokens:
+    """The tokenizer's added tokens that `vocab` (its llguidance vocabulary) reads as special, but EOS: built
+    once per tokenizer."""
+    known = _known.get(tokenizer)
+    if known is None:
+        ids = {text: i for text, i in tokenizer.added_tokens.items()
+               if text and i not in tokenizer.eos_token_ids and i < vocab.vocab_size
+               and vocab.is_special_token(i)}
+        texts = sorted(ids, key=len, reverse=True)
+        pattern = re.compile("|".join(map(re.escape, texts))) if texts else None
+        known = _known[tokenizer] = SpecialTokens(ids, pattern)
+    return known
+
+
+class Literals:
+    """One grammar's literals as Lark over `specials`; `special`: whether it takes a special token."""
+
+    def __init__(self, specials: SpecialTokens = NO_SPECIAL_TOKENS) -> None:
+        self.specials = specials
+        self.special = False
+
+    def lark(self, text: str) -> str:
+        """`text` as a Lark expression: quoted plain pieces, each special token's text the token or its
+        spelling ("": the empty string)."""
+        return " ".join(self._piece(piece, token) for piece, token in self.specials.pieces(text))
+
+    def leading(self, text: str) -> tuple[str, str] | None:
+        """(the token's Lark, the rest of `text`) where `text` starts with a special token's text."""
+        (piece, token), *_ = self.specials.pieces(text)
+        return None if token is None else (self.token(token), text[len(piece):])
+
+    def token(self, token: int) -> str:
+        self.special = True
+        return f"<[{token}]>"
+
+    def _piece(self, piece: str, token: int | None) -> str:
+        return json.dumps(piece) if token is None else f"({self.token(token)} | {json.dumps(piece)})"
