@@ -720,3 +720,34 @@ def test_the_struck_rows_of_a_step():
     many_cheap = [(0.9, g) for g in range(100)]  # 90 ms of rows under COSTLY_ROW_MS: slow, not costly
     assert grammar_module.struck_rows(many_cheap) == []
     assert grammar_module.struck_rows([(20.0, 0), (20.0, 1), (5.0, 2)]) == []  # 45 ms in all: within
+    # the cheap rows alone are over the budget: striking the costly ones cannot fit it (a review: a 1.5 ms
+    # row beside 54 ms of cheap ones was struck every step)
+    assert grammar_module.struck_rows([(0.9, g) for g in range(60)] + [(10.0, 60)]) == []
+    # on the executor: the rows' share of the wall time counts, not their serial sum (a review: 16 rows of
+    # 15 ms on 4 threads, 60 ms of wall time, had 13 struck where 3 fit the step)
+    rows = [(15.0, g) for g in range(16)]
+    assert len(grammar_module.struck_rows(rows, wall_ms=60.0)) == 3
+    assert len(grammar_module.struck_rows(rows)) == 13
+
+
+@pytest.mark.parametrize("n,fails", [(1, False), (3, True)])
+def test_a_requests_choices_count_together_against_the_step_budget(n, fails):
+    """A 20 ms grammar (under MAX_TOKEN_MS) serves n = 1; with n = 3 the request alone takes 60 ms of every
+    step, as one 60 ms row would, and fails (the policy a review questioned; the README states it)."""
+    core, _ = build_core(config(async_scheduling=False))
+    masks = core.grammars.masks
+
+    class Slow:
+        def __init__(self, matcher):
+            self.matcher = matcher
+
+        def unsafe_compute_mask_ptr(self, ptr, nbytes):
+            time.sleep(0.020)
+            self.matcher.unsafe_compute_mask_ptr(ptr, nbytes)
+
+    core.grammars.masks = lambda matchers, costly=None: masks(
+        [None if m is None else Slow(m) for m in matchers], costly)
+    params = SamplingParams(max_tokens=12, temperature=0.0, n=n, grammar=regex_grammar("[a-c]{12}"))
+    _, ends = run(core, [("g", [1, 80, 81], params)])
+    assert all((reason == "error") == fails for reason, _ in ends.values()), ends
+    assert not core.requests and not core._strikes and not core._too_costly

@@ -71,11 +71,13 @@ PARALLEL_MASKS_MS = 1.0
 # without a bound llguidance's parser limits catch (a review: 16 ms at 400 tokens, 1.1 s a token over a
 # 128K-token vocabulary at 100), a 3,000-property schema takes ~40 ms at its "{" over the bench vocabulary.
 MAX_TOKEN_MS = 50.0
-# ... and a step's masks in all take at most MAX_TOKEN_MS: where they take longer, the costliest rows over
-# COSTLY_ROW_MS are struck, costliest first, until the rest fit (ten requests of a grammar at 45 ms a token,
-# each under the limit, made every step 450 ms). A row of a realistic grammar takes 3-60 us over a 128K-token
-# vocabulary, so rows over 1 ms are outliers; a batch slow by its many cheap rows is struck nowhere.
-COSTLY_ROW_MS = 1.0
+# ... and a step's masks in all take at most MAX_TOKEN_MS of wall time: where they take longer, the costliest
+# rows of COSTLY_ROW_MS or more are struck, costliest first, until the rest fit (ten requests of a grammar at
+# 45 ms a token, each under the limit, made every step 450 ms); where the rows under COSTLY_ROW_MS alone
+# take longer, none is (a batch slow by its many cheap rows). A row of a realistic grammar takes 3-60 us
+# over a 128K-token vocabulary; a tenth of the budget is far past that. The n choices of one request count
+# as n rows: a request whose choices take over MAX_TOKEN_MS a step together fails as one slow row would.
+COSTLY_ROW_MS = MAX_TOKEN_MS / 10
 GRAMMAR_STRIKES = 2  # tokens over MAX_TOKEN_MS that fail a choice: one may be the host's (thread descheduled)
 # ... within this many consecutive tokens of the choice: a host's hiccups far apart in a long reply do not
 # add up, while a costly grammar meets its strikes in a row (slow at every token once its parse has grown) or
@@ -238,17 +240,19 @@ class Grammars:
         start = time.perf_counter()
         if self._takes_executor(len(rows)):
             self._executor.unsafe_compute_mask_ptr(rows, bits.data_ptr(), own * 4, len(matchers))
-            if (time.perf_counter() - start) * 1e3 > MAX_TOKEN_MS:  # which row? (a mask moves no matcher)
-                self._timed_rows(rows, bits, own, costly)
+            wall_ms = (time.perf_counter() - start) * 1e3
+            if wall_ms > MAX_TOKEN_MS:  # which rows? (a mask moves no matcher)
+                self._timed_rows(rows, bits, own, costly, wall_ms)
         elif rows:
             self._timed_rows(rows, bits, own, costly)
         return bits[:, :self.words]  # a bad model's tokenizer has more ids than logits
 
-    def _timed_rows(self, rows: list, bits: torch.Tensor, own: int, costly: list | None) -> None:
-        """The rows' masks on the core's thread, each timed: the rows to strike go to `costly`
-        (struck_rows), those under MAX_TOKEN_MS into row_ms (a measurement at most ROW_COST_JUMP times it: a
-        descheduled thread or a collector pass would keep cheap rows on the executor for hundreds of
-        steps)."""
+    def _timed_rows(self, rows: list, bits: torch.Tensor, own: int, costly: list | None,
+                    wall_ms: float | None = None) -> None:
+        """The rows' masks on the core's thread, each timed: the rows to strike go to `costly` (struck_rows;
+        `wall_ms`: what the executor took over them, in parallel), those under MAX_TOKEN_MS into row_ms (a
+        measurement at most ROW_COST_JUMP times it: a descheduled thread or a collector pass would keep
+        cheap rows on the executor for hundreds of steps)."""
         times = []  # (ms, row)
         base = bits.data_ptr()  # row g at base + g * own * 4 (a view per row, bits[g], cost 2 us on CI's CPU)
         for matcher, g in rows:
@@ -256,7 +260,7 @@ class Grammars:
             matcher.unsafe_compute_mask_ptr(base + g * own * 4, own * 4)
             times.append(((time.perf_counter() - row_start) * 1e3, g))
         if costly is not None:
-            costly += struck_rows(times)
+            costly += struck_rows(times, wall_ms)
         cheap = [ms for ms, _ in times if ms <= MAX_TOKEN_MS]
         self._measure(sum(cheap), len(cheap))
 
@@ -366,13 +370,21 @@ def check(vocab: llguidance.LLTokenizer, grammar: str) -> str | None:
     return brief(matcher.get_error()) if matcher.is_error() else None
 
 
-def struck_rows(times: list[tuple[float, int]]) -> list[tuple[int, float]]:
-    """A step's (ms, row) of each mask -> (row, ms) of the rows it strikes: each over MAX_TOKEN_MS, then,
-    while the others take over MAX_TOKEN_MS in all, the costliest over COSTLY_ROW_MS."""
+def struck_rows(times: list[tuple[float, int]], wall_ms: float | None = None) -> list[tuple[int, float]]:
+    """A step's (ms, row) of each mask, timed one by one, and `wall_ms`, what they took in parallel (None:
+    their sum) -> (row, ms) of the rows it strikes: each over MAX_TOKEN_MS, then, while the others' share of
+    the wall time is over MAX_TOKEN_MS, the costliest of COSTLY_ROW_MS or more, unless the cheaper rows alone
+    are over it."""
     struck = [(g, ms) for ms, g in times if ms > MAX_TOKEN_MS]
-    rest = sum(ms for ms, _ in times if ms <= MAX_TOKEN_MS)
-    for ms, g in sorted((t for t in times if COSTLY_ROW_MS < t[0] <= MAX_TOKEN_MS), reverse=True):
-        if rest <= MAX_TOKEN_MS:
+    under = [(ms, g) for ms, g in times if ms <= MAX_TOKEN_MS]
+    serial = sum(ms for ms, _ in times)
+    share = 1.0 if wall_ms is None or not serial else wall_ms / serial  # wall ms per serial ms
+    rest = sum(ms for ms, _ in under)
+    costliest = sorted((t for t in under if t[0] >= COSTLY_ROW_MS), reverse=True)
+    if (rest - sum(ms for ms, _ in costliest)) * share > MAX_TOKEN_MS:
+        return struck  # slow by its cheap rows: striking the costly ones cannot fit the step
+    for ms, g in costliest:
+        if rest * share <= MAX_TOKEN_MS:
             break
         struck.append((g, ms))
         rest -= ms
