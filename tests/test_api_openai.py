@@ -432,3 +432,22 @@ def test_structured_output_without_detokenize(app, engine):
     (choice,) = completion_choices(app, req)
     assert choice["text"] == "" and choice["finish_reason"] == "stop"
     assert engine.tokenizer.decode(choice["token_ids"]) in ("yes", "no")
+
+
+@pytest.mark.parametrize("path,base", [
+    ("/v1/completions", {"prompt": "No text"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "No text"}]}),
+])
+@pytest.mark.parametrize("fields,spelled", [({"detokenize": False}, None),
+                                            ({"return_tokens_as_token_ids": True}, "token_id:"),
+                                            ({"detokenize": False, "return_tokens_as_token_ids": True},
+                                             "token_id:")])
+def test_prompt_logprobs_follow_the_text_options(app, path, base, fields, spelled):
+    """prompt_logprobs' decoded_token: None with detokenize false, the id's string with
+    return_tokens_as_token_ids, as every other logprob string (a review: they carried the text)."""
+    r = post(app, path, {**base, "max_tokens": 2, "prompt_logprobs": 1, "temperature": 0, **fields})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    entries = body["prompt_logprobs"] if "prompt_logprobs" in body else body["choices"][0]["prompt_logprobs"]
+    decoded = [e["decoded_token"] for position in entries if position for e in position.values()]
+    assert decoded and all(d is None if spelled is None else d.startswith(spelled) for d in decoded), decoded

@@ -9,6 +9,7 @@ reply spells the tokens unless skip_special_tokens says otherwise; and a checkpo
 from __future__ import annotations
 
 import json
+import time
 
 import llguidance
 import pytest
@@ -272,3 +273,40 @@ def test_the_model_writes_the_trigger_as_its_token(app, path, base, fields, stre
     assert text_of(app, path, {**base, **fields}, stream) == (WRITTEN, "stop")
     skipped = text_of(app, path, {**base, **fields, "skip_special_tokens": True}, stream)
     assert skipped == (f"The1{END}", "stop")
+
+
+def test_a_tag_taking_only_unskipped_added_tokens_keeps_the_skip_default():
+    """</tool_call> is added but not special (Qwen2.5's): skip_special_tokens never drops it, so a grammar
+    taking only it keeps the request's default (a review: the default flipped, and the reply then spelled
+    EOS with include_stop_str_in_output where the same request without the tag did not)."""
+    g = tag_grammar({"structures": [{"begin": "<f>", "schema": INT, "end": END}], "triggers": ["<f"]})
+    assert f"<[{END_ID}]>" in g.text and not g.special
+    params = sampling_params(CompletionRequest.model_validate({"prompt": "hi"}), 8, None, HF, grammar=g)
+    assert params.skip_special_tokens is True
+
+
+class ManyAdded:
+    """special_tokens' view of a tokenizer with 100K added tokens (image codes, reserved ids), EOS id 0."""
+
+    def __init__(self, n: int) -> None:
+        self.added_tokens = {f"<|visual token {i:06d}|>": i + 1 for i in range(n)}
+        self.eos_token_ids = {0}
+        self.skipped_token_ids = frozenset(self.added_tokens.values())
+
+
+class AllSpecial:
+    vocab_size = 200_000
+
+    @staticmethod
+    def is_special_token(i: int) -> bool:
+        return True
+
+
+def test_the_special_tokens_of_a_large_added_set_are_found_quickly():
+    """One regex over 100K added texts took 5.6 s to compile, on the first structured output of any kind
+    (a review); a lookup per position and text length takes none."""
+    start = time.perf_counter()
+    specials = special_tokens(ManyAdded(100_000), AllSpecial())
+    assert specials.pieces("a<|visual token 000007|>b<|visual token 099999|>") == [
+        ("a", None), ("<|visual token 000007|>", 8), ("b", None), ("<|visual token 099999|>", 100_000)]
+    assert time.perf_counter() - start < 1.0

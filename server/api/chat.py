@@ -26,7 +26,7 @@ from server.api.engine_stream import (
 )
 from server.api.errors import APIError
 from server.api.forced_tool_calls import ForcedCalls, NamedCallStream, RequiredCallStream, forced_calls
-from server.api.logprobs import chat_logprobs, vllm_prompt_logprobs
+from server.api.logprobs import chat_logprobs, decoded_tokens, vllm_prompt_logprobs
 from server.api.openapi_bodies import request_body
 from server.api.outputs import ChoiceDelta
 from server.api.parsing import check_model, parse_body
@@ -228,7 +228,8 @@ async def _complete(job: ChatJob) -> bytes:
             choice.finish_reason = job.finish_with_calls(choice.finish_reason)
     prompt_lps = None
     if job.req.prompt_logprobs is not None and states[0].prompt_logprobs is not None:
-        prompt_lps = vllm_prompt_logprobs(tok, job.prompt, states[0].prompt_logprobs, job.req.prompt_logprobs)
+        prompt_lps = vllm_prompt_logprobs(decoded_tokens(tok, job.req), job.prompt, states[0].prompt_logprobs,
+                                          job.req.prompt_logprobs)
     resp = ChatCompletionResponse(id=job.request_id, created=job.created, model=job.engine.model_name,
                                   choices=choices, usage=usage([job.prompt], states),
                                   prompt_token_ids=job.prompt if job.req.return_token_ids else None,

@@ -25,7 +25,13 @@ from server.api.engine_stream import (
     usage,
 )
 from server.api.errors import APIError
-from server.api.logprobs import completion_logprobs, echo_logprobs, joined, vllm_prompt_logprobs
+from server.api.logprobs import (
+    completion_logprobs,
+    decoded_tokens,
+    echo_logprobs,
+    joined,
+    vllm_prompt_logprobs,
+)
 from server.api.openapi_bodies import request_body
 from server.api.outputs import ChoiceDelta, token_id_string
 from server.api.parsing import check_model, parse_body
@@ -231,7 +237,8 @@ async def _complete(job: CompletionJob) -> bytes:
             if job.req.echo and st.prompt_logprobs is not None:
                 c.logprobs = joined(job.echo_logprobs(index, st.prompt_logprobs), c.logprobs)
         if job.req.prompt_logprobs is not None and st.prompt_logprobs is not None:
-            c.prompt_logprobs = vllm_prompt_logprobs(job.engine.tokenizer, job.prompts[index // n],
+            c.prompt_logprobs = vllm_prompt_logprobs(decoded_tokens(job.engine.tokenizer, job.req),
+                                                     job.prompts[index // n],
                                                      st.prompt_logprobs, job.req.prompt_logprobs)
         choices.append(c)
     resp = job.response(choices, usage(job.prompts, states))

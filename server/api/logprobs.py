@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from server.api.outputs import TokenLogprob, reported_logprob
+from server.api.outputs import TokenLogprob, reported_logprob, token_id_string
 from server.api.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob, TopLogprob
 
 
@@ -46,10 +46,22 @@ def echo_logprobs(token_string: Callable[[int], str], prompt_ids: list[int], ent
     return out
 
 
-def vllm_prompt_logprobs(tokenizer, prompt_ids: list[int], entries: list, k: int
+def decoded_tokens(tokenizer, req) -> Callable[[int], str | None]:
+    """A prompt logprob entry's decoded_token: the token's text; its id's string (return_tokens_as_token_ids);
+    None where the request asks for no text (detokenize false: no text is read, as vLLM gives it)."""
+    if req.return_tokens_as_token_ids:
+        return token_id_string
+    return tokenizer.token_text if req.detokenizes else _no_text
+
+
+def _no_text(_token_id: int) -> None:
+    return None
+
+
+def vllm_prompt_logprobs(decoded: Callable[[int], str | None], prompt_ids: list[int], entries: list, k: int
                          ) -> list[dict[str, PromptLogprob] | None]:
     """vLLM's prompt_logprobs: per prompt token (None for the first) its own entry and its top-k, keyed by
-    token id, each with its logprob, vocabulary rank and text."""
+    token id, each with its logprob, vocabulary rank and `decoded` token (decoded_tokens)."""
     out: list[dict[str, PromptLogprob] | None] = []
     for token, entry in zip(prompt_ids, entries, strict=True):
         if entry is None:
@@ -59,10 +71,10 @@ def vllm_prompt_logprobs(tokenizer, prompt_ids: list[int], entries: list, k: int
         # the prompt token first, then the top k (one of them may be the prompt token: it keeps its place
         # and takes the top list's rank, as vLLM's dict does)
         position = {str(token): PromptLogprob(logprob=reported_logprob(logprob), rank=rank,
-                                              decoded_token=tokenizer.token_text(token))}
+                                              decoded_token=decoded(token))}
         for r, (t, lp) in enumerate(top[:k], start=1):
             position[str(t)] = PromptLogprob(logprob=reported_logprob(lp), rank=r,
-                                             decoded_token=tokenizer.token_text(t))
+                                             decoded_token=decoded(t))
         out.append(position)
     return out
 

@@ -505,7 +505,7 @@ class PromptLogprob(BaseModel):
 
     logprob: float
     rank: int
-    decoded_token: str
+    decoded_token: str | None  # None with detokenize false
 
 
 PromptLogprobs = list[dict[str, PromptLogprob] | None]  # per prompt token, keyed by token id; None first

@@ -54,6 +54,7 @@ class ByteTokenizer:
         self.eos_token_ids = {self.EOS}
         self.chat_template = chat_template or ChatTemplate(PRESET_CHAT_TEMPLATE, "the preset")
         self.added_tokens: dict[str, int] = {}  # its special tokens have no text
+        self.skipped_token_ids: frozenset[int] = frozenset()
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         ids = [b + self.OFFSET for b in text.encode("utf-8")]
@@ -207,6 +208,12 @@ class HFTokenizer:
         """Each added token's text -> its id (the special tokens among them): stored as their text, not
         through the byte table; text that spells one is encoded as it (structural tags' literals take it)."""
         return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items()}
+
+    @functools.cached_property
+    def skipped_token_ids(self) -> frozenset[int]:
+        """The added tokens decode(..., skip_special_tokens=True) leaves out: those marked special (Qwen2.5's
+        <tool_call> is added but not special: its text stays)."""
+        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             variables: dict | None = None) -> str:
