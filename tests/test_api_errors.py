@@ -73,6 +73,7 @@ BAD_COMPLETIONS = [
     ({**CMPL, "detokenize": False, "stop": ["x", "y"], "stream": True}, "stop"),
     ({**CMPL, "logits_processors": ["x"]}, "logits_processors"),
     ({**CMPL, "prompt_embeds": "AAAA"}, "prompt_embeds"),
+    ({**CMPL, "priority": 1}, "priority"),  # vLLM's priority scheduling: silently ignored before
     ({**CMPL, "max_tokens": 0}, "max_tokens"),
     ({**CMPL, "max_tokens": -3}, "max_tokens"),
     ({**CMPL, "max_tokens": "5"}, "max_tokens"),
@@ -183,7 +184,7 @@ def test_unimplemented_fields_at_their_no_op_value_are_accepted(engine, path, bo
 
 def test_unknown_fields_are_ignored(engine):
     r = request(create_app(engine), "POST", "/v1/completions",
-                json={**CMPL, "user": "u1", "some_future_field": {"x": 1}, "best_of": 1})
+                json={**CMPL, "user": "u1", "some_future_field": {"x": 1}, "best_of": 1, "priority": 0})
     assert r.status_code == 200, r.text
 
 

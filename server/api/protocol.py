@@ -249,6 +249,7 @@ class _SamplingRequest(_Request):
     length_penalty: Annotated[Any, refused_unless(None, 1.0)] = None
     logits_processors: Annotated[Any, refused_unless(None, [])] = None
     prompt_embeds: Annotated[Any, refused_unless(None)] = None
+    priority: Annotated[Any, refused_unless(None, 0)] = None  # vLLM's; the scheduler is FCFS
 
     @field_validator("stream_options")
     @classmethod
