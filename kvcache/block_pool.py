@@ -15,7 +15,9 @@ each hashed block stores its token ids and two *content tags*: its own and its p
 full token prefix: blocks registered with the same (parent tag, token ids) share one tag, and a new
 content gets a fresh, never reused tag. A lookup matches only a block whose token ids AND parent tag equal
 the query's, so by induction a hit block's whole prefix equals the query prefix, even when every hash
-collides and even after the original parent block was evicted and its id reused for other tokens.
+collides and even after the original parent block was evicted and its id reused for other tokens. A first
+block's parent tag is its chain's root (``prefix_hash.chain_root``: None, or its cache salt's), so the
+induction starts from the salt too: a block is found only by prompts of its own salt.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 
 from kvcache import prefix_hash
-from kvcache.prefix_hash import BlockHashFn
+from kvcache.prefix_hash import BlockHashFn, ChainRoot
 
 NULL_BLOCK_ID = 0
 
@@ -37,7 +39,7 @@ class _Block:
         self.block_hash: Hashable | None = None  # None: not registered in the prefix cache
         self.token_ids: tuple[int, ...] | None = None
         self.tag: int | None = None
-        self.parent_tag: int | None = None
+        self.parent_tag: int | ChainRoot = None  # a first block's: its chain's root
 
     def clear_hash(self) -> None:
         self.block_hash = self.token_ids = self.tag = self.parent_tag = None
@@ -81,7 +83,7 @@ class BlockPool:
     def block_tag(self, block_id: int) -> int | None:
         return self._blocks[block_id].tag
 
-    def block_parent_tag(self, block_id: int) -> int | None:
+    def block_parent_tag(self, block_id: int) -> int | ChainRoot:
         return self._blocks[block_id].parent_tag
 
     def free_queue_ids(self) -> list[int]:
@@ -93,12 +95,13 @@ class BlockPool:
         return [b for b in self._free if self._blocks[b].block_hash is not None]
 
     # ---- prefix cache --------------------------------------------------------------------------------
-    def prefix_keys(self, token_ids: Sequence[int], block_size: int, num_blocks: int
+    def prefix_keys(self, token_ids: Sequence[int], block_size: int, num_blocks: int, root: ChainRoot = None
                     ) -> list[tuple[Hashable, tuple[int, ...]]]:
-        """(chained hash, token ids) of the first ``num_blocks`` full blocks of ``token_ids``: what
-        cached_prefix looks up, computed once per prompt (a request's prompt never changes)."""
+        """(chained hash, token ids) of the first ``num_blocks`` full blocks of ``token_ids``, the chain
+        starting at ``root``: what cached_prefix looks up, computed once per prompt (a request's prompt
+        never changes)."""
         keys = []
-        parent_hash, hash_fn = None, self.hash_fn
+        parent_hash, hash_fn = root, self.hash_fn
         for start in range(0, num_blocks * block_size, block_size):
             block_tokens = tuple(token_ids[start:start + block_size])
             parent_hash = hash_fn(parent_hash, block_tokens)
@@ -106,14 +109,16 @@ class BlockPool:
         return keys
 
     def cached_prefix(self, token_ids: Sequence[int], block_size: int, max_blocks: int,
-                      keys: Sequence[tuple[Hashable, tuple[int, ...]]] = ()) -> list[int]:
-        """Hashed blocks holding the first full blocks of ``token_ids``, in order: as many as match, at most
-        ``max_blocks``. ``keys``: prefix_keys of a leading part of ``token_ids`` (a sequence's prompt),
-        computed beforehand; blocks past them are hashed here. The walk does `lookup`'s bucket scan inline:
-        a prompt of 31 cached blocks is walked in 14.3 us through `lookup`, 11.5 us inline (timeit, best of
-        7, one process, the CI CPU), and a step of 32 prefix hits walks 32 of them."""
+                      keys: Sequence[tuple[Hashable, tuple[int, ...]]] = (), root: ChainRoot = None
+                      ) -> list[int]:
+        """Hashed blocks holding the first full blocks of ``token_ids`` in the chain of ``root``, in order:
+        as many as match, at most ``max_blocks``. ``keys``: prefix_keys of a leading part of ``token_ids``
+        (a sequence's prompt) from the same root, computed beforehand; blocks past them are hashed here. The
+        walk does `lookup`'s bucket scan inline: a prompt of 31 cached blocks is walked in 14.3 us through
+        `lookup`, 11.5 us inline (timeit, best of 7, one process, the CI CPU), and a step of 32 prefix hits
+        walks 32 of them."""
         hits: list[int] = []
-        parent_hash = parent_tag = None
+        parent_hash = parent_tag = root
         hash_fn, blocks, buckets = self.hash_fn, self._blocks, self._buckets
         for i in range(max_blocks):
             if i < len(keys):
@@ -137,16 +142,20 @@ class BlockPool:
         blocks = self._blocks
         return [blocks[b].ref_count for b in block_ids].count(0)
 
-    def lookup(self, block_hash: Hashable, parent_tag: int | None, token_ids: tuple[int, ...]) -> int | None:
-        """A hashed block holding exactly ``token_ids`` after the prefix named ``parent_tag``, or None."""
+    def lookup(self, block_hash: Hashable, parent_tag: int | ChainRoot, token_ids: tuple[int, ...]
+               ) -> int | None:
+        """A hashed block holding exactly ``token_ids`` after the prefix named ``parent_tag`` (a chain's root
+        for a first block), or None."""
         for block_id in self._buckets.get(block_hash, ()):
             b = self._blocks[block_id]
             if b.parent_tag == parent_tag and b.token_ids == token_ids:
                 return block_id
         return None
 
-    def register(self, block_id: int, parent_id: int | None, token_ids: tuple[int, ...]) -> None:
-        """Make a full, computed block reusable. No-op if it is already registered or caching is off."""
+    def register(self, block_id: int, parent_id: int | None, token_ids: tuple[int, ...],
+                 root: ChainRoot = None) -> None:
+        """Make a full, computed block reusable. No-op if it is already registered or caching is off.
+        ``parent_id`` None: the first block of a chain starting at ``root``."""
         if not self.enable_caching:
             return
         b = self._blocks[block_id]
@@ -155,7 +164,7 @@ class BlockPool:
         if block_id == NULL_BLOCK_ID or b.ref_count < 1:
             raise ValueError(f"register: block {block_id} is not a live block")
         if parent_id is None:
-            parent_hash = parent_tag = None
+            parent_hash = parent_tag = root
         else:
             p = self._blocks[parent_id]
             if p.block_hash is None:

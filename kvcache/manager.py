@@ -2,7 +2,9 @@
 
 A sequence's table covers all its token slots, ``ceil(num_tokens / block_size)`` blocks, growing one block at
 a time; its last block may be partial. Full blocks whose K/V are written (``mark_computed``) are registered
-in the prefix cache with a chained hash, so a later prompt with the same prefix reuses them.
+in the prefix cache with a chained hash, so a later prompt with the same prefix reuses them. A sequence
+with a cache salt (``allocate``'s ``cache_salt``) chains from its salt's root: it shares blocks only with
+sequences of the same salt, its forks included.
 
 The manager keeps slots and blocks, not the sequence's tokens: their owner (the engine's Sequence) passes its
 token ids to ``allocate`` (prefix lookup) and ``mark_computed`` (hashing the blocks that just filled up), so
@@ -25,19 +27,20 @@ from collections import Counter
 from collections.abc import Hashable, Sequence
 
 from kvcache.block_pool import NULL_BLOCK_ID, BlockPool
-from kvcache.prefix_hash import BlockHashFn
+from kvcache.prefix_hash import BlockHashFn, ChainRoot, chain_root
 from kvcache.usage import KVCacheUsage
 
 
 class _Seq:
-    __slots__ = ("block_table", "num_tokens", "num_cached_tokens", "num_hashed_blocks")
+    __slots__ = ("block_table", "num_tokens", "num_cached_tokens", "num_hashed_blocks", "root")
 
     def __init__(self, block_table: list[int], num_tokens: int, num_cached_tokens: int,
-                 num_hashed_blocks: int):
+                 num_hashed_blocks: int, root: ChainRoot):
         self.block_table = block_table
         self.num_tokens = num_tokens  # slots reserved
         self.num_cached_tokens = num_cached_tokens  # prefix-cache hit found at allocate
         self.num_hashed_blocks = num_hashed_blocks  # blocks [0, this) are in the prefix cache
+        self.root = root  # its chain's root: its first block's parent in the prefix cache
 
 
 class KVCacheManager:
@@ -84,25 +87,28 @@ class KVCacheManager:
         """Conservative: True if ``num_tokens`` fit even with no prefix hit; then ``allocate`` succeeds."""
         return self._num_blocks_for(num_tokens) <= self.pool.num_free_blocks
 
-    def prefix_keys(self, token_ids: Sequence[int]) -> list[tuple[Hashable, tuple[int, ...]]]:
+    def prefix_keys(self, token_ids: Sequence[int], cache_salt: str | None = None
+                    ) -> list[tuple[Hashable, tuple[int, ...]]]:
         """The prefix-cache keys of a prompt's full blocks but the last token's (empty with caching off):
-        computed once when a request arrives, then passed to every ``allocate`` of its sequence, so an
-        admission looks its cached prefix up without hashing it again."""
+        computed once when a request arrives, then passed to every ``allocate`` of its sequence (with the
+        same ``cache_salt``), so an admission looks its cached prefix up without hashing it again."""
         if not self.pool.enable_caching or not token_ids:
             return []
-        return self.pool.prefix_keys(token_ids, self._block_size, (len(token_ids) - 1) // self._block_size)
+        return self.pool.prefix_keys(token_ids, self._block_size, (len(token_ids) - 1) // self._block_size,
+                                     chain_root(cache_salt))
 
-    def _find_cached_prefix(self, token_ids: list[int],
-                            keys: Sequence[tuple[Hashable, tuple[int, ...]]]) -> list[int]:
+    def _find_cached_prefix(self, token_ids: list[int], keys: Sequence[tuple[Hashable, tuple[int, ...]]],
+                            root: ChainRoot) -> list[int]:
         """Cached blocks holding the longest prefix of full blocks, never the block of the last token."""
         if not self.pool.enable_caching:
             return []
         return self.pool.cached_prefix(token_ids, self._block_size, (len(token_ids) - 1) // self._block_size,
-                                       keys)
+                                       keys, root)
 
     def allocate(self, seq_id: object, token_ids: Sequence[int],
                  prefix_keys: Sequence[tuple[Hashable, tuple[int, ...]]] = (),
-                 keep_free: int = 0, counts_lookup: bool = True) -> list[int] | None:
+                 keep_free: int = 0, counts_lookup: bool = True,
+                 cache_salt: str | None = None) -> list[int] | None:
         """Reserve slots for all ``token_ids``, reusing cached prefix blocks.
 
         None (and no change) if out of blocks, or if fewer than ``keep_free`` free blocks would be left
@@ -110,14 +116,17 @@ class KVCacheManager:
         hit length is ``num_cached_tokens(seq_id)``. ``prefix_keys``: ``prefix_keys(p)`` of a prefix ``p``
         of ``token_ids`` (the prompt), if the caller keeps them. ``counts_lookup`` False: the lookup
         stays out of the prefix-cache counters (a preempted sequence's recompute finds its own old blocks;
-        the counters count each prompt's first lookup, as vLLM's do).
+        the counters count each prompt's first lookup, as vLLM's do). ``cache_salt``: the sequence finds
+        and registers blocks in its salt's chain only (None: the unsalted one); ``prefix_keys`` must be
+        computed with the same salt.
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already allocated")
         token_ids = list(token_ids)
         if not token_ids:
             raise ValueError("allocate needs at least one token")
-        hits = self._find_cached_prefix(token_ids, prefix_keys)
+        root = chain_root(cache_salt)
+        hits = self._find_cached_prefix(token_ids, prefix_keys, root)
         num_new = self._num_blocks_for(len(token_ids)) - len(hits)
         num_revived = self.pool.num_unreferenced(hits)  # these leave the free queue
         if num_new + keep_free > self.pool.num_free_blocks - num_revived:
@@ -125,7 +134,7 @@ class KVCacheManager:
         self.pool.touch(hits)  # before take_new, so the hits cannot be evicted
         table = hits + self.pool.take_new(num_new)
         num_cached = len(hits) * self._block_size
-        self._seqs[seq_id] = _Seq(table, len(token_ids), num_cached, len(hits))
+        self._seqs[seq_id] = _Seq(table, len(token_ids), num_cached, len(hits), root)
         if self.pool.enable_caching and counts_lookup:
             self._prefix_queries += len(token_ids)
             self._prefix_hits += num_cached
@@ -171,7 +180,8 @@ class KVCacheManager:
         bs, table = self._block_size, seq.block_table
         i = seq.num_hashed_blocks
         while i < num_tokens // bs:
-            self.pool.register(table[i], table[i - 1] if i else None, tuple(token_ids[i * bs:(i + 1) * bs]))
+            self.pool.register(table[i], table[i - 1] if i else None, tuple(token_ids[i * bs:(i + 1) * bs]),
+                               seq.root)
             i += 1
         seq.num_hashed_blocks = i
 
@@ -179,7 +189,7 @@ class KVCacheManager:
         """Child shares the parent's full blocks and gets a copy of its partial last block.
 
         Returns the (src_block, dst_block) copies the runner must do; None (no change) if out of blocks.
-        The child inherits the parent's slot count, hashed blocks and ``num_cached_tokens``.
+        The child inherits the parent's slot count, hashed blocks, ``num_cached_tokens`` and cache salt.
         """
         if child_id in self._seqs:
             raise ValueError(f"sequence {child_id!r} is already allocated")
@@ -196,7 +206,7 @@ class KVCacheManager:
             copies.append((parent.block_table[-1], dst))
             table.append(dst)
         self._seqs[child_id] = _Seq(table, parent.num_tokens, parent.num_cached_tokens,
-                                    parent.num_hashed_blocks)
+                                    parent.num_hashed_blocks, parent.root)
         return copies
 
     def free(self, seq_id: object) -> None:
@@ -272,7 +282,7 @@ class KVCacheManager:
                 check(hashed or i >= seq.num_hashed_blocks, f"seq {sid!r}: block {block_id} lost its hash")
                 if hashed:
                     check(full, f"seq {sid!r}: partial block {block_id} is hashed")
-                    parent_tag = pool.block_tag(table[i - 1]) if i else None
+                    parent_tag = pool.block_tag(table[i - 1]) if i else seq.root
                     check(pool.block_parent_tag(block_id) == parent_tag,
                           f"seq {sid!r}: hashed block {block_id} chains on another prefix")
         for block_id in range(1, pool.num_blocks):

@@ -1,7 +1,13 @@
 """Chained prefix hashes for full KV blocks.
 
 The hash of block ``i`` of a sequence is ``hash_fn(parent, token ids of block i)``, ``parent`` being the
-hash of block ``i-1`` (None for block 0): equal hashes (barring collisions) mean equal *whole prefixes*.
+hash of block ``i-1`` (for block 0 the chain's root: None, or a cache salt's ``chain_root``): equal hashes
+(barring collisions) mean equal *whole prefixes* under the same salt.
+
+Cache salts (vLLM's ``cache_salt``): a salted prompt's chain starts at its salt's root, which is also the
+parent tag its first block is matched on (see ``BlockPool``), so its blocks are found only by prompts of the
+same salt: tenants that salt differently never share a block, and none learns from a fast answer that another
+sent the same prefix.
 
 Choice of the default hash: Python's built-in ``hash`` of a tuple of ints.
 - It is fast (a prompt of thousands of tokens is hashed per request on the engine thread, sha256 over an
@@ -21,13 +27,23 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 
-# hash_fn(parent_hash or None for the first block, the block's token ids) -> any hashable value
+# hash_fn(parent_hash or the chain's root for the first block, the block's token ids) -> any hashable value
 BlockHashFn = Callable[[Hashable | None, tuple[int, ...]], Hashable]
+# the first block's parent: None unsalted, else chain_root(salt)
+ChainRoot = tuple[int, ...] | None
 
 
-ROOT = 0  # the first block's parent: a constant (hash(None) follows the object's address before 3.12)
+ROOT = 0  # an unsalted first block's parent hash: a constant (hash(None) is the object's address before 3.12)
 
 
 def default_block_hash(parent_hash: Hashable | None, token_ids: tuple[int, ...]) -> int:
     """Chained hash of one full block: parent's hash + this block's token ids."""
     return hash((ROOT if parent_hash is None else parent_hash, token_ids))
+
+
+def chain_root(cache_salt: str | None) -> ChainRoot:
+    """The root of a prompt's chain: None without a salt, else the salt's UTF-8 bytes as a tuple of ints
+    (surrogates passed through, so any str encodes). Equal only for equal salts (the encoding is one-to-one),
+    never equal to None or to a content tag (an int), and hashed alike in every process (str hashes are
+    randomised per process, int tuples are not)."""
+    return None if cache_salt is None else tuple(cache_salt.encode("utf-8", "surrogatepass"))

@@ -11,8 +11,8 @@ class OwnedKV(KVCacheManager):
         super().__init__(*args, **kwargs)
         self.ids: dict[object, list[int | None]] = {}
 
-    def allocate(self, seq_id, token_ids, keep_free=0):
-        table = super().allocate(seq_id, token_ids, keep_free=keep_free)
+    def allocate(self, seq_id, token_ids, keep_free=0, cache_salt=None):
+        table = super().allocate(seq_id, token_ids, keep_free=keep_free, cache_salt=cache_salt)
         if table is not None:
             self.ids[seq_id] = list(token_ids)
         return table

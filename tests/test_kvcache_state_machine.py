@@ -3,9 +3,10 @@
 Besides ``check_integrity()`` after every step, the model checks, independently of the implementation:
 - every table has ceil(tokens / block_size) blocks and no block is shared unless it is full in every table;
 - the exact free-queue order (an LRU list model: take from the front, push freed blocks tail-first);
-- the K/V *contents*: a fake cache maps each slot to the full token prefix whose K/V it holds (written on
-  mark_computed, copied on fork). Every computed token of every live sequence must find its own prefix in
-  its slot, so a prefix hit on a wrong block or a write into a shared block is caught;
+- the K/V *contents*: a fake cache maps each slot to the cache salt and full token prefix whose K/V it holds
+  (written on mark_computed, copied on fork). Every computed token of every live sequence must find its own
+  salt and prefix in its slot, so a prefix hit on a wrong block, or on another salt's block, or a write into
+  a shared block is caught;
 - out-of-blocks returns leave everything unchanged, and can_allocate() True implies allocate succeeds.
 """
 
@@ -42,8 +43,9 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.bs = bs
         self.mgr = OwnedKV(num_blocks, bs, enable_prefix_caching=caching, hash_fn=HASHES[hash_name])
         self.tokens: dict[int, list] = {}  # seq -> token ids (unknown ids: unique placeholders)
+        self.salts: dict[int, str | None] = {}  # seq -> its cache salt
         self.computed: dict[int, int] = {}
-        self.kv: dict[int, tuple] = {}  # slot -> the token prefix whose K/V it holds
+        self.kv: dict[int, tuple] = {}  # slot -> (cache salt, the token prefix) whose K/V it holds
         self.queue = list(range(1, num_blocks))  # model of the free queue
         self.ids = itertools.count()
         self.unknown = itertools.count()
@@ -60,7 +62,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     def write(self, seq, start, end):
         table, toks = self.mgr.block_table(seq), self.tokens[seq]
         for p in range(start, end):
-            self.kv[table[p // self.bs] * self.bs + p % self.bs] = tuple(toks[:p + 1])
+            self.kv[table[p // self.bs] * self.bs + p % self.bs] = (self.salts[seq], tuple(toks[:p + 1]))
 
     # ---- rules ---------------------------------------------------------------------------------------
     @rule(data=st.data(), prefill=st.booleans())
@@ -70,10 +72,11 @@ class KVCacheMachine(RuleBasedStateMachine):
             base = data.draw(st.sampled_from(self.history))
             base = base[:data.draw(st.one_of(st.just(len(base)), st.integers(0, len(base))))]
         toks = base + data.draw(st.lists(st.integers(0, 2), min_size=0 if base else 1, max_size=12))
+        salt = data.draw(st.sampled_from([None, None, "a", "b"]))  # drawn apart from the prefix: salts cross
         seq = next(self.ids)
         can = self.mgr.can_allocate(len(toks))
         before = snapshot(self.mgr)
-        table = self.mgr.allocate(seq, toks)
+        table = self.mgr.allocate(seq, toks, cache_salt=salt)
         if table is None:
             event("allocate: out of blocks")
             assert not can, "can_allocate() said yes but allocate failed"
@@ -93,6 +96,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.queue = [b for b in self.queue if b not in hits]
         self.take_front(table[len(hits):])
         self.tokens[seq] = list(toks)
+        self.salts[seq] = salt
         self.history.append(toks)
         self.computed[seq] = cached  # hit slots must already hold our prefix (checked by the invariant)
         if prefill:  # the runner computes the rest of the prompt right away
@@ -149,6 +153,7 @@ class KVCacheMachine(RuleBasedStateMachine):
                 if src * self.bs + o in self.kv:
                     self.kv[dst * self.bs + o] = self.kv[src * self.bs + o]
         self.tokens[child] = list(self.tokens[parent])
+        self.salts[child] = self.salts[parent]
         self.computed[child] = self.computed[parent]
 
     @precondition(lambda self: self.tokens)
@@ -159,7 +164,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.mgr.free(seq)
         known = list(itertools.takewhile(lambda t: isinstance(t, int), self.tokens[seq]))
         self.history.append(known)
-        del self.tokens[seq], self.computed[seq]
+        del self.tokens[seq], self.computed[seq], self.salts[seq]
         held = {b for s in self.tokens for b in self.mgr.block_table(s)}
         self.queue += [b for b in reversed(table) if b not in held]
 
@@ -181,7 +186,8 @@ class KVCacheMachine(RuleBasedStateMachine):
                 positions.setdefault(b, []).append((seq, (i + 1) * bs <= len(toks)))
             for p in range(self.computed[seq]):
                 slot = table[p // bs] * bs + p % bs
-                assert self.kv.get(slot) == tuple(toks[:p + 1]), f"seq {seq}: slot {slot} holds wrong K/V"
+                assert self.kv.get(slot) == (self.salts[seq], tuple(toks[:p + 1])), \
+                    f"seq {seq}: slot {slot} holds wrong K/V"
         for b, holders in positions.items():
             assert b != 0
             assert mgr.pool.ref_count(b) == len(holders)

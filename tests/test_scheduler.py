@@ -13,6 +13,7 @@ import zlib
 import pytest
 
 from kvcache import KVCacheManager
+from kvcache.prefix_hash import chain_root
 from server.engine.sampling_params import SamplingParams
 from server.engine.scheduler import Scheduler
 from server.engine.sequence import SeqStatus, Sequence
@@ -62,8 +63,9 @@ class Harness:
         self.last: dict[int, int] = {}  # seq id -> the token its last sample drew (the device's copy)
         self.in_flight = None
 
-    def add(self, prompt: list[int], max_tokens: int, n: int = 1) -> list[Sequence]:
-        params = SamplingParams(max_tokens=max_tokens, n=n)
+    def add(self, prompt: list[int], max_tokens: int, n: int = 1, cache_salt: str | None = None
+            ) -> list[Sequence]:
+        params = SamplingParams(max_tokens=max_tokens, n=n, cache_salt=cache_salt)
         seqs = [Sequence(next(self.ids), "r", i, prompt, params) for i in range(n)]
         for child in seqs[1:]:
             child.status = SeqStatus.FORK_PENDING
@@ -200,6 +202,31 @@ def test_many_sequences_through_a_small_cache_all_exact(caching, async_):
     assert h.kv.usage().used_blocks == 0
     if caching:
         assert h.kv.usage().prefix_hits > 0
+
+
+@pytest.mark.parametrize("async_", [False, True])
+def test_salted_sequences_hit_their_own_salt_only_through_forks_and_preemptions(async_):
+    """Identical prompts under three salts through a small cache: after every step each running sequence's
+    first block, once hashed, roots at its own salt (check_integrity chains the rest on it); hits within each
+    salt still come."""
+    h = Harness(num_blocks=13, block_size=4, max_num_seqs=6, max_tokens_per_step=10, async_=async_)
+    prompt = [7, 7, 7, 7, 7, 7, 7, 7, 1]
+    salts = [None, "a", "b"] * 3
+    seqs = [h.add(prompt, max_tokens=6 + i, n=1 + i % 2, cache_salt=salt) for i, salt in enumerate(salts)]
+    pool = h.kv.pool
+    for _ in range(500):
+        if not h.sched.has_work() and h.in_flight is None:
+            break
+        h.step()
+        for seq in h.sched.running:
+            first = h.kv.block_table(seq.seq_id)[0]
+            if pool.block_hash(first) is not None:
+                salt = seq.params.cache_salt
+                assert pool.block_parent_tag(first) == chain_root(salt), salt
+    for i, choices in enumerate(seqs):
+        assert all(s.output_token_ids == expected_output(prompt, 6 + i) for s in choices)
+    assert h.sched.num_preemptions > 0 and h.kv.usage().prefix_hits > 0
+    assert h.kv.usage().used_blocks == 0
 
 
 @pytest.mark.parametrize("async_", [False, True])

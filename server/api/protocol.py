@@ -24,7 +24,7 @@ from pydantic import (
 )
 
 from server.api.structural_format import BoundedFormat
-from server.engine.sampling_params import MAX_BAD_WORDS
+from server.engine.sampling_params import MAX_BAD_WORDS, check_cache_salt
 
 NonNegInt = Annotated[int, Field(ge=0)]
 # the sampler computes in float32: a larger temperature or penalty is inf there, a smaller positive penalty 0,
@@ -49,6 +49,12 @@ def refused_unless(*no_ops: object) -> AfterValidator:
 def _float32_finite(v: float | None) -> float | None:
     if v is not None and v > FLOAT32_MAX:
         raise ValueError(f"must be at most {FLOAT32_MAX:.4g} (float32), got {v:g}")
+    return v
+
+
+def _cache_salt(v: str | None) -> str | None:
+    if v is not None:
+        check_cache_salt(v)
     return v
 
 
@@ -241,6 +247,9 @@ class _SamplingRequest(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(None, min_length=1)
     guided_grammar: str | None = None
+    # vLLM's: the prompt shares prefix-cache blocks only with requests of the same salt (tenants apart: a
+    # cached prefix answers faster, which would tell one tenant what another sent)
+    cache_salt: Annotated[str | None, AfterValidator(_cache_salt)] = None
     # OpenAI fields pagewalk does not implement: accepted only at their no-op value, never silently ignored
     best_of: int | None = None
     # vLLM's sampling extensions pagewalk does not implement, likewise

@@ -45,6 +45,7 @@ def sampling_params(req: _SamplingRequest, max_tokens: int, logprobs: int | None
         bad_words_ids=bad_words_ids(tokenizer, req.bad_words or []),
         prompt_logprobs=req.prompt_logprobs,
         grammar=None if grammar is None else grammar.text,
+        cache_salt=req.cache_salt,
     )
     if grammar is not None and grammar.special and req.skip_special_tokens is None:
         params.skip_special_tokens = False

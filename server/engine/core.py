@@ -102,7 +102,8 @@ class EngineCore:
         held_back = self._held_back(er.params)
         req.seqs = [self._new_seq(req, i, held_back) for i in range(er.params.n)]
         parent = req.seqs[0]
-        keys = self.kv.prefix_keys(req.prompt_token_ids)  # every choice's admissions look them up
+        # every choice's admissions look them up, in the chain of the request's salt
+        keys = self.kv.prefix_keys(req.prompt_token_ids, er.params.cache_salt)
         for seq in req.seqs:
             seq.prefix_keys = keys
         for child in req.seqs[1:]:

@@ -20,6 +20,10 @@ GREEDY_TEMPERATURE = 1e-5  # below it a choice takes the argmax: dividing logits
 # characters: ~0.3 s; 10,000: 2.6 s; llguidance 1.9.1, one CPU core; server/api/structured_output.py), and
 # LLParserLimits bound the grammar's size only once it is compiled
 MAX_GRAMMAR_CHARS = 128 << 10
+MAX_CACHE_SALT_CHARS = 128  # vLLM's bound
+# characters vLLM refuses in a cache salt (its KV connectors write salts into keys and file names, where
+# '@' and '/' separate fields): refused here too, so a client's salts work on both servers or on neither
+CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
 
 
 @dataclass
@@ -53,6 +57,10 @@ class SamplingParams:
     # a structured output: an llguidance grammar (LLMatcher.grammar_from_*'s text; server/api/
     # structured_output.py builds it from response_format / structured_outputs); None: free text
     grammar: str | None = None
+    # vLLM's cache_salt: the prompt's blocks are shared in the prefix cache only with requests of the same
+    # salt (KVCacheManager.allocate); None: with the unsalted requests. The prompt's, not the sampler's: it
+    # rides here as n does, since every Sequence carries its params to the scheduler's allocations
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -133,6 +141,17 @@ class SamplingParams:
                "allowed_token_ids cannot be combined with a structured output")
         _check(self.seed is None or (isinstance(self.seed, int) and -MAX_INT64 - 1 <= self.seed <= MAX_INT64),
                "seed must be an integer in [-2**63, 2**63), got {}", self.seed)
+        if self.cache_salt is not None:
+            check_cache_salt(self.cache_salt)
+
+
+def check_cache_salt(salt: object) -> None:
+    """ValueError naming cache_salt unless `salt` is a string of 1 to MAX_CACHE_SALT_CHARS characters, none
+    of them in CACHE_SALT_FORBIDDEN (the API's check and the core's)."""
+    _check(isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_CHARS,
+           "cache_salt must be a string of 1 to {} characters", MAX_CACHE_SALT_CHARS)
+    bad = CACHE_SALT_FORBIDDEN.intersection(salt)
+    _check(not bad, "cache_salt must not contain {}", " or ".join(sorted(map(repr, bad))))
 
 
 def bad_token_ids(ids: list, vocab_size: int, integer: type = int) -> list:

@@ -223,7 +223,7 @@ class Scheduler:
         # it shares with running sequences are not free, yet cost it nothing)
         keep_free = min(len(self.running), self.usable_blocks // 8)
         if self.kv.allocate(seq.seq_id, seq.token_ids, seq.prefix_keys, keep_free,
-                            counts_lookup=seq.num_preemptions == 0) is None:
+                            counts_lookup=seq.num_preemptions == 0, cache_salt=seq.params.cache_salt) is None:
             return False
         seq.num_computed_tokens = self.kv.num_cached_tokens(seq.seq_id)
         self._mark_running(seq, out)
