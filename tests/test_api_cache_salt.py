@@ -57,14 +57,13 @@ def test_a_prompt_finds_its_cached_prefix_under_its_own_salt_only(app, path, fie
 
 
 def test_the_longest_salt_and_any_other_character_are_accepted(app):
-    for salt in ("x" * 128, "é-🙂 tenant:1|a.b", None):
+    for salt in ("x" * 4096, "é-🙂 tenant:1|a.b", "alice@example.com", "org/team-7", "a\\b", "a\x00b", None):
         r = post(app, "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "cache_salt": salt})
         assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("salt,message", [
-    ("", "1 to 128"), ("x" * 129, "1 to 128"), ("a@b", "'@'"), ("a/b", "'/'"), ("a\\b", "'\\\\'"),
-    ("a\x00b", "'\\x00'"), (7, ""), (["a"], ""), ({"salt": "a"}, ""), (True, ""),
+    ("", "1 to 4096"), ("x" * 4097, "1 to 4096"), (7, ""), (["a"], ""), ({"salt": "a"}, ""), (True, ""),
 ])
 @pytest.mark.parametrize("path,fields", [("/v1/completions", {"prompt": "Hi"}),
                                          ("/v1/chat/completions", {"messages": MESSAGES})],

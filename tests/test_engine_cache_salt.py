@@ -46,7 +46,7 @@ def test_a_prompt_hits_only_under_its_own_salt(core):
 
 
 def test_the_core_refuses_a_bad_salt(core):
-    for salt in ("", "x" * 129, "a@b", "a/b", "a\\b", "a\x00b", 7):
+    for salt in ("", "x" * 4097, 7):
         with pytest.raises(ValueError, match="cache_salt"):
             core.add_request(EngineRequest(f"bad-{salt!r}", PROMPT, SamplingParams(cache_salt=salt),
                                            time.monotonic()))
