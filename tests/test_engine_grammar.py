@@ -402,10 +402,10 @@ def test_the_kept_compiles_are_bounded_least_recently_asked_first(monkeypatch):
     a, b, c = (regex_grammar(r) for r in ("a+", "b+", "c+"))
     for grammar in (a, b, a, c, a, b):  # c evicts b (a was asked after b), then b evicts c
         grammars.compile(grammar).result()
-    assert compiles.count == {a: 1, b: 2, c: 1} and list(grammars._compiled) == [a, b]
+    assert compiles.count == {a: 1, b: 2, c: 1} and [g for _, g in grammars._compiled] == [a, b]
     monkeypatch.setattr(grammar_module, "CACHED_GRAMMAR_CHARS", len(a) + len(b) - 1)
     grammars.compile(c).result()  # over the text bound: only the newest stays
-    assert list(grammars._compiled) == [c] and grammars._compiled_chars == len(c)
+    assert [g for _, g in grammars._compiled] == [c] and grammars._compiled_chars == len(c)
 
 
 def test_a_compile_every_asker_dropped_before_it_started_never_runs(monkeypatch):
@@ -422,7 +422,7 @@ def test_a_compile_every_asker_dropped_before_it_started_never_runs(monkeypatch)
         f.result(10)
     grammars._small_compiles.shutdown(wait=True)
     assert dropped not in compiles.count and compiles.count[kept] == 1
-    assert dropped not in grammars._compiled and kept in grammars._compiled
+    assert (None, dropped) not in grammars._compiled and (None, kept) in grammars._compiled
 
 
 def test_the_kept_compile_holds_no_requests_matcher(monkeypatch):
@@ -517,7 +517,7 @@ def test_a_choice_whose_grammar_fails_drops_its_compile(monkeypatch):
     reqs = [("g", [1, 70, 71], SamplingParams(max_tokens=8, temperature=0.0, grammar=grammar))]
     tokens, ends = run(core, reqs)
     assert ends[("g", 0)][0] == "error" and "too many states" in ends[("g", 0)][1]
-    assert grammar not in core.grammars._compiled and core.grammars._compiled_chars == 0
+    assert (None, grammar) not in core.grammars._compiled and core.grammars._compiled_chars == 0
     assert not core.requests and core.kv.num_free_blocks == core.kv.num_blocks - 1
 
 
@@ -751,3 +751,16 @@ def test_a_requests_choices_count_together_against_the_step_budget(n, fails):
     _, ends = run(core, [("g", [1, 80, 81], params)])
     assert all((reason == "error") == fails for reason, _ in ends.values()), ends
     assert not core.requests and not core._strikes and not core._too_costly
+
+
+def test_tenants_that_salt_apart_share_no_compile(monkeypatch):
+    """A kept compile answers at once where a large schema takes ~0.3 s: requests of another cache salt
+    compile it again (a review: one tenant could time whether another sent the same schema)."""
+    compiles = CountedCompiles(monkeypatch)
+    grammars = Grammars(TOKENIZER, 300, {EOS})
+    grammar = regex_grammar("[ab]+c")
+    for salt in ("tenant-a", "tenant-a", None, "tenant-b", None, "tenant-b"):
+        grammars.compile(grammar, salt).result()
+    assert compiles.count == {grammar: 3}
+    grammars.forget(grammar, "tenant-a")  # its own salt's compile alone
+    assert set(grammars._compiled) == {(None, grammar), ("tenant-b", grammar)}

@@ -98,19 +98,22 @@ def _build(param: str, build: Builder, literals: Literals) -> Grammar:
     return Grammar(text, param, literals.special)
 
 
-def validate(grammar: Grammar, tokenizer) -> None:
+def validate(grammar: Grammar, tokenizer, salt: str | None = None) -> None:
     """A 400 naming the grammar's field unless it can serve a request over the model's vocabulary
     (core_grammar.check, with the core's limits). Blocking: compiling a realistic schema takes ~0.5 ms, a
     regex or Lark grammar ~1 ms, a 300-property schema 5-12 ms, 3000 properties ~0.3 s (llguidance 1.9.1,
-    one CPU core; MAX_GRAMMAR_CHARS bounds it); it drops the GIL. The vocabulary is built on first use."""
-    error = _check(_vocabulary(tokenizer), grammar.text)
+    one CPU core; MAX_GRAMMAR_CHARS bounds it); it drops the GIL. The vocabulary is built on first use.
+    Verdicts are kept per request cache `salt`: a kept one answers at once, so tenants that salt apart
+    would otherwise time whether another sent the same schema."""
+    error = _check(_vocabulary(tokenizer), grammar.text, salt)
     if error is not None:
         raise APIError(400, f"Invalid '{grammar.param}': {error}", grammar.param, "invalid_grammar")
 
 
 @lru_cache(maxsize=CHECKED_GRAMMARS)
-def _check(vocab: llguidance.LLTokenizer, text: str) -> str | None:
-    """core_grammar.check, remembered (the vocabulary is one per tokenizer: core_grammar.vocabulary)."""
+def _check(vocab: llguidance.LLTokenizer, text: str, salt: str | None) -> str | None:
+    """core_grammar.check, remembered for each (vocabulary, grammar, cache salt) (the vocabulary is one per
+    tokenizer: core_grammar.vocabulary; the salt is part of the key alone)."""
     return core_grammar.check(vocab, text)
 
 
@@ -127,9 +130,9 @@ def _literals(tokenizer) -> Literals:
     return Literals(special_tokens(tokenizer, _vocabulary(tokenizer)))
 
 
-def _checked(param: str, build: Builder, tokenizer) -> Grammar:
+def _checked(param: str, build: Builder, tokenizer, salt: str | None) -> Grammar:
     grammar = _build(param, build, _literals(tokenizer))
-    validate(grammar, tokenizer)
+    validate(grammar, tokenizer, salt)
     return grammar
 
 
@@ -144,7 +147,8 @@ class GrammarChecks:
         self.pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="pagewalk-check")
         self.pending = 0  # (the event loop's thread alone counts)
 
-    async def run(self, request: Request, limit: int, param: str, build: Builder, tokenizer) -> Grammar:
+    async def run(self, request: Request, limit: int, param: str, build: Builder, tokenizer,
+                  salt: str | None = None) -> Grammar:
         """_checked on a check thread; a 429 with `limit` checks pending (pending_limit); dropped (a 499)
         when the client goes away first (a check not started never starts)."""
         if self.pending >= limit:
@@ -152,7 +156,8 @@ class GrammarChecks:
                            "too_many_grammar_checks", {"Retry-After": str(RETRY_AFTER_S)})
         self.pending += 1
         try:
-            work = asyncio.get_running_loop().run_in_executor(self.pool, _checked, param, build, tokenizer)
+            work = asyncio.get_running_loop().run_in_executor(self.pool, _checked, param, build, tokenizer,
+                                                              salt)
             return await unless_disconnected(request, work)
         except ClientDisconnected:
             raise APIError(499, "The client went away while its structured output was checked.") from None
@@ -177,7 +182,8 @@ async def request_grammar(request: Request, req: _SamplingRequest, tokenizer) ->
     source = _source(req)
     if source is None:
         return None
-    return await _CHECKS.run(request, pending_limit(request.app.state.engine), *source, tokenizer)
+    return await _CHECKS.run(request, pending_limit(request.app.state.engine), *source, tokenizer,
+                             req.cache_salt)
 
 
 def _sources(req: _SamplingRequest) -> list[tuple[str, Builder]]:

@@ -114,7 +114,7 @@ class EngineCore:
             self.scheduler.add(parent)
         else:  # scheduled once its matchers are built (_admit_compiled)
             self._guided.add(req.request_id)
-            self._compiling[req.request_id] = self.grammars.compile(er.params.grammar)
+            self._compiling[req.request_id] = self.grammars.compile(er.params.grammar, er.params.cache_salt)
 
     def _check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         total = num_prompt_tokens + params.max_tokens
@@ -327,7 +327,7 @@ class EngineCore:
                 logger.exception("request %s failed", seq.request_id)
                 failed[seq.request_id] = _describe(e)
                 if isinstance(e, GrammarError):  # its grammar compiles afresh for the next request
-                    self.grammars.forget(seq.params.grammar)
+                    self.grammars.forget(seq.params.grammar, seq.params.cache_salt)
         for rid, error in failed.items():  # its choices already updated this step keep their update
             updates += self.abort_request(rid, None, "error", error)
         return updates

@@ -138,7 +138,9 @@ class Grammars:
         self.words = (vocab_size + 31) // 32  # the step's bitmask rows
         self._compiles = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="pagewalk-grammar")
         self._small_compiles = ThreadPoolExecutor(1, thread_name_prefix="pagewalk-grammar-small")
-        self._compiled: OrderedDict[str, _Compile] = OrderedDict()  # grammar text -> its compile, LRU order
+        # (cache salt, grammar text) -> its compile, LRU order: tenants that salt apart share no compile (a
+        # kept one answers at once where a large schema takes ~0.3 s to compile: a timing side channel)
+        self._compiled: OrderedDict[tuple[str | None, str], _Compile] = OrderedDict()
         self._compiled_chars = 0
         self._lock = threading.Lock()  # the core adds compiles, a compile thread drops one nobody wants
         self.row_ms = 0.0  # a mask row's cost on the core's thread, measured (a moving average)
@@ -149,28 +151,30 @@ class Grammars:
         threads = min(MASK_THREADS, (os.cpu_count() or 1) // CPUS_PER_MASK_THREAD)
         return llguidance.LLExecutor(threads) if threads >= 2 else None
 
-    def compile(self, grammar: str) -> Future:
+    def compile(self, grammar: str, salt: str | None = None) -> Future:
         """A matcher of its own for `grammar`, at its start; the future's result is the LLMatcher, or
         GrammarError. A copy of the grammar's compiled matcher: compiled once on a compile thread for every
-        request that asks while it compiles, and kept for the CACHED_GRAMMARS most recently asked (a grammar
-        that fails fails again at once), for COPIES_PER_COMPILE requests each. Cancelling the future drops
-        the request's interest: a compile that every asker dropped before it started never runs."""
+        request of the same cache `salt` that asks while it compiles, and kept for the CACHED_GRAMMARS most
+        recently asked (a grammar that fails fails again at once), for COPIES_PER_COMPILE requests each.
+        Cancelling the future drops the request's interest: a compile that every asker dropped before it
+        started never runs."""
         mine: Future = Future()
+        key = (salt, grammar)
         with self._lock:
-            compile_ = self._compiled.get(grammar)
+            compile_ = self._compiled.get(key)
             if compile_ is not None and compile_.copies >= COPIES_PER_COMPILE and compile_.done.done():
-                self._drop(grammar)
+                self._drop(key)
                 compile_ = None
             if compile_ is None:
-                compile_ = self._compiled[grammar] = _Compile()
+                compile_ = self._compiled[key] = _Compile()
                 self._compiled_chars += len(grammar)
                 self._evict()
                 # the job takes the lock first, so it cannot finish (and call _deliver) while this holds it
                 lane = self._small_compiles if len(grammar) <= SMALL_GRAMMAR_CHARS else self._compiles
-                compile_.done = lane.submit(self._first_matcher, grammar, compile_)
+                compile_.done = lane.submit(self._first_matcher, key, compile_)
                 compile_.done.add_done_callback(functools.partial(self._deliver, compile_))
             else:
-                self._compiled.move_to_end(grammar)
+                self._compiled.move_to_end(key)
             compile_.copies += 1
             ready = compile_.done.done()
             if not ready:
@@ -179,15 +183,15 @@ class Grammars:
             _deliver_copy(mine, compile_.done)
         return mine
 
-    def forget(self, grammar: str) -> None:
+    def forget(self, grammar: str, salt: str | None = None) -> None:
         """A choice failed in `grammar` (a parser or lexer limit, which the copies' shared lexer may have
-        reached): its next request compiles it afresh."""
+        reached): its next request (of this cache salt) compiles it afresh."""
         with self._lock:
-            self._drop(grammar)
+            self._drop((salt, grammar))
 
-    def _drop(self, grammar: str) -> None:
-        if self._compiled.pop(grammar, None) is not None:
-            self._compiled_chars -= len(grammar)
+    def _drop(self, key: tuple[str | None, str]) -> None:
+        if self._compiled.pop(key, None) is not None:
+            self._compiled_chars -= len(key[1])
 
     def _evict(self) -> None:
         """Drops the least recently asked compiles past the bounds (the newest stays, however large)."""
@@ -195,14 +199,14 @@ class Grammars:
                                            or self._compiled_chars > CACHED_GRAMMAR_CHARS):
             self._drop(next(iter(self._compiled)))
 
-    def _first_matcher(self, grammar: str, compile_: _Compile) -> llguidance.LLMatcher:
+    def _first_matcher(self, key: tuple[str | None, str], compile_: _Compile) -> llguidance.LLMatcher:
         """The compile thread's job: the grammar's matcher, which is never advanced (askers get copies)."""
         with self._lock:
             if all(asker.cancelled() for asker in compile_.askers):  # every request went away meanwhile
-                if self._compiled.get(grammar) is compile_:
-                    self._drop(grammar)
+                if self._compiled.get(key) is compile_:
+                    self._drop(key)
                 raise CancelledError
-        return self._matcher(grammar)
+        return self._matcher(key[1])
 
     def _deliver(self, compile_: _Compile, done: Future) -> None:
         """The compile's callback: each request that asked while it ran gets its copy. The list is emptied:
