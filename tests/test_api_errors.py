@@ -74,6 +74,8 @@ BAD_COMPLETIONS = [
     ({**CMPL, "logits_processors": ["x"]}, "logits_processors"),
     ({**CMPL, "prompt_embeds": "AAAA"}, "prompt_embeds"),
     ({**CMPL, "priority": 1}, "priority"),  # vLLM's priority scheduling: silently ignored before
+    ({**CMPL, "kv_transfer_params": {"do_remote_prefill": True}}, "kv_transfer_params"),  # likewise
+    ({**CMPL, "vllm_xargs": {"threshold": 0.5}}, "vllm_xargs"),  # likewise
     ({**CMPL, "max_tokens": 0}, "max_tokens"),
     ({**CMPL, "max_tokens": -3}, "max_tokens"),
     ({**CMPL, "max_tokens": "5"}, "max_tokens"),
@@ -184,7 +186,8 @@ def test_unimplemented_fields_at_their_no_op_value_are_accepted(engine, path, bo
 
 def test_unknown_fields_are_ignored(engine):
     r = request(create_app(engine), "POST", "/v1/completions",
-                json={**CMPL, "user": "u1", "some_future_field": {"x": 1}, "best_of": 1, "priority": 0})
+                json={**CMPL, "user": "u1", "some_future_field": {"x": 1}, "best_of": 1, "priority": 0,
+                      "kv_transfer_params": None, "vllm_xargs": {}})
     assert r.status_code == 200, r.text
 
 

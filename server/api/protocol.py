@@ -259,6 +259,8 @@ class _SamplingRequest(_Request):
     logits_processors: Annotated[Any, refused_unless(None, [])] = None
     prompt_embeds: Annotated[Any, refused_unless(None)] = None
     priority: Annotated[Any, refused_unless(None, 0)] = None  # vLLM's; the scheduler is FCFS
+    kv_transfer_params: Annotated[Any, refused_unless(None, {})] = None  # vLLM's disaggregated prefill
+    vllm_xargs: Annotated[Any, refused_unless(None, {})] = None  # vLLM's custom logits processors' arguments
 
     @field_validator("stream_options")
     @classmethod
