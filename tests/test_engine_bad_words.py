@@ -13,7 +13,7 @@ from server.engine.engine import EngineConfig, build_core
 from server.engine.sampler import BAD_WORDS, LOGPROBS, Sampler, row_fields, step_flags
 from server.engine.sampling_params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS_TOKENS, SamplingParams
 from server.model.tokenizer import ByteTokenizer
-from tests.test_engine_out_rows import run_engine
+from tests.test_engine_out_rows import last_logits, run_engine
 
 EOS = ByteTokenizer.EOS
 CONFIG = dict(model="tiny", device="cpu", dtype="float32", block_size=4, num_blocks=12, max_num_seqs=6,
@@ -28,11 +28,9 @@ def banned(out: list[int], words: list[list[int]]) -> list[int]:
 def dense_banned(model, prompt: list[int], params: SamplingParams) -> list[int]:
     """Greedy through the contiguous forward with each banned token at -inf; ends as the core ends one."""
     ids, out = list(prompt), []
-    dev = next(model.parameters()).device
     with torch.inference_mode():
         for _ in range(params.max_tokens):
-            hidden = model(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev))
-            logits = model.compute_logits(hidden[-1:])[0].float().cpu()
+            logits = last_logits(model, ids)
             logits[banned(out, params.bad_words_ids)] = float("-inf")
             t = int(logits.argmax())
             ids.append(t)
@@ -161,7 +159,7 @@ def test_a_request_packs_its_words_once_and_a_bounded_count_of_them():
     params = SamplingParams(bad_words_ids=words)
     params.validate(259)
     assert params.bad_word_entries is params.bad_word_entries
-    sections, shape = placed_rows([(r, words, params.bad_word_entries, []) for r in range(64)])
+    sections, shape = placed_rows([(r, params, []) for r in range(64)])
     assert shape == (len(words), 8) and len(sections[0]) == 64 * MAX_BAD_WORDS_TOKENS
     with pytest.raises(ValueError, match="at most 1024 tokens in all"):
         SamplingParams(bad_words_ids=words + [[5]]).validate(259)

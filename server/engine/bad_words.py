@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from server.engine.bias_table import HOLD_BACK
+from server.engine.sampling_params import SamplingParams
 
 PAD = -1  # a word's column left of its first token: matches any recent token
 NONE = -2  # a recent column the row has not sampled: matches no word token (every id is >= 0)
@@ -45,14 +46,15 @@ def recent_entries(words: list[list[int]], output_ids: list[int]) -> tuple[list[
     return list(range(len(last) - 1, -1, -1)), last
 
 
-def placed_rows(placed: list[tuple[int, list[list[int]], tuple, list[int]]]) -> tuple[list, tuple[int, int]]:
-    """The rows that sequences with bad words took: (row, words, their word_entries, sampled ids) each ->
+def placed_rows(placed: list[tuple[int, SamplingParams, list[int]]]) -> tuple[list, tuple[int, int]]:
+    """The rows that sequences with bad words took: (row, their request's params, sampled ids) each ->
     (BadWords.write's 7 sections: the words' rows, slots, backs, tokens and the recent tokens' rows, backs,
     tokens; the (words, tokens per word) these rows need)."""
     word_rows, slots, backs, tokens = [], [], [], []
     recent_rows, recent_backs, recent_tokens = [], [], []
     num_words = word_len = 0
-    for row, words, (s, b, t), output_ids in placed:
+    for row, params, output_ids in placed:
+        words, (s, b, t) = params.bad_words_ids, params.bad_word_entries
         word_rows.append(np.full(len(t), row, dtype=np.int32))
         slots.append(s)
         backs.append(b)

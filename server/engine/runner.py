@@ -481,8 +481,7 @@ class ModelRunner:
                 bias_kinds += kinds
                 bias_width = max(bias_width, len(ids))
             if seq.sample_flags & BAD_WORDS:
-                p = seq.params
-                placed.append((seq.row, p.bad_words_ids, p.bad_word_entries, seq.output_token_ids))
+                placed.append((seq.row, seq.params, seq.output_token_ids))
         word_sections, word_shape = placed_rows(placed)
         return [rows, floats_as_int32(floats), ints, pen_rows, pen_token_rows, pen_tokens, pen_is_output,
                 bias_rows, bias_cols, bias_ids, floats_as_int32(bias_values), bias_kinds, *word_sections,

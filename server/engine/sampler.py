@@ -228,15 +228,13 @@ class Sampler:
             logits = self._apply_penalties(logits, rows, floats)
             if flags & ALLOW:
                 logits = self.bias.floor_allowed(logits, rows)
-        if flags & BAD_WORDS:  # after the floor, which would lift a banned allowed id back; in place, on a
-            # copy where the raw logits still give logprobs
-            logits = logits.clone() if logits is raw and flags & LOGPROBS else logits
-            logits = self.bad_words.ban_(logits, rows)
+        if flags & BAD_WORDS:  # after the floor, which would lift a banned allowed id back
+            logits = self.bad_words.ban_(_writable(logits, raw, flags), rows)
         if token_mask is not None:  # last: no bias, penalty or floor lifts a token the grammar refuses
             if not self.kernel:
                 logits = mask_tokens(logits, *token_mask)
-            else:  # in place (kernels/token_mask.py), on a copy where the raw logits still give logprobs
-                logits = logits.clone() if logits is raw and flags & LOGPROBS else logits
+            else:  # in place (kernels/token_mask.py)
+                logits = _writable(logits, raw, flags)
                 self._mask_tokens_(logits, *token_mask)
         if flags & SAMPLED:
             return self._sample(logits, floats, ints, flags, compact), raw
@@ -288,6 +286,11 @@ class Sampler:
         picked = self._sample_logits(values, f[:, 0], f[:, 1], f[:, 2], i[:, 0], i[:, 1], i[:, 2],
                                      GREEDY_TEMPERATURE)
         return ids.gather(1, picked[:, None]).squeeze(1)
+
+
+def _writable(logits: torch.Tensor, raw: torch.Tensor, flags: int) -> torch.Tensor:
+    """A step's logits to change in place: a copy where they are still the raw logits its logprobs read."""
+    return logits.clone() if logits is raw and flags & LOGPROBS else logits
 
 
 def mask_tokens(logits: torch.Tensor, samples: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
