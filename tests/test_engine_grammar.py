@@ -28,6 +28,7 @@ from server.engine.outputs import EngineRequest, SeqUpdate
 from server.engine.sampler import GUIDED, Sampler, mask_tokens, row_fields, step_flags
 from server.engine.sampling_params import SamplingParams
 from server.model.tokenizer import ByteTokenizer
+from tests.test_engine_out_rows import last_logits
 
 EOS = ByteTokenizer.EOS
 TOKENIZER = ByteTokenizer()
@@ -75,11 +76,9 @@ def dense_guided(model, vocab: llguidance.LLTokenizer, prompt: list[int], params
     core ends a choice (EOS, the grammar complete, max_tokens)."""
     matcher = llguidance.LLMatcher(vocab, params.grammar, log_level=0) if params.grammar else None
     ids, out = list(prompt), []
-    dev = next(model.parameters()).device
     with torch.inference_mode():
         for _ in range(params.max_tokens):
-            hidden = model(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev))
-            logits = model.compute_logits(hidden[-1:])[0].float().cpu()
+            logits = last_logits(model, ids)
             if matcher is not None:
                 allowed = torch.tensor(list(matcher.compute_bitmask()), dtype=torch.uint8)  # bit j of byte b
                 bits = ((allowed[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).flatten()

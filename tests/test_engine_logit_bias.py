@@ -14,7 +14,7 @@ from server.engine.outputs import EngineRequest
 from server.engine.sampler import ALLOW, BIAS, LOGPROBS, Sampler, row_fields, step_flags
 from server.engine.sampling_params import SamplingParams
 from server.model.tokenizer import ByteTokenizer
-from tests.test_engine_out_rows import run_engine
+from tests.test_engine_out_rows import last_logits, run_engine
 
 EOS = ByteTokenizer.EOS
 PRINTABLE = range(ByteTokenizer.OFFSET + 32, ByteTokenizer.OFFSET + 127)  # never masked by the tiny preset
@@ -25,11 +25,9 @@ def dense_biased(model, prompt: list[int], params: SamplingParams) -> list[int]:
     min_tokens are out, EOS and the stop ids at -inf; ends as the core ends a choice."""
     ids, out = list(prompt), []
     held = set(params.stop_token_ids) | ({EOS} if not params.ignore_eos else set())
-    dev = next(model.parameters()).device
     with torch.inference_mode():
         for _ in range(params.max_tokens):
-            hidden = model(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev))
-            logits = model.compute_logits(hidden[-1:])[0].float().cpu()
+            logits = last_logits(model, ids)
             if params.allowed_token_ids is not None:
                 keep = torch.zeros_like(logits, dtype=torch.bool)
                 keep[params.allowed_token_ids] = True

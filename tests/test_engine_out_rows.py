@@ -20,6 +20,14 @@ from server.engine.sampling_params import SamplingParams
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def last_logits(model, ids: list[int]) -> torch.Tensor:
+    """The contiguous forward over `ids` (attn None: no KV cache, no out rows) -> the last position's
+    logits (V,) fp32 on the CPU: the dense references' step."""
+    dev = next(model.parameters()).device
+    hidden = model(torch.tensor(ids, device=dev), torch.arange(len(ids), device=dev))
+    return model.compute_logits(hidden[-1:])[0].float().cpu()
+
+
 def dense_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
     """Greedy continuation through the contiguous forward (attn None: no KV cache, no out rows) ->
     (tokens, the chosen tokens' logprobs)."""
