@@ -548,6 +548,43 @@ def test_an_executor_step_over_the_time_limit_is_timed_again_row_by_row(monkeypa
     assert executor.steps == 2 and [g for g, _ in costly] == [0, 1]
 
 
+class SleepingRow:
+    """A guided row whose mask takes `ms` (a sleep: it holds no GIL, as llguidance's masks)."""
+
+    def __init__(self, ms: float):
+        self.ms = ms
+
+    def unsafe_compute_mask_ptr(self, address: int, nbytes: int) -> None:
+        time.sleep(self.ms / 1e3)
+
+
+class SleepingExecutor:
+    """An executor whose step over any rows takes `ms`."""
+
+    def __init__(self, ms: float):
+        self.ms = ms
+
+    def unsafe_compute_mask_ptr(self, rows, address, nbytes, count) -> None:
+        time.sleep(self.ms / 1e3)
+
+
+def test_an_executor_step_over_the_time_limit_is_timed_again_in_parallel(monkeypatch):
+    """Its rows are timed again on as many threads as the executor's: the step stalls about twice the
+    executor's wall, not its wall and the rows' serial sum (a review: 304 ms after a 60 ms step)."""
+    monkeypatch.setattr(Grammars, "_executor", SleepingExecutor(80.0))
+    monkeypatch.setattr(Grammars, "_mask_threads", 4)
+    monkeypatch.setattr(grammar_module, "PARALLEL_MASKS_MS", 0.0)
+    grammars = Grammars(TOKENIZER, 300, {EOS})
+    grammars.row_ms = 1.0
+    costly: list = []
+    start = time.perf_counter()
+    grammars.masks([SleepingRow(40.0) for _ in range(4)], costly)
+    took_ms = (time.perf_counter() - start) * 1e3
+    assert took_ms < 80 + 4 * 40 - 40  # 80 + 40 in parallel, 240 in series
+    # 160 serial ms at 0.5 wall ms each: 80, then 60, are over MAX_TOKEN_MS; two rows struck leave 40
+    assert len(costly) == 2 and all(ms >= 40 for _, ms in costly)
+
+
 def test_a_slow_row_moves_the_measured_row_cost_a_bounded_step(monkeypatch):
     """A row over the limit is left out of row_ms, and one measurement counts as at most ROW_COST_JUMP times
     it: one slow step kept cheap rows on the executor for ~700 steps (a review)."""
