@@ -133,9 +133,10 @@ def check_against_dense_guided(core) -> None:
     reqs = mixed_requests()
     masks, ended_rows = core.grammars.masks, []
 
-    def spy(matchers, costly=None):  # with async scheduling a choice ends while its next step runs: no mask
+    # with async scheduling a choice ends while its next step runs: no mask
+    def spy(matchers, costly=None, owners=None):
         ended_rows.append(matchers.count(None))
-        return masks(matchers, costly)
+        return masks(matchers, costly, owners)
 
     core.grammars.masks = spy
     tokens, ends = run(core, reqs)
@@ -636,8 +637,8 @@ def test_one_token_over_the_time_limit_is_forgiven(monkeypatch):
     core, _ = build_core(config(async_scheduling=True))
     masks = core.grammars.masks
 
-    def once_costly(matchers, costly=None):
-        bits = masks(matchers, costly)
+    def once_costly(matchers, costly=None, owners=None):
+        bits = masks(matchers, costly, owners)
         if costly is not None and not once_costly.done:
             costly.append((0, 80.0))
             once_costly.done = True
@@ -658,8 +659,8 @@ def test_each_choice_has_its_own_strikes(monkeypatch):
     core, _ = build_core(config(async_scheduling=True))
     masks = core.grammars.masks
 
-    def first_step_costly(matchers, costly=None):
-        bits = masks(matchers, costly)
+    def first_step_costly(matchers, costly=None, owners=None):
+        bits = masks(matchers, costly, owners)
         if costly is not None and not first_step_costly.done:
             costly.extend((g, 80.0) for g, m in enumerate(matchers) if m is not None)
             first_step_costly.done = True
@@ -680,8 +681,8 @@ def slow_masks_at(core, outputs: set[int]) -> list[int]:
     struck: list[int] = []
     counted = itertools.count()
 
-    def slow_at(matchers, costly=None):
-        bits = masks(matchers, costly)
+    def slow_at(matchers, costly=None, owners=None):
+        bits = masks(matchers, costly, owners)
         if costly is not None and matchers[0] is not None:
             k = next(counted)
             if k in outputs:
@@ -766,6 +767,21 @@ def test_the_struck_rows_of_a_step():
     assert len(grammar_module.struck_rows(rows)) == 13
 
 
+def test_a_requests_rows_count_together():
+    """Its choices' rows are one cost, however cheap each (a review: 40 rows of 2 ms held every step 80 ms and
+    were never struck); struck, every row of it is, at the request's cost."""
+    struck = grammar_module.struck_rows
+    many = [(2.0, g) for g in range(40)]
+    assert struck(many) == []  # 40 requests of 2 ms: a step slow by its cheap rows
+    assert struck(many, owners=["r"] * 40) == [(g, 80.0) for g in range(40)]  # one request of 80 ms
+    # two requests of 12 x 2 ms beside 30 cheap rows of 0.5 ms (63 ms): the costlier of the two is struck
+    rows = [(2.0, g) for g in range(24)] + [(0.5, g) for g in range(24, 54)]
+    owners = ["a"] * 12 + ["b"] * 12 + list(range(24, 54))
+    assert sorted(g for g, _ in struck(rows, owners=owners)) == list(range(12, 24))
+    # on the executor: 40 rows of 2 ms on 4 threads held the step 20 ms, within the budget
+    assert struck(many, wall_ms=20.0, owners=["r"] * 40) == []
+
+
 @pytest.mark.parametrize("n,fails", [(1, False), (3, True)])
 def test_a_requests_choices_count_together_against_the_step_budget(n, fails):
     """A 20 ms grammar (under MAX_TOKEN_MS) serves n = 1; with n = 3 the request alone takes 60 ms of every
@@ -781,8 +797,8 @@ def test_a_requests_choices_count_together_against_the_step_budget(n, fails):
             time.sleep(0.020)
             self.matcher.unsafe_compute_mask_ptr(ptr, nbytes)
 
-    core.grammars.masks = lambda matchers, costly=None: masks(
-        [None if m is None else Slow(m) for m in matchers], costly)
+    core.grammars.masks = lambda matchers, costly=None, owners=None: masks(
+        [None if m is None else Slow(m) for m in matchers], costly, owners)
     params = SamplingParams(max_tokens=12, temperature=0.0, n=n, grammar=regex_grammar("[a-c]{12}"))
     _, ends = run(core, [("g", [1, 80, 81], params)])
     assert all((reason == "error") == fails for reason, _ in ends.values()), ends

@@ -250,7 +250,7 @@ class EngineCore:
             seqs = [sched.samples[g] for g in guided]
             matchers = [None if seq.is_finished else seq.matcher for seq in seqs]
             costly: list[tuple[int, float]] = []
-            bits = self.grammars.masks(matchers, costly)
+            bits = self.grammars.masks(matchers, costly, [seq.request_id for seq in seqs])
             for i, took_ms in costly:  # at its last strike, its token in this step fails it (_finish_checks)
                 if self._strike(seqs[i], len(seqs[i].token_ids)):  # where this mask's token lands
                     self._too_costly[seqs[i].request_id] = took_ms

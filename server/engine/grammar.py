@@ -76,7 +76,8 @@ MAX_TOKEN_MS = 50.0
 # 45 ms a token, each under the limit, made every step 450 ms); where the rows under COSTLY_ROW_MS alone
 # take longer, none is (a batch slow by its many cheap rows). A row of a realistic grammar takes 3-60 us
 # over a 128K-token vocabulary; a tenth of the budget is far past that. The n choices of one request count
-# as n rows: a request whose choices take over MAX_TOKEN_MS a step together fails as one slow row would.
+# together, as one row: a request whose choices take over MAX_TOKEN_MS a step together fails as one slow row
+# would, however cheap each choice's row (struck_rows).
 COSTLY_ROW_MS = MAX_TOKEN_MS / 10
 GRAMMAR_STRIKES = 2  # tokens over MAX_TOKEN_MS that fail a choice: one may be the host's (thread descheduled)
 # ... within this many consecutive tokens of the choice: a host's hiccups far apart in a long reply do not
@@ -237,10 +238,11 @@ class Grammars:
         return matcher
 
     def masks(self, matchers: list[llguidance.LLMatcher | None],
-              costly: list[tuple[int, float]] | None = None) -> torch.Tensor:
+              costly: list[tuple[int, float]] | None = None, owners: list | None = None) -> torch.Tensor:
         """(G, W) int32 host bitmask: row g the tokens matchers[g] allows next (None: every token the
-        tokenizer has). Appends to `costly` (row, ms) the rows to strike (struck_rows), each row timed: a
-        step the executor took over MAX_TOKEN_MS is computed again, on as many threads (_timing_threads)."""
+        tokenizer has). Appends to `costly` (row, ms) the rows to strike (struck_rows; owners[g]: row g's
+        request), each row timed: a step the executor took over MAX_TOKEN_MS is computed again, on as many
+        threads (_timing_threads)."""
         vocab = self._vocabulary().vocab_size
         own = (vocab + 31) // 32  # the tokenizer's words
         bits = torch.empty((len(matchers), own), dtype=torch.int32)  # a mask writes its whole row
@@ -256,13 +258,13 @@ class Grammars:
             self._executor.unsafe_compute_mask_ptr(rows, bits.data_ptr(), own * 4, len(matchers))
             wall_ms = (time.perf_counter() - start) * 1e3
             if wall_ms > MAX_TOKEN_MS:  # which rows? (a mask moves no matcher)
-                self._timed_rows(rows, bits, own, costly, wall_ms)
+                self._timed_rows(rows, bits, own, costly, owners, wall_ms)
         elif rows:
-            self._timed_rows(rows, bits, own, costly)
+            self._timed_rows(rows, bits, own, costly, owners)
         return bits[:, :self.words]  # a bad model's tokenizer has more ids than logits
 
     def _timed_rows(self, rows: list, bits: torch.Tensor, own: int, costly: list | None,
-                    wall_ms: float | None = None) -> None:
+                    owners: list | None, wall_ms: float | None = None) -> None:
         """The rows' masks, each timed: on the core's thread, or (`wall_ms`: what the executor took over them)
         on _timing_threads, so that finding an executor step's costly rows stalls the step about as long as
         the executor did, not the rows' serial sum (a review: 304 ms after a 60 ms step of 16 rows). The rows
@@ -274,7 +276,7 @@ class Grammars:
         took = map(_mask_ms, calls) if wall_ms is None else self._timing_threads.map(_mask_ms, calls)
         times = [(ms, g) for ms, (_, g) in zip(took, rows, strict=True)]  # (ms, row)
         if costly is not None:
-            costly += struck_rows(times, wall_ms)
+            costly += struck_rows(times, wall_ms, owners)
         cheap = [ms for ms, _ in times if ms <= MAX_TOKEN_MS]
         self._measure(sum(cheap), len(cheap))
 
@@ -392,25 +394,45 @@ def check(vocab: llguidance.LLTokenizer, grammar: str) -> str | None:
     return brief(matcher.get_error()) if matcher.is_error() else None
 
 
-def struck_rows(times: list[tuple[float, int]], wall_ms: float | None = None) -> list[tuple[int, float]]:
-    """A step's (ms, row) of each mask, timed one by one, and `wall_ms`, what they took in parallel (None:
-    their sum) -> (row, ms) of the rows it strikes: each over MAX_TOKEN_MS, then, while the others' share of
-    the wall time is over MAX_TOKEN_MS, the costliest of COSTLY_ROW_MS or more, unless the cheaper rows alone
-    are over it."""
-    struck = [(g, ms) for ms, g in times if ms > MAX_TOKEN_MS]
-    under = [(ms, g) for ms, g in times if ms <= MAX_TOKEN_MS]
+@dataclass
+class _Cost:
+    """One request's masks in a step: their serial ms, its costliest row's, and its rows."""
+
+    serial: float = 0.0
+    most: float = 0.0
+    rows: list[int] = field(default_factory=list)
+
+    def wall(self, share: float) -> float:
+        """What they hold the step for: their share of the wall time, at least their costliest row's."""
+        return max(self.most, self.serial * share)
+
+
+def struck_rows(times: list[tuple[float, int]], wall_ms: float | None = None,
+                owners: list | None = None) -> list[tuple[int, float]]:
+    """A step's (ms, row) of each mask, timed one by one, `wall_ms`, what they took in parallel (None: their
+    sum), and `owners`, each row's request (None: a request each) -> (row, its request's ms) of the rows it
+    strikes. A request's rows count together (its n choices: 40 rows of 2 ms held every step 80 ms, never
+    struck, in a review): each request over MAX_TOKEN_MS, then, while the others' share of the wall time is
+    over MAX_TOKEN_MS, the costliest of COSTLY_ROW_MS or more, unless the cheaper ones alone are over it."""
     serial = sum(ms for ms, _ in times)
     share = 1.0 if wall_ms is None or not serial else wall_ms / serial  # wall ms per serial ms
-    rest = sum(ms for ms, _ in under)
-    costliest = sorted((t for t in under if t[0] >= COSTLY_ROW_MS), reverse=True)
-    if (rest - sum(ms for ms, _ in costliest)) * share > MAX_TOKEN_MS:
-        return struck  # slow by its cheap rows: striking the costly ones cannot fit the step
-    for ms, g in costliest:
-        if rest * share <= MAX_TOKEN_MS:
-            break
-        struck.append((g, ms))
-        rest -= ms
-    return struck
+    costs: dict = {}
+    for ms, g in times:
+        cost = costs.setdefault(g if owners is None else owners[g], _Cost())
+        cost.serial, cost.most = cost.serial + ms, max(cost.most, ms)
+        cost.rows.append(g)
+    struck = [c for c in costs.values() if c.wall(share) > MAX_TOKEN_MS]
+    under = [c for c in costs.values() if c.wall(share) <= MAX_TOKEN_MS]
+    rest = sum(c.serial for c in under)
+    costliest = sorted((c for c in under if c.wall(share) >= COSTLY_ROW_MS),
+                       key=lambda c: (c.wall(share), c.rows[-1]), reverse=True)
+    if (rest - sum(c.serial for c in costliest)) * share <= MAX_TOKEN_MS:  # else slow by its cheap rows:
+        for c in costliest:                                                # striking cannot fit the step
+            if rest * share <= MAX_TOKEN_MS:
+                break
+            struck.append(c)
+            rest -= c.serial
+    return [(g, c.wall(share)) for c in struck for g in c.rows]
 
 
 def too_costly(took_ms: float) -> str:
