@@ -16,6 +16,7 @@ from server.api.auth import BearerAuthMiddleware
 from server.api.errors import CatchAllMiddleware, install_error_handlers
 from server.api.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimitMiddleware
 from server.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from server.api.request_ids import RequestIdMiddleware
 from server.heap import freeze_startup_heap
 
 logger = logging.getLogger("pagewalk.api")
@@ -53,11 +54,13 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = DEFAULT
         app.include_router(module.router)
     openapi_bodies.install(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest,
                                  DetokenizeRequest])
-    # the last added runs first: auth (401) before the body size (413), both inside the catch-all
+    # the last added runs first: auth (401) before the body size (413), both inside the catch-all, and every
+    # answer, the catch-all's included, with its X-Request-Id
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(BearerAuthMiddleware, api_key=api_key)
     app.add_middleware(CatchAllMiddleware)
+    app.add_middleware(RequestIdMiddleware)
     return app
 
 

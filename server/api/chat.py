@@ -4,10 +4,9 @@ carries role "assistant"."""
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from fastapi import APIRouter, Request, Response
@@ -49,6 +48,7 @@ from server.api.protocol import (
     ToolCallFunction,
     ToolCallOut,
 )
+from server.api.request_ids import engine_request_id, new_request_id, resolve_request_id
 from server.api.sampling import sampling_params
 from server.api.streaming import (
     ChunkFrame,
@@ -74,13 +74,17 @@ class ChatJob:
 
     engine: object
     req: ChatCompletionRequest
-    request_id: str
+    response_id: str  # the response's id: "chatcmpl-" + the request id
     created: int
     prompt: list[int]
     params: SamplingParams
     reservation: Reservation | None = None  # its queue places (admit)
     tool_call_parser: str | None = None  # the replies may hold tool calls, in this parser's format
     forced: ForcedCalls | None = None  # tool_choice "required" or named: the replies are calls
+    engine_id: str = field(init=False)  # the engine's id for it (request_ids.engine_request_id)
+
+    def __post_init__(self) -> None:
+        self.engine_id = engine_request_id(self.response_id)
 
     @property
     def num_top(self) -> int:
@@ -115,7 +119,7 @@ class ChatJob:
 
     def chunk(self, choices: list[ChatChunkChoice], usage_=None, first: bool = False) -> ChatCompletionChunk:
         prompt_ids = self.prompt if first and self.req.return_token_ids else None
-        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.engine.model_name,
+        return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.engine.model_name,
                                    choices=choices, usage=usage_, prompt_token_ids=prompt_ids)
 
     @cached_property
@@ -125,7 +129,7 @@ class ChatJob:
 
     @cached_property
     def frame(self) -> ChunkFrame | UsageChunkFrame:
-        return chunk_frame(self.request_id, "chat.completion.chunk", self.created, self.engine.model_name,
+        return chunk_frame(self.response_id, "chat.completion.chunk", self.created, self.engine.model_name,
                            self.req.include_usage, self.running_usage)
 
     def delta_event(self, d: ChoiceDelta) -> str:
@@ -158,8 +162,9 @@ async def create_chat_completion(request: Request) -> Response:
     engine = request.app.state.engine
     req = await parse_body(request, ChatCompletionRequest)
     check_model(engine, req.model)
+    request_id = resolve_request_id(request, req.request_id)
     job = _job(engine, req, request.app.state.limits, request.app.state.tool_call_parser,
-               await request_grammar(request, req, engine.tokenizer))
+               await request_grammar(request, req, engine.tokenizer), request_id)
     job.reservation = admit(request, [job.prompt], job.params,
                             "top_logprobs" if req.top_logprobs else "logprobs",
                             tokens_field({"max_completion_tokens": req.max_completion_tokens,
@@ -169,7 +174,9 @@ async def create_chat_completion(request: Request) -> Response:
 
 
 def _job(engine, req: ChatCompletionRequest, limits: RequestLimits | None = None,
-         tool_call_parser: str | None = None, grammar: Grammar | None = None) -> ChatJob:
+         tool_call_parser: str | None = None, grammar: Grammar | None = None,
+         request_id: str | None = None) -> ChatJob:
+    """`request_id`: the one resolve_request_id gave; None: a fresh one."""
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true.", "top_logprobs")
     if req.calls_tools and tool_call_parser is None:
@@ -193,7 +200,8 @@ def _job(engine, req: ChatCompletionRequest, limits: RequestLimits | None = None
     params = sampling_params(req, max_tokens, logprobs, engine.tokenizer, engine.sampling_defaults, grammar)
     if req.calls_tools and tool_call_parser == "hermes" and req.skip_special_tokens is None:
         params.skip_special_tokens = False  # models that make <tool_call> a special token keep it (vLLM's)
-    return ChatJob(engine, req, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), prompt, params,
+    response_id = f"chatcmpl-{request_id or new_request_id()}"
+    return ChatJob(engine, req, response_id, int(time.time()), prompt, params,
                    tool_call_parser=tool_call_parser if req.calls_tools else None, forced=forced_calls(req))
 
 
@@ -214,7 +222,7 @@ def _room_left(engine, num_prompt_tokens: int, n: int, limits: RequestLimits, lo
 
 async def _complete(job: ChatJob) -> bytes:
     states = [ChoiceState() for _ in range(job.params.n)]
-    await collect_choices(job.engine, job.request_id, [job.prompt], job.params, states, job.reservation)
+    await collect_choices(job.engine, job.engine_id, [job.prompt], job.params, states, job.reservation)
     tok = job.engine.tokenizer
     choices = [
         ChatChoice(index=i, message=_message(job, st.text),
@@ -230,7 +238,7 @@ async def _complete(job: ChatJob) -> bytes:
     if job.req.prompt_logprobs is not None and states[0].prompt_logprobs is not None:
         prompt_lps = vllm_prompt_logprobs(decoded_tokens(tok, job.req), job.prompt, states[0].prompt_logprobs,
                                           job.req.prompt_logprobs)
-    resp = ChatCompletionResponse(id=job.request_id, created=job.created, model=job.engine.model_name,
+    resp = ChatCompletionResponse(id=job.response_id, created=job.created, model=job.engine.model_name,
                                   choices=choices, usage=usage([job.prompt], states),
                                   prompt_token_ids=job.prompt if job.req.return_token_ids else None,
                                   prompt_logprobs=prompt_lps)
@@ -303,7 +311,7 @@ async def _stream(job: ChatJob) -> AsyncIterator[str]:
     for i in range(job.params.n):
         role = ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
         yield job.frame.event(job.chunk([role], first=(i == 0)))
-    async with aclosing(merged_outputs(job.engine, job.request_id, [job.prompt], job.params,
+    async with aclosing(merged_outputs(job.engine, job.engine_id, [job.prompt], job.params,
                                        job.reservation)) as outs:
         async for _, out in outs:
             if out.error:

@@ -4,10 +4,9 @@ across prompts x n (choice index = prompt_index * n + engine choice index)."""
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 from fastapi import APIRouter, Request, Response
@@ -37,6 +36,7 @@ from server.api.outputs import ChoiceDelta, token_id_string
 from server.api.parsing import check_model, parse_body
 from server.api.prompts import check_context_length, check_cut_room, truncated
 from server.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from server.api.request_ids import engine_request_id, new_request_id, resolve_request_id
 from server.api.sampling import DEFAULT_COMPLETION_MAX_TOKENS, check_token_ids, sampling_params
 from server.api.streaming import (
     ChunkFrame,
@@ -59,7 +59,7 @@ class CompletionJob:
 
     engine: object
     req: CompletionRequest
-    request_id: str
+    response_id: str  # the response's id: "cmpl-" + the request id
     created: int
     prompts: list[list[int]]
     prompt_texts: list[str]
@@ -69,6 +69,10 @@ class CompletionJob:
     # echo with max_tokens 0 (OpenAI's legacy way to score a prompt, as vLLM serves it): the engine samples
     # one token for the prompt's logprobs, and the answer is the echoed prompt alone
     scores_prompt: bool = False
+    engine_id: str = field(init=False)  # the engine's id for it (its prompts': + "-{index}")
+
+    def __post_init__(self) -> None:
+        self.engine_id = engine_request_id(self.response_id)
 
     def new_states(self) -> list[ChoiceState]:
         n = self.params.n
@@ -116,7 +120,7 @@ class CompletionJob:
         return c
 
     def response(self, choices: list[CompletionChoice], usage_=None) -> CompletionResponse:
-        return CompletionResponse(id=self.request_id, created=self.created, model=self.engine.model_name,
+        return CompletionResponse(id=self.response_id, created=self.created, model=self.engine.model_name,
                                   choices=choices, usage=usage_)
 
     @cached_property
@@ -126,7 +130,7 @@ class CompletionJob:
 
     @cached_property
     def frame(self) -> ChunkFrame | UsageChunkFrame:
-        return chunk_frame(self.request_id, "text_completion", self.created, self.engine.model_name,
+        return chunk_frame(self.response_id, "text_completion", self.created, self.engine.model_name,
                            self.req.include_usage, self.running_usage)
 
     def delta_event(self, index: int, delta: ChoiceDelta, offset: int, with_prompt_ids: bool) -> str:
@@ -157,7 +161,8 @@ async def create_completion(request: Request) -> Response:
     engine = request.app.state.engine
     req = await parse_body(request, CompletionRequest)
     check_model(engine, req.model)
-    job = _job(engine, req, await request_grammar(request, req, engine.tokenizer))
+    request_id = resolve_request_id(request, req.request_id)
+    job = _job(engine, req, await request_grammar(request, req, engine.tokenizer), request_id)
     job.reservation = admit(request, job.prompts, job.params,
                             tokens_param=tokens_field({"max_tokens": req.max_tokens}, req.n, "prompt"),
                             prompt_ks=_prompt_ks(req))
@@ -166,7 +171,9 @@ async def create_completion(request: Request) -> Response:
                               job.reservation)
 
 
-def _job(engine, req: CompletionRequest, grammar: Grammar | None = None) -> CompletionJob:
+def _job(engine, req: CompletionRequest, grammar: Grammar | None = None,
+         request_id: str | None = None) -> CompletionJob:
+    """`request_id`: the one resolve_request_id gave; None: a fresh one."""
     tok = engine.tokenizer
     prompt = req.prompt
     if isinstance(prompt, str) or isinstance(prompt[0], str):
@@ -195,7 +202,8 @@ def _job(engine, req: CompletionRequest, grammar: Grammar | None = None) -> Comp
     params = sampling_params(req, max_tokens, req.logprobs, tok, engine.sampling_defaults, grammar)
     if req.echo and req.logprobs is not None:  # the echoed prompt comes with its logprobs
         params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
-    return CompletionJob(engine, req, f"cmpl-{uuid.uuid4().hex}", int(time.time()), prompts, texts, params,
+    response_id = f"cmpl-{request_id or new_request_id()}"
+    return CompletionJob(engine, req, response_id, int(time.time()), prompts, texts, params,
                          scores_prompt=scores_prompt)
 
 
@@ -221,7 +229,7 @@ def _prompt_only(delta: ChoiceDelta) -> ChoiceDelta:
 
 
 async def _complete(job: CompletionJob) -> bytes:
-    states = await collect_choices(job.engine, job.request_id, job.prompts, job.params, job.new_states(),
+    states = await collect_choices(job.engine, job.engine_id, job.prompts, job.params, job.new_states(),
                                   job.reservation, job.max_seqs)
     n = job.params.n
     choices = []
@@ -254,7 +262,7 @@ async def _stream(job: CompletionJob) -> AsyncIterator[str]:
             started[index] = True
             echoed = job.choice(index, job.prompt_texts[index // n], None, 0, [], True)
             yield job.frame.event(job.response([echoed]))
-    async with aclosing(merged_outputs(job.engine, job.request_id, job.prompts, job.params,
+    async with aclosing(merged_outputs(job.engine, job.engine_id, job.prompts, job.params,
                                        job.reservation, job.max_seqs)) as outs:
         async for i, out in outs:
             if out.error:

@@ -124,7 +124,7 @@ def admit(request: Request, prompts: list[list[int]], params: SamplingParams,
     return state.admission.reserve(prompts, params)
 
 
-async def merged_outputs(engine, request_id: str, prompts: list[list[int]], params: SamplingParams,
+async def merged_outputs(engine, engine_id: str, prompts: list[list[int]], params: SamplingParams,
                          reservation: Reservation | None = None,
                          max_seqs: int | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yields (prompt index, output) from one engine request per prompt, in arrival order. At most
@@ -133,7 +133,7 @@ async def merged_outputs(engine, request_id: str, prompts: list[list[int]], para
     take = reservation.take if reservation is not None else _nothing
     if len(prompts) == 1:
         take()  # the same turn as generate's registration: no await in between
-        async with aclosing(engine.generate(request_id, prompts[0], params, reservation is not None)) as gen:
+        async with aclosing(engine.generate(engine_id, prompts[0], params, reservation is not None)) as gen:
             async for out in gen:
                 yield 0, out
         return
@@ -144,7 +144,7 @@ async def merged_outputs(engine, request_id: str, prompts: list[list[int]], para
         try:
             async with window:
                 take()
-                async with aclosing(engine.generate(f"{request_id}-{i}", ids, params,
+                async with aclosing(engine.generate(f"{engine_id}-{i}", ids, params,
                                                     reservation is not None)) as gen:
                     async for out in gen:
                         queue.put_nowait((i, out))
@@ -174,14 +174,14 @@ def _nothing() -> None:
     pass
 
 
-async def collect_choices(engine, request_id: str, prompts: list[list[int]], params: SamplingParams,
+async def collect_choices(engine, engine_id: str, prompts: list[list[int]], params: SamplingParams,
                           states: list[ChoiceState], reservation: Reservation | None = None,
                           max_seqs: int | None = None) -> list[ChoiceState]:
     """Run a non-streaming request to the end: choice j of prompt i accumulates into states[i * n + j].
     Engine failures become a 500 APIError, refusals their 4xx."""
     n = params.n
     try:
-        async with aclosing(merged_outputs(engine, request_id, prompts, params, reservation,
+        async with aclosing(merged_outputs(engine, engine_id, prompts, params, reservation,
                                            max_seqs)) as outs:
             async for i, out in outs:
                 if out.error:

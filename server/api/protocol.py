@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from server.api.request_ids import check_request_id
 from server.api.structural_format import BoundedFormat
 from server.engine.sampling_params import MAX_BAD_WORDS, check_cache_salt
 
@@ -250,6 +251,8 @@ class _SamplingRequest(_Request):
     # vLLM's: the prompt shares prefix-cache blocks only with requests of the same salt (tenants apart: a
     # cached prefix answers faster, which would tell one tenant what another sent)
     cache_salt: Annotated[str | None, AfterValidator(_cache_salt)] = None
+    # vLLM's: the client's name for the request, in the response's id and the logs (server/api/request_ids.py)
+    request_id: Annotated[str | None, AfterValidator(check_request_id)] = None
     # OpenAI fields pagewalk does not implement: accepted only at their no-op value, never silently ignored
     best_of: int | None = None
     # vLLM's sampling extensions pagewalk does not implement, likewise

@@ -19,6 +19,7 @@ from server.api.async_engine import RequestRejected
 from server.api.engine_stream import ClientDisconnected, RunningUsage, unless_disconnected
 from server.api.errors import APIError, error_body
 from server.api.protocol import dump
+from server.api.request_ids import request_id_of
 
 logger = logging.getLogger("pagewalk.api")
 
@@ -113,8 +114,9 @@ def sse_error(err: APIError) -> str:
     return sse_event(error_body(err.status, err.message, err.param, err.code))
 
 
-async def with_error_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Passes events through; a failure mid-stream becomes an error event (never a traceback), then [DONE]."""
+async def with_error_events(events: AsyncIterator[str], request_id: str | None = None) -> AsyncIterator[str]:
+    """Passes events through; a failure mid-stream becomes an error event (never a traceback), then [DONE].
+    `request_id`: the one the log line names."""
     try:
         async with aclosing(events) as inner:
             async for event in inner:
@@ -124,7 +126,7 @@ async def with_error_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
     except RequestRejected as e:
         yield sse_error(rejected_to_api_error(e))
     except Exception:
-        logger.exception("error while streaming")
+        logger.exception("error while streaming request %s", request_id)
         yield sse_error(APIError(500, "Internal server error.", code="internal_error"))
     yield SSE_DONE
 
@@ -133,8 +135,10 @@ class EventStreamResponse(StreamingResponse):
     """An SSE response whose event iterator is always closed when the response ends, however it ends
     (client disconnect cancels the send loop; closing the iterator aborts the engine requests)."""
 
-    def __init__(self, events: AsyncIterator[str], reservation: Reservation | None = None):
-        super().__init__(with_error_events(events), media_type="text/event-stream", headers=SSE_HEADERS)
+    def __init__(self, events: AsyncIterator[str], reservation: Reservation | None = None,
+                 request_id: str | None = None):
+        super().__init__(with_error_events(events, request_id), media_type="text/event-stream",
+                         headers=SSE_HEADERS)
         self.reservation = reservation
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -178,11 +182,12 @@ async def job_response(request: Request, stream: bool, events: Callable[[], Asyn
     watching the client (gone before it is ready: 499, and the engine requests are aborted). The
     reservation's places left are released when the answer ends."""
     if stream:
-        return EventStreamResponse(events(), reservation)
+        return EventStreamResponse(events(), reservation, request_id_of(request.scope))
     try:
         content = await unless_disconnected(request, body())
     except ClientDisconnected:
-        logger.info("client went away before its answer was ready (%s)", request.url.path)
+        logger.info("client went away before its answer was ready (%s, request %s)", request.url.path,
+                    request_id_of(request.scope))
         return Response(status_code=499)
     finally:
         if reservation is not None:
