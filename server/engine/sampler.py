@@ -71,9 +71,18 @@ def draws_from_best(params: SamplingParams) -> bool:
     return not params.greedy and 0 < params.top_k <= COMPACT_TOP_K
 
 
+# The largest temperature a row samples at: the floors of held-back and banned ids (HOLD_BACK, -1e30) stay
+# floors after scaling only below ~1e28 ((-1e30 - top) / 1e30 ~ -1 kept e^-1 of a free token's weight: a
+# banned word drawn a quarter of the time, in a review). At 1e20 every model logit (and +-100 of bias) is
+# within 1e-18 of the row's best after scaling, so the draw is already exactly uniform in fp32 over the ids
+# not held back: a larger temperature would draw the same but for the floors.
+MAX_TEMPERATURE = 1e20
+
+
 def row_fields(params: SamplingParams, seed_key: int, num_sampled: int) -> tuple[list[float], list[int]]:
     p = params
-    floats = [p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty]
+    floats = [min(p.temperature, MAX_TEMPERATURE), p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
+              p.repetition_penalty]
     # any top_k >= the vocab keeps all
     return floats, [min(p.top_k, 2**31 - 1), seed_key, num_sampled, p.min_tokens]
 
