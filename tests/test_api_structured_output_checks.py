@@ -102,7 +102,8 @@ def test_a_grammar_is_checked_once_for_the_requests_that_repeat_it(app, monkeypa
     """Clients send one schema with every request: its check's verdict is kept (a bad one's too)."""
     checks = []
     check = core_grammar.check
-    monkeypatch.setattr(core_grammar, "check", lambda vocab, text: checks.append(text) or check(vocab, text))
+    monkeypatch.setattr(core_grammar, "check",
+                        lambda vocab, text, forced: checks.append(text) or check(vocab, text, forced))
     structured_output._check.cache_clear()
     good = {"type": "object", "properties": {"repeated": {"type": "integer"}}, "required": ["repeated"]}
     bad = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
@@ -119,7 +120,8 @@ def test_a_verdict_is_kept_per_cache_salt(app, monkeypatch):
     each have the grammar checked (a review: one could time whether another sent the same schema)."""
     checks = []
     check = core_grammar.check
-    monkeypatch.setattr(core_grammar, "check", lambda vocab, text: checks.append(text) or check(vocab, text))
+    monkeypatch.setattr(core_grammar, "check",
+                        lambda vocab, text, forced: checks.append(text) or check(vocab, text, forced))
     structured_output._check.cache_clear()
     schema = {"type": "object", "properties": {"salted": {"type": "integer"}}, "required": ["salted"]}
     for salt in ("tenant-a", "tenant-a", None, "tenant-b", None):

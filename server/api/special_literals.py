@@ -4,17 +4,15 @@ token there, or the text spelled in plain pieces.
 
 llguidance reads every added token of a tokenizer.json as special (Qwen2.5's <tool_call>, though its
 tokenizer.json calls it no special token; Llama 3's <|python_tag|>): its bytes are a marker byte (0xFF) and
-its text, which no text holds, so neither free text nor a quoted literal ever takes it. A model trained to
-write <tool_call> as one token then has to spell it; worse, where a literal is forced (a begin, an end after
-JSON), llguidance's mask offers the forced text's own tokenization, which is that token, and refuses it
-once sampled ("doesn't satisfy the grammar; forced bytes"): the choice fails. So a special token's text in
-a literal becomes `(<[id]> | "text")`. Taking the spelling too is sound, and is xgrammar's behaviour (it
-reads an added token as its text): both read the same once the reply spells special tokens, which a
-grammar that takes one the reply would drop asks for (Literals.special: skip_special_tokens defaults to
-false).
+its text, which no text holds, so neither free text nor a quoted literal ever takes it: a model trained to
+write <tool_call> as one token would have to spell it (where a literal is forced, the core's mask offers its
+spellings: server/engine/forced_specials.py). So a special token's text in a literal becomes
+`(<[id]> | "text")`. Taking the spelling too is sound, and is xgrammar's behaviour (it reads an added token
+as its text): both read the same once the reply spells special tokens, which a grammar that takes one the
+reply would drop asks for (Literals.special: skip_special_tokens defaults to false).
 
-The EOS ids stay text: sampling one ends the choice. The byte tokenizer's special tokens have no text: its
-literals stay text.
+The EOS ids stay text: sampling one ends the choice (a forced literal holding EOS's text is spelled, as
+forced_specials.py spells any). The byte tokenizer's special tokens have no text: its literals stay text.
 """
 
 from __future__ import annotations

@@ -51,6 +51,7 @@ from server.api.protocol import (
 from server.api.special_literals import Literals, special_tokens
 from server.api.structural_format import JsonSchema, Tag, TriggeredTags
 from server.engine import grammar as core_grammar
+from server.engine.forced_specials import ForcedSpecials
 from server.engine.sampling_params import MAX_GRAMMAR_CHARS
 
 # grammars whose check's verdict is kept: the verdicts hold no compiled state, their keys the texts (at most
@@ -105,16 +106,19 @@ def validate(grammar: Grammar, tokenizer, salt: str | None = None) -> None:
     one CPU core; MAX_GRAMMAR_CHARS bounds it); it drops the GIL. The vocabulary is built on first use.
     Verdicts are kept per request cache `salt`: a kept one answers at once, so tenants that salt apart
     would otherwise time whether another sent the same schema."""
-    error = _check(_vocabulary(tokenizer), grammar.text, salt)
+    vocab = _vocabulary(tokenizer)  # (a 400 where llguidance cannot read the tokenizer)
+    forced = core_grammar.forced_specials(tokenizer, tokenizer.eos_token_ids)
+    error = _check(vocab, forced, grammar.text, salt)
     if error is not None:
         raise APIError(400, f"Invalid '{grammar.param}': {error}", grammar.param, "invalid_grammar")
 
 
 @lru_cache(maxsize=CHECKED_GRAMMARS)
-def _check(vocab: llguidance.LLTokenizer, text: str, salt: str | None) -> str | None:
-    """core_grammar.check, remembered for each (vocabulary, grammar, cache salt) (the vocabulary is one per
-    tokenizer: core_grammar.vocabulary; the salt is part of the key alone)."""
-    return core_grammar.check(vocab, text)
+def _check(vocab: llguidance.LLTokenizer, forced: ForcedSpecials, text: str,
+           salt: str | None) -> str | None:
+    """core_grammar.check, remembered for each (vocabulary, grammar, cache salt) (the vocabulary and its
+    ForcedSpecials are one per tokenizer: core_grammar.vocabulary; the salt is part of the key alone)."""
+    return core_grammar.check(vocab, text, forced)
 
 
 def _vocabulary(tokenizer) -> llguidance.LLTokenizer:

@@ -11,7 +11,9 @@ the first structured request rather than by every start-up.
 
 Each step, the matchers of the step's guided samples write the tokens they allow as a bitmask (G, W) int32,
 W = ceil(V / 32), bit j of word w allowing token 32 w + j (on the core's thread, or on LLExecutor's threads
-in parallel without the GIL where the rows cost more: PARALLEL_MASKS_MS); the runner sends it with the step
+in parallel without the GIL where the rows cost more: PARALLEL_MASKS_MS; a row that forces an added token
+the grammar would refuse then offers the forced text's spellings: forced_specials.py, ~30 us a step over a
+128K-token vocabulary, none over the byte tokenizer's); the runner sends it with the step
 (pinned buffers it reuses) and the sampler sets every other logit to -inf (Sampler: after biases and
 penalties). Each sampled token then advances its matcher (`accept`); the choice ends ("stop") when the
 grammar is complete, which is also when the mask allows only EOS.
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 import llguidance
 import torch
 
+from server.engine.forced_specials import ForcedSpecials
 from server.model.tokenizer import ByteTokenizer, HFTokenizer
 
 COMPILE_THREADS = 2  # grammars compiling at once, beside the core's own thread
@@ -230,6 +233,9 @@ class Grammars:
     def _vocabulary(self) -> llguidance.LLTokenizer:
         return vocabulary(*self._source)
 
+    def _forced_specials(self) -> ForcedSpecials:
+        return forced_specials(*self._source)
+
     def _matcher(self, grammar: str) -> llguidance.LLMatcher:
         matcher = llguidance.LLMatcher(self._vocabulary(), grammar, log_level=0, limits=LIMITS)
         if matcher.is_error():
@@ -261,6 +267,7 @@ class Grammars:
                 self._timed_rows(rows, bits, own, costly, owners, wall_ms)
         elif rows:
             self._timed_rows(rows, bits, own, costly, owners)
+        self._forced_specials().spell(matchers, bits)
         return bits[:, :self.words]  # a bad model's tokenizer has more ids than logits
 
     def _timed_rows(self, rows: list, bits: torch.Tensor, own: int, costly: list | None,
@@ -347,7 +354,8 @@ def _own_error(error: BaseException) -> BaseException:
         return GrammarError(str(error))
 
 
-_vocabularies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> vocabulary or error
+# tokenizer -> (its vocabulary, the vocabulary's ForcedSpecials), or the error reading it
+_vocabularies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _vocabularies_lock = threading.Lock()  # its first users (compile threads, the API's checks) build it once
 
 
@@ -355,37 +363,52 @@ def vocabulary(tokenizer, eos_token_ids) -> llguidance.LLTokenizer:
     """The tokenizer (server/model/tokenizer.py) as llguidance reads it, built once per tokenizer (~1 s for a
     128K-token tokenizer.json) for every user in the process; GrammarError where llguidance cannot read it,
     from then on at once."""
+    return _read(tokenizer, eos_token_ids)[0]
+
+
+def forced_specials(tokenizer, eos_token_ids) -> ForcedSpecials:
+    """The vocabulary's special tokens, for the masks that force one (forced_specials.py): built with it."""
+    return _read(tokenizer, eos_token_ids)[1]
+
+
+def _read(tokenizer, eos_token_ids) -> tuple[llguidance.LLTokenizer, ForcedSpecials]:
     with _vocabularies_lock:
         if tokenizer not in _vocabularies:
             _vocabularies[tokenizer] = _built_vocabulary(tokenizer, eos_token_ids)
-        vocab = _vocabularies[tokenizer]
-    if isinstance(vocab, GrammarError):
-        raise _own_error(vocab)
-    return vocab
+        read = _vocabularies[tokenizer]
+    if isinstance(read, GrammarError):
+        raise _own_error(read)
+    return read
 
 
-def _built_vocabulary(tokenizer, eos_token_ids) -> llguidance.LLTokenizer | GrammarError:
+def _built_vocabulary(tokenizer, eos_token_ids
+                      ) -> tuple[llguidance.LLTokenizer, ForcedSpecials] | GrammarError:
     """Its own ids only: the 128K empty padding ids of the bench preset's byte vocabulary made every mask
     ~0.5 ms a row."""
     try:
-        return llguidance.LLTokenizer(_llguidance_source(tokenizer), eos_token=sorted(eos_token_ids))
+        vocab = llguidance.LLTokenizer(_llguidance_source(tokenizer), eos_token=sorted(eos_token_ids))
     except Exception as e:  # noqa: BLE001 -- llguidance raises plain exceptions for tokenizers it cannot read
         return GrammarError(f"structured outputs are unavailable: llguidance cannot read this model's "
                             f"tokenizer ({type(e).__name__}: {brief(str(e))})")
+    return vocab, ForcedSpecials(vocab)
 
 
-def check(vocab: llguidance.LLTokenizer, grammar: str) -> str | None:
+def check(vocab: llguidance.LLTokenizer, grammar: str, forced: ForcedSpecials) -> str | None:
     """Why `grammar` cannot serve a request over `vocab` (None: it can): it does not compile within LIMITS,
     allows no token, or fails within its first CHECKED_TOKENS tokens (following its lowest allowed id each
-    time: a parser limit bites where a wide choice or object is first predicted, the first token when it
-    is the grammar's top level). Best effort: a limit that bites further in ends the choice with an error."""
+    time, in the mask the core computes: `forced`, the vocabulary's ForcedSpecials; a parser limit bites
+    where a wide choice or object is first predicted, the first token when it is the grammar's top level).
+    Best effort: a limit that bites further in ends the choice with an error."""
     matcher = llguidance.LLMatcher(vocab, grammar, log_level=0, limits=LIMITS)
+    bits = torch.empty((1, (vocab.vocab_size + 31) // 32), dtype=torch.int32)
     for _ in range(CHECKED_TOKENS):
         if matcher.is_error():
             return brief(matcher.get_error())
         if matcher.is_stopped():
             return None
-        allowed = int.from_bytes(matcher.compute_bitmask(), "little")  # bit t: token t
+        matcher.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * 4)
+        forced.spell([matcher], bits)
+        allowed = int.from_bytes(bits.numpy().tobytes(), "little")  # bit t: token t
         if matcher.is_error():
             return brief(matcher.get_error())
         if not allowed:
