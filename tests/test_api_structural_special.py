@@ -146,6 +146,27 @@ def test_free_text_never_takes_a_special_token_outside_a_trigger(tag):
         assert not mask_after(other.text, ids(before)) & specials, before
 
 
+SHORT_TRIGGER = {"structures": [{"begin": f"{CALL}\n", "schema": CITY, "end": f"\n{END}"}],
+                 "triggers": ["<tool"]}
+FORMAT_SHORT_TRIGGER = {"format": {"type": "triggered_tags", "triggers": ["<tool"], "tags": [
+    {"begin": f"{CALL}\n", "content": {"type": "json_schema", "json_schema": CITY}, "end": f"\n{END}"}]}}
+
+
+@pytest.mark.parametrize("tag", [SHORT_TRIGGER, FORMAT_SHORT_TRIGGER], ids=["structures", "format"])
+def test_a_trigger_that_starts_a_special_tokens_text_takes_the_token(tag):
+    """A trigger shorter than the special token whose text starts the begin: free text ends at the token too
+    (it was spelled only: a model writing <tool_call> as its token could not open the tag)."""
+    g = tag_grammar(tag)
+    assert g.special
+    for before in ["", "Sure. ", f'{CALL}\n{{"city":"Oslo"}}\n{END} and ']:
+        assert CALL_ID in mask_after(g.text, ids(before)), before
+    call = [CALL_ID, *ids('\n{"city":"Paris"}\n'), END_ID]
+    assert follows(g.text, [*ids("Checking. "), *call, *ids(" Done.")])
+    assert not follows(g.text, [CALL_ID, *ids(" hello")])
+    assert takes(g.text, spelled(f'Ok {CALL}\n{{"city":"Rome"}}\n{END} bye'))
+    assert not takes(g.text, spelled('Ok <tool_x> bye'))  # the spelled trigger still opens the tag
+
+
 def test_free_text_ends_at_a_special_literals_token_or_its_spelling():
     """Free text before a const_string that starts with a special token's text (here the one an any_text
     in a sequence runs up to) ends at that token, or at the literal's spelling; no other special token."""
@@ -273,6 +294,17 @@ def test_the_model_writes_the_trigger_as_its_token(app, path, base, fields, stre
     assert text_of(app, path, {**base, **fields}, stream) == (WRITTEN, "stop")
     skipped = text_of(app, path, {**base, **fields, "skip_special_tokens": True}, stream)
     assert skipped == (f"The1{END}", "stop")
+
+
+@pytest.mark.parametrize("tag", [
+    {"structures": [{"begin": CALL, "schema": INT, "end": END}], "triggers": ["<tool"]},
+    {"format": {"type": "triggered_tags", "triggers": ["<"], "tags": [
+        {"begin": CALL, "content": {"type": "json_schema", "json_schema": INT}, "end": END}]}},
+], ids=["structures", "format"])
+def test_the_model_writes_the_token_where_the_trigger_starts_its_text(app, tag):
+    """The trigger (<tool, <) is shorter than <tool_call>, which the model writes as its token."""
+    body = {"prompt": "hello", "structured_outputs": {"structural_tag": tag}}
+    assert text_of(app, "/v1/completions", body, False) == (WRITTEN, "stop")
 
 
 def test_a_tag_taking_only_unskipped_added_tokens_keeps_the_skip_default():

@@ -172,7 +172,9 @@ def _tag(rules: _Rules, tag: Tag, begin: str, stop: str | None) -> str:
 def _triggered_tags(rules: _Rules, node: TriggeredTags, stop: str | None) -> str:
     """Free text and tags: each tag is free text up to its trigger (_text_up_to: a lazy lexeme, as
     llguidance's StructTag writes a trigger of text), then the rest of its begin, its content and its end;
-    the text after the last tag runs to the stop."""
+    where its begin starts with a special token's text longer than the trigger (trigger "<tool", begin
+    "<tool_call>"), or free text up to that token and the rest of its begin; the text after the last tag runs
+    to the stop."""
     if node.at_least_one and node.stop_after_first:  # exactly one tag
         return rules.add(" | ".join(_tag(rules, tag, tag.begin, stop) for tag in node.tags))
     text = rules.text(node.excludes)
@@ -181,6 +183,10 @@ def _triggered_tags(rules: _Rules, node: TriggeredTags, stop: str | None) -> str
         trigger = node.trigger(tag)
         opened = _text_up_to(rules, text, trigger)
         tagged.append(f"{opened} {_tag(rules, tag, tag.begin[len(trigger):], '')}")
+        leading = rules.literals.leading(tag.begin)
+        if leading is not None and len(tag.begin) - len(leading[1]) > len(trigger):
+            token, rest = leading  # a special token holding the trigger: free text ends at it too
+            tagged.append(f"{text} {token} {_tag(rules, tag, rest, '')}")
     tags, tail = f"({' | '.join(tagged)})", _free_text(rules, text, stop)
     if node.stop_after_first:  # free text, then one tag or none
         return rules.add(f"{_then(rules, tags, stop)} | {tail}")
