@@ -179,8 +179,7 @@ def _triggered_tags(rules: _Rules, node: TriggeredTags, stop: str | None) -> str
         return rules.add(" | ".join(_tag(rules, tag, tag.begin, stop) for tag in node.tags))
     text = rules.text(node.excludes)
     tagged = []
-    for tag in node.tags:
-        trigger = node.trigger(tag)
+    for tag, trigger in zip(node.tags, node.openers(), strict=True):
         opened = _text_up_to(rules, text, trigger)
         tagged.append(f"{opened} {_tag(rules, tag, tag.begin[len(trigger):], '')}")
         leading = rules.literals.leading(tag.begin)

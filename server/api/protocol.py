@@ -24,7 +24,8 @@ from pydantic import (
 )
 
 from server.api.request_ids import check_request_id
-from server.api.structural_format import BoundedFormat
+from server.api.structural_format import MAX_TAGS, MAX_TRIGGERS, BoundedFormat
+from server.api.trigger_index import TriggerIndex
 from server.engine.sampling_params import MAX_BAD_WORDS, check_cache_salt
 
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -94,15 +95,16 @@ class TagStructure(_Request):
     schema_: dict[str, Any] = Field(alias="schema")
     end: str
 
-    def trigger(self, triggers: list[str]) -> str | None:
+    def trigger(self, triggers: TriggerIndex) -> str | None:
         """The trigger that opens it: the shortest its begin starts with (where one trigger starts another,
         the shorter one is written first, so a structure under the longer one would never open)."""
-        return min((t for t in triggers if self.begin.startswith(t)), key=len, default=None)
+        return triggers.shortest(self.begin)
 
 
 def _each_structure_triggered(structures: list[TagStructure], triggers: list[str]) -> None:
+    index = TriggerIndex(triggers)
     for i, structure in enumerate(structures):
-        if structure.trigger(triggers) is None:
+        if structure.trigger(index) is None:
             raise ValueError(f"structures[{i}].begin {json.dumps(structure.begin)} starts with none of the "
                              f"triggers {json.dumps(triggers)}")
 
@@ -124,8 +126,8 @@ class StructuralTag(_Request):
     which node types are served, format_grammar.py how a tree becomes a grammar)."""
 
     type: Literal["structural_tag"] | None = None  # vLLM's JSON text of it is its response_format's
-    structures: list[TagStructure] | None = Field(None, min_length=1)
-    triggers: list[Trigger] | None = Field(None, min_length=1)
+    structures: list[TagStructure] | None = Field(None, min_length=1, max_length=MAX_TAGS)
+    triggers: list[Trigger] | None = Field(None, min_length=1, max_length=MAX_TRIGGERS)
     format: BoundedFormat | None = None
 
     @model_validator(mode="after")
@@ -140,8 +142,8 @@ class ResponseFormat(_Request):
 
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
-    structures: list[TagStructure] | None = Field(None, min_length=1)
-    triggers: list[Trigger] | None = Field(None, min_length=1)
+    structures: list[TagStructure] | None = Field(None, min_length=1, max_length=MAX_TAGS)
+    triggers: list[Trigger] | None = Field(None, min_length=1, max_length=MAX_TRIGGERS)
     format: BoundedFormat | None = None
 
     @model_validator(mode="after")

@@ -20,6 +20,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Fiel
 from pydantic import Tag as Member
 
 from server.api.grammar_texts import MAX_CFG_CHARS
+from server.api.trigger_index import TriggerIndex
 from server.engine.sampling_params import MAX_GRAMMAR_CHARS
 
 NODE_TYPES = ("const_string", "json_schema", "regex", "grammar", "any_text", "sequence", "or", "tag",
@@ -28,6 +29,10 @@ NODE_TYPES = ("const_string", "json_schema", "regex", "grammar", "any_text", "se
 MAX_FORMAT_DEPTH = 16
 MAX_FORMAT_NODES = 1024  # each node is a rule or two of the grammar: a tool-calling tree takes ~2 a tool
 MAX_FORMAT_CHARS = MAX_GRAMMAR_CHARS  # the tree as JSON text: its grammar holds each string and schema of it
+# a node's tags and a triggered_tags' triggers (and a structural tag's structures and triggers): a
+# tool-calling tree takes a tag a tool, and a trigger for all or one for each (OpenAI takes 128 tools at most)
+MAX_TAGS = 256
+MAX_TRIGGERS = 256
 Text = Annotated[str, Field(min_length=1)]  # a trigger or an exclude: an empty one would match everywhere
 
 
@@ -146,8 +151,8 @@ class TriggeredTags(_Node):
     after the first tag (both: exactly one tag)."""
 
     type: Literal["triggered_tags"]
-    triggers: list[Text] = Field(min_length=1)
-    tags: list[Tag] = Field(min_length=1)
+    triggers: list[Text] = Field(min_length=1, max_length=MAX_TRIGGERS)
+    tags: list[Tag] = Field(min_length=1, max_length=MAX_TAGS)
     at_least_one: bool = False
     stop_after_first: bool = False
     excludes: list[Text] = []  # the free text holds none of them
@@ -156,16 +161,17 @@ class TriggeredTags(_Node):
     def unlimited(self) -> bool:
         return not (self.at_least_one and self.stop_after_first)
 
-    def trigger(self, tag: Tag) -> str:
-        """The one trigger its begin starts with (_one_trigger_a_tag)."""
-        (trigger,) = (t for t in self.triggers if tag.begin.startswith(t))
-        return trigger
+    def openers(self) -> list[str]:
+        """The one trigger each tag's begin starts with (_one_trigger_a_tag), in the tags' order."""
+        index = TriggerIndex(self.triggers)
+        return [index.shortest(tag.begin) for tag in self.tags]
 
     @model_validator(mode="after")
     def _one_trigger_a_tag(self):
         """xgrammar's rule: each tag's begin starts with exactly one trigger, which dispatches to it."""
+        index = TriggerIndex(self.triggers)
         for i, tag in enumerate(self.tags):
-            count = sum(tag.begin.startswith(t) for t in self.triggers)
+            count = index.count(tag.begin)
             if count != 1:
                 raise ValueError(f"tags[{i}].begin {json.dumps(tag.begin)} starts with {count} of the "
                                  f"triggers {json.dumps(self.triggers)}, not exactly one")
@@ -178,7 +184,7 @@ class TagsWithSeparator(_Node):
     at most (so too where the separator is the literal after it, as in xgrammar)."""
 
     type: Literal["tags_with_separator"]
-    tags: list[Tag] = Field(min_length=1)
+    tags: list[Tag] = Field(min_length=1, max_length=MAX_TAGS)
     separator: str
     at_least_one: bool = False
     stop_after_first: bool = False

@@ -50,6 +50,7 @@ from server.api.protocol import (
 )
 from server.api.special_literals import Literals, special_tokens
 from server.api.structural_format import JsonSchema, Tag, TriggeredTags
+from server.api.trigger_index import TriggerIndex
 from server.engine import grammar as core_grammar
 from server.engine.forced_specials import ForcedSpecials
 from server.engine.sampling_params import MAX_GRAMMAR_CHARS
@@ -247,7 +248,8 @@ def structural_tag_format(structures: list[TagStructure], triggers: list[str]) -
     the shortest trigger its begin starts with (TagStructure.trigger), so each begin starts with exactly one
     of the triggers kept, as triggered_tags asks (a longer one that it starts with starts with the shorter,
     which opens every structure under the longer)."""
-    opening = [s.trigger(triggers) for s in structures]
+    index = TriggerIndex(triggers)
+    opening = [s.trigger(index) for s in structures]
     tags = [Tag(begin=s.begin, content=JsonSchema(type="json_schema", json_schema=s.schema_), end=s.end)
             for s in structures]
     return TriggeredTags(type="triggered_tags", triggers=list(dict.fromkeys(opening)), tags=tags)
