@@ -40,26 +40,35 @@ from server.api.structural_format import (
     TriggeredTags,
 )
 from server.engine.grammar import brief
+from server.engine.sampling_params import MAX_GRAMMAR_CHARS
 
 ANY_TEXT = "/(?s:.*)/"
 
 
 class _Rules:
     """The grammar being written: Lark lines (rules f0, f1, ...; terminals TEXT, TEXT3, ...), the grammars
-    of grammar nodes (g0, g1, ...), and its literals."""
+    of grammar nodes (g0, g1, ...), its literals, the rule of each node built (by the node's id and its
+    stop: the tree outlives the grammar's writing, so no two of its nodes share an id), and the characters
+    written: past MAX_GRAMMAR_CHARS, a ValueError, as the finished grammar would be refused (its JSON holds
+    every line and grammar), before more is built."""
 
     def __init__(self, literals: Literals) -> None:
-        self.lines = [f"TEXT: {ANY_TEXT}"]
+        self.lines: list[str] = []
         self.grammars: list[dict[str, str]] = []
         self.literals = literals
+        self.built: dict[tuple[int, str | None], str] = {}
+        self.chars = 0
+        self._write(f"TEXT: {ANY_TEXT}")
 
     def add(self, body: str, lazy: bool = False) -> str:
         name = f"f{len(self.lines)}"
-        self.lines.append(f"{name}{'[lazy]' if lazy else ''}: {body}")
+        self._write(f"{name}{'[lazy]' if lazy else ''}: {body}")
         return name
 
     def lit(self, text: str) -> str:
-        """A literal as Lark: each special token's text in it the token or the text (special_literals.py)."""
+        """A literal as Lark: each special token's text in it the token or the text (special_literals.py).
+        A line takes it, so the bound is checked first: splitting it is Python work per character."""
+        self._bound(len(text))
         return self.literals.lark(text)
 
     def text(self, excludes: list[str]) -> str:
@@ -68,7 +77,7 @@ class _Rules:
             return "TEXT"
         name = f"TEXT{len(self.lines)}"
         banned = " | ".join(_spelled(e) for e in excludes)
-        self.lines.append(f"{name}: {ANY_TEXT} & ~({ANY_TEXT} ({banned}) {ANY_TEXT})")
+        self._write(f"{name}: {ANY_TEXT} & ~({ANY_TEXT} ({banned}) {ANY_TEXT})")
         return name
 
     def grammar(self, text: str) -> str:
@@ -79,8 +88,22 @@ class _Rules:
         if error:
             raise ValueError(f"a grammar node does not compile as a grammar of its own: {brief(error)}")
         name = f"g{len(self.grammars)}"
+        self._count(len(lark))
         self.grammars.append({"name": name, "lark_grammar": lark})
         return f"@{name}"
+
+    def _write(self, line: str) -> None:
+        self._count(len(line) + 1)
+        self.lines.append(line)
+
+    def _count(self, chars: int) -> None:
+        self._bound(chars)
+        self.chars += chars
+
+    def _bound(self, chars: int) -> None:
+        """A ValueError where `chars` more characters would take the grammar past MAX_GRAMMAR_CHARS."""
+        if self.chars + chars > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"the grammar has more than {MAX_GRAMMAR_CHARS} characters")
 
 
 def format_grammar(fmt: Format, literals: Literals) -> str:
@@ -104,7 +127,16 @@ def _then(rules: _Rules, body: str, stop: str | None) -> str:
 
 
 def _node(rules: _Rules, node: Format, stop: str | None) -> str:
-    """The rule of the node's text followed by `stop` (the module's docstring)."""
+    """The rule of the node's text followed by `stop` (the module's docstring), built once: a rule used
+    twice is named twice (triggered_tags with at_least_one uses each tag's content twice, and a tree of
+    them nested would otherwise double the grammar, and its work, at each level)."""
+    key = (id(node), stop)
+    if key not in rules.built:
+        rules.built[key] = _new_node(rules, node, stop)
+    return rules.built[key]
+
+
+def _new_node(rules: _Rules, node: Format, stop: str | None) -> str:
     if isinstance(node, ConstString):
         return rules.add(rules.lit(node.value + (stop or "")))
     if isinstance(node, JsonSchema):
