@@ -36,7 +36,7 @@ def engine():
 def scripted(engine, reply: str, pieces: int = 5, seen: list | None = None, finish: str = "stop"):
     """engine.generate streams `reply` in about `pieces` deltas per choice, each choice ending with `finish`;
     `seen` records the SamplingParams it gets."""
-    def generate(request_id, prompt, params, admitted=False):
+    def generate(request_id, prompt, params, admitted=False, **_):
         if seen is not None:
             seen.append(params)
 

@@ -112,7 +112,7 @@ def engine():
 
 
 def scripted(parts: list[str], finish: str = "stop"):
-    def generate(request_id, prompt, params, admitted=False):
+    def generate(request_id, prompt, params, admitted=False, **_):
         async def outputs():
             for k, part in enumerate(parts):
                 last = k == len(parts) - 1

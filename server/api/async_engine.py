@@ -75,6 +75,7 @@ class LiveRequest:
     first_token_time: float | None = None  # of any choice
     error: str | None = None
     closed: bool = False  # the stream has its last output
+    label: tuple[str, int] = ("", 0)  # the id its client sees, and that response's index of its choice 0
 
 
 class AsyncEngine:
@@ -241,10 +242,12 @@ class AsyncEngine:
 
     # ---- requests ---------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       admitted: bool = False) -> AsyncIterator[RequestOutput]:
+                       admitted: bool = False, group: str | None = None,
+                       label: tuple[str, int] | None = None) -> AsyncIterator[RequestOutput]:
         """Stream of RequestOutputs, the last with finished=True; what arrived while the reader was busy
         comes merged into one. Closing the stream early aborts the request. `admitted`: as
-        check_admissible's."""
+        check_admissible's; `group`: EngineRequest.group; `label`: the id the client sees for it and its
+        response's index of this request's choice 0 (the block map names its choices so), else its own."""
         try:
             params.validate(self.vocab_size)
         except ValueError as e:
@@ -253,7 +256,7 @@ class AsyncEngine:
         live = LiveRequest(request_id, list(prompt_token_ids), loop, OutputChannel(loop),
                            [ChoiceStream(i, params, self.tokenizer, self._text_of, prompt_token_ids)
                             for i in range(params.n)],
-                           time.monotonic(), params.n, [None] * params.n)
+                           time.monotonic(), params.n, [None] * params.n, label=label or (request_id, 0))
         with self._lock:
             self.check_admissible(len(live.prompt_token_ids), params, admitted)
             if request_id in self._live:
@@ -263,7 +266,8 @@ class AsyncEngine:
             # the add (the core ignores an Abort of an id it does not hold, and the drain would then take a
             # working core for a hung one)
             try:
-                self.client.send(EngineRequest(request_id, live.prompt_token_ids, params, live.arrival_time))
+                self.client.send(EngineRequest(request_id, live.prompt_token_ids, params, live.arrival_time,
+                                               group))
             except BaseException:  # never reached the core: nothing will ever end it there
                 del self._live[request_id]
                 if not self._live:  # the drain's wait ends with the last
@@ -288,8 +292,16 @@ class AsyncEngine:
             self.client.send(Abort(request_id))
 
     async def kv_snapshot(self) -> dict:
-        """The core's block map (EngineCore.kv_snapshot); the core builds it only when asked."""
-        return await self._query("kv_snapshot")
+        """The core's block map (EngineCore.kv_snapshot; the core builds it only when asked), each live
+        choice named as its client sees it: its response's id and choice index (its label)."""
+        snapshot = await self._query("kv_snapshot")
+        with self._lock:
+            labels = {request_id: live.label for request_id, live in self._live.items()}
+        for seq in snapshot.get("seqs", ()):
+            label = labels.get(seq.get("request_id"))
+            if label is not None:
+                seq["request_id"], seq["index"] = label[0], label[1] + seq["index"]
+        return snapshot
 
     async def core_stats(self) -> dict:
         """The core's stats now (CoreStats as a dict), asked of the core itself."""

@@ -222,7 +222,8 @@ def _room_left(engine, num_prompt_tokens: int, n: int, limits: RequestLimits, lo
 
 async def _complete(job: ChatJob) -> bytes:
     states = [ChoiceState() for _ in range(job.params.n)]
-    await collect_choices(job.engine, job.engine_id, [job.prompt], job.params, states, job.reservation)
+    await collect_choices(job.engine, job.engine_id, job.response_id, [job.prompt], job.params, states,
+                          job.reservation)
     tok = job.engine.tokenizer
     choices = [
         ChatChoice(index=i, message=_message(job, st.text),
@@ -311,7 +312,7 @@ async def _stream(job: ChatJob) -> AsyncIterator[str]:
     for i in range(job.params.n):
         role = ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
         yield job.frame.event(job.chunk([role], first=(i == 0)))
-    async with aclosing(merged_outputs(job.engine, job.engine_id, [job.prompt], job.params,
+    async with aclosing(merged_outputs(job.engine, job.engine_id, job.response_id, [job.prompt], job.params,
                                        job.reservation)) as outs:
         async for _, out in outs:
             if out.error:

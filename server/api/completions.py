@@ -229,8 +229,8 @@ def _prompt_only(delta: ChoiceDelta) -> ChoiceDelta:
 
 
 async def _complete(job: CompletionJob) -> bytes:
-    states = await collect_choices(job.engine, job.engine_id, job.prompts, job.params, job.new_states(),
-                                  job.reservation, job.max_seqs)
+    states = await collect_choices(job.engine, job.engine_id, job.response_id, job.prompts, job.params,
+                                   job.new_states(), job.reservation, job.max_seqs)
     n = job.params.n
     choices = []
     for index, st in enumerate(states):
@@ -262,7 +262,7 @@ async def _stream(job: CompletionJob) -> AsyncIterator[str]:
             started[index] = True
             echoed = job.choice(index, job.prompt_texts[index // n], None, 0, [], True)
             yield job.frame.event(job.response([echoed]))
-    async with aclosing(merged_outputs(job.engine, job.engine_id, job.prompts, job.params,
+    async with aclosing(merged_outputs(job.engine, job.engine_id, job.response_id, job.prompts, job.params,
                                        job.reservation, job.max_seqs)) as outs:
         async for i, out in outs:
             if out.error:

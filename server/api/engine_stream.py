@@ -124,16 +124,18 @@ def admit(request: Request, prompts: list[list[int]], params: SamplingParams,
     return state.admission.reserve(prompts, params)
 
 
-async def merged_outputs(engine, engine_id: str, prompts: list[list[int]], params: SamplingParams,
-                         reservation: Reservation | None = None,
+async def merged_outputs(engine, engine_id: str, response_id: str, prompts: list[list[int]],
+                         params: SamplingParams, reservation: Reservation | None = None,
                          max_seqs: int | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Yields (prompt index, output) from one engine request per prompt, in arrival order. At most
-    `max_seqs` choices (at least one prompt) are in the engine at once, so one request of many prompts
-    queues behind its own window and cannot hold the whole queue ahead of smaller requests."""
+    """Yields (prompt index, output) from one engine request per prompt, in arrival order (their group:
+    `engine_id`; labelled with `response_id`). At most `max_seqs` choices (at least one prompt) are in the
+    engine at once, so one request of many prompts queues behind its own window and cannot hold the whole
+    queue ahead of smaller requests."""
     take = reservation.take if reservation is not None else _nothing
     if len(prompts) == 1:
         take()  # the same turn as generate's registration: no await in between
-        async with aclosing(engine.generate(engine_id, prompts[0], params, reservation is not None)) as gen:
+        async with aclosing(engine.generate(engine_id, prompts[0], params, reservation is not None,
+                                            label=(response_id, 0))) as gen:
             async for out in gen:
                 yield 0, out
         return
@@ -144,8 +146,9 @@ async def merged_outputs(engine, engine_id: str, prompts: list[list[int]], param
         try:
             async with window:
                 take()
-                async with aclosing(engine.generate(f"{engine_id}-{i}", ids, params,
-                                                    reservation is not None)) as gen:
+                label = (response_id, i * params.n)
+                async with aclosing(engine.generate(f"{engine_id}-{i}", ids, params, reservation is not None,
+                                                    group=engine_id, label=label)) as gen:
                     async for out in gen:
                         queue.put_nowait((i, out))
         except Exception as e:  # handed to the consumer, which raises it
@@ -174,14 +177,15 @@ def _nothing() -> None:
     pass
 
 
-async def collect_choices(engine, engine_id: str, prompts: list[list[int]], params: SamplingParams,
-                          states: list[ChoiceState], reservation: Reservation | None = None,
-                          max_seqs: int | None = None) -> list[ChoiceState]:
+async def collect_choices(engine, engine_id: str, response_id: str, prompts: list[list[int]],
+                          params: SamplingParams, states: list[ChoiceState],
+                          reservation: Reservation | None = None, max_seqs: int | None = None
+                          ) -> list[ChoiceState]:
     """Run a non-streaming request to the end: choice j of prompt i accumulates into states[i * n + j].
     Engine failures become a 500 APIError, refusals their 4xx."""
     n = params.n
     try:
-        async with aclosing(merged_outputs(engine, engine_id, prompts, params, reservation,
+        async with aclosing(merged_outputs(engine, engine_id, response_id, prompts, params, reservation,
                                            max_seqs)) as outs:
             async for i, out in outs:
                 if out.error:

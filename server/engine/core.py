@@ -95,7 +95,7 @@ class EngineCore:
         if er.request_id in self.requests:
             raise ValueError(f"request id {er.request_id!r} is already in the engine")
         self._check_fits(len(er.prompt_token_ids), er.params)
-        req = Request(er.request_id, list(er.prompt_token_ids), er.params, er.arrival_time)
+        req = Request(er.request_id, list(er.prompt_token_ids), er.params, er.arrival_time, er.group)
         if er.params.prompt_logprobs is not None:
             req.prompt_logprobs = prompt_logprobs(self.runner.model, req.prompt_token_ids,
                                                   er.params.prompt_logprobs)
@@ -250,13 +250,18 @@ class EngineCore:
             seqs = [sched.samples[g] for g in guided]
             matchers = [None if seq.is_finished else seq.matcher for seq in seqs]
             costly: list[tuple[int, float]] = []
-            bits = self.grammars.masks(matchers, costly, [seq.request_id for seq in seqs])
+            bits = self.grammars.masks(matchers, costly, [self._owner(seq) for seq in seqs])
             for i, took_ms in costly:  # at its last strike, its token in this step fails it (_finish_checks)
                 if self._strike(seqs[i], len(seqs[i].token_ids)):  # where this mask's token lands
                     self._too_costly[seqs[i].request_id] = took_ms
             return TokenMask(guided, bits)
 
         return masks
+
+    def _owner(self, seq: Sequence) -> str:
+        """The client's request a choice counts in against a step's grammar budget (its request's group)."""
+        req = self.requests.get(seq.request_id)
+        return (req.group or req.request_id) if req is not None else seq.request_id
 
     def _accept(self, seq: Sequence, token: int) -> bool:
         """The guided choice's matcher takes its token (Grammars.accept) -> whether the grammar is complete;

@@ -24,6 +24,9 @@ class EngineRequest(msgspec.Struct, tag="add"):
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float  # time.monotonic() of the API process; read back there only
+    # the client's request it is a prompt of (a completion of several prompts is an engine request per
+    # prompt), whose choices count together against a step's grammar budget; None: itself
+    group: str | None = None
 
 
 class SeqUpdate(msgspec.Struct, array_like=True, gc=False):

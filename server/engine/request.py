@@ -14,6 +14,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    group: str | None = None  # EngineRequest.group
     seqs: list[Sequence] = field(default_factory=list)  # index order: seqs[i].index == i
     prompt_logprobs: list | None = None  # TokenLogprobs per prompt token (None first), when asked for
     scheduled_time: float | None = None  # time.monotonic() of the first step that ran it
