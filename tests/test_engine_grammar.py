@@ -586,6 +586,39 @@ def test_an_executor_step_over_the_time_limit_is_timed_again_in_parallel(monkeyp
     assert len(costly) == 2 and all(ms >= 40 for _, ms in costly)
 
 
+class RaisingRow:
+    def unsafe_compute_mask_ptr(self, address: int, nbytes: int) -> None:
+        raise RuntimeError("a mask failed")
+
+
+class TimedRow(SleepingRow):
+    """A SleepingRow that notes when its mask ends (where a real mask writes its row)."""
+
+    def __init__(self, ms: float, ends: list):
+        super().__init__(ms)
+        self.ends = ends
+
+    def unsafe_compute_mask_ptr(self, address: int, nbytes: int) -> None:
+        super().unsafe_compute_mask_ptr(address, nbytes)
+        self.ends.append(time.perf_counter())
+
+
+def test_no_mask_runs_on_after_a_timed_step_fails(monkeypatch):
+    """Where one row's mask raises on the timing threads, masks() leaves only once the others are done: they
+    write into the step's bits, freed once it returns (a review found 3 of 3 still running)."""
+    monkeypatch.setattr(Grammars, "_executor", SleepingExecutor(grammar_module.MAX_TOKEN_MS * 1.5))
+    monkeypatch.setattr(Grammars, "_mask_threads", 4)
+    monkeypatch.setattr(grammar_module, "PARALLEL_MASKS_MS", 0.0)
+    grammars = Grammars(TOKENIZER, 300, {EOS})
+    grammars.row_ms = 10.0
+    ends: list[float] = []
+    with pytest.raises(RuntimeError, match="a mask failed"):
+        grammars.masks([RaisingRow(), *(TimedRow(300.0, ends) for _ in range(3))], [])
+    returned = time.perf_counter()
+    time.sleep(0.4)
+    assert len(ends) == 3 and max(ends) <= returned
+
+
 def test_a_slow_row_moves_the_measured_row_cost_a_bounded_step(monkeypatch):
     """A row over the limit is left out of row_ms, and one measurement counts as at most ROW_COST_JUMP times
     it: one slow step kept cheap rows on the executor for ~700 steps (a review)."""
@@ -765,6 +798,16 @@ def test_the_struck_rows_of_a_step():
     rows = [(15.0, g) for g in range(16)]
     assert len(grammar_module.struck_rows(rows, wall_ms=60.0)) == 3
     assert len(grammar_module.struck_rows(rows)) == 13
+
+
+def test_a_cheap_request_is_not_struck_for_a_costly_row_beside_it():
+    """A row over MAX_TOKEN_MS alone makes an executor step's wall (a row runs on one thread): the others
+    count at 1 / threads of their serial ms, not at the step's ratio (a review: 40 rows of 2 ms struck
+    beside one of 200 ms, at its 0.71)."""
+    many = [(2.0, g) for g in range(1, 41)]  # request "r": n = 40 choices of 2 ms
+    assert grammar_module.struck_rows(many, 20.0, [None] + ["r"] * 40, threads=4) == []
+    rows = [(200.0, 0)] + many  # request "a": one 200 ms row, the whole wall of the step
+    assert grammar_module.struck_rows(rows, 200.0, ["a"] + ["r"] * 40, threads=4) == [(0, 200.0)]
 
 
 def test_a_requests_rows_count_together():

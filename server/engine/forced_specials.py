@@ -56,23 +56,25 @@ class ForcedSpecials:
         """Rewrites in place each row g of `bits` (G, W) int32 host that is one special token matchers[g]
         refuses (llguidance's forced mask is one token) as the forced text's spellings (None: a row of every
         token). A row allowing a plain token among the first ids is no such row: the free text of a
-        structural tag allows its trigger's token beside them at every step, which costs no check then."""
+        structural tag allows its trigger's token beside them at every step, which costs no check then; nor
+        is a row of several special tokens (a grammar over Llama 3's 256 reserved ones: told apart in numpy,
+        16 ms a step at 256 rows where each row's tokens were listed in Python, in a review)."""
         if not self.word_ids:
             return
         words = bits.numpy()
-        hits = words[:, self.words] & self.bits  # (G, U) the special tokens allowed
+        hits = (words[:, self.words] & self.bits).view(np.uint32)  # (G, U) the special tokens allowed
         plain = (words[:, :len(self.first_plain)] & self.first_plain).any(1)  # (G,)
-        rows = np.flatnonzero(hits.any(1) & ~plain).tolist()
+        one_bit = ((hits & (hits - np.uint32(1))) == 0).all(1) & ((hits != 0).sum(1) == 1)  # (G,)
+        rows = [g for g in np.flatnonzero(one_bit & ~plain).tolist() if matchers[g] is not None]
         for g, row_hits in zip(rows, hits[rows].tolist(), strict=True):
-            tokens, matcher = self._tokens(row_hits), matchers[g]
-            if matcher is not None and len(tokens) == 1 and self._refused(matcher, tokens[0]):
-                self._spell_row(matcher, words[g])
+            (token,) = self._tokens(row_hits)
+            if self._refused(matchers[g], token):
+                self._spell_row(matchers[g], words[g])
 
     def _tokens(self, row_hits: list[int]) -> list[int]:
         """The special tokens of one row's hits (U,)."""
         tokens = []
         for word, value in zip(self.word_ids, row_hits, strict=True):
-            value &= 0xFFFFFFFF
             while value:
                 low = value & -value
                 tokens.append(32 * word + low.bit_length() - 1)

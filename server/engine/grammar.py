@@ -31,7 +31,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import llguidance
@@ -280,10 +280,15 @@ class Grammars:
         executor for hundreds of steps)."""
         base = bits.data_ptr()  # row g at base + g * own * 4 (a view per row, bits[g], cost 2 us on CI's CPU)
         calls = [(matcher, base + g * own * 4, own * 4) for matcher, g in rows]
-        took = map(_mask_ms, calls) if wall_ms is None else self._timing_threads.map(_mask_ms, calls)
+        if wall_ms is None:
+            took = list(map(_mask_ms, calls))
+        else:
+            futures = [self._timing_threads.submit(_mask_ms, call) for call in calls]
+            wait(futures)  # every mask done (writing `bits`) before any error leaves this step
+            took = [f.result() for f in futures]
         times = [(ms, g) for ms, (_, g) in zip(took, rows, strict=True)]  # (ms, row)
         if costly is not None:
-            costly += struck_rows(times, wall_ms, owners)
+            costly += struck_rows(times, wall_ms, owners, self._mask_threads)
         cheap = [ms for ms, _ in times if ms <= MAX_TOKEN_MS]
         self._measure(sum(cheap), len(cheap))
 
@@ -430,15 +435,15 @@ class _Cost:
         return max(self.most, self.serial * share)
 
 
-def struck_rows(times: list[tuple[float, int]], wall_ms: float | None = None,
-                owners: list | None = None) -> list[tuple[int, float]]:
-    """A step's (ms, row) of each mask, timed one by one, `wall_ms`, what they took in parallel (None: their
-    sum), and `owners`, each row's request (None: a request each) -> (row, its request's ms) of the rows it
-    strikes. A request's rows count together (its n choices: 40 rows of 2 ms held every step 80 ms, never
-    struck, in a review): each request over MAX_TOKEN_MS, then, while the others' share of the wall time is
-    over MAX_TOKEN_MS, the costliest of COSTLY_ROW_MS or more, unless the cheaper ones alone are over it."""
-    serial = sum(ms for ms, _ in times)
-    share = 1.0 if wall_ms is None or not serial else wall_ms / serial  # wall ms per serial ms
+def struck_rows(times: list[tuple[float, int]], wall_ms: float | None = None, owners: list | None = None,
+                threads: int = 1) -> list[tuple[int, float]]:
+    """A step's (ms, row) of each mask, timed one by one, `wall_ms`, what they took in parallel on `threads`
+    (None: one after another), and `owners`, each row's request (None: a request each) -> (row, its
+    request's ms) of the rows it strikes. A request's rows count together (its n choices: 40 rows of 2 ms
+    held every step 80 ms, never struck, in a review): each request over MAX_TOKEN_MS, then, while the
+    others' share of the wall time is over MAX_TOKEN_MS, the costliest of COSTLY_ROW_MS or more, unless the
+    cheaper ones alone are over it."""
+    share = _wall_share(times, wall_ms, threads)
     costs: dict = {}
     for ms, g in times:
         cost = costs.setdefault(g if owners is None else owners[g], _Cost())
@@ -456,6 +461,18 @@ def struck_rows(times: list[tuple[float, int]], wall_ms: float | None = None,
             struck.append(c)
             rest -= c.serial
     return [(g, c.wall(share)) for c in struck for g in c.rows]
+
+
+def _wall_share(times: list[tuple[float, int]], wall_ms: float | None, threads: int) -> float:
+    """Wall ms per serial ms of a step's rows: the measured ratio, unless a row over MAX_TOKEN_MS alone made
+    the wall (a row runs on one thread; the others ran beside it: a review saw 40 rows of 2 ms struck beside
+    one of 200 ms, at its 0.71): then 1 / threads, the others' ratio had they had the step to themselves."""
+    serial = sum(ms for ms, _ in times)
+    if wall_ms is None or not serial:
+        return 1.0
+    if threads > 1 and any(ms > MAX_TOKEN_MS for ms, _ in times):
+        return 1.0 / threads
+    return wall_ms / serial
 
 
 def too_costly(took_ms: float) -> str:
