@@ -810,6 +810,25 @@ def test_a_cheap_request_is_not_struck_for_a_costly_row_beside_it():
     assert grammar_module.struck_rows(rows, 200.0, ["a"] + ["r"] * 40, threads=4) == [(0, 200.0)]
 
 
+def test_rows_struck_alone_are_struck_beside_a_costly_row():
+    """Each row runs whole on one thread: five rows of 40 ms take 80 ms on 4 threads, beside a row over the
+    limit as alone (a review: at an ideal 1 / threads, 50 ms, none of them was struck there)."""
+    five = [(40.0, g) for g in range(1, 6)]  # five requests, one 40 ms row each
+    alone = {g for g, _ in grammar_module.struck_rows(five, 80.0, None, threads=4)}
+    assert len(alone) == 2, alone
+    beside = {g for g, _ in grammar_module.struck_rows([(51.0, 0)] + five, 80.0, None, threads=4)}
+    assert beside == alone | {0}, (alone, beside)
+
+
+def test_rows_on_the_cores_thread_count_as_the_executor_would_take_them():
+    """A step the core's thread took (its measured row cost behind the traffic) while an executor idles
+    counts its rows as the executor would take them: 40 rows of 2 ms, 20 ms on 4 threads, are no costly
+    request (a review: struck at 80 ms, so a request failed for the core's choice of path)."""
+    many = [(2.0, g) for g in range(40)]
+    assert grammar_module.struck_rows(many, None, ["r"] * 40, threads=4) == []
+    assert len(grammar_module.struck_rows(many, None, ["r"] * 40, threads=1)) == 40  # no executor: 80 ms
+
+
 def test_a_requests_rows_count_together():
     """Its choices' rows are one cost, however cheap each (a review: 40 rows of 2 ms held every step 80 ms and
     were never struck); struck, every row of it is, at the request's cost."""

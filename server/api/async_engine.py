@@ -16,6 +16,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -292,16 +293,24 @@ class AsyncEngine:
             self.client.send(Abort(request_id))
 
     async def kv_snapshot(self) -> dict:
-        """The core's block map (EngineCore.kv_snapshot; the core builds it only when asked), each live
-        choice named as its client sees it: its response's id and choice index (its label)."""
+        """The core's block map (EngineCore.kv_snapshot; the core builds it only when asked), each choice
+        named as its client sees it: its response's id and choice index (its label), from the requests live
+        when it was asked or answered (one may end in between: a review saw it under its engine id). Two
+        live requests under one client id keep their engine ids, which tell them apart."""
+        labels = self._labels()
         snapshot = await self._query("kv_snapshot")
-        with self._lock:
-            labels = {request_id: live.label for request_id, live in self._live.items()}
-        for seq in snapshot.get("seqs", ()):
+        labels |= self._labels()
+        seqs = snapshot.get("seqs", ())
+        shown = Counter(labels.get(rid) for rid in {seq.get("request_id") for seq in seqs})
+        for seq in seqs:
             label = labels.get(seq.get("request_id"))
-            if label is not None:
+            if label is not None and shown[label] == 1:
                 seq["request_id"], seq["index"] = label[0], label[1] + seq["index"]
         return snapshot
+
+    def _labels(self) -> dict[str, tuple[str, int]]:
+        with self._lock:
+            return {request_id: live.label for request_id, live in self._live.items()}
 
     async def core_stats(self) -> dict:
         """The core's stats now (CoreStats as a dict), asked of the core itself."""

@@ -26,6 +26,7 @@ forward (EngineCore._token_mask), so async scheduling keeps its overlap.
 from __future__ import annotations
 
 import functools
+import heapq
 import os
 import threading
 import time
@@ -438,11 +439,14 @@ class _Cost:
 def struck_rows(times: list[tuple[float, int]], wall_ms: float | None = None, owners: list | None = None,
                 threads: int = 1) -> list[tuple[int, float]]:
     """A step's (ms, row) of each mask, timed one by one, `wall_ms`, what they took in parallel on `threads`
-    (None: one after another), and `owners`, each row's request (None: a request each) -> (row, its
-    request's ms) of the rows it strikes. A request's rows count together (its n choices: 40 rows of 2 ms
-    held every step 80 ms, never struck, in a review): each request over MAX_TOKEN_MS, then, while the
-    others' share of the wall time is over MAX_TOKEN_MS, the costliest of COSTLY_ROW_MS or more, unless the
-    cheaper ones alone are over it."""
+    (None: one after another on the core's thread; `threads`: the executor's, 1 without one), and `owners`,
+    each row's request (None: a request each) -> (row, its request's ms) of the rows it strikes. A
+    request's rows count together (its n choices: 40 rows of 2 ms held every step 80 ms, never struck, in a
+    review): each request over MAX_TOKEN_MS, then, while the others' share of the wall time (_wall_share)
+    is over MAX_TOKEN_MS, the costliest of COSTLY_ROW_MS or more, unless the cheaper ones alone are over
+    it."""
+    if sum(ms for ms, _ in times) <= MAX_TOKEN_MS:
+        return []  # every step of cheap rows: no request, nor the rest, can be over the budget
     share = _wall_share(times, wall_ms, threads)
     costs: dict = {}
     for ms, g in times:
@@ -464,15 +468,23 @@ def struck_rows(times: list[tuple[float, int]], wall_ms: float | None = None, ow
 
 
 def _wall_share(times: list[tuple[float, int]], wall_ms: float | None, threads: int) -> float:
-    """Wall ms per serial ms of a step's rows: the measured ratio, unless a row over MAX_TOKEN_MS alone made
-    the wall (a row runs on one thread; the others ran beside it: a review saw 40 rows of 2 ms struck beside
-    one of 200 ms, at its 0.71): then 1 / threads, the others' ratio had they had the step to themselves."""
+    """Wall ms per serial ms of a step's rows: what the executor took over their serial sum. Where no wall
+    was measured on `threads` (the core's thread took them, its measured row cost behind the traffic) or a
+    row over MAX_TOKEN_MS alone made it (a row runs whole on one thread; the others ran beside it), the
+    share the executor would take over the rows under MAX_TOKEN_MS: each whole on one thread, the longest
+    first on the least loaded. (A review saw a cheap request struck on the core's thread for what the
+    executor takes in 20 ms, one struck beside a 200 ms row at that row's ratio, and, at an ideal
+    1 / threads, five rows of 40 ms on 4 threads escape beside one over the limit.)"""
     serial = sum(ms for ms, _ in times)
-    if wall_ms is None or not serial:
+    if not serial:
         return 1.0
-    if threads > 1 and any(ms > MAX_TOKEN_MS for ms, _ in times):
-        return 1.0 / threads
-    return wall_ms / serial
+    if threads > 1 and (wall_ms is None or any(ms > MAX_TOKEN_MS for ms, _ in times)):
+        under = sorted((ms for ms, _ in times if ms <= MAX_TOKEN_MS), reverse=True)
+        loads = [0.0] * threads  # a heap: the least loaded thread first
+        for ms in under:
+            heapq.heapreplace(loads, loads[0] + ms)
+        return max(loads) / sum(under) if sum(under) else 1.0
+    return 1.0 if wall_ms is None else wall_ms / serial
 
 
 def too_costly(took_ms: float) -> str:
