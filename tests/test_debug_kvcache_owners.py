@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from server.api.app import create_app
+from server.api.async_engine import AsyncEngine
 from server.engine.sampling_params import SamplingParams
 from tests.engine_helpers import started_engine
 
@@ -123,3 +126,24 @@ def test_a_seq_whose_request_ends_after_the_reply_keeps_its_label():
         snap = asyncio.run(go())
     owners = {(s.get("request_id"), s.get("index")) for s in snap["seqs"]}
     assert owners == {LABEL}, owners
+
+
+def test_two_requests_under_one_client_id_keep_distinct_keys():
+    """Two live completions under one client id: A's prompt 1 (label ("cmpl-same", 1)) and B's n = 2 (label
+    ("cmpl-same", 0)) would both name a choice "cmpl-same"#1: both keep their engine ids (a review found
+    the labels counted, not the names they make)."""
+    eng = AsyncEngine.__new__(AsyncEngine)
+    eng._lock = threading.Lock()
+    eng._live = {"cmpl-same-aaaa-1": SimpleNamespace(label=("cmpl-same", 1)),
+                 "cmpl-same-bbbb": SimpleNamespace(label=("cmpl-same", 0))}
+
+    async def query(name):
+        assert name == "kv_snapshot"
+        return {"seqs": [{"seq_id": 1, "request_id": "cmpl-same-aaaa-1", "index": 0},
+                         {"seq_id": 2, "request_id": "cmpl-same-bbbb", "index": 0},
+                         {"seq_id": 3, "request_id": "cmpl-same-bbbb", "index": 1}]}
+
+    eng._query = query
+    snap = asyncio.run(eng.kv_snapshot())
+    keys = [f"{s['request_id']}#{s['index']}" for s in snap["seqs"]]  # kvmap.js ownerKey
+    assert len(set(keys)) == 3, keys

@@ -579,11 +579,11 @@ def test_an_executor_step_over_the_time_limit_is_timed_again_in_parallel(monkeyp
     grammars.row_ms = 1.0
     costly: list = []
     start = time.perf_counter()
-    grammars.masks([SleepingRow(40.0) for _ in range(4)], costly)
+    grammars.masks([SleepingRow(40.0) for _ in range(8)], costly)
     took_ms = (time.perf_counter() - start) * 1e3
-    assert took_ms < 80 + 4 * 40 - 40  # 80 + 40 in parallel, 240 in series
-    # 160 serial ms at 0.5 wall ms each: 80, then 60, are over MAX_TOKEN_MS; two rows struck leave 40
-    assert len(costly) == 2 and all(ms >= 40 for _, ms in costly)
+    assert took_ms < 80 + 80 + 100  # 80 + 80 in parallel, 80 + 320 in series
+    # 8 rows of 40 ms on 4 threads, 80 ms: struck until 4 remain (40 ms)
+    assert len(costly) == 4 and all(ms >= 40 for _, ms in costly)
 
 
 class RaisingRow:
@@ -793,10 +793,10 @@ def test_the_struck_rows_of_a_step():
     # the cheap rows alone are over the budget: striking the costly ones cannot fit it (a review: a 1.5 ms
     # row beside 54 ms of cheap ones was struck every step)
     assert grammar_module.struck_rows([(0.9, g) for g in range(60)] + [(10.0, 60)]) == []
-    # on the executor: the rows' share of the wall time counts, not their serial sum (a review: 16 rows of
-    # 15 ms on 4 threads, 60 ms of wall time, had 13 struck where 3 fit the step)
+    # on the executor: the rows as it takes them, each whole on one of its threads, not their serial sum (a
+    # review: 16 rows of 15 ms on 4 threads, 60 ms of wall time, had 13 struck; 12 rows take 45 ms)
     rows = [(15.0, g) for g in range(16)]
-    assert len(grammar_module.struck_rows(rows, wall_ms=60.0)) == 3
+    assert len(grammar_module.struck_rows(rows, wall_ms=60.0, threads=4)) == 4
     assert len(grammar_module.struck_rows(rows)) == 13
 
 
@@ -811,11 +811,12 @@ def test_a_cheap_request_is_not_struck_for_a_costly_row_beside_it():
 
 
 def test_rows_struck_alone_are_struck_beside_a_costly_row():
-    """Each row runs whole on one thread: five rows of 40 ms take 80 ms on 4 threads, beside a row over the
-    limit as alone (a review: at an ideal 1 / threads, 50 ms, none of them was struck there)."""
+    """Each row runs whole on one thread: five rows of 40 ms take 80 ms on 4 threads, four of them 40 ms;
+    beside a row over the limit as alone (a review: at an ideal 1 / threads, 50 ms, none of them was struck
+    there; by the step's ratio, two where one fits)."""
     five = [(40.0, g) for g in range(1, 6)]  # five requests, one 40 ms row each
     alone = {g for g, _ in grammar_module.struck_rows(five, 80.0, None, threads=4)}
-    assert len(alone) == 2, alone
+    assert len(alone) == 1, alone
     beside = {g for g, _ in grammar_module.struck_rows([(51.0, 0)] + five, 80.0, None, threads=4)}
     assert beside == alone | {0}, (alone, beside)
 
@@ -827,6 +828,32 @@ def test_rows_on_the_cores_thread_count_as_the_executor_would_take_them():
     many = [(2.0, g) for g in range(40)]
     assert grammar_module.struck_rows(many, None, ["r"] * 40, threads=4) == []
     assert len(grammar_module.struck_rows(many, None, ["r"] * 40, threads=1)) == 40  # no executor: 80 ms
+
+
+def test_a_costly_request_beside_cheap_rows_is_struck_where_they_alone_fit():
+    """A 49 ms request beside 40 rows of 4.9 ms on 4 threads: ~64 ms a step; the cheap rows alone take
+    49 ms, so the costly one is struck, on the core's thread and on the executor alike (a review: judged by
+    the step's ratio, the cheap rows read 51 ms and nothing was ever struck)."""
+    rows = [(49.0, 0)] + [(4.9, g) for g in range(1, 41)]
+    assert grammar_module.struck_rows(rows, None, None, threads=4) == [(0, 49.0)]
+    assert grammar_module.struck_rows(rows, 63.7, None, threads=4) == [(0, 49.0)]
+
+
+def test_no_more_requests_are_struck_than_the_step_needs():
+    """Five 45 ms rows on 4 threads take 90 ms; with one struck, 45 (a review: three struck, two of them
+    for the fifth's cost), beside a row over the limit too."""
+    five = [(45.0, g) for g in range(5)]
+    assert len(grammar_module.struck_rows(five, None, None, threads=4)) == 1
+    struck = {g for g, _ in grammar_module.struck_rows([(60.0, 9)] + five, 90.0, None, threads=4)}
+    assert len(struck - {9}) == 1 and 9 in struck, struck
+
+
+def test_an_executor_wall_past_its_rows_own_is_charged_to_none():
+    """The executor's wall past what its rows take (the host's) strikes nobody, whatever a cheap neighbour
+    costs (a review: a 45 ms request was struck beside a 6 ms one, not beside a 3 ms one)."""
+    beside_6 = grammar_module.struck_rows([(45.0, 0), (6.0, 1)], 200.0, None, threads=4)
+    beside_3 = grammar_module.struck_rows([(45.0, 0), (3.0, 1)], 200.0, None, threads=4)
+    assert beside_6 == beside_3 == []
 
 
 def test_a_requests_rows_count_together():

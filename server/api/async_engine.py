@@ -16,7 +16,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import Counter
+from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -295,17 +295,20 @@ class AsyncEngine:
     async def kv_snapshot(self) -> dict:
         """The core's block map (EngineCore.kv_snapshot; the core builds it only when asked), each choice
         named as its client sees it: its response's id and choice index (its label), from the requests live
-        when it was asked or answered (one may end in between: a review saw it under its engine id). Two
-        live requests under one client id keep their engine ids, which tell them apart."""
+        when it was asked or answered (one may end in between: a review saw it under its engine id). Where
+        two live requests under one client id would name a choice alike, both keep their engine ids."""
         labels = self._labels()
         snapshot = await self._query("kv_snapshot")
         labels |= self._labels()
         seqs = snapshot.get("seqs", ())
-        shown = Counter(labels.get(rid) for rid in {seq.get("request_id") for seq in seqs})
+        named = {id(seq): _client_name(seq, labels.get(seq.get("request_id"))) for seq in seqs}
+        engine_ids: dict[tuple, set] = defaultdict(set)  # a client's name -> the engine requests it names
         for seq in seqs:
-            label = labels.get(seq.get("request_id"))
-            if label is not None and shown[label] == 1:
-                seq["request_id"], seq["index"] = label[0], label[1] + seq["index"]
+            engine_ids[named[id(seq)]].add(seq.get("request_id"))
+        clashing = {rid for ids in engine_ids.values() if len(ids) > 1 for rid in ids}
+        for seq in seqs:
+            if seq.get("request_id") in labels and seq.get("request_id") not in clashing:
+                seq["request_id"], seq["index"] = named[id(seq)]
         return snapshot
 
     def _labels(self) -> dict[str, tuple[str, int]]:
@@ -509,3 +512,11 @@ def _resolve(future: asyncio.Future, value, error: BaseException | None) -> None
         future.set_exception(error)
     else:
         future.set_result(value)
+
+
+def _client_name(seq: dict, label: tuple[str, int] | None) -> tuple:
+    """A block-map choice's (request id, index) as its client names it: its label's response id and the
+    response's index of it; its engine's where it has no label."""
+    if label is None:
+        return (seq.get("request_id"), seq.get("index"))
+    return (label[0], label[1] + seq.get("index", 0))

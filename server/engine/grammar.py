@@ -424,67 +424,55 @@ def check(vocab: llguidance.LLTokenizer, grammar: str, forced: ForcedSpecials) -
 
 
 @dataclass
-class _Cost:
-    """One request's masks in a step: their serial ms, its costliest row's, and its rows."""
+class _Step:
+    """A step's mask rows as the budget reads them: each row's ms, and the wall ms a set of rows holds the
+    step for, taken whole on `threads` (the executor's, 1 on the core's thread alone), the longest first on
+    the least loaded, times `calibrate` (the executor's measured wall over that estimate for all the rows,
+    at most 1: a wall past the rows' own is the host's, not theirs)."""
 
-    serial: float = 0.0
-    most: float = 0.0
-    rows: list[int] = field(default_factory=list)
+    ms: dict[int, float]
+    threads: int
+    calibrate: float = 1.0
 
-    def wall(self, share: float) -> float:
-        """What they hold the step for: their share of the wall time, at least their costliest row's."""
-        return max(self.most, self.serial * share)
+    def wall(self, rows: list[int]) -> float:
+        loads = [0.0] * self.threads  # a heap: the least loaded thread first
+        for ms in sorted((self.ms[g] for g in rows), reverse=True):
+            heapq.heapreplace(loads, loads[0] + ms)
+        return max(loads) * self.calibrate
 
 
 def struck_rows(times: list[tuple[float, int]], wall_ms: float | None = None, owners: list | None = None,
                 threads: int = 1) -> list[tuple[int, float]]:
-    """A step's (ms, row) of each mask, timed one by one, `wall_ms`, what they took in parallel on `threads`
-    (None: one after another on the core's thread; `threads`: the executor's, 1 without one), and `owners`,
-    each row's request (None: a request each) -> (row, its request's ms) of the rows it strikes. A
-    request's rows count together (its n choices: 40 rows of 2 ms held every step 80 ms, never struck, in a
-    review): each request over MAX_TOKEN_MS, then, while the others' share of the wall time (_wall_share)
-    is over MAX_TOKEN_MS, the costliest of COSTLY_ROW_MS or more, unless the cheaper ones alone are over
-    it."""
+    """A step's (ms, row) of each mask, timed one by one, `wall_ms`, what the executor took over them (None:
+    the core's thread took them), `threads`, the executor's (1 without one: the core's thread), and `owners`,
+    each row's request (None: a request each) -> (row, its request's ms) of the rows it strikes. The rows of
+    a request count together (its n choices, a completion's prompts: 40 rows of 2 ms held every step 80 ms,
+    never struck, in a review), and any set of rows holds the step as the executor would take it (_Step: a
+    request was struck on the core's thread for what the executor takes in 20 ms, others beside a costly
+    row by its ratio, or more than needed by a serial share, in reviews): each request over MAX_TOKEN_MS is
+    struck, then, while the rest is over MAX_TOKEN_MS, the costliest of COSTLY_ROW_MS or more, unless the
+    cheaper ones alone are over it."""
     if sum(ms for ms, _ in times) <= MAX_TOKEN_MS:
-        return []  # every step of cheap rows: no request, nor the rest, can be over the budget
-    share = _wall_share(times, wall_ms, threads)
-    costs: dict = {}
-    for ms, g in times:
-        cost = costs.setdefault(g if owners is None else owners[g], _Cost())
-        cost.serial, cost.most = cost.serial + ms, max(cost.most, ms)
-        cost.rows.append(g)
-    struck = [c for c in costs.values() if c.wall(share) > MAX_TOKEN_MS]
-    under = [c for c in costs.values() if c.wall(share) <= MAX_TOKEN_MS]
-    rest = sum(c.serial for c in under)
-    costliest = sorted((c for c in under if c.wall(share) >= COSTLY_ROW_MS),
-                       key=lambda c: (c.wall(share), c.rows[-1]), reverse=True)
-    if (rest - sum(c.serial for c in costliest)) * share <= MAX_TOKEN_MS:  # else slow by its cheap rows:
-        for c in costliest:                                                # striking cannot fit the step
-            if rest * share <= MAX_TOKEN_MS:
+        return []  # no set of these rows can hold the step longer than their sum
+    step = _Step({g: ms for ms, g in times}, max(1, threads))
+    if wall_ms is not None:
+        step.calibrate = min(1.0, wall_ms / step.wall(list(step.ms)))
+    requests: dict = {}
+    for _, g in times:
+        requests.setdefault(g if owners is None else owners[g], []).append(g)
+    walls = {key: step.wall(rows) for key, rows in requests.items()}
+    struck = [key for key in requests if walls[key] > MAX_TOKEN_MS]
+    rest = [key for key in requests if walls[key] <= MAX_TOKEN_MS]
+    costliest = sorted((key for key in rest if walls[key] >= COSTLY_ROW_MS),
+                       key=lambda key: (walls[key], requests[key][-1]), reverse=True)
+    cheap = [g for key in rest if walls[key] < COSTLY_ROW_MS for g in requests[key]]
+    if step.wall(cheap) <= MAX_TOKEN_MS:  # else slow by its cheap rows: striking cannot fit the step
+        for key in costliest:
+            if step.wall([g for k in rest for g in requests[k]]) <= MAX_TOKEN_MS:
                 break
-            struck.append(c)
-            rest -= c.serial
-    return [(g, c.wall(share)) for c in struck for g in c.rows]
-
-
-def _wall_share(times: list[tuple[float, int]], wall_ms: float | None, threads: int) -> float:
-    """Wall ms per serial ms of a step's rows: what the executor took over their serial sum. Where no wall
-    was measured on `threads` (the core's thread took them, its measured row cost behind the traffic) or a
-    row over MAX_TOKEN_MS alone made it (a row runs whole on one thread; the others ran beside it), the
-    share the executor would take over the rows under MAX_TOKEN_MS: each whole on one thread, the longest
-    first on the least loaded. (A review saw a cheap request struck on the core's thread for what the
-    executor takes in 20 ms, one struck beside a 200 ms row at that row's ratio, and, at an ideal
-    1 / threads, five rows of 40 ms on 4 threads escape beside one over the limit.)"""
-    serial = sum(ms for ms, _ in times)
-    if not serial:
-        return 1.0
-    if threads > 1 and (wall_ms is None or any(ms > MAX_TOKEN_MS for ms, _ in times)):
-        under = sorted((ms for ms, _ in times if ms <= MAX_TOKEN_MS), reverse=True)
-        loads = [0.0] * threads  # a heap: the least loaded thread first
-        for ms in under:
-            heapq.heapreplace(loads, loads[0] + ms)
-        return max(loads) / sum(under) if sum(under) else 1.0
-    return 1.0 if wall_ms is None else wall_ms / serial
+            struck.append(key)
+            rest.remove(key)
+    return [(g, walls[key]) for key in struck for g in requests[key]]
 
 
 def too_costly(took_ms: float) -> str:
