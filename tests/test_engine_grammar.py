@@ -582,8 +582,9 @@ def test_an_executor_step_over_the_time_limit_is_timed_again_in_parallel(monkeyp
     grammars.masks([SleepingRow(40.0) for _ in range(8)], costly)
     took_ms = (time.perf_counter() - start) * 1e3
     assert took_ms < 80 + 80 + 100  # 80 + 80 in parallel, 80 + 320 in series
-    # 8 rows of 40 ms on 4 threads, 80 ms: struck until 4 remain (40 ms)
-    assert len(costly) == 4 and all(ms >= 40 for _, ms in costly)
+    # 8 rows of 40 ms on 4 threads, 80 ms: struck until 4 remain (40 ms); a row's ms is calibrated by the
+    # executor's wall, a little under its own where a loaded host's sleeps overshoot on the timing threads
+    assert len(costly) == 4 and all(ms >= 30 for _, ms in costly), costly
 
 
 class RaisingRow:
