@@ -532,11 +532,13 @@ def test_rows_over_the_time_limit_are_reported(monkeypatch):
     assert [g for g, _ in costly] == [0, 2] and all(ms > 0 for _, ms in costly)
 
 
-def test_an_executor_step_over_the_time_limit_is_timed_again_row_by_row(monkeypatch):
-    """The executor's step tells no row's time: its rows are computed again on the core's thread, in the same
-    step (a mask moves no matcher), so that a slow token between cheap ones is struck (a review)."""
+def test_the_step_after_an_executor_step_over_the_time_limit_is_timed_row_by_row(monkeypatch):
+    """The executor's step tells no row's time, and a matcher keeps its mask until its next token (computed
+    again it reads back in microseconds: a review found nothing ever struck that way): the next step's rows
+    are timed, each on a thread of its own, so that a slow token between cheap ones is struck."""
     executor = CountedExecutor()
     monkeypatch.setattr(Grammars, "_executor", executor)
+    monkeypatch.setattr(Grammars, "_mask_threads", 2)
     monkeypatch.setattr(grammar_module, "PARALLEL_MASKS_MS", 0.0)
     grammars = Grammars(TOKENIZER, 300, {EOS})
     grammars.row_ms = 1.0
@@ -545,8 +547,11 @@ def test_an_executor_step_over_the_time_limit_is_timed_again_row_by_row(monkeypa
     assert executor.steps == 1
     monkeypatch.setattr(grammar_module, "MAX_TOKEN_MS", 0.0)  # every step and row "too long" now
     costly: list = []
+    assert torch.equal(grammars.masks(matchers, costly), want) and costly == []  # over: the next is timed
     assert torch.equal(grammars.masks(matchers, costly), want)
     assert executor.steps == 2 and [g for g, _ in costly] == [0, 1]
+    grammars.masks(matchers, costly)
+    assert executor.steps == 3  # the timed step was one step
 
 
 class SleepingRow:
@@ -569,21 +574,23 @@ class SleepingExecutor:
         time.sleep(self.ms / 1e3)
 
 
-def test_an_executor_step_over_the_time_limit_is_timed_again_in_parallel(monkeypatch):
-    """Its rows are timed again on as many threads as the executor's: the step stalls about twice the
-    executor's wall, not its wall and the rows' serial sum (a review: 304 ms after a 60 ms step)."""
+def test_the_timed_step_runs_its_rows_in_parallel(monkeypatch):
+    """After an executor step over the limit the next step's rows are timed on as many threads as the
+    executor's: that step takes about what the executor would, not the rows' serial sum (a review: 304 ms
+    after a 60 ms step)."""
     monkeypatch.setattr(Grammars, "_executor", SleepingExecutor(80.0))
     monkeypatch.setattr(Grammars, "_mask_threads", 4)
     monkeypatch.setattr(grammar_module, "PARALLEL_MASKS_MS", 0.0)
     grammars = Grammars(TOKENIZER, 300, {EOS})
     grammars.row_ms = 1.0
     costly: list = []
+    grammars.masks([SleepingRow(40.0) for _ in range(8)], costly)  # the executor's 80 ms
     start = time.perf_counter()
     grammars.masks([SleepingRow(40.0) for _ in range(8)], costly)
     took_ms = (time.perf_counter() - start) * 1e3
-    assert took_ms < 80 + 80 + 100  # 80 + 80 in parallel, 80 + 320 in series
-    # 8 rows of 40 ms on 4 threads, 80 ms: struck until 4 remain (40 ms); a row's ms is calibrated by the
-    # executor's wall, a little under its own where a loaded host's sleeps overshoot on the timing threads
+    assert took_ms < 80 + 100  # 80 in parallel, 320 in series
+    # 8 requests of a 40 ms row on 4 threads, 80 ms: struck until 4 remain (40 ms); a row's ms calibrated
+    # by the timed step's wall, a little under its own where a loaded host's sleeps overshoot
     assert len(costly) == 4 and all(ms >= 30 for _, ms in costly), costly
 
 
@@ -613,6 +620,7 @@ def test_no_mask_runs_on_after_a_timed_step_fails(monkeypatch):
     grammars = Grammars(TOKENIZER, 300, {EOS})
     grammars.row_ms = 10.0
     ends: list[float] = []
+    grammars.masks([SleepingRow(1.0)], [])  # the executor's step over the limit: the next one is timed
     with pytest.raises(RuntimeError, match="a mask failed"):
         grammars.masks([RaisingRow(), *(TimedRow(300.0, ends) for _ in range(3))], [])
     returned = time.perf_counter()
@@ -631,7 +639,7 @@ def test_a_slow_row_moves_the_measured_row_cost_a_bounded_step(monkeypatch):
     grammars.masks(matchers, [])  # every row over the limit: none measured
     assert grammars.row_ms == first
     monkeypatch.setattr(grammar_module, "MAX_TOKEN_MS", 50.0)
-    clock = iter(x * 1e-3 for x in [0, 0, 40, 40, 80, 80, 120, 120, 160])  # rows of 40 ms each
+    clock = iter(x * 1e-3 for x in [0, 40, 40, 80, 80, 120, 120, 160])  # rows of 40 ms each
     monkeypatch.setattr(grammar_module.time, "perf_counter", lambda: next(clock))
     grammars.masks(matchers)
     jump = grammar_module.ROW_COST_JUMP
@@ -805,10 +813,10 @@ def test_a_cheap_request_is_not_struck_for_a_costly_row_beside_it():
     """A row over MAX_TOKEN_MS alone makes an executor step's wall (a row runs on one thread): the others
     count at 1 / threads of their serial ms, not at the step's ratio (a review: 40 rows of 2 ms struck
     beside one of 200 ms, at its 0.71)."""
-    many = [(2.0, g) for g in range(1, 41)]  # request "r": n = 40 choices of 2 ms
-    assert grammar_module.struck_rows(many, 20.0, [None] + ["r"] * 40, threads=4) == []
-    rows = [(200.0, 0)] + many  # request "a": one 200 ms row, the whole wall of the step
-    assert grammar_module.struck_rows(rows, 200.0, ["a"] + ["r"] * 40, threads=4) == [(0, 200.0)]
+    many = [(2.0, g) for g in range(1, 41)]  # 40 requests of a 2 ms row
+    assert grammar_module.struck_rows(many, 20.0, list(range(41)), threads=4) == []
+    rows = [(200.0, 0)] + many  # request 0: one 200 ms row, the whole wall of the step
+    assert grammar_module.struck_rows(rows, 200.0, list(range(41)), threads=4) == [(0, 200.0)]
 
 
 def test_rows_struck_alone_are_struck_beside_a_costly_row():
@@ -824,11 +832,13 @@ def test_rows_struck_alone_are_struck_beside_a_costly_row():
 
 def test_rows_on_the_cores_thread_count_as_the_executor_would_take_them():
     """A step the core's thread took (its measured row cost behind the traffic) while an executor idles
-    counts its rows as the executor would take them: 40 rows of 2 ms, 20 ms on 4 threads, are no costly
-    request (a review: struck at 80 ms, so a request failed for the core's choice of path)."""
-    many = [(2.0, g) for g in range(40)]
-    assert grammar_module.struck_rows(many, None, ["r"] * 40, threads=4) == []
-    assert len(grammar_module.struck_rows(many, None, ["r"] * 40, threads=1)) == 40  # no executor: 80 ms
+    counts its rows as the executor would take them: 16 requests of a 10 ms row, 40 ms on 4 threads,
+    strike nobody (a review: a request failed for the core's choice of path); a request's own rows count
+    one after another (its choices share one compiled matcher's lexer, which llguidance computes in turn)."""
+    sixteen = [(10.0, g) for g in range(16)]
+    assert grammar_module.struck_rows(sixteen, None, list(range(16)), threads=4) == []
+    assert len(grammar_module.struck_rows(sixteen, None, list(range(16)), threads=1)) == 11  # no executor
+    assert len(grammar_module.struck_rows(sixteen, None, ["r"] * 16, threads=4)) == 16  # one request
 
 
 def test_a_costly_request_beside_cheap_rows_is_struck_where_they_alone_fit():
@@ -855,6 +865,39 @@ def test_an_executor_wall_past_its_rows_own_is_charged_to_none():
     beside_6 = grammar_module.struck_rows([(45.0, 0), (6.0, 1)], 200.0, None, threads=4)
     beside_3 = grammar_module.struck_rows([(45.0, 0), (3.0, 1)], 200.0, None, threads=4)
     assert beside_6 == beside_3 == []
+
+
+def test_a_requests_rows_count_one_after_another():
+    """A request of two rows (30 + 35 ms: copies of one compiled matcher, computed in turn) is 65 ms on any
+    number of threads: struck, it alone, where the rest fit (a review: by each request's parallel wall the
+    40 ms one was struck first, then it too)."""
+    rows = [(40.0, 0), (30.0, 1), (35.0, 2), (30.0, 3)]
+    struck = grammar_module.struck_rows(rows, None, ["a", "b", "b", "c"], threads=2)
+    assert sorted(g for g, _ in struck) == [1, 2] and all(ms == 65.0 for _, ms in struck)
+
+
+def test_a_real_executor_steps_costly_rows_are_struck_at_the_next_step(monkeypatch):
+    """llguidance's executor over five rows of an ambiguous grammar (~30 ms a mask here) holds the step past
+    the limit; the next step's masks, each timed on a thread of its own, strike the costliest (a review: the
+    rows timed again in the same step read their cached masks, ~5 us, and nothing was ever struck)."""
+    monkeypatch.setattr(Grammars, "_mask_threads", 2)
+    monkeypatch.setattr(grammar_module, "PARALLEL_MASKS_MS", 0.0)
+    grammars = Grammars(ByteTokenizer(), 300, {EOS})
+    grammars.row_ms = 1.0  # the executor takes the step
+    assert isinstance(grammars._executor, llguidance.LLExecutor)
+    grammar = llguidance.grammar_from("lark", 'start: s\ns: s s | "x"\n')
+    m = llguidance.LLMatcher(grammars._vocabulary(), grammar, log_level=0, limits=grammar_module.LIMITS)
+    x = ByteTokenizer.OFFSET + ord("x")
+    for _ in range(620):
+        assert m.consume_token(x)
+    rows = [m.deep_copy() for _ in range(5)]
+    costly: list = []
+    grammars.masks(rows, costly)
+    assert costly == [] and grammars._time_next  # the executor's step: over the limit, no row's time
+    for row in rows:
+        assert row.consume_token(x)
+    grammars.masks(rows, costly)
+    assert costly and not grammars._time_next
 
 
 def test_a_requests_rows_count_together():

@@ -15,7 +15,6 @@ import pytest
 from server.api.app import create_app
 from server.engine import grammar as grammar_module
 from server.engine.engine import build_core
-from server.engine.grammar import Grammars
 from server.engine.sampling_params import SamplingParams
 from tests.asgi_client import post
 from tests.engine_helpers import started_engine
@@ -84,43 +83,3 @@ def test_prompts_of_one_request_count_together_as_its_choices_do(monkeypatch):
     assert by_n.status_code == 500 and "took 80 ms" in by_n.text, by_n.text[:300]
     assert by_prompts.status_code == 500 and "took 80 ms" in by_prompts.text, by_prompts.text[:300]
     assert len(slow) <= grammar_module.GRAMMAR_STRIKES + 1, serial_ms  # struck at its strikes, as n = 40 is
-
-
-class ParallelExecutor:
-    """LLExecutor on `threads` threads: writes each row's real mask, takes rows x 2 ms / threads."""
-
-    def __init__(self, threads: int):
-        self.threads = threads
-
-    def unsafe_compute_mask_ptr(self, rows, address, nbytes, count) -> None:
-        for matcher, g in rows:
-            matcher.unsafe_compute_mask_ptr(address + g * nbytes, nbytes)
-        time.sleep(len(rows) * 0.002 / self.threads)
-
-
-def finishes(monkeypatch, row_ms: float) -> set:
-    real_mask_ms = grammar_module._mask_ms
-
-    def two_ms(call):  # each row's real mask, timed as 2 ms (under COSTLY_ROW_MS)
-        real_mask_ms(call)
-        time.sleep(0.002)
-        return 2.0
-
-    monkeypatch.setattr(grammar_module, "_mask_ms", two_ms)
-    monkeypatch.setattr(Grammars, "_mask_threads", 4)
-    monkeypatch.setattr(Grammars, "_executor", ParallelExecutor(4))
-    cfg = dataclasses.replace(config(async_scheduling=False, num_blocks=256, max_num_seqs=40),
-                              max_num_batched_tokens=64)
-    core, _ = build_core(cfg)
-    core.grammars.row_ms = row_ms
-    params = SamplingParams(max_tokens=12, temperature=0.0, n=40, grammar=regex_grammar("[a-c]{12}"))
-    _, ends = run(core, [("g", [1, 80, 81], params)])
-    return {reason for reason, _ in ends.values()}
-
-
-@pytest.mark.parametrize("row_ms", [0.0, 0.01])
-def test_a_request_the_executor_serves_is_served_after_cheap_traffic(monkeypatch, row_ms):
-    """n = 40 rows of 2 ms, 20 ms a step on an executor of 4 threads, is served on a fresh core (row_ms
-    unknown) and after traffic measured rows at 10 us, where its first steps run on the core's thread (80
-    ms each; a review found it failed there, at two strikes, for the core's choice of path)."""
-    assert "error" not in finishes(monkeypatch, row_ms)

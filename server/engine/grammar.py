@@ -31,7 +31,7 @@ import os
 import threading
 import time
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -150,6 +150,7 @@ class Grammars:
         self._lock = threading.Lock()  # the core adds compiles, a compile thread drops one nobody wants
         self.row_ms = 0.0  # a mask row's cost on the core's thread, measured (a moving average)
         self._parallel_steps = 0  # the executor's steps since the last measurement
+        self._time_next = False  # the executor's last step took over MAX_TOKEN_MS: time the next one's rows
 
     @functools.cached_property
     def _mask_threads(self) -> int:
@@ -162,8 +163,8 @@ class Grammars:
 
     @functools.cached_property
     def _timing_threads(self) -> ThreadPoolExecutor:
-        """Times an executor step's rows again, each on its own thread (a mask runs without the GIL), as many
-        at once as the executor ran: made at the first step the executor took over MAX_TOKEN_MS."""
+        """Times the rows of the step after an executor step over MAX_TOKEN_MS, each on one of as many threads
+        as the executor's (a mask runs without the GIL): made at the first such step."""
         return ThreadPoolExecutor(self._mask_threads, thread_name_prefix="pagewalk-mask-timing")
 
     def compile(self, grammar: str, salt: str | None = None) -> Future:
@@ -248,8 +249,10 @@ class Grammars:
               costly: list[tuple[int, float]] | None = None, owners: list | None = None) -> torch.Tensor:
         """(G, W) int32 host bitmask: row g the tokens matchers[g] allows next (None: every token the
         tokenizer has). Appends to `costly` (row, ms) the rows to strike (struck_rows; owners[g]: row g's
-        request), each row timed: a step the executor took over MAX_TOKEN_MS is computed again, on as many
-        threads (_timing_threads)."""
+        request), each row timed. The executor's step tells no row's time, and a matcher keeps its mask until
+        its next token (a second computation reads it back in microseconds: a review found nothing struck
+        there), so after an executor step over MAX_TOKEN_MS the next step's rows are timed, each on one of
+        as many threads (_timing_threads)."""
         vocab = self._vocabulary().vocab_size
         own = (vocab + 31) // 32  # the tokenizer's words
         bits = torch.empty((len(matchers), own), dtype=torch.int32)  # a mask writes its whole row
@@ -260,33 +263,37 @@ class Grammars:
             if vocab % 32:
                 bits[free, -1] = (1 << vocab % 32) - 1
         # (llguidance.torch's fill_next_token_bitmask_par, whose module torch.compiles a function on import)
-        start = time.perf_counter()
-        if self._takes_executor(len(rows)):
+        if rows and self._time_next:
+            self._time_next = False
+            self._timed_rows(rows, bits, own, costly, owners, parallel=True)
+        elif self._takes_executor(len(rows)):
+            start = time.perf_counter()
             self._executor.unsafe_compute_mask_ptr(rows, bits.data_ptr(), own * 4, len(matchers))
-            wall_ms = (time.perf_counter() - start) * 1e3
-            if wall_ms > MAX_TOKEN_MS:  # which rows? (a mask moves no matcher)
-                self._timed_rows(rows, bits, own, costly, owners, wall_ms)
+            self._time_next = (time.perf_counter() - start) * 1e3 > MAX_TOKEN_MS  # which rows? next step's
         elif rows:
             self._timed_rows(rows, bits, own, costly, owners)
         self._forced_specials().spell(matchers, bits)
         return bits[:, :self.words]  # a bad model's tokenizer has more ids than logits
 
     def _timed_rows(self, rows: list, bits: torch.Tensor, own: int, costly: list | None,
-                    owners: list | None, wall_ms: float | None = None) -> None:
-        """The rows' masks, each timed: on the core's thread, or (`wall_ms`: what the executor took over them)
-        on _timing_threads, so that finding an executor step's costly rows stalls the step about as long as
-        the executor did, not the rows' serial sum (a review: 304 ms after a 60 ms step of 16 rows). The rows
-        to strike go to `costly` (struck_rows), those under MAX_TOKEN_MS into row_ms (a measurement at most
-        ROW_COST_JUMP times it: a descheduled thread or a collector pass would keep cheap rows on the
-        executor for hundreds of steps)."""
+                    owners: list | None, parallel: bool = False) -> None:
+        """The rows' masks, each timed: on the core's thread, or (`parallel`) each on one of _timing_threads,
+        as many as the executor's, so that finding an executor step's costly rows holds a step about as long
+        as the executor would, not the rows' serial sum (a review: 304 ms). The rows to strike go to `costly`
+        (struck_rows), those under MAX_TOKEN_MS into row_ms (a measurement at most ROW_COST_JUMP times it: a
+        descheduled thread or a collector pass would keep cheap rows on the executor for hundreds of
+        steps)."""
         base = bits.data_ptr()  # row g at base + g * own * 4 (a view per row, bits[g], cost 2 us on CI's CPU)
         calls = [(matcher, base + g * own * 4, own * 4) for matcher, g in rows]
-        if wall_ms is None:
+        wall_ms = None
+        if not parallel:
             took = list(map(_mask_ms, calls))
         else:
+            start = time.perf_counter()
             futures = [self._timing_threads.submit(_mask_ms, call) for call in calls]
             wait(futures)  # every mask done (writing `bits`) before any error leaves this step
             took = [f.result() for f in futures]
+            wall_ms = (time.perf_counter() - start) * 1e3
         times = [(ms, g) for ms, (_, g) in zip(took, rows, strict=True)]  # (ms, row)
         if costly is not None:
             costly += struck_rows(times, wall_ms, owners, self._mask_threads)
@@ -425,18 +432,26 @@ def check(vocab: llguidance.LLTokenizer, grammar: str, forced: ForcedSpecials) -
 
 @dataclass
 class _Step:
-    """A step's mask rows as the budget reads them: each row's ms, and the wall ms a set of rows holds the
-    step for, taken whole on `threads` (the executor's, 1 on the core's thread alone), the longest first on
-    the least loaded, times `calibrate` (the executor's measured wall over that estimate for all the rows,
-    at most 1: a wall past the rows' own is the host's, not theirs)."""
+    """A step's mask rows as the budget reads them: each row's ms and request, and the wall ms a set of rows
+    holds the step for: each request's rows one after another (its choices are copies of one compiled
+    matcher, which share its lexer: llguidance took 81-85 ms over 4 copies on its executor where one took
+    20, in a review), the requests whole on `threads` (the executor's, 1 on the core's thread alone),
+    the longest first on the least loaded, times `calibrate` (the executor's measured wall over that
+    estimate for all the rows, at most 1: a wall past the rows' own is the host's, not theirs)."""
 
     ms: dict[int, float]
+    owner: dict[int, object]
     threads: int
     calibrate: float = 1.0
 
     def wall(self, rows: list[int]) -> float:
+        jobs: dict = defaultdict(float)  # request -> its rows' ms
+        for g in rows:
+            jobs[self.owner[g]] += self.ms[g]
+        if len(jobs) <= 1:  # most requests' own rows
+            return sum(jobs.values()) * self.calibrate
         loads = [0.0] * self.threads  # a heap: the least loaded thread first
-        for ms in sorted((self.ms[g] for g in rows), reverse=True):
+        for ms in sorted(jobs.values(), reverse=True):
             heapq.heapreplace(loads, loads[0] + ms)
         return max(loads) * self.calibrate
 
@@ -454,7 +469,8 @@ def struck_rows(times: list[tuple[float, int]], wall_ms: float | None = None, ow
     cheaper ones alone are over it."""
     if sum(ms for ms, _ in times) <= MAX_TOKEN_MS:
         return []  # no set of these rows can hold the step longer than their sum
-    step = _Step({g: ms for ms, g in times}, max(1, threads))
+    step = _Step({g: ms for ms, g in times}, {g: g if owners is None else owners[g] for _, g in times},
+                 max(1, threads))
     if wall_ms is not None:
         step.calibrate = min(1.0, wall_ms / step.wall(list(step.ms)))
     requests: dict = {}
@@ -467,11 +483,16 @@ def struck_rows(times: list[tuple[float, int]], wall_ms: float | None = None, ow
                        key=lambda key: (walls[key], requests[key][-1]), reverse=True)
     cheap = [g for key in rest if walls[key] < COSTLY_ROW_MS for g in requests[key]]
     if step.wall(cheap) <= MAX_TOKEN_MS:  # else slow by its cheap rows: striking cannot fit the step
+        rest_ms = sum(step.ms[g] for key in rest for g in requests[key])
         for key in costliest:
-            if step.wall([g for k in rest for g in requests[k]]) <= MAX_TOKEN_MS:
+            # the rows' sum over the threads bounds their wall from below: a step far over the budget
+            # strikes its way down without scheduling its rows each time (~0.2 ms a schedule of 256)
+            if (rest_ms / step.threads * step.calibrate <= MAX_TOKEN_MS
+                    and step.wall([g for k in rest for g in requests[k]]) <= MAX_TOKEN_MS):
                 break
             struck.append(key)
             rest.remove(key)
+            rest_ms -= sum(step.ms[g] for g in requests[key])
     return [(g, walls[key]) for key in struck for g in requests[key]]
 
 
