@@ -473,9 +473,9 @@ def struck_rows(times: list[tuple[float, int]], wall_ms: float | None = None, ow
                  max(1, threads))
     if wall_ms is not None:
         step.calibrate = min(1.0, wall_ms / step.wall(list(step.ms)))
-    requests: dict = {}
-    for _, g in times:
-        requests.setdefault(g if owners is None else owners[g], []).append(g)
+    requests: dict = {}  # request -> its rows, in the step's order
+    for g, owner in step.owner.items():
+        requests.setdefault(owner, []).append(g)
     walls = {key: step.wall(rows) for key, rows in requests.items()}
     struck = [key for key in requests if walls[key] > MAX_TOKEN_MS]
     rest = [key for key in requests if walls[key] <= MAX_TOKEN_MS]
