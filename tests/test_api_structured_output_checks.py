@@ -98,13 +98,19 @@ def test_a_slow_grammar_does_not_block_the_event_loop(app):
     assert status == 200 and waited < 0.25, waited
 
 
-def test_a_grammar_is_checked_once_for_the_requests_that_repeat_it(app, monkeypatch):
-    """Clients send one schema with every request: its check's verdict is kept (a bad one's too)."""
+def counted_checks(monkeypatch) -> list[str]:
+    """The grammars the API checks from now on (none kept from before), in order."""
     checks = []
     check = core_grammar.check
     monkeypatch.setattr(core_grammar, "check",
                         lambda vocab, text, forced: checks.append(text) or check(vocab, text, forced))
     structured_output._check.cache_clear()
+    return checks
+
+
+def test_a_grammar_is_checked_once_for_the_requests_that_repeat_it(app, monkeypatch):
+    """Clients send one schema with every request: its check's verdict is kept (a bad one's too)."""
+    checks = counted_checks(monkeypatch)
     good = {"type": "object", "properties": {"repeated": {"type": "integer"}}, "required": ["repeated"]}
     bad = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
     for _ in range(3):
@@ -118,11 +124,7 @@ def test_a_grammar_is_checked_once_for_the_requests_that_repeat_it(app, monkeypa
 def test_a_verdict_is_kept_per_cache_salt(app, monkeypatch):
     """A kept verdict answers at once where a large schema's check takes ~0.3 s: tenants that salt apart
     each have the grammar checked (a review: one could time whether another sent the same schema)."""
-    checks = []
-    check = core_grammar.check
-    monkeypatch.setattr(core_grammar, "check",
-                        lambda vocab, text, forced: checks.append(text) or check(vocab, text, forced))
-    structured_output._check.cache_clear()
+    checks = counted_checks(monkeypatch)
     schema = {"type": "object", "properties": {"salted": {"type": "integer"}}, "required": ["salted"]}
     for salt in ("tenant-a", "tenant-a", None, "tenant-b", None):
         r = post(app, COMPLETIONS, {"prompt": "x", "max_tokens": 4, "temperature": 0, "guided_json": schema,
