@@ -134,9 +134,9 @@ def check_against_dense_guided(core) -> None:
     masks, ended_rows = core.grammars.masks, []
 
     # with async scheduling a choice ends while its next step runs: no mask
-    def spy(matchers, costly=None, owners=None):
+    def spy(matchers, costly=None, owners=None, lanes=None):
         ended_rows.append(matchers.count(None))
-        return masks(matchers, costly, owners)
+        return masks(matchers, costly, owners, lanes)
 
     core.grammars.masks = spy
     tokens, ends = run(core, reqs)
@@ -679,8 +679,8 @@ def test_one_token_over_the_time_limit_is_forgiven(monkeypatch):
     core, _ = build_core(config(async_scheduling=True))
     masks = core.grammars.masks
 
-    def once_costly(matchers, costly=None, owners=None):
-        bits = masks(matchers, costly, owners)
+    def once_costly(matchers, costly=None, owners=None, lanes=None):
+        bits = masks(matchers, costly, owners, lanes)
         if costly is not None and not once_costly.done:
             costly.append((0, 80.0))
             once_costly.done = True
@@ -701,8 +701,8 @@ def test_each_choice_has_its_own_strikes(monkeypatch):
     core, _ = build_core(config(async_scheduling=True))
     masks = core.grammars.masks
 
-    def first_step_costly(matchers, costly=None, owners=None):
-        bits = masks(matchers, costly, owners)
+    def first_step_costly(matchers, costly=None, owners=None, lanes=None):
+        bits = masks(matchers, costly, owners, lanes)
         if costly is not None and not first_step_costly.done:
             costly.extend((g, 80.0) for g, m in enumerate(matchers) if m is not None)
             first_step_costly.done = True
@@ -723,8 +723,8 @@ def slow_masks_at(core, outputs: set[int]) -> list[int]:
     struck: list[int] = []
     counted = itertools.count()
 
-    def slow_at(matchers, costly=None, owners=None):
-        bits = masks(matchers, costly, owners)
+    def slow_at(matchers, costly=None, owners=None, lanes=None):
+        bits = masks(matchers, costly, owners, lanes)
         if costly is not None and matchers[0] is not None:
             k = next(counted)
             if k in outputs:
@@ -876,6 +876,93 @@ def test_a_requests_rows_count_one_after_another():
     assert sorted(g for g, _ in struck) == [1, 2] and all(ms == 65.0 for _, ms in struck)
 
 
+def test_rows_of_one_compile_count_in_turn_whichever_requests_they_serve():
+    """Requests of one grammar get copies of one compile, whose shared lexer llguidance computes in turn
+    (MatcherFuture): four requests of a 15 ms row in one lane take 60 ms on any number of threads, and one
+    is struck; in four lanes they take 15 ms on 4 threads (a review: read as parallel, never struck)."""
+    rows = [(15.0, g) for g in range(4)]
+    owners = ["a", "b", "c", "d"]
+    assert grammar_module.struck_rows(rows, None, owners, threads=4, lanes=[7, 8, 9, 10]) == []
+    struck = grammar_module.struck_rows(rows, None, owners, threads=4, lanes=[7] * 4)
+    assert len(struck) == 1 and struck[0][1] == 15.0  # a request's own ms
+    # a longer lane's request goes first, though a shorter lane's costs more: 3 x 20 ms in lane 7 and a 45
+    # ms request of lane 8 take 60 ms; one of lane 7's strikes fit the step (45), lane 8's could not
+    rows, owners = [(20.0, 0), (20.0, 1), (20.0, 2), (45.0, 3)], ["a", "b", "c", "d"]
+    assert [g for g, _ in grammar_module.struck_rows(rows, None, owners, 4, [7, 7, 7, 8])] == [2]
+    # a row without a lane is its request's: the two rows of "a" in turn, beside "b"'s lane
+    assert grammar_module.struck_rows([(30.0, 0), (30.0, 1), (30.0, 2)], None, ["a", "a", "b"], threads=4,
+                                      lanes=[None, None, 7]) == [(0, 60.0), (1, 60.0)]
+
+
+def test_copies_of_one_compile_share_a_lane():
+    grammars = Grammars(TOKENIZER, 300, {EOS})
+    grammar = regex_grammar("[ab]*a[ab]{3}")
+    first = [grammars.compile(grammar) for _ in range(grammar_module.COPIES_PER_COMPILE)]
+    assert all(f.result(10) for f in first) and len({f.lane for f in first}) == 1
+    again = grammars.compile(grammar)  # past COPIES_PER_COMPILE: a compile, and a lane, of its own
+    other = grammars.compile(regex_grammar("[ab]+"))
+    assert again.result(10) and other.result(10)
+    assert len({first[0].lane, again.lane, other.lane}) == 3
+
+
+def test_the_core_gives_the_budget_each_rows_compile():
+    """Two requests of one grammar (one n = 2) share a lane, a request of another grammar has its own."""
+    core, _ = build_core(config(async_scheduling=False))
+    masks = core.grammars.masks
+    seen: list = []
+
+    def spy(matchers, costly=None, owners=None, lanes=None):
+        seen.append((list(owners), list(lanes)))
+        return masks(matchers, costly, owners, lanes)
+
+    core.grammars.masks = spy
+    same, other = regex_grammar("[a-c]{6}"), regex_grammar("[d-f]{6}")
+    run(core, [("a", [1, 80], SamplingParams(max_tokens=6, temperature=0.0, n=2, grammar=same)),
+               ("b", [1, 81], SamplingParams(max_tokens=6, temperature=0.0, grammar=same)),
+               ("c", [1, 82], SamplingParams(max_tokens=6, temperature=0.0, grammar=other))])
+    owners, lanes = max(seen, key=lambda step: len(step[0]))
+    lane_of = dict(zip(owners, lanes, strict=True))
+    assert sorted(owners) == ["a", "a", "b", "c"], owners
+    assert lane_of["a"] == lane_of["b"] != lane_of["c"] and None not in lanes
+
+
+class ExclusiveRow(SleepingRow):
+    """A SleepingRow that notes how many rows of its lane (`active`, shared) run at once, at most."""
+
+    def __init__(self, ms: float, active: dict):
+        super().__init__(ms)
+        self.active = active
+
+    def unsafe_compute_mask_ptr(self, address: int, nbytes: int) -> None:
+        with self.active["lock"]:
+            self.active["now"] += 1
+            self.active["most"] = max(self.active["most"], self.active["now"])
+        super().unsafe_compute_mask_ptr(address, nbytes)
+        with self.active["lock"]:
+            self.active["now"] -= 1
+
+
+def test_the_timed_step_runs_a_lanes_rows_in_turn(monkeypatch):
+    """After an executor step over the limit, the timed step runs the rows of one lane one after another on
+    one thread (run at once, each would wait for the others' lexer and read their time as its own), the
+    lanes on as many threads as the executor's; each row is timed alone."""
+    monkeypatch.setattr(Grammars, "_executor", SleepingExecutor(80.0))
+    monkeypatch.setattr(Grammars, "_mask_threads", 4)
+    monkeypatch.setattr(grammar_module, "PARALLEL_MASKS_MS", 0.0)
+    grammars = Grammars(TOKENIZER, 300, {EOS})
+    grammars.row_ms = 1.0
+    lane = {"lock": threading.Lock(), "now": 0, "most": 0}
+    rows = [ExclusiveRow(20.0, lane) for _ in range(3)] + [SleepingRow(20.0) for _ in range(3)]
+    lanes, owners = [5, 5, 5, 6, 7, 8], ["a", "b", "c", "d", "e", "f"]
+    costly: list = []
+    grammars.masks(rows, costly, owners, lanes)  # the executor's 80 ms
+    start = time.perf_counter()
+    grammars.masks(rows, costly, owners, lanes)
+    took_ms = (time.perf_counter() - start) * 1e3
+    assert lane["most"] == 1 and 60 <= took_ms < 60 + 100  # lane 5 in turn; the other lanes beside it
+    assert len(costly) == 1 and costly[0][0] in (0, 1, 2), costly  # lane 5's 60 ms: one of its requests
+
+
 def test_a_real_executor_steps_costly_rows_are_struck_at_the_next_step(monkeypatch):
     """llguidance's executor over five rows of an ambiguous grammar (~30 ms a mask here) holds the step past
     the limit; the next step's masks, each timed on a thread of its own, strike the costliest (a review: the
@@ -930,8 +1017,8 @@ def test_a_requests_choices_count_together_against_the_step_budget(n, fails):
             time.sleep(0.020)
             self.matcher.unsafe_compute_mask_ptr(ptr, nbytes)
 
-    core.grammars.masks = lambda matchers, costly=None, owners=None: masks(
-        [None if m is None else Slow(m) for m in matchers], costly, owners)
+    core.grammars.masks = lambda matchers, costly=None, owners=None, lanes=None: masks(
+        [None if m is None else Slow(m) for m in matchers], costly, owners, lanes)
     params = SamplingParams(max_tokens=12, temperature=0.0, n=n, grammar=regex_grammar("[a-c]{12}"))
     _, ends = run(core, [("g", [1, 80, 81], params)])
     assert all((reason == "error") == fails for reason, _ in ends.values()), ends

@@ -39,9 +39,9 @@ def test_a_request_of_many_cheap_choices_over_the_step_budget_fails(monkeypatch)
     core, _ = build_core(cfg)
     masks = core.grammars.masks
 
-    def counted(matchers, costly=None, owners=None):
+    def counted(matchers, costly=None, owners=None, lanes=None):
         rows_per_step.append(0)
-        return masks(matchers, costly, owners)
+        return masks(matchers, costly, owners, lanes)
 
     core.grammars.masks = counted
     params = SamplingParams(max_tokens=12, temperature=0.0, n=40, grammar=regex_grammar("[a-c]{12}"))

@@ -31,7 +31,7 @@ def main() -> None:
         consumed[id(matcher)] = consumed.get(id(matcher), 0) + 1
         return accept(matcher, token)
 
-    def timed_masks(matchers, costly=None):
+    def timed_masks(matchers, costly=None, owners=None, lanes=None):
         rows = []
         start = time.perf_counter()
         for m in matchers:
@@ -39,7 +39,7 @@ def main() -> None:
             grammars_masks([m])
             rows.append(((time.perf_counter() - t0) * 1e3, consumed.get(id(m), 0)))
         steps.append(((time.perf_counter() - start) * 1e3, rows))
-        return grammars_masks(matchers, costly)
+        return grammars_masks(matchers, costly, owners, lanes)
 
     grammars_masks = grammars.masks
     grammars.accept = counted_accept

@@ -202,6 +202,7 @@ class EngineCore:
             req = self.requests[rid]
             for seq in req.seqs:  # none has a token yet: each starts from the grammar's start
                 seq.matcher = matcher if seq is req.seqs[0] else matcher.deep_copy()
+                seq.lane = future.lane
             self.scheduler.add(req.seqs[0])
         return updates
 
@@ -250,7 +251,8 @@ class EngineCore:
             seqs = [sched.samples[g] for g in guided]
             matchers = [None if seq.is_finished else seq.matcher for seq in seqs]
             costly: list[tuple[int, float]] = []
-            bits = self.grammars.masks(matchers, costly, [self._owner(seq) for seq in seqs])
+            bits = self.grammars.masks(matchers, costly, [self._owner(seq) for seq in seqs],
+                                       [seq.lane for seq in seqs])
             for i, took_ms in costly:  # at its last strike, its token in this step fails it (_finish_checks)
                 if self._strike(seqs[i], len(seqs[i].token_ids)):  # where this mask's token lands
                     self._too_costly[seqs[i].request_id] = took_ms

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 import os
 import threading
 import time
@@ -167,14 +168,13 @@ class Grammars:
         as the executor's (a mask runs without the GIL): made at the first such step."""
         return ThreadPoolExecutor(self._mask_threads, thread_name_prefix="pagewalk-mask-timing")
 
-    def compile(self, grammar: str, salt: str | None = None) -> Future:
+    def compile(self, grammar: str, salt: str | None = None) -> MatcherFuture:
         """A matcher of its own for `grammar`, at its start; the future's result is the LLMatcher, or
         GrammarError. A copy of the grammar's compiled matcher: compiled once on a compile thread for every
         request of the same cache `salt` that asks while it compiles, and kept for the CACHED_GRAMMARS most
         recently asked (a grammar that fails fails again at once), for COPIES_PER_COMPILE requests each.
         Cancelling the future drops the request's interest: a compile that every asker dropped before it
         started never runs."""
-        mine: Future = Future()
         key = (salt, grammar)
         with self._lock:
             compile_ = self._compiled.get(key)
@@ -192,6 +192,7 @@ class Grammars:
             else:
                 self._compiled.move_to_end(key)
             compile_.copies += 1
+            mine = MatcherFuture(compile_.lane)
             ready = compile_.done.done()
             if not ready:
                 compile_.askers.append(mine)
@@ -246,13 +247,14 @@ class Grammars:
         return matcher
 
     def masks(self, matchers: list[llguidance.LLMatcher | None],
-              costly: list[tuple[int, float]] | None = None, owners: list | None = None) -> torch.Tensor:
+              costly: list[tuple[int, float]] | None = None, owners: list | None = None,
+              lanes: list | None = None) -> torch.Tensor:
         """(G, W) int32 host bitmask: row g the tokens matchers[g] allows next (None: every token the
         tokenizer has). Appends to `costly` (row, ms) the rows to strike (struck_rows; owners[g]: row g's
-        request), each row timed. The executor's step tells no row's time, and a matcher keeps its mask until
-        its next token (a second computation reads it back in microseconds: a review found nothing struck
-        there), so after an executor step over MAX_TOKEN_MS the next step's rows are timed, each on one of
-        as many threads (_timing_threads)."""
+        request, lanes[g]: the compile its matcher copies), each row timed. The executor's step tells no
+        row's time, and a matcher keeps its mask until its next token (a second computation reads it back in
+        microseconds: a review found nothing struck there), so after an executor step over MAX_TOKEN_MS the
+        next step's rows are timed, each lane's in turn on one of as many threads (_timing_threads)."""
         vocab = self._vocabulary().vocab_size
         own = (vocab + 31) // 32  # the tokenizer's words
         bits = torch.empty((len(matchers), own), dtype=torch.int32)  # a mask writes its whole row
@@ -265,38 +267,42 @@ class Grammars:
         # (llguidance.torch's fill_next_token_bitmask_par, whose module torch.compiles a function on import)
         if rows and self._time_next:
             self._time_next = False
-            self._timed_rows(rows, bits, own, costly, owners, parallel=True)
+            self._timed_rows(rows, bits, own, costly, owners, lanes, parallel=True)
         elif self._takes_executor(len(rows)):
             start = time.perf_counter()
             self._executor.unsafe_compute_mask_ptr(rows, bits.data_ptr(), own * 4, len(matchers))
             self._time_next = (time.perf_counter() - start) * 1e3 > MAX_TOKEN_MS  # which rows? next step's
         elif rows:
-            self._timed_rows(rows, bits, own, costly, owners)
+            self._timed_rows(rows, bits, own, costly, owners, lanes)
         self._forced_specials().spell(matchers, bits)
         return bits[:, :self.words]  # a bad model's tokenizer has more ids than logits
 
     def _timed_rows(self, rows: list, bits: torch.Tensor, own: int, costly: list | None,
-                    owners: list | None, parallel: bool = False) -> None:
-        """The rows' masks, each timed: on the core's thread, or (`parallel`) each on one of _timing_threads,
-        as many as the executor's, so that finding an executor step's costly rows holds a step about as long
-        as the executor would, not the rows' serial sum (a review: 304 ms). The rows to strike go to `costly`
-        (struck_rows), those under MAX_TOKEN_MS into row_ms (a measurement at most ROW_COST_JUMP times it: a
-        descheduled thread or a collector pass would keep cheap rows on the executor for hundreds of
-        steps)."""
+                    owners: list | None, lanes: list | None, parallel: bool = False) -> None:
+        """The rows' masks, each timed: on the core's thread, or (`parallel`) each lane's rows in turn on one
+        of _timing_threads, as many as the executor's, so that finding an executor step's costly rows holds a
+        step about as long as the executor would, not the rows' serial sum (a review: 304 ms), and a row's
+        time is its own, not its lane's others' (copies of one compile wait for each other's masks). The rows
+        to strike go to `costly` (struck_rows), those under MAX_TOKEN_MS into row_ms (a measurement at most
+        ROW_COST_JUMP times it: a descheduled thread or a collector pass would keep cheap rows on the
+        executor for hundreds of steps)."""
         base = bits.data_ptr()  # row g at base + g * own * 4 (a view per row, bits[g], cost 2 us on CI's CPU)
-        calls = [(matcher, base + g * own * 4, own * 4) for matcher, g in rows]
+        calls = {g: (matcher, base + g * own * 4, own * 4) for matcher, g in rows}
         wall_ms = None
         if not parallel:
-            took = list(map(_mask_ms, calls))
+            took = {g: _mask_ms(call) for g, call in calls.items()}
         else:
+            by_lane: dict = defaultdict(list)  # lane -> its rows' calls, in the step's order
+            for g, call in calls.items():
+                by_lane[lane_key(g, owners, lanes)].append((g, call))
             start = time.perf_counter()
-            futures = [self._timing_threads.submit(_mask_ms, call) for call in calls]
+            futures = [self._timing_threads.submit(_lane_ms, lane) for lane in by_lane.values()]
             wait(futures)  # every mask done (writing `bits`) before any error leaves this step
-            took = [f.result() for f in futures]
+            took = {g: ms for f in futures for g, ms in f.result()}
             wall_ms = (time.perf_counter() - start) * 1e3
-        times = [(ms, g) for ms, (_, g) in zip(took, rows, strict=True)]  # (ms, row)
+        times = [(took[g], g) for _, g in rows]  # (ms, row)
         if costly is not None:
-            costly += struck_rows(times, wall_ms, owners, self._mask_threads)
+            costly += struck_rows(times, wall_ms, owners, self._mask_threads, lanes)
         cheap = [ms for ms, _ in times if ms <= MAX_TOKEN_MS]
         self._measure(sum(cheap), len(cheap))
 
@@ -331,11 +337,24 @@ class Grammars:
 @dataclass
 class _Compile:
     """One grammar's compile: `done`, the future of its matcher; `askers`, the requests' futures that wait
-    for it to finish; `copies`, how many requests it served."""
+    for it to finish; `copies`, how many requests it served; `lane`, its number (MatcherFuture.lane)."""
 
     done: Future | None = None
     askers: list[Future] = field(default_factory=list)
     copies: int = 0  # handed out (COPIES_PER_COMPILE)
+    lane: int = field(default_factory=itertools.count().__next__)
+
+
+class MatcherFuture(Future):
+    """A request's matcher (Grammars.compile), and `lane`, the compile it copies. Copies of one compile share
+    its lexer, and llguidance computes their masks one after another: its executor took 81-85 ms over four
+    copies where one took 20 (a review), and 2 rows copied from one compile took 8.1-9.2 ms on 2 threads
+    where 2 compiled apart took 4.1-4.6 and one 4.0 (an ambiguous grammar, this box). The step budget counts
+    a lane's rows in turn, whichever requests they serve (_Step)."""
+
+    def __init__(self, lane: int) -> None:
+        super().__init__()
+        self.lane = lane
 
 
 def _mask_ms(call: tuple[llguidance.LLMatcher, int, int]) -> float:
@@ -344,6 +363,12 @@ def _mask_ms(call: tuple[llguidance.LLMatcher, int, int]) -> float:
     start = time.perf_counter()
     matcher.unsafe_compute_mask_ptr(address, nbytes)
     return (time.perf_counter() - start) * 1e3
+
+
+def _lane_ms(calls: list[tuple[int, tuple]]) -> list[tuple[int, float]]:
+    """Writes one lane's masks in turn ((row, call) each) -> (row, the ms it took) each: a raising mask
+    leaves the rest of its lane unwritten, and the step fails."""
+    return [(g, _mask_ms(call)) for g, call in calls]
 
 
 def _deliver_copy(mine: Future, compiled: Future) -> None:
@@ -432,22 +457,23 @@ def check(vocab: llguidance.LLTokenizer, grammar: str, forced: ForcedSpecials) -
 
 @dataclass
 class _Step:
-    """A step's mask rows as the budget reads them: each row's ms and request, and the wall ms a set of rows
-    holds the step for: each request's rows one after another (its choices are copies of one compiled
-    matcher, which share its lexer: llguidance took 81-85 ms over 4 copies on its executor where one took
-    20, in a review), the requests whole on `threads` (the executor's, 1 on the core's thread alone),
-    the longest first on the least loaded, times `calibrate` (the executor's measured wall over that
-    estimate for all the rows, at most 1: a wall past the rows' own is the host's, not theirs)."""
+    """A step's mask rows as the budget reads them: each row's ms, request and lane, and the wall ms a set
+    of rows holds the step for: each lane's rows one after another (copies of one compile share its lexer:
+    MatcherFuture; a request's choices are copies of one), the lanes whole on `threads` (the executor's, 1
+    on the core's thread alone), the longest first on the least loaded, times `calibrate` (the executor's
+    measured wall over that estimate for all the rows, at most 1: a wall past the rows' own is the host's,
+    not theirs)."""
 
     ms: dict[int, float]
     owner: dict[int, object]
+    lane: dict[int, object]
     threads: int
     calibrate: float = 1.0
 
     def wall(self, rows: list[int]) -> float:
-        jobs: dict = defaultdict(float)  # request -> its rows' ms
+        jobs: dict = defaultdict(float)  # lane -> its rows' ms
         for g in rows:
-            jobs[self.owner[g]] += self.ms[g]
+            jobs[self.lane[g]] += self.ms[g]
         if len(jobs) <= 1:  # most requests' own rows
             return sum(jobs.values()) * self.calibrate
         loads = [0.0] * self.threads  # a heap: the least loaded thread first
@@ -457,20 +483,21 @@ class _Step:
 
 
 def struck_rows(times: list[tuple[float, int]], wall_ms: float | None = None, owners: list | None = None,
-                threads: int = 1) -> list[tuple[int, float]]:
+                threads: int = 1, lanes: list | None = None) -> list[tuple[int, float]]:
     """A step's (ms, row) of each mask, timed one by one, `wall_ms`, what the executor took over them (None:
-    the core's thread took them), `threads`, the executor's (1 without one: the core's thread), and `owners`,
-    each row's request (None: a request each) -> (row, its request's ms) of the rows it strikes. The rows of
-    a request count together (its n choices, a completion's prompts: 40 rows of 2 ms held every step 80 ms,
-    never struck, in a review), and any set of rows holds the step as the executor would take it (_Step: a
+    the core's thread took them), `threads`, the executor's (1 without one: the core's thread), `owners`,
+    each row's request (None: a request each), and `lanes`, each row's compile (None: its request's) -> (row,
+    its request's ms) of the rows it strikes. The rows of a request count together (its n choices, a
+    completion's prompts: 40 rows of 2 ms held every step 80 ms, never struck, in a review), the rows of a
+    lane in turn, and any set of rows holds the step as the executor would take it (_Step: a
     request was struck on the core's thread for what the executor takes in 20 ms, others beside a costly
     row by its ratio, or more than needed by a serial share, in reviews): each request over MAX_TOKEN_MS is
-    struck, then, while the rest is over MAX_TOKEN_MS, the costliest of COSTLY_ROW_MS or more, unless the
-    cheaper ones alone are over it."""
+    struck, then, while the rest is over MAX_TOKEN_MS, of the requests of COSTLY_ROW_MS or more the costliest
+    in the longest lane, unless the cheaper ones alone are over it."""
     if sum(ms for ms, _ in times) <= MAX_TOKEN_MS:
         return []  # no set of these rows can hold the step longer than their sum
     step = _Step({g: ms for ms, g in times}, {g: g if owners is None else owners[g] for _, g in times},
-                 max(1, threads))
+                 {g: lane_key(g, owners, lanes) for _, g in times}, max(1, threads))
     if wall_ms is not None:
         step.calibrate = min(1.0, wall_ms / step.wall(list(step.ms)))
     requests: dict = {}  # request -> its rows, in the step's order
@@ -479,21 +506,35 @@ def struck_rows(times: list[tuple[float, int]], wall_ms: float | None = None, ow
     walls = {key: step.wall(rows) for key, rows in requests.items()}
     struck = [key for key in requests if walls[key] > MAX_TOKEN_MS]
     rest = [key for key in requests if walls[key] <= MAX_TOKEN_MS]
-    costliest = sorted((key for key in rest if walls[key] >= COSTLY_ROW_MS),
-                       key=lambda key: (walls[key], requests[key][-1]), reverse=True)
+    costly = [key for key in rest if walls[key] >= COSTLY_ROW_MS]
     cheap = [g for key in rest if walls[key] < COSTLY_ROW_MS for g in requests[key]]
     if step.wall(cheap) <= MAX_TOKEN_MS:  # else slow by its cheap rows: striking cannot fit the step
-        rest_ms = sum(step.ms[g] for key in rest for g in requests[key])
-        for key in costliest:
+        lane_ms: dict = defaultdict(float)  # lane -> the ms of its rows not struck
+        for key in rest:
+            for g in requests[key]:
+                lane_ms[step.lane[g]] += step.ms[g]
+        while costly:
             # the rows' sum over the threads bounds their wall from below: a step far over the budget
             # strikes its way down without scheduling its rows each time (~0.2 ms a schedule of 256)
-            if (rest_ms / step.threads * step.calibrate <= MAX_TOKEN_MS
+            if (sum(lane_ms.values()) / step.threads * step.calibrate <= MAX_TOKEN_MS
                     and step.wall([g for k in rest for g in requests[k]]) <= MAX_TOKEN_MS):
                 break
-            struck.append(key)
+            # from the longest lane first (a shorter one's row leaves the wall as it is), its costliest
+            key = max(costly, key=lambda k: (max(lane_ms[step.lane[g]] for g in requests[k]), walls[k],
+                                             requests[k][-1]))
+            costly.remove(key)
             rest.remove(key)
-            rest_ms -= sum(step.ms[g] for g in requests[key])
+            struck.append(key)
+            for g in requests[key]:
+                lane_ms[step.lane[g]] -= step.ms[g]
     return [(g, walls[key]) for key in struck for g in requests[key]]
+
+
+def lane_key(g: int, owners: list | None, lanes: list | None) -> tuple:
+    """Row g's lane: its compile's (lanes[g]), else its request's (owners[g], else its own)."""
+    if lanes is not None and lanes[g] is not None:
+        return "compile", lanes[g]
+    return "request", g if owners is None else owners[g]
 
 
 def too_costly(took_ms: float) -> str:

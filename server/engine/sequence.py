@@ -46,6 +46,7 @@ class Sequence:
     # prefix: the step's schedule() 1.02 -> 0.68 ms, add_request +0.45 ms outside the step; CI CPU, 3 runs)
     prefix_keys: list = field(default_factory=list)
     matcher: object = None  # a structured output's llguidance LLMatcher (server/engine/grammar.py)
+    lane: int | None = None  # the compile its matcher copies (grammar.MatcherFuture: copies mask in turn)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
