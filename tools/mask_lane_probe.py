@@ -2,14 +2,13 @@
 
 The core hands every request of a grammar a copy of one kept compile (server/engine/grammar.py), and copies
 share the compile's lexer. Over the synthetic 128K-token vocabulary of tools/mask_row_cost_probe (a real
-tokenizer's breadth), ROWS matchers of a JSON schema (or the regex [a-z ]+) are copies of LANES compiles
-(1, the core's case; the executor's thread count, each a block of rows or every LANES-th row; one per row;
-every configuration walks the same random paths), and each
-step llguidance's executor (--threads) computes their masks, then every row takes a random allowed token (a
-matcher keeps its mask until its next token: a step without one reads it back in microseconds). Each case
-runs on the executor and on grammar.py's timed path (a pool of --threads threads, one job a lane, its rows
-in turn, each timed). Prints the median ms a step for each and its ratio to the executor on one lane; JSON
-with --out."""
+tokenizer's breadth), ROWS matchers of a JSON schema (or the regex [a-z ]+) are copies of LANES compiles: 1
+(the core's case), the thread count (each a block of rows, or every LANES-th row) or one a row; every case
+walks the same random paths. Each step computes their masks, then every row takes a random allowed token (a
+matcher keeps its mask until its next token: a step without one reads it back in microseconds), on three
+runners: llguidance's executor (--threads), grammar.py's timed path (a pool of --threads threads, whole
+lanes a job, a lane's rows in turn, each timed) and this thread (each row timed). Prints the median ms a
+step of each and its ratio to the executor on one lane; JSON with --out."""
 
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ import llguidance
 import numpy as np
 import torch
 
-from server.engine.grammar import _lane_ms
+from server.engine.grammar import _lane_ms, lane_jobs
 from tools.mask_row_cost_probe import SCHEMA, TOKENS, SyntheticVocabulary
 
 
@@ -73,14 +72,22 @@ def main() -> None:
         executor.unsafe_compute_mask_ptr([(m, g) for g, m in enumerate(matchers)], bits.data_ptr(),
                                          words_ * 4, len(matchers))
 
-    def on_lane_threads(matchers, lanes, bits):  # grammar.py's timed step: a lane's rows in turn, each timed
+    def calls(matchers, lanes, bits) -> dict:  # lane -> its rows' (row, (matcher, address, bytes))
         by_lane: dict = {}
         for g, m in enumerate(matchers):
             by_lane.setdefault(lanes[g], []).append((g, (m, bits.data_ptr() + g * words_ * 4, words_ * 4)))
-        for f in [pool.submit(_lane_ms, calls) for calls in by_lane.values()]:
+        return by_lane
+
+    def on_lane_threads(matchers, lanes, bits):  # grammar.py's timed step: a lane's rows in turn, each timed
+        jobs = lane_jobs(list(calls(matchers, lanes, bits).values()), args.threads)
+        for f in [pool.submit(_lane_ms, job) for job in jobs]:
             f.result()
 
-    runners = {"executor": on_executor, "lane threads": on_lane_threads}
+    def on_this_thread(matchers, lanes, bits):  # grammar.py's path for cheap rows: each timed, in turn
+        for lane in calls(matchers, lanes, bits).values():
+            _lane_ms(lane)
+
+    runners = {"executor": on_executor, "lane threads": on_lane_threads, "this thread": on_this_thread}
     results = []
     for rows in args.rows:
         # one lane again last: a drift shows as a gap
