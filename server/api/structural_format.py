@@ -13,6 +13,7 @@ neither a grammar without bound nor a validation that recurses without bound.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Annotated, Any, Literal
 
@@ -161,17 +162,19 @@ class TriggeredTags(_Node):
     def unlimited(self) -> bool:
         return not (self.at_least_one and self.stop_after_first)
 
+    @functools.cached_property
+    def trigger_index(self) -> TriggerIndex:
+        return TriggerIndex(self.triggers)
+
     def openers(self) -> list[str]:
         """The one trigger each tag's begin starts with (_one_trigger_a_tag), in the tags' order."""
-        index = TriggerIndex(self.triggers)
-        return [index.shortest(tag.begin) for tag in self.tags]
+        return [self.trigger_index.shortest(tag.begin) for tag in self.tags]
 
     @model_validator(mode="after")
     def _one_trigger_a_tag(self):
         """xgrammar's rule: each tag's begin starts with exactly one trigger, which dispatches to it."""
-        index = TriggerIndex(self.triggers)
         for i, tag in enumerate(self.tags):
-            count = index.count(tag.begin)
+            count = self.trigger_index.count(tag.begin)
             if count != 1:
                 raise ValueError(f"tags[{i}].begin {json.dumps(tag.begin)} starts with {count} of the "
                                  f"triggers {json.dumps(self.triggers)}, not exactly one")
