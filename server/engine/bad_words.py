@@ -71,8 +71,13 @@ def placed_rows(placed: list[tuple[int, SamplingParams, list[int]]]) -> tuple[li
 class BadWords:
     """(R, B, L) words and (R, L - 1) recent tokens, allocated on first use."""
 
-    def __init__(self, num_rows: int, device: torch.device) -> None:
+    def __init__(self, num_rows: int, device: torch.device, kernel: bool = False) -> None:
+        """kernel: ban with one Triton launch (kernels/bad_words_ban.py), as the sampler draws on CUDA."""
         self.num_rows, self.device = num_rows, device
+        self._kernel = None
+        if kernel:
+            from kernels import bad_words_ban  # Triton loads only where the kernels run
+            self._kernel = bad_words_ban
         self.words: torch.Tensor | None = None
         self.recent: torch.Tensor | None = None
 
@@ -80,6 +85,11 @@ class BadWords:
     def shape(self) -> tuple[int, int]:
         """(words per row B, tokens per word L); (0, 0) before the first row's words."""
         return (0, 0) if self.words is None else tuple(self.words.shape[1:])
+
+    def warm_up(self) -> None:
+        """Compiles the ban's kernel before serving: a compile mid-serving stalls every stream."""
+        if self._kernel is not None:
+            self._kernel.warm_up(self.device)
 
     def clear(self, rows: torch.Tensor) -> None:
         """rows (N,) int64 changed owner: no word of the last owner stays (a step with bad words reads every
@@ -104,6 +114,8 @@ class BadWords:
         below) where the row's recent tokens are the word's others."""
         if self.words is None:
             return logits
+        if self._kernel is not None:
+            return self._kernel.ban_(logits, rows, self.words, self.recent, HOLD_BACK)
         words = self.words[rows]  # (S, B, L)
         before = words[:, :, :-1]  # (S, B, L - 1)
         match = ((before == PAD) | (before == self.recent[rows][:, None, :])).all(dim=2)  # (S, B)

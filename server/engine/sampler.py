@@ -132,15 +132,16 @@ class Sampler:
         self.ints = torch.zeros(n, INT_FIELDS, dtype=torch.int64, device=device)  # (R, 4)
         self.counts: torch.Tensor | None = None  # (R, V) int32 generated-token counts, once penalties appear
         self.bias = BiasTable(n, device)  # logit_bias, min_tokens' hold-back, allowed_token_ids
-        self.bad_words = BadWords(n, device)
+        self.bad_words = BadWords(n, device, self.kernel)
         self._prompt_mask: torch.Tensor | None = None  # (R, V + 1) bool; column V absorbs output tokens
         self.in_prompt: torch.Tensor | None = None  # (R, V) bool view of _prompt_mask
 
     def warm_up(self, model_dtype: torch.dtype = torch.float32) -> None:
         """Compiles the sampling kernel's variants (the whole vocabulary over fp32 logits and over the
         model's own, and a compact top-k row of COMPACT_TOP_K tokens), the argmax's (1..max_rows rows of
-        either dtype) and the token mask's before the first request: a Triton compile mid-serving stalls
-        every stream for about a second. Reads row 0's parameters as a step would and changes no state."""
+        either dtype), the token mask's and the bad-words ban's before the first request: a Triton compile
+        mid-serving stalls every stream for about a second. Reads row 0's parameters as a step would and
+        changes no state."""
         if not self.kernel:
             return
         rows = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -152,6 +153,7 @@ class Sampler:
         self._sample(logits.float(), floats, ints, SAMPLED | TOP, compact=rows)
         words = torch.full((1, (self.vocab_size + 31) // 32), -1, dtype=torch.int32, device=self.device)
         self._mask_tokens_(logits.float(), rows, words)  # a structured output's token mask
+        self.bad_words.warm_up()
 
     def reads_model_dtype(self, flags: int, compact: torch.Tensor | None) -> bool:
         """Whether a step with these flags draws straight from logits in the model's dtype: the kernel
