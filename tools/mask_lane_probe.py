@@ -5,10 +5,10 @@ share the compile's lexer. Over the synthetic 128K-token vocabulary of tools/mas
 tokenizer's breadth), ROWS matchers of a JSON schema (or the regex [a-z ]+) are copies of LANES compiles: 1
 (the core's case), the thread count (each a block of rows, or every LANES-th row) or one a row; every case
 walks the same random paths. Each step computes their masks, then every row takes a random allowed token (a
-matcher keeps its mask until its next token: a step without one reads it back in microseconds), on three
-runners: llguidance's executor (--threads), grammar.py's timed path (a pool of --threads threads, whole
-lanes a job, a lane's rows in turn, each timed) and this thread (each row timed). Prints the median ms a
-step of each and its ratio to the executor on one lane; JSON with --out."""
+matcher keeps its mask until its next token: a step without one reads it back in microseconds), on
+llguidance's executor (--threads) and on this thread (each row timed, as grammar.py's core's thread). Prints
+the median ms a step of each and its ratio to the executor on one lane; JSON with --out. (A pool of Python
+threads, one job a lane, took as long as this thread: llguidance's mask holds the GIL.)"""
 
 from __future__ import annotations
 
@@ -17,14 +17,13 @@ import json
 import random
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import llguidance
 import numpy as np
 import torch
 
-from server.engine.grammar import _lane_ms, lane_jobs
+from server.engine.grammar import _mask_ms
 from tools.mask_row_cost_probe import SCHEMA, TOKENS, SyntheticVocabulary
 
 
@@ -65,29 +64,17 @@ def main() -> None:
     grammar = (llguidance.LLMatcher.grammar_from_json_schema(SCHEMA, defaults={"whitespace_flexible": False})
                if args.grammar == "json" else llguidance.LLMatcher.grammar_from_regex("[a-z ]+"))
     executor = llguidance.LLExecutor(args.threads)
-    pool = ThreadPoolExecutor(args.threads)
     words_ = words
 
     def on_executor(matchers, lanes, bits):
         executor.unsafe_compute_mask_ptr([(m, g) for g, m in enumerate(matchers)], bits.data_ptr(),
                                          words_ * 4, len(matchers))
 
-    def calls(matchers, lanes, bits) -> dict:  # lane -> its rows' (row, (matcher, address, bytes))
-        by_lane: dict = {}
+    def on_this_thread(matchers, lanes, bits):  # grammar.py's core's thread: each row timed, in turn
         for g, m in enumerate(matchers):
-            by_lane.setdefault(lanes[g], []).append((g, (m, bits.data_ptr() + g * words_ * 4, words_ * 4)))
-        return by_lane
+            _mask_ms((m, bits.data_ptr() + g * words_ * 4, words_ * 4))
 
-    def on_lane_threads(matchers, lanes, bits):  # grammar.py's timed step: a lane's rows in turn, each timed
-        jobs = lane_jobs(list(calls(matchers, lanes, bits).values()), args.threads)
-        for f in [pool.submit(_lane_ms, job) for job in jobs]:
-            f.result()
-
-    def on_this_thread(matchers, lanes, bits):  # grammar.py's path for cheap rows: each timed, in turn
-        for lane in calls(matchers, lanes, bits).values():
-            _lane_ms(lane)
-
-    runners = {"executor": on_executor, "lane threads": on_lane_threads, "this thread": on_this_thread}
+    runners = {"executor": on_executor, "this thread": on_this_thread}
     results = []
     for rows in args.rows:
         # one lane again last: a drift shows as a gap

@@ -11,7 +11,8 @@ the first structured request rather than by every start-up.
 
 Each step, the matchers of the step's guided samples write the tokens they allow as a bitmask (G, W) int32,
 W = ceil(V / 32), bit j of word w allowing token 32 w + j (on the core's thread, or on LLExecutor's threads
-in parallel without the GIL where the rows cost more: PARALLEL_MASKS_MS; a row that forces an added token
+in parallel where the rows cost more and spread over several compiles: PARALLEL_MASKS_MS, MatcherFuture; a
+row that forces an added token
 the grammar would refuse then offers the forced text's spellings: forced_specials.py, ~30 us a step over a
 128K-token vocabulary, none over the byte tokenizer's); the runner sends it with the step
 (pinned buffers it reuses) and the sampler sets every other logit to -inf (Sampler: after biases and
@@ -33,7 +34,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict, defaultdict
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import llguidance
@@ -64,7 +65,11 @@ COPIES_PER_COMPILE = 32
 MASK_THREADS = 4
 CPUS_PER_MASK_THREAD = 4
 # Where the executor runs at all, it takes a step's masks only when the core's thread would take longer than
-# PARALLEL_MASKS_MS over them (rows x the measured ms a row). Cheap rows stay on the core's thread: over the
+# PARALLEL_MASKS_MS over them (rows x the measured ms a row) and no compile's copies hold over half the rows
+# (copies of one compile share its lexer: on a 16-core H100 host, 4 threads, tools/mask_lane_probe,
+# 256 rows of a JSON schema over a 128K-token vocabulary took the executor 3.3-3.5 ms as copies of one
+# compile, 1.5 as copies of 4 (in blocks), 1.1 compiled apart; this thread 1.8-2.5 in every case; 64 rows:
+# 0.77-0.82, 0.53 and 0.43 against 0.45-0.56). Cheap rows stay on the core's thread: over the
 # bench preset's 259-id vocabulary (~3 us a row: 0.2 ms at 64 rows, 0.8 at 256) the executor's steps stalled
 # for 3-10 ms 15-22 times in 512 at 64 in flight (the core's thread: 5-6, 2 of them collector passes;
 # tools/guided_stall_probe), and the guided closed loops ran 0.5-3.6% faster without it at 64 and at 256 in
@@ -162,12 +167,6 @@ class Grammars:
     def _executor(self) -> llguidance.LLExecutor | None:
         return llguidance.LLExecutor(self._mask_threads) if self._mask_threads >= 2 else None
 
-    @functools.cached_property
-    def _timing_threads(self) -> ThreadPoolExecutor:
-        """Times the rows of the step after an executor step over MAX_TOKEN_MS, each on one of as many threads
-        as the executor's (a mask runs without the GIL): made at the first such step."""
-        return ThreadPoolExecutor(self._mask_threads, thread_name_prefix="pagewalk-mask-timing")
-
     def compile(self, grammar: str, salt: str | None = None) -> MatcherFuture:
         """A matcher of its own for `grammar`, at its start; the future's result is the LLMatcher, or
         GrammarError. A copy of the grammar's compiled matcher: compiled once on a compile thread for every
@@ -251,10 +250,11 @@ class Grammars:
               lanes: list | None = None) -> torch.Tensor:
         """(G, W) int32 host bitmask: row g the tokens matchers[g] allows next (None: every token the
         tokenizer has). Appends to `costly` (row, ms) the rows to strike (struck_rows; owners[g]: row g's
-        request, lanes[g]: the compile its matcher copies), each row timed. The executor's step tells no
-        row's time, and a matcher keeps its mask until its next token (a second computation reads it back in
-        microseconds: a review found nothing struck there), so after an executor step over MAX_TOKEN_MS the
-        next step's rows are timed, each lane's in turn on one of as many threads (_timing_threads)."""
+        request, lanes[g]: the compile its matcher copies), each row timed on the core's thread. The
+        executor's step tells no row's time, and a matcher keeps its mask until its next token (a second
+        computation reads it back in microseconds: a review found nothing struck there), so after an executor
+        step over MAX_TOKEN_MS the next step's rows are timed. (Timed on threads of our own they would take
+        as long: llguidance's mask holds the GIL, 2 threads took 4.5-5.7 ms over two rows of 2 ms each.)"""
         vocab = self._vocabulary().vocab_size
         own = (vocab + 31) // 32  # the tokenizer's words
         bits = torch.empty((len(matchers), own), dtype=torch.int32)  # a mask writes its whole row
@@ -265,12 +265,16 @@ class Grammars:
             if vocab % 32:
                 bits[free, -1] = (1 << vocab % 32) - 1
         # (llguidance.torch's fill_next_token_bitmask_par, whose module torch.compiles a function on import)
+        by_lane: dict = defaultdict(list)  # lane -> its rows, in the step's order
+        for m, g in rows:
+            by_lane[lane_key(g, owners, lanes)].append((m, g))
         if rows and self._time_next:
             self._time_next = False
-            self._timed_rows(rows, bits, own, costly, owners, lanes, parallel=True)
-        elif self._takes_executor(len(rows)):
-            start = time.perf_counter()
-            self._executor.unsafe_compute_mask_ptr(rows, bits.data_ptr(), own * 4, len(matchers))
+            self._timed_rows(rows, bits, own, costly, owners, lanes)
+        elif self._takes_executor(len(rows), max(map(len, by_lane.values()), default=0)):
+            start = time.perf_counter()  # (a lane's rows in a block: the executor's threads take blocks)
+            self._executor.unsafe_compute_mask_ptr([row for lane in by_lane.values() for row in lane],
+                                                   bits.data_ptr(), own * 4, len(matchers))
             self._time_next = (time.perf_counter() - start) * 1e3 > MAX_TOKEN_MS  # which rows? next step's
         elif rows:
             self._timed_rows(rows, bits, own, costly, owners, lanes)
@@ -278,32 +282,14 @@ class Grammars:
         return bits[:, :self.words]  # a bad model's tokenizer has more ids than logits
 
     def _timed_rows(self, rows: list, bits: torch.Tensor, own: int, costly: list | None,
-                    owners: list | None, lanes: list | None, parallel: bool = False) -> None:
-        """The rows' masks, each timed: on the core's thread, or (`parallel`) each lane's rows in turn on one
-        of _timing_threads, as many as the executor's, so that finding an executor step's costly rows holds a
-        step about as long as the executor would, not the rows' serial sum (a review: 304 ms), and a row's
-        time is its own, not its lane's others' (copies of one compile wait for each other's masks). The rows
-        to strike go to `costly` (struck_rows), those under MAX_TOKEN_MS into row_ms (a measurement at most
-        ROW_COST_JUMP times it: a descheduled thread or a collector pass would keep cheap rows on the
-        executor for hundreds of steps)."""
+                    owners: list | None, lanes: list | None) -> None:
+        """The rows' masks on the core's thread, each timed. The rows to strike go to `costly` (struck_rows),
+        those under MAX_TOKEN_MS into row_ms (a measurement at most ROW_COST_JUMP times it: a descheduled
+        thread or a collector pass would keep cheap rows on the executor for hundreds of steps)."""
         base = bits.data_ptr()  # row g at base + g * own * 4 (a view per row, bits[g], cost 2 us on CI's CPU)
-        calls = {g: (matcher, base + g * own * 4, own * 4) for matcher, g in rows}
-        wall_ms = None
-        if not parallel:
-            took = {g: _mask_ms(call) for g, call in calls.items()}
-        else:
-            by_lane: dict = defaultdict(list)  # lane -> its rows' calls, in the step's order
-            for g, call in calls.items():
-                by_lane[lane_key(g, owners, lanes)].append((g, call))
-            start = time.perf_counter()
-            futures = [self._timing_threads.submit(_lane_ms, job)
-                       for job in lane_jobs(list(by_lane.values()), self._mask_threads)]
-            wait(futures)  # every mask done (writing `bits`) before any error leaves this step
-            took = {g: ms for f in futures for g, ms in f.result()}
-            wall_ms = (time.perf_counter() - start) * 1e3
-        times = [(took[g], g) for _, g in rows]  # (ms, row)
+        times = [(_mask_ms((matcher, base + g * own * 4, own * 4)), g) for matcher, g in rows]  # (ms, row)
         if costly is not None:
-            costly += struck_rows(times, wall_ms, owners, self._mask_threads, lanes)
+            costly += struck_rows(times, owners, self._mask_threads, lanes)
         cheap = [ms for ms, _ in times if ms <= MAX_TOKEN_MS]
         self._measure(sum(cheap), len(cheap))
 
@@ -317,11 +303,14 @@ class Grammars:
             else:
                 self.row_ms = measured
 
-    def _takes_executor(self, rows: int) -> bool:
+    def _takes_executor(self, rows: int, largest_lane: int) -> bool:
         """Whether a step's `rows` masks go to the executor: where there is one, the core's thread would take
-        over PARALLEL_MASKS_MS, and this is not the step of REMEASURE_EVERY that measures a row again. (Its
-        executor refuses an empty list: every guided choice of the step ended in the step before.)"""
-        if self._executor is None or rows == 0 or rows * self.row_ms <= PARALLEL_MASKS_MS:
+        over PARALLEL_MASKS_MS, no lane holds more than half the rows (its copies would wait for each other on
+        the executor's threads: slower than the core's thread alone), and this is not the step of
+        REMEASURE_EVERY that measures a row again. (Its executor refuses an empty list: every guided choice
+        of the step ended in the step before.)"""
+        if (self._executor is None or rows == 0 or rows * self.row_ms <= PARALLEL_MASKS_MS
+                or 2 * largest_lane > rows):
             return False
         self._parallel_steps = (self._parallel_steps + 1) % REMEASURE_EVERY
         return self._parallel_steps != 0
@@ -364,26 +353,6 @@ def _mask_ms(call: tuple[llguidance.LLMatcher, int, int]) -> float:
     start = time.perf_counter()
     matcher.unsafe_compute_mask_ptr(address, nbytes)
     return (time.perf_counter() - start) * 1e3
-
-
-def lane_jobs(lanes: list[list], threads: int) -> list[list]:
-    """Lanes (each a list of its rows' calls) -> at most `threads` jobs of whole lanes, the longest lane
-    first into the job of the fewest rows: a job a thread, not a job a lane (a thread's hand-off costs ~30
-    us a job on CI's 2 cores: 64 lanes of one row each took 1.9 ms where one lane of 64 rows took 0.4)."""
-    if len(lanes) <= threads:
-        return lanes
-    jobs: list = [(0, k, []) for k in range(threads)]  # a heap: (rows, its number, its calls)
-    for lane in sorted(lanes, key=len, reverse=True):
-        rows, k, job = heapq.heappop(jobs)
-        job.extend(lane)
-        heapq.heappush(jobs, (rows + len(lane), k, job))
-    return [job for _, _, job in jobs if job]
-
-
-def _lane_ms(calls: list[tuple[int, tuple]]) -> list[tuple[int, float]]:
-    """Writes one lane's masks in turn ((row, call) each) -> (row, the ms it took) each: a raising mask
-    leaves the rest of its lane unwritten, and the step fails."""
-    return [(g, _mask_ms(call)) for g, call in calls]
 
 
 def _deliver_copy(mine: Future, compiled: Future) -> None:
@@ -475,32 +444,29 @@ class _Step:
     """A step's mask rows as the budget reads them: each row's ms, request and lane, and the wall ms a set
     of rows holds the step for: each lane's rows one after another (copies of one compile share its lexer:
     MatcherFuture; a request's choices are copies of one), the lanes whole on `threads` (the executor's, 1
-    on the core's thread alone), the longest first on the least loaded, times `calibrate` (the executor's
-    measured wall over that estimate for all the rows, at most 1: a wall past the rows' own is the host's,
-    not theirs)."""
+    on the core's thread alone), the longest first on the least loaded."""
 
     ms: dict[int, float]
     owner: dict[int, object]
     lane: dict[int, object]
     threads: int
-    calibrate: float = 1.0
 
     def wall(self, rows: list[int]) -> float:
         jobs: dict = defaultdict(float)  # lane -> its rows' ms
         for g in rows:
             jobs[self.lane[g]] += self.ms[g]
         if len(jobs) <= 1:  # most requests' own rows
-            return sum(jobs.values()) * self.calibrate
+            return sum(jobs.values())
         loads = [0.0] * self.threads  # a heap: the least loaded thread first
         for ms in sorted(jobs.values(), reverse=True):
             heapq.heapreplace(loads, loads[0] + ms)
-        return max(loads) * self.calibrate
+        return max(loads)
 
 
-def struck_rows(times: list[tuple[float, int]], wall_ms: float | None = None, owners: list | None = None,
-                threads: int = 1, lanes: list | None = None) -> list[tuple[int, float]]:
-    """A step's (ms, row) of each mask, timed one by one, `wall_ms`, what the executor took over them (None:
-    the core's thread took them), `threads`, the executor's (1 without one: the core's thread), `owners`,
+def struck_rows(times: list[tuple[float, int]], owners: list | None = None, threads: int = 1,
+                lanes: list | None = None) -> list[tuple[int, float]]:
+    """A step's (ms, row) of each mask, timed one by one, `threads`, the executor's (1 without one: the
+    core's thread), `owners`,
     each row's request (None: a request each), and `lanes`, each row's compile (None: its request's) -> (row,
     its request's ms) of the rows it strikes. The rows of a request count together (its n choices, a
     completion's prompts: 40 rows of 2 ms held every step 80 ms, never struck, in a review), the rows of a
@@ -513,8 +479,6 @@ def struck_rows(times: list[tuple[float, int]], wall_ms: float | None = None, ow
         return []  # no set of these rows can hold the step longer than their sum
     step = _Step({g: ms for ms, g in times}, {g: g if owners is None else owners[g] for _, g in times},
                  {g: lane_key(g, owners, lanes) for _, g in times}, max(1, threads))
-    if wall_ms is not None:
-        step.calibrate = min(1.0, wall_ms / step.wall(list(step.ms)))
     requests: dict = {}  # request -> its rows, in the step's order
     for g, owner in step.owner.items():
         requests.setdefault(owner, []).append(g)
@@ -531,7 +495,7 @@ def struck_rows(times: list[tuple[float, int]], wall_ms: float | None = None, ow
         while costly:
             # the rows' sum over the threads bounds their wall from below: a step far over the budget
             # strikes its way down without scheduling its rows each time (~0.2 ms a schedule of 256)
-            if (sum(lane_ms.values()) / step.threads * step.calibrate <= MAX_TOKEN_MS
+            if (sum(lane_ms.values()) / step.threads <= MAX_TOKEN_MS
                     and step.wall([g for k in rest for g in requests[k]]) <= MAX_TOKEN_MS):
                 break
             # from the longest lane first (a shorter one's row leaves the wall as it is), its costliest
