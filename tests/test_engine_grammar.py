@@ -533,10 +533,11 @@ def test_rows_over_the_time_limit_are_reported(monkeypatch):
     assert [g for g, _ in costly] == [0, 2] and all(ms > 0 for _, ms in costly)
 
 
-def test_the_step_after_an_executor_step_over_the_time_limit_is_timed_row_by_row(monkeypatch):
+def test_the_steps_after_an_executor_step_over_the_time_limit_are_timed_row_by_row(monkeypatch):
     """The executor's step tells no row's time, and a matcher keeps its mask until its next token (computed
-    again it reads back in microseconds: a review found nothing ever struck that way): the next step's rows
-    are timed, each on the core's thread, so that a slow token between cheap ones is struck."""
+    again it reads back in microseconds: a review found nothing ever struck that way): the next
+    TIMED_AFTER_SLOW_STEP steps' rows are timed, each on the core's thread, then the executor takes over."""
+    monkeypatch.setattr(grammar_module, "TIMED_AFTER_SLOW_STEP", 2)
     executor = CountedExecutor()
     monkeypatch.setattr(Grammars, "_executor", executor)
     monkeypatch.setattr(Grammars, "_mask_threads", 2)
@@ -552,7 +553,9 @@ def test_the_step_after_an_executor_step_over_the_time_limit_is_timed_row_by_row
     assert torch.equal(grammars.masks(matchers, costly), want)
     assert executor.steps == 2 and [g for g, _ in costly] == [0, 1]
     grammars.masks(matchers, costly)
-    assert executor.steps == 3  # the timed step was one step
+    assert executor.steps == 2 and [g for g, _ in costly] == [0, 1, 0, 1]  # the second timed step
+    grammars.masks(matchers, costly)
+    assert executor.steps == 3
 
 
 def test_copies_of_one_compile_stay_on_the_cores_thread(monkeypatch):
@@ -576,6 +579,49 @@ def test_copies_of_one_compile_stay_on_the_cores_thread(monkeypatch):
     monkeypatch.setattr(grammar_module, "MAX_TOKEN_MS", 1e9)
     assert torch.equal(grammars.masks(matchers, [], owners, [1, 2, 1, 2]), want)
     assert executor.orders == [[0, 2, 1, 3]]  # two compiles of two rows each, each in a block
+
+
+class SlowEvery:
+    """A guided row whose every k-th mask takes `ms` (a slow spot its grammar meets again and again)."""
+
+    def __init__(self, k: int, ms: float):
+        self.k, self.ms, self.calls = k, ms, 0
+
+    def unsafe_compute_mask_ptr(self, address: int, nbytes: int) -> None:
+        self.calls += 1
+        if self.calls % self.k == 0:
+            time.sleep(self.ms / 1e3)
+
+
+class SerialExecutor:
+    """An executor that computes its rows one after another on the calling thread (for rows of our own)."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def unsafe_compute_mask_ptr(self, rows, address, nbytes, count) -> None:
+        self.steps += 1
+        for matcher, g in rows:
+            matcher.unsafe_compute_mask_ptr(address + g * nbytes, nbytes)
+
+
+def test_a_slow_spot_between_cheap_tokens_is_struck_on_an_executor_host(monkeypatch):
+    """A grammar slow at every 4th token, beside other grammars: the executor's slow step names no row, and
+    timing only the step after it (a cheap one) never struck it (a review); the steps after it are timed,
+    and its next slow tokens are reported, twice within STRIKE_WINDOW tokens."""
+    executor = SerialExecutor()
+    monkeypatch.setattr(Grammars, "_executor", executor)
+    monkeypatch.setattr(grammar_module, "PARALLEL_MASKS_MS", 0.0)
+    monkeypatch.setattr(grammar_module, "MAX_TOKEN_MS", 30.0)
+    grammars = Grammars(TOKENIZER, 300, {EOS})
+    grammars.row_ms = 1.0
+    rows = [SlowEvery(4, 40.0), SlowEvery(10**6, 0.0), SlowEvery(10**6, 0.0)]
+    reported = []
+    for step in range(1, 13):
+        costly: list = []
+        grammars.masks(rows, costly, ["slow", "b", "c"], [1, 2, 3])
+        reported += [step for g, _ in costly if g == 0]
+    assert executor.steps == 4 and reported == [8, 12], reported  # steps 1-4 on the executor (4: slow)
 
 
 def test_a_slow_row_moves_the_measured_row_cost_a_bounded_step(monkeypatch):
@@ -884,11 +930,11 @@ def test_a_real_executor_steps_costly_rows_are_struck_at_the_next_step(monkeypat
     rows = [m.deep_copy() for _ in range(5)]
     costly: list = []
     grammars.masks(rows, costly)
-    assert costly == [] and grammars._time_next  # the executor's step: over the limit, no row's time
+    assert costly == [] and grammars._timed_steps  # the executor's step: over the limit, no row's time
     for row in rows:
         assert row.consume_token(x)
     grammars.masks(rows, costly)
-    assert costly and not grammars._time_next
+    assert costly and grammars._timed_steps == grammar_module.TIMED_AFTER_SLOW_STEP - 1
 
 
 def test_a_requests_rows_count_together():

@@ -96,6 +96,12 @@ GRAMMAR_STRIKES = 2  # tokens over MAX_TOKEN_MS that fail a choice: one may be t
 # that repeats within 64 tokens and let a rarer one hold every stream's step at most once in 64 of the
 # choice's tokens; two hiccups of the host (seconds apart) rarely fall within 64 decode steps of one choice.
 STRIKE_WINDOW = 64
+# An executor step over MAX_TOKEN_MS tells no row's time: the next this many steps run on the core's thread,
+# each row timed, so that a slow spot that repeats within STRIKE_WINDOW tokens meets its two strikes there (a
+# slow token between cheap ones, found by timing only the next step, was never struck: a review). It costs
+# at most these steps at one thread's pace (256 rows of a JSON schema over a 128K-token vocabulary: ~2 ms a
+# step against the executor's ~1.1 ms, tools/mask_lane_probe), after a step that held every stream 50 ms.
+TIMED_AFTER_SLOW_STEP = 2 * STRIKE_WINDOW
 REMEASURE_EVERY = 64  # of the executor's steps, one runs on the core's thread to measure a row's cost again
 ROW_COST_WEIGHT = 0.2  # a new measurement's weight in row_ms (a wave's first masks cost a few times more)
 ROW_COST_JUMP = 4.0  # a measurement counts as at most this many times row_ms
@@ -156,7 +162,7 @@ class Grammars:
         self._lock = threading.Lock()  # the core adds compiles, a compile thread drops one nobody wants
         self.row_ms = 0.0  # a mask row's cost on the core's thread, measured (a moving average)
         self._parallel_steps = 0  # the executor's steps since the last measurement
-        self._time_next = False  # the executor's last step took over MAX_TOKEN_MS: time the next one's rows
+        self._timed_steps = 0  # steps left to time on the core's thread after a slow executor step
 
     @functools.cached_property
     def _mask_threads(self) -> int:
@@ -253,8 +259,9 @@ class Grammars:
         request, lanes[g]: the compile its matcher copies), each row timed on the core's thread. The
         executor's step tells no row's time, and a matcher keeps its mask until its next token (a second
         computation reads it back in microseconds: a review found nothing struck there), so after an executor
-        step over MAX_TOKEN_MS the next step's rows are timed. (Timed on threads of our own they would take
-        as long: llguidance's mask holds the GIL, 2 threads took 4.5-5.7 ms over two rows of 2 ms each.)"""
+        step over MAX_TOKEN_MS the next TIMED_AFTER_SLOW_STEP steps' rows are timed. (Timed on threads of our
+        own they would take as long: llguidance's mask holds the GIL, 2 threads took 4.5-5.7 ms over two rows
+        of 2 ms each.)"""
         vocab = self._vocabulary().vocab_size
         own = (vocab + 31) // 32  # the tokenizer's words
         bits = torch.empty((len(matchers), own), dtype=torch.int32)  # a mask writes its whole row
@@ -268,14 +275,15 @@ class Grammars:
         by_lane: dict = defaultdict(list)  # lane -> its rows, in the step's order
         for m, g in rows:
             by_lane[lane_key(g, owners, lanes)].append((m, g))
-        if rows and self._time_next:
-            self._time_next = False
+        if rows and self._timed_steps:
+            self._timed_steps -= 1
             self._timed_rows(rows, bits, own, costly, owners, lanes)
         elif self._takes_executor(len(rows), max(map(len, by_lane.values()), default=0)):
             start = time.perf_counter()  # (a lane's rows in a block: the executor's threads take blocks)
             self._executor.unsafe_compute_mask_ptr([row for lane in by_lane.values() for row in lane],
                                                    bits.data_ptr(), own * 4, len(matchers))
-            self._time_next = (time.perf_counter() - start) * 1e3 > MAX_TOKEN_MS  # which rows? next step's
+            if (time.perf_counter() - start) * 1e3 > MAX_TOKEN_MS:  # which rows? the next steps' timed
+                self._timed_steps = TIMED_AFTER_SLOW_STEP
         elif rows:
             self._timed_rows(rows, bits, own, costly, owners, lanes)
         self._forced_specials().spell(matchers, bits)
