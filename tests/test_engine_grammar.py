@@ -624,9 +624,70 @@ def test_a_slow_spot_between_cheap_tokens_is_struck_on_an_executor_host(monkeypa
     assert executor.steps == 4 and reported == [8, 12], reported  # steps 1-4 on the executor (4: slow)
 
 
-def test_a_slow_row_moves_the_measured_row_cost_a_bounded_step(monkeypatch):
-    """A row over the limit is left out of row_ms, and one measurement counts as at most ROW_COST_JUMP times
-    it: one slow step kept cheap rows on the executor for ~700 steps (a review)."""
+class SleepingRow:
+    """A guided row whose mask takes `ms` (a sleep: it lets go of the GIL, as llguidance's masks do), noting
+    how many rows of its lane (`active`, shared) run at once, at most."""
+
+    def __init__(self, ms: float, active: dict):
+        self.ms, self.active = ms, active
+
+    def unsafe_compute_mask_ptr(self, address: int, nbytes: int) -> None:
+        with self.active["lock"]:
+            self.active["now"] += 1
+            self.active["most"] = max(self.active["most"], self.active["now"])
+        time.sleep(self.ms / 1e3)
+        with self.active["lock"]:
+            self.active["now"] -= 1
+
+
+def test_a_costly_step_the_executor_refuses_runs_its_lanes_on_threads(monkeypatch):
+    """Six requests of one grammar (one lane: the executor refuses the step) beside five of other grammars,
+    8 ms a row: the lanes run on the mask threads, the popular one in turn, as the budget reads the step
+    (48 ms, none struck); in turn on the core's thread it held every step 88 ms, none struck (a review)."""
+    monkeypatch.setattr(Grammars, "_executor", CountedExecutor())
+    monkeypatch.setattr(Grammars, "_mask_threads", 4)
+    grammars = Grammars(TOKENIZER, 300, {EOS})
+    grammars.row_ms = 8.0
+    popular, others = ({"lock": threading.Lock(), "now": 0, "most": 0} for _ in range(2))
+    rows = [SleepingRow(8.0, popular) for _ in range(6)] + [SleepingRow(8.0, others) for _ in range(5)]
+    costly: list = []
+    grammars.masks(rows, costly, [f"r{g}" for g in range(11)], [1] * 6 + [2, 3, 4, 5, 6])
+    assert grammars._executor.steps == 0 and costly == []
+    assert popular["most"] == 1 and others["most"] > 1  # the popular lane in turn, the others beside it
+
+
+class RaisingRow:
+    def unsafe_compute_mask_ptr(self, address: int, nbytes: int) -> None:
+        raise RuntimeError("a mask failed")
+
+
+def test_no_mask_runs_on_after_a_timed_step_fails(monkeypatch):
+    """Where one lane's mask raises, masks() leaves only once the other lanes' threads are done: they write
+    into the step's bits, freed once it returns (a review found 3 of 3 still running)."""
+    monkeypatch.setattr(Grammars, "_executor", CountedExecutor())
+    monkeypatch.setattr(Grammars, "_mask_threads", 4)
+    grammars = Grammars(TOKENIZER, 300, {EOS})
+    grammars._timed_steps = 1  # after an executor step over the limit
+    ends: list[float] = []
+
+    class TimedRow(SleepingRow):
+        def unsafe_compute_mask_ptr(self, address: int, nbytes: int) -> None:
+            super().unsafe_compute_mask_ptr(address, nbytes)
+            ends.append(time.perf_counter())
+
+    lane = {"lock": threading.Lock(), "now": 0, "most": 0}
+    with pytest.raises(RuntimeError, match="a mask failed"):
+        grammars.masks([RaisingRow(), *(TimedRow(300.0, lane) for _ in range(3))], [], None, [1, 2, 3, 4])
+    returned = time.perf_counter()
+    time.sleep(0.4)
+    assert len(ends) == 3 and max(ends) <= returned and lane["most"] > 1
+
+
+def test_the_measured_row_cost_follows_a_steps_median_row(monkeypatch):
+    """A row over the limit is left out of row_ms; a step's median row moves it, so one row held 40 ms (a
+    descheduled thread, a collector pass) moves it little (a review: one slow step kept cheap rows on the
+    executor for ~700 steps), while a step of costlier rows moves it at once (another: capped at 4x a step,
+    8 steps of 20 ms rows ran in turn on the core's thread before the executor took them)."""
     grammars = Grammars(TOKENIZER, 300, {EOS})
     matchers = [grammars.compile(regex_grammar("[a-c]+")).result() for _ in range(4)]
     grammars.masks(matchers)
@@ -635,11 +696,14 @@ def test_a_slow_row_moves_the_measured_row_cost_a_bounded_step(monkeypatch):
     grammars.masks(matchers, [])  # every row over the limit: none measured
     assert grammars.row_ms == first
     monkeypatch.setattr(grammar_module, "MAX_TOKEN_MS", 50.0)
-    clock = iter(x * 1e-3 for x in [0, 40, 40, 80, 80, 120, 120, 160])  # rows of 40 ms each
-    monkeypatch.setattr(grammar_module.time, "perf_counter", lambda: next(clock))
+    took = iter([40.0, 0.01, 0.01, 0.01, 20.0, 20.0, 20.0, 20.0])  # a step of one slow row, then one of 20 ms
+    monkeypatch.setattr(grammar_module, "_mask_ms", lambda call: next(took))
     grammars.masks(matchers)
-    jump = grammar_module.ROW_COST_JUMP
-    assert grammars.row_ms == pytest.approx(first + grammar_module.ROW_COST_WEIGHT * (jump - 1) * first)
+    weight = grammar_module.ROW_COST_WEIGHT
+    assert grammars.row_ms == pytest.approx(first + weight * (0.01 - first))
+    before = grammars.row_ms
+    grammars.masks(matchers)
+    assert grammars.row_ms == pytest.approx(before + weight * (20.0 - before))
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -879,6 +943,17 @@ def test_rows_of_one_compile_count_in_turn_whichever_requests_they_serve():
     # a row without a lane is its request's: the two rows of "a" in turn, beside "b"'s lane
     assert grammar_module.struck_rows([(30.0, 0), (30.0, 1), (30.0, 2)], ["a", "a", "b"], threads=4,
                                       lanes=[None, None, 7]) == [(0, 60.0), (1, 60.0)]
+
+
+def test_the_costliest_request_goes_first_unless_one_lane_holds_the_step():
+    """A review's two cases where striking from the longest lane first failed an innocent request: on one
+    thread the wall is the rows' sum, so the 49 ms request alone is struck (not a 5 ms one of the 50 ms
+    lane too); with more lanes than threads, the 30 ms request alone fits the step (35 | 30 ms)."""
+    rows = [(5.0, g) for g in range(10)] + [(49.0, 10)]
+    assert [g for g, _ in grammar_module.struck_rows(rows, list(range(11)), 1, [7] * 10 + [8])] == [10]
+    rows = [(5.0, g) for g in range(13)] + [(30.0, 13)]
+    lanes = [1] * 7 + [2] * 6 + [3]
+    assert [g for g, _ in grammar_module.struck_rows(rows, list(range(14)), 2, lanes)] == [13]
 
 
 def test_copies_of_one_compile_share_a_lane():

@@ -30,11 +30,12 @@ import functools
 import heapq
 import itertools
 import os
+import statistics
 import threading
 import time
 import weakref
-from collections import OrderedDict, defaultdict
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from collections import OrderedDict, defaultdict, deque
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import llguidance
@@ -104,7 +105,6 @@ STRIKE_WINDOW = 64
 TIMED_AFTER_SLOW_STEP = 2 * STRIKE_WINDOW
 REMEASURE_EVERY = 64  # of the executor's steps, one runs on the core's thread to measure a row's cost again
 ROW_COST_WEIGHT = 0.2  # a new measurement's weight in row_ms (a wave's first masks cost a few times more)
-ROW_COST_JUMP = 4.0  # a measurement counts as at most this many times row_ms
 # llguidance's parser limits, for the API's check of a grammar and the core's matchers alike: its defaults but
 # - a lexer step's fuel, 200K (~14 ms of one mask, ~14K a ms) -> 50K, so that no lexer step holds every
 #   stream's step for more than a few ms (MAX_TOKEN_MS bounds a token's mask and its parse);
@@ -256,12 +256,14 @@ class Grammars:
               lanes: list | None = None) -> torch.Tensor:
         """(G, W) int32 host bitmask: row g the tokens matchers[g] allows next (None: every token the
         tokenizer has). Appends to `costly` (row, ms) the rows to strike (struck_rows; owners[g]: row g's
-        request, lanes[g]: the compile its matcher copies), each row timed on the core's thread. The
-        executor's step tells no row's time, and a matcher keeps its mask until its next token (a second
-        computation reads it back in microseconds: a review found nothing struck there), so after an executor
-        step over MAX_TOKEN_MS the next TIMED_AFTER_SLOW_STEP steps' rows are timed. (Timed on threads of our
-        own they would take as long: llguidance's mask holds the GIL, 2 threads took 4.5-5.7 ms over two rows
-        of 2 ms each.)"""
+        request, lanes[g]: the compile its matcher copies), each row timed (_timed_rows). The executor's step
+        tells no row's time, and a matcher keeps its mask until its next token (a second computation reads it
+        back in microseconds: a review found nothing struck there), so after an executor step over
+        MAX_TOKEN_MS the next TIMED_AFTER_SLOW_STEP steps' rows are timed, each lane on a thread.
+        Every step is budgeted as the mask threads take it (struck_rows), and a costly step runs so: spread
+        over several compiles on the executor; where one compile holds over half its rows (they would wait
+        for each other on the executor) or the step is timed, each lane's rows in turn on one of
+        _mask_threads threads."""
         vocab = self._vocabulary().vocab_size
         own = (vocab + 31) // 32  # the tokenizer's words
         bits = torch.empty((len(matchers), own), dtype=torch.int32)  # a mask writes its whole row
@@ -275,9 +277,10 @@ class Grammars:
         by_lane: dict = defaultdict(list)  # lane -> its rows, in the step's order
         for m, g in rows:
             by_lane[lane_key(g, owners, lanes)].append((m, g))
+        costly_step = len(rows) * self.row_ms > PARALLEL_MASKS_MS
         if rows and self._timed_steps:
             self._timed_steps -= 1
-            self._timed_rows(rows, bits, own, costly, owners, lanes)
+            self._timed_rows(by_lane, bits, own, costly, owners, lanes, parallel=True)
         elif self._takes_executor(len(rows), max(map(len, by_lane.values()), default=0)):
             start = time.perf_counter()  # (a lane's rows in a block: the executor's threads take blocks)
             self._executor.unsafe_compute_mask_ptr([row for lane in by_lane.values() for row in lane],
@@ -285,31 +288,53 @@ class Grammars:
             if (time.perf_counter() - start) * 1e3 > MAX_TOKEN_MS:  # which rows? the next steps' timed
                 self._timed_steps = TIMED_AFTER_SLOW_STEP
         elif rows:
-            self._timed_rows(rows, bits, own, costly, owners, lanes)
+            self._timed_rows(by_lane, bits, own, costly, owners, lanes, parallel=costly_step)
         self._forced_specials().spell(matchers, bits)
         return bits[:, :self.words]  # a bad model's tokenizer has more ids than logits
 
-    def _timed_rows(self, rows: list, bits: torch.Tensor, own: int, costly: list | None,
-                    owners: list | None, lanes: list | None) -> None:
-        """The rows' masks on the core's thread, each timed. The rows to strike go to `costly` (struck_rows),
-        those under MAX_TOKEN_MS into row_ms (a measurement at most ROW_COST_JUMP times it: a descheduled
-        thread or a collector pass would keep cheap rows on the executor for hundreds of steps)."""
+    def _timed_rows(self, by_lane: dict, bits: torch.Tensor, own: int, costly: list | None,
+                    owners: list | None, lanes: list | None, parallel: bool = False) -> None:
+        """The masks of by_lane's rows (lane -> its (matcher, row)s), each timed: on the core's thread, or
+        (`parallel`, with several lanes and mask threads) each lane's rows in turn on one of _mask_threads
+        threads, whole lanes a job (lane_jobs), the core's thread taking one job. llguidance's mask lets go
+        of the GIL while it computes (a review: two rows of ~30 ms compiled apart took 23 ms on 2 threads,
+        32 in turn), so a costly step takes about the wall its budget reads (a review: 4x the budget for 128
+        steps when they ran in turn); copies of one compile wait for each other, so each lane runs in turn,
+        each row's time its own. Cheap rows stay on the core's thread: there the threads' hand-offs and
+        Python work cost more than they save (256 rows of ~8 us, an H100 host: 2.5-2.9 ms on 4 threads,
+        1.8-2.5 on one). The rows to strike go to `costly` (struck_rows), those under MAX_TOKEN_MS into
+        row_ms."""
         base = bits.data_ptr()  # row g at base + g * own * 4 (a view per row, bits[g], cost 2 us on CI's CPU)
-        times = [(_mask_ms((matcher, base + g * own * 4, own * 4)), g) for matcher, g in rows]  # (ms, row)
+        calls = [[(g, (matcher, base + g * own * 4, own * 4)) for matcher, g in lane]
+                 for lane in by_lane.values()]
+        if parallel and len(calls) > 1 and self._mask_threads > 1:
+            first, *rest = lane_jobs(calls, self._mask_threads)
+            futures = [self._timing_threads.submit(_lane_ms, job) for job in rest]
+            try:
+                took = _lane_ms(first)
+            finally:
+                wait(futures)  # every mask done (writing `bits`) before any error leaves this step
+            for f in futures:
+                took += f.result()
+        else:
+            took = [pair for lane in calls for pair in _lane_ms(lane)]
+        times = [(ms, g) for g, ms in took]  # (ms, row)
         if costly is not None:
             costly += struck_rows(times, owners, self._mask_threads, lanes)
-        cheap = [ms for ms, _ in times if ms <= MAX_TOKEN_MS]
-        self._measure(sum(cheap), len(cheap))
+        self._measure([ms for ms, _ in times if ms <= MAX_TOKEN_MS])
 
-    def _measure(self, cheap_ms: float, cheap: int) -> None:
-        """`cheap` rows took `cheap_ms` on the core's thread: row_ms moves towards their mean."""
+    @functools.cached_property
+    def _timing_threads(self) -> ThreadPoolExecutor:
+        """The threads that time a costly step's lanes beside the core's (made at the first such step)."""
+        return ThreadPoolExecutor(self._mask_threads - 1, thread_name_prefix="pagewalk-mask-timing")
+
+    def _measure(self, cheap: list[float]) -> None:
+        """The ms of a step's rows under MAX_TOKEN_MS: row_ms moves towards their median (one row held by a
+        descheduled thread or a collector pass moves it little, a step of costlier rows at once: the mean,
+        capped at 4x a step, took a review's 20 ms rows 8 steps of 160 ms each to reach the executor)."""
         if cheap:
-            measured = cheap_ms / cheap
-            if self.row_ms:
-                measured = min(measured, ROW_COST_JUMP * self.row_ms)
-                self.row_ms += ROW_COST_WEIGHT * (measured - self.row_ms)
-            else:
-                self.row_ms = measured
+            measured = statistics.median(cheap)
+            self.row_ms += ROW_COST_WEIGHT * (measured - self.row_ms) if self.row_ms else measured
 
     def _takes_executor(self, rows: int, largest_lane: int) -> bool:
         """Whether a step's `rows` masks go to the executor: where there is one, the core's thread would take
@@ -353,6 +378,22 @@ class MatcherFuture(Future):
     def __init__(self, lane: int) -> None:
         super().__init__()
         self.lane = lane
+
+
+def lane_jobs(lanes: list[list], threads: int) -> list[list]:
+    """Lanes (each a list of its rows' calls) -> at most `threads` jobs of whole lanes, the longest lane first
+    into the job of the fewest rows."""
+    jobs: list = [(0, k, []) for k in range(min(threads, len(lanes)))]  # a heap: (rows, its number, calls)
+    for lane in sorted(lanes, key=len, reverse=True):
+        rows, k, job = heapq.heappop(jobs)
+        job.extend(lane)
+        heapq.heappush(jobs, (rows + len(lane), k, job))
+    return [job for _, _, job in sorted(jobs, key=lambda job: job[1])]
+
+
+def _lane_ms(calls: list[tuple[int, tuple]]) -> list[tuple[int, float]]:
+    """Writes one job's masks in turn ((row, call) each) -> (row, the ms it took) each."""
+    return [(g, _mask_ms(call)) for g, call in calls]
 
 
 def _mask_ms(call: tuple[llguidance.LLMatcher, int, int]) -> float:
@@ -493,28 +534,62 @@ def struck_rows(times: list[tuple[float, int]], owners: list | None = None, thre
     walls = {key: step.wall(rows) for key, rows in requests.items()}
     struck = [key for key in requests if walls[key] > MAX_TOKEN_MS]
     rest = [key for key in requests if walls[key] <= MAX_TOKEN_MS]
-    costly = [key for key in rest if walls[key] >= COSTLY_ROW_MS]
     cheap = [g for key in rest if walls[key] < COSTLY_ROW_MS for g in requests[key]]
     if step.wall(cheap) <= MAX_TOKEN_MS:  # else slow by its cheap rows: striking cannot fit the step
-        lane_ms: dict = defaultdict(float)  # lane -> the ms of its rows not struck
-        for key in rest:
-            for g in requests[key]:
-                lane_ms[step.lane[g]] += step.ms[g]
-        while costly:
-            # the rows' sum over the threads bounds their wall from below: a step far over the budget
-            # strikes its way down without scheduling its rows each time (~0.2 ms a schedule of 256)
-            if (sum(lane_ms.values()) / step.threads <= MAX_TOKEN_MS
-                    and step.wall([g for k in rest for g in requests[k]]) <= MAX_TOKEN_MS):
-                break
-            # from the longest lane first (a shorter one's row leaves the wall as it is), its costliest
-            key = max(costly, key=lambda k: (max(lane_ms[step.lane[g]] for g in requests[k]), walls[k],
-                                             requests[k][-1]))
-            costly.remove(key)
-            rest.remove(key)
-            struck.append(key)
-            for g in requests[key]:
-                lane_ms[step.lane[g]] -= step.ms[g]
+        struck += _strikes(step, requests, walls, [key for key in rest if walls[key] >= COSTLY_ROW_MS],
+                           set(rest))
     return [(g, walls[key]) for key in struck for g in requests[key]]
+
+
+def _strikes(step: _Step, requests: dict, walls: dict, costly: list, rest: set) -> list:
+    """The `costly` requests (each under MAX_TOKEN_MS alone) struck until the `rest` fit MAX_TOKEN_MS: the
+    costliest first, but from the longest lane while it alone holds the step (a lane of at least the rows'
+    share of a thread: striking elsewhere leaves its wall as it is). A review found both rules wrong alone:
+    on one thread a 5 ms request of the longest lane struck beside a 49 ms one whose strike alone fitted;
+    three 20 ms copies of one compile beside a 45 ms request, the 45 ms one struck first for nothing. Each
+    request and lane is handled a bounded number of times a strike (a review: 0.55 s over 1024 rows)."""
+    lane_ms: dict = defaultdict(float)  # lane -> the ms of its rows not struck
+    for key in rest:
+        for g in requests[key]:
+            lane_ms[step.lane[g]] += step.ms[g]
+    total = sum(lane_ms.values())
+    order = sorted(costly, key=lambda k: (walls[k], requests[k][-1]), reverse=True)  # costliest first
+    by_lane: dict = defaultdict(deque)  # lane -> its costly requests, costliest first
+    for key in order:
+        for lane in dict.fromkeys(step.lane[g] for g in requests[key]):
+            by_lane[lane].append(key)
+    everyone = deque(order)
+    tick = itertools.count()  # ties broken by age, never by lane (lanes of mixed key types do not compare)
+    longest = [(-ms, next(tick), lane) for lane, ms in lane_ms.items()]  # a heap, stale entries kept
+    heapq.heapify(longest)
+    struck: list = []
+    while True:
+        # the rows' sum over the threads bounds their wall from below: a step far over the budget strikes
+        # its way down without scheduling its rows each time (~0.2 ms a schedule of 256)
+        if (total / step.threads <= MAX_TOKEN_MS
+                and step.wall([g for k in rest for g in requests[k]]) <= MAX_TOKEN_MS):
+            return struck
+        while -longest[0][0] != lane_ms[longest[0][2]]:  # a lane's entry from before a strike
+            heapq.heappop(longest)
+        lane = longest[0][2]
+        key = _first_left(by_lane[lane], rest) if lane_ms[lane] * step.threads >= total else None
+        key = key if key is not None else _first_left(everyone, rest)
+        if key is None:
+            return struck
+        rest.discard(key)
+        struck.append(key)
+        for g in requests[key]:
+            lane_ms[step.lane[g]] -= step.ms[g]
+            total -= step.ms[g]
+        for lane in dict.fromkeys(step.lane[g] for g in requests[key]):
+            heapq.heappush(longest, (-lane_ms[lane], next(tick), lane))
+
+
+def _first_left(queue: deque, rest: set):
+    """The first of `queue` still in `rest` (the ones before it, struck, dropped), or None."""
+    while queue and queue[0] not in rest:
+        queue.popleft()
+    return queue[0] if queue else None
 
 
 def lane_key(g: int, owners: list | None, lanes: list | None) -> tuple:
