@@ -30,7 +30,6 @@ import functools
 import heapq
 import itertools
 import os
-import statistics
 import threading
 import time
 import weakref
@@ -97,13 +96,12 @@ GRAMMAR_STRIKES = 2  # tokens over MAX_TOKEN_MS that fail a choice: one may be t
 # that repeats within 64 tokens and let a rarer one hold every stream's step at most once in 64 of the
 # choice's tokens; two hiccups of the host (seconds apart) rarely fall within 64 decode steps of one choice.
 STRIKE_WINDOW = 64
-# An executor step over MAX_TOKEN_MS tells no row's time: the next this many steps run on the core's thread,
+# An executor step over MAX_TOKEN_MS tells no row's time: the next this many steps run on the mask threads,
 # each row timed, so that a slow spot that repeats within STRIKE_WINDOW tokens meets its two strikes there (a
-# slow token between cheap ones, found by timing only the next step, was never struck: a review). It costs
-# at most these steps at one thread's pace (256 rows of a JSON schema over a 128K-token vocabulary: ~2 ms a
-# step against the executor's ~1.1 ms, tools/mask_lane_probe), after a step that held every stream 50 ms.
+# slow token between cheap ones, found by timing only the next step, was never struck: a review). They cost
+# the threads' hand-offs and each row's Python work beside the executor's (256 rows of ~8 us: ~2.5 ms a
+# step against ~1.1-1.5, tools/mask_lane_probe), after a step that held every stream 50 ms.
 TIMED_AFTER_SLOW_STEP = 2 * STRIKE_WINDOW
-REMEASURE_EVERY = 64  # of the executor's steps, one runs on the core's thread to measure a row's cost again
 ROW_COST_WEIGHT = 0.2  # a new measurement's weight in row_ms (a wave's first masks cost a few times more)
 # llguidance's parser limits, for the API's check of a grammar and the core's matchers alike: its defaults but
 # - a lexer step's fuel, 200K (~14 ms of one mask, ~14K a ms) -> 50K, so that no lexer step holds every
@@ -161,8 +159,8 @@ class Grammars:
         self._compiled_chars = 0
         self._lock = threading.Lock()  # the core adds compiles, a compile thread drops one nobody wants
         self.row_ms = 0.0  # a mask row's cost on the core's thread, measured (a moving average)
-        self._parallel_steps = 0  # the executor's steps since the last measurement
-        self._timed_steps = 0  # steps left to time on the core's thread after a slow executor step
+        self._lane_costs: dict = {}  # lane -> its rows' ms in the last step timed on the mask threads
+        self._timed_steps = 0  # steps left to time on the mask threads after a slow executor step
 
     @functools.cached_property
     def _mask_threads(self) -> int:
@@ -256,14 +254,13 @@ class Grammars:
               lanes: list | None = None) -> torch.Tensor:
         """(G, W) int32 host bitmask: row g the tokens matchers[g] allows next (None: every token the
         tokenizer has). Appends to `costly` (row, ms) the rows to strike (struck_rows; owners[g]: row g's
-        request, lanes[g]: the compile its matcher copies), each row timed (_timed_rows). The executor's step
-        tells no row's time, and a matcher keeps its mask until its next token (a second computation reads it
-        back in microseconds: a review found nothing struck there), so after an executor step over
-        MAX_TOKEN_MS the next TIMED_AFTER_SLOW_STEP steps' rows are timed, each lane on a thread.
-        Every step is budgeted as the mask threads take it (struck_rows), and a costly step runs so: spread
-        over several compiles on the executor; where one compile holds over half its rows (they would wait
-        for each other on the executor) or the step is timed, each lane's rows in turn on one of
-        _mask_threads threads."""
+        request, lanes[g]: the compile its matcher copies), each row timed, budgeted as the step ran. A
+        cheap step (rows x row_ms within PARALLEL_MASKS_MS) runs on the core's thread; a costly one on the
+        executor where no lane holds over half its rows, else each lane's rows in turn on the mask threads
+        (_costly_rows). The executor's step tells no row's time, and a matcher keeps its mask until its next
+        token (a second computation reads it back in microseconds: a review found nothing struck there), so
+        after an executor step over MAX_TOKEN_MS the next TIMED_AFTER_SLOW_STEP steps run on the mask
+        threads, each row timed."""
         vocab = self._vocabulary().vocab_size
         own = (vocab + 31) // 32  # the tokenizer's words
         bits = torch.empty((len(matchers), own), dtype=torch.int32)  # a mask writes its whole row
@@ -274,51 +271,60 @@ class Grammars:
             if vocab % 32:
                 bits[free, -1] = (1 << vocab % 32) - 1
         # (llguidance.torch's fill_next_token_bitmask_par, whose module torch.compiles a function on import)
-        by_lane: dict = defaultdict(list)  # lane -> its rows, in the step's order
-        for m, g in rows:
-            by_lane[lane_key(g, owners, lanes)].append((m, g))
-        costly_step = len(rows) * self.row_ms > PARALLEL_MASKS_MS
-        if rows and self._timed_steps:
+        base = bits.data_ptr()  # row g at base + g * own * 4 (a view per row, bits[g], cost 2 us on CI's CPU)
+        calls = [(g, (m, base + g * own * 4, own * 4)) for m, g in rows]
+        if not calls:
+            pass  # (the executor refuses an empty list: each guided choice of the step ended the step before)
+        elif self._timed_steps:
             self._timed_steps -= 1
-            self._timed_rows(by_lane, bits, own, costly, owners, lanes, parallel=True)
-        elif self._takes_executor(len(rows), max(map(len, by_lane.values()), default=0)):
-            start = time.perf_counter()  # (a lane's rows in a block: the executor's threads take blocks)
-            self._executor.unsafe_compute_mask_ptr([row for lane in by_lane.values() for row in lane],
-                                                   bits.data_ptr(), own * 4, len(matchers))
-            if (time.perf_counter() - start) * 1e3 > MAX_TOKEN_MS:  # which rows? the next steps' timed
-                self._timed_steps = TIMED_AFTER_SLOW_STEP
-        elif rows:
-            self._timed_rows(by_lane, bits, own, costly, owners, lanes, parallel=costly_step)
+            self._costly_rows(calls, bits, costly, owners, lanes, executor=False)
+        elif self._executor is None or len(calls) * self.row_ms <= PARALLEL_MASKS_MS:
+            times = [(ms, g) for g, ms in _lane_ms(calls)]
+            if costly is not None:
+                costly += struck_rows(times, owners, 1, lanes)
+            self._measure([ms for ms, _ in times if ms <= MAX_TOKEN_MS])
+        else:
+            self._costly_rows(calls, bits, costly, owners, lanes, executor=True)
         self._forced_specials().spell(matchers, bits)
         return bits[:, :self.words]  # a bad model's tokenizer has more ids than logits
 
-    def _timed_rows(self, by_lane: dict, bits: torch.Tensor, own: int, costly: list | None,
-                    owners: list | None, lanes: list | None, parallel: bool = False) -> None:
-        """The masks of by_lane's rows (lane -> its (matcher, row)s), each timed: on the core's thread, or
-        (`parallel`, with several lanes and mask threads) each lane's rows in turn on one of _mask_threads
-        threads, whole lanes a job (lane_jobs), the core's thread taking one job. llguidance's mask lets go
-        of the GIL while it computes (a review: two rows of ~30 ms compiled apart took 23 ms on 2 threads,
-        32 in turn), so a costly step takes about the wall its budget reads (a review: 4x the budget for 128
-        steps when they ran in turn); copies of one compile wait for each other, so each lane runs in turn,
-        each row's time its own. Cheap rows stay on the core's thread: there the threads' hand-offs and
-        Python work cost more than they save (256 rows of ~8 us, an H100 host: 2.5-2.9 ms on 4 threads,
-        1.8-2.5 on one). The rows to strike go to `costly` (struck_rows), those under MAX_TOKEN_MS into
-        row_ms."""
-        base = bits.data_ptr()  # row g at base + g * own * 4 (a view per row, bits[g], cost 2 us on CI's CPU)
-        calls = [[(g, (matcher, base + g * own * 4, own * 4)) for matcher, g in lane]
-                 for lane in by_lane.values()]
-        if parallel and len(calls) > 1 and self._mask_threads > 1:
-            first, *rest = lane_jobs(calls, self._mask_threads)
-            futures = [self._timing_threads.submit(_lane_ms, job) for job in rest]
-            try:
-                took = _lane_ms(first)
-            finally:
-                wait(futures)  # every mask done (writing `bits`) before any error leaves this step
-            for f in futures:
-                took += f.result()
-        else:
-            took = [pair for lane in calls for pair in _lane_ms(lane)]
+    def _costly_rows(self, calls: list, bits: torch.Tensor, costly: list | None, owners: list | None,
+                     lanes: list | None, executor: bool) -> None:
+        """A costly step's masks ((row, call) each): on the executor (`executor`, where no lane holds over
+        half the rows: its threads take the rows in blocks, so each lane's go in one; copies of one compile
+        wait for each other there, slower than one thread), else each lane's rows in turn on one of
+        _mask_threads threads, whole lanes a job packed by their last known ms (lane_jobs), the core's thread
+        taking one.
+        llguidance's mask lets go of the GIL while it computes (a review: two rows of ~30 ms compiled apart
+        took 23 ms on 2 threads, 32 in turn), so the step takes about the wall its budget reads (struck_rows
+        on the mask threads: a review measured 2-4x the budget, nothing struck, while such steps ran on the
+        core's thread alone)."""
+        by_lane: dict = defaultdict(list)  # lane -> its rows' (row, call), in the step's order
+        for g, call in calls:
+            by_lane[lane_key(g, owners, lanes)].append((g, call))
+        if executor and 2 * max(map(len, by_lane.values())) <= len(calls):
+            start = time.perf_counter()
+            blocks = [(call[0], g) for lane in by_lane.values() for g, call in lane]
+            self._executor.unsafe_compute_mask_ptr(blocks, bits.data_ptr(), calls[0][1][2], bits.shape[0])
+            wall_ms = (time.perf_counter() - start) * 1e3
+            self._measure([wall_ms * self._mask_threads / len(calls)])  # the rows' mean cost, as spread
+            if wall_ms > MAX_TOKEN_MS:  # which rows? the next steps' timed
+                self._timed_steps = TIMED_AFTER_SLOW_STEP
+            return
+        keys = list(by_lane)
+        guess = {key: self._lane_costs.get(key, len(by_lane[key]) * self.row_ms) for key in keys}
+        first, *rest = lane_jobs([by_lane[key] for key in keys], [guess[key] for key in keys],
+                                 self._mask_threads)
+        futures = [self._timing_threads.submit(_lane_ms, job) for job in rest]
+        try:
+            took = _lane_ms(first)
+        finally:
+            wait(futures)  # every mask done (writing `bits`) before any error leaves this step
+        for f in futures:
+            took += f.result()
         times = [(ms, g) for g, ms in took]  # (ms, row)
+        ms_of = dict(took)
+        self._lane_costs = {key: sum(ms_of[g] for g, _ in by_lane[key]) for key in keys}  # this step's lanes
         if costly is not None:
             costly += struck_rows(times, owners, self._mask_threads, lanes)
         self._measure([ms for ms, _ in times if ms <= MAX_TOKEN_MS])
@@ -326,27 +332,18 @@ class Grammars:
     @functools.cached_property
     def _timing_threads(self) -> ThreadPoolExecutor:
         """The threads that time a costly step's lanes beside the core's (made at the first such step)."""
-        return ThreadPoolExecutor(self._mask_threads - 1, thread_name_prefix="pagewalk-mask-timing")
+        return ThreadPoolExecutor(max(1, self._mask_threads - 1), thread_name_prefix="pagewalk-mask-timing")
 
     def _measure(self, cheap: list[float]) -> None:
-        """The ms of a step's rows under MAX_TOKEN_MS: row_ms moves towards their median (one row held by a
-        descheduled thread or a collector pass moves it little, a step of costlier rows at once: the mean,
-        capped at 4x a step, took a review's 20 ms rows 8 steps of 160 ms each to reach the executor)."""
+        """The ms of a step's rows under MAX_TOKEN_MS (or the mean an executor step read): row_ms moves
+        towards their mean. Every path measures (the executor's steps by their wall over the rows it spread),
+        so one row held by a descheduled thread or a collector pass moves row_ms for a few steps only (a
+        review: measured once in 64 executor steps, one such step kept cheap rows on the executor for ~700
+        steps), and a step of costlier rows moves it at once (another: capped at 4x a step, 8 steps of 20 ms
+        rows ran in turn before the executor took them)."""
         if cheap:
-            measured = statistics.median(cheap)
+            measured = sum(cheap) / len(cheap)
             self.row_ms += ROW_COST_WEIGHT * (measured - self.row_ms) if self.row_ms else measured
-
-    def _takes_executor(self, rows: int, largest_lane: int) -> bool:
-        """Whether a step's `rows` masks go to the executor: where there is one, the core's thread would take
-        over PARALLEL_MASKS_MS, no lane holds more than half the rows (its copies would wait for each other on
-        the executor's threads: slower than the core's thread alone), and this is not the step of
-        REMEASURE_EVERY that measures a row again. (Its executor refuses an empty list: every guided choice
-        of the step ended in the step before.)"""
-        if (self._executor is None or rows == 0 or rows * self.row_ms <= PARALLEL_MASKS_MS
-                or 2 * largest_lane > rows):
-            return False
-        self._parallel_steps = (self._parallel_steps + 1) % REMEASURE_EVERY
-        return self._parallel_steps != 0
 
     @staticmethod
     def accept(matcher: llguidance.LLMatcher, token: int) -> bool:
@@ -380,15 +377,18 @@ class MatcherFuture(Future):
         self.lane = lane
 
 
-def lane_jobs(lanes: list[list], threads: int) -> list[list]:
-    """Lanes (each a list of its rows' calls) -> at most `threads` jobs of whole lanes, the longest lane first
-    into the job of the fewest rows."""
-    jobs: list = [(0, k, []) for k in range(min(threads, len(lanes)))]  # a heap: (rows, its number, calls)
-    for lane in sorted(lanes, key=len, reverse=True):
-        rows, k, job = heapq.heappop(jobs)
-        job.extend(lane)
-        heapq.heappush(jobs, (rows + len(lane), k, job))
-    return [job for _, _, job in sorted(jobs, key=lambda job: job[1])]
+def lane_jobs(lanes: list[list], costs: list[float], threads: int) -> list[list]:
+    """Lanes (each a list of its rows' (row, call)) and their expected ms -> at most `threads` jobs of whole
+    lanes, the costliest lane first into the job of the least ms, then of the fewest rows (lanes of no known
+    cost yet spread by their rows), as the budget reads a step (_Step.wall;
+    packed by rows alone, a review's 45 and 20 ms lanes shared a job beside one of three 9 ms rows, 66-70 ms
+    a step against the budget's 47)."""
+    jobs: list = [(0.0, 0, k, []) for k in range(max(1, min(threads, len(lanes))))]  # (ms, rows, k, calls)
+    for n in sorted(range(len(lanes)), key=lambda n: (-costs[n], -len(lanes[n]), n)):  # the costliest first
+        ms, rows, k, job = heapq.heappop(jobs)
+        job.extend(lanes[n])
+        heapq.heappush(jobs, (ms + costs[n], rows + len(lanes[n]), k, job))
+    return [job for *_, k, job in sorted(jobs, key=lambda job: job[2])]
 
 
 def _lane_ms(calls: list[tuple[int, tuple]]) -> list[tuple[int, float]]:
@@ -543,10 +543,12 @@ def struck_rows(times: list[tuple[float, int]], owners: list | None = None, thre
 
 def _strikes(step: _Step, requests: dict, walls: dict, costly: list, rest: set) -> list:
     """The `costly` requests (each under MAX_TOKEN_MS alone) struck until the `rest` fit MAX_TOKEN_MS: the
-    costliest first, but from the longest lane while it alone holds the step (a lane of at least the rows'
-    share of a thread: striking elsewhere leaves its wall as it is). A review found both rules wrong alone:
-    on one thread a 5 ms request of the longest lane struck beside a 49 ms one whose strike alone fitted;
-    three 20 ms copies of one compile beside a 45 ms request, the 45 ms one struck first for nothing. Each
+    costliest first, but from the longest lane while it alone holds the step (a lane over MAX_TOKEN_MS, or
+    of at least the rows' share of a thread: striking elsewhere leaves its wall as it is). Reviews found
+    each rule wrong alone: on one thread a 5 ms request of the longest lane struck beside a 49 ms one whose
+    strike alone fitted; three 20 ms copies of one compile beside a 45 ms request, the 45 ms one struck
+    first for nothing. A request whose rows span two lanes (a completion's prompts across a compile's
+    rollover) counts by its own wall, not by what its strike frees in each lane. Each
     request and lane is handled a bounded number of times a strike (a review: 0.55 s over 1024 rows)."""
     lane_ms: dict = defaultdict(float)  # lane -> the ms of its rows not struck
     for key in rest:
@@ -563,16 +565,18 @@ def _strikes(step: _Step, requests: dict, walls: dict, costly: list, rest: set) 
     longest = [(-ms, next(tick), lane) for lane, ms in lane_ms.items()]  # a heap, stale entries kept
     heapq.heapify(longest)
     struck: list = []
-    while True:
-        # the rows' sum over the threads bounds their wall from below: a step far over the budget strikes
-        # its way down without scheduling its rows each time (~0.2 ms a schedule of 256)
-        if (total / step.threads <= MAX_TOKEN_MS
-                and step.wall([g for k in rest for g in requests[k]]) <= MAX_TOKEN_MS):
-            return struck
+    while rest:
         while -longest[0][0] != lane_ms[longest[0][2]]:  # a lane's entry from before a strike
             heapq.heappop(longest)
         lane = longest[0][2]
-        key = _first_left(by_lane[lane], rest) if lane_ms[lane] * step.threads >= total else None
+        # the longest lane and the rows' sum over the threads bound the wall from below: a step far over the
+        # budget strikes its way down without scheduling its rows each time (~0.2 ms a schedule of 256)
+        if (lane_ms[lane] <= MAX_TOKEN_MS and total / step.threads <= MAX_TOKEN_MS
+                and step.wall([g for k in rest for g in requests[k]]) <= MAX_TOKEN_MS):
+            return struck
+        # a lane over the budget alone must lose a row (a review: beside it a 49 ms request was struck first)
+        holds = lane_ms[lane] > MAX_TOKEN_MS or lane_ms[lane] * step.threads >= total
+        key = _first_left(by_lane[lane], rest) if holds else None
         key = key if key is not None else _first_left(everyone, rest)
         if key is None:
             return struck
@@ -583,6 +587,7 @@ def _strikes(step: _Step, requests: dict, walls: dict, costly: list, rest: set) 
             total -= step.ms[g]
         for lane in dict.fromkeys(step.lane[g] for g in requests[key]):
             heapq.heappush(longest, (-lane_ms[lane], next(tick), lane))
+    return struck
 
 
 def _first_left(queue: deque, rest: set):
