@@ -965,6 +965,31 @@ def test_the_costliest_request_goes_first_unless_one_lane_holds_the_step():
     rows = [(5.0, g) for g in range(13)] + [(30.0, 13)]
     lanes = [1] * 7 + [2] * 6 + [3]
     assert [g for g, _ in grammar_module.struck_rows(rows, list(range(14)), 2, lanes)] == [13]
+    # a lane over the budget alone must lose a row: its 45 ms request, not the 49 ms one beside it (a second
+    # review: the lane's 51 ms under the rows' share of two threads, the 49 ms request was struck first)
+    rows = [(49.0, 0), (6.0, 1), (45.0, 2), (6.0, 3)]
+    assert [g for g, _ in grammar_module.struck_rows(rows, list(range(4)), 2, ["a", "c", "b", "b"])] == [2]
+
+
+def test_a_step_on_the_cores_thread_is_budgeted_as_it_ran(monkeypatch):
+    """Three 30 ms rows among cheap ones, while row_ms still reads the cheap rows: the step runs on the core's
+    thread (~91 ms) and is budgeted so, two of the three struck (a second review: read as the executor's 4
+    threads would take them, nothing was, step after step); row_ms follows the step's mean row, so the
+    next step goes to the executor."""
+    executor = CountedExecutor()
+    monkeypatch.setattr(Grammars, "_executor", executor)
+    monkeypatch.setattr(Grammars, "_mask_threads", 4)
+    grammars = Grammars(TOKENIZER, 300, {EOS})
+    grammars.row_ms = 0.005
+    matchers = [grammars.compile(regex_grammar("[a-c]+"), salt=str(g)).result() for g in range(7)]
+    took = {id(m): 30.0 if g < 3 else 0.01 for g, m in enumerate(matchers)}
+    real = grammar_module._mask_ms
+    monkeypatch.setattr(grammar_module, "_mask_ms", lambda call: real(call) + took[id(call[0])])
+    costly: list = []
+    grammars.masks(matchers, costly, [f"r{g}" for g in range(7)], list(range(7)))
+    assert executor.steps == 0 and sorted(g for g, _ in costly) in ([0, 1], [0, 2], [1, 2]), costly
+    grammars.masks(matchers, [], [f"r{g}" for g in range(7)], list(range(7)))
+    assert executor.steps == 1
 
 
 def test_copies_of_one_compile_share_a_lane():
