@@ -279,10 +279,7 @@ class Grammars:
             self._timed_steps -= 1
             self._costly_rows(calls, bits, costly, owners, lanes, executor=False)
         elif self._executor is None or len(calls) * self.row_ms <= PARALLEL_MASKS_MS:
-            times = [(ms, g) for g, ms in _lane_ms(calls)]
-            if costly is not None:
-                costly += struck_rows(times, owners, 1, lanes)
-            self._measure([ms for ms, _ in times if ms <= MAX_TOKEN_MS])
+            self._judge(_lane_ms(calls), costly, owners, 1, lanes)
         else:
             self._costly_rows(calls, bits, costly, owners, lanes, executor=True)
         self._forced_specials().spell(matchers, bits)
@@ -311,10 +308,8 @@ class Grammars:
             if wall_ms > MAX_TOKEN_MS:  # which rows? the next steps' timed
                 self._timed_steps = TIMED_AFTER_SLOW_STEP
             return
-        keys = list(by_lane)
-        guess = {key: self._lane_costs.get(key, len(by_lane[key]) * self.row_ms) for key in keys}
-        first, *rest = lane_jobs([by_lane[key] for key in keys], [guess[key] for key in keys],
-                                 self._mask_threads)
+        guess = [self._lane_costs.get(key, len(rows) * self.row_ms) for key, rows in by_lane.items()]
+        first, *rest = lane_jobs(list(by_lane.values()), guess, self._mask_threads)
         futures = [self._timing_threads.submit(_lane_ms, job) for job in rest]
         try:
             took = _lane_ms(first)
@@ -322,11 +317,17 @@ class Grammars:
             wait(futures)  # every mask done (writing `bits`) before any error leaves this step
         for f in futures:
             took += f.result()
-        times = [(ms, g) for g, ms in took]  # (ms, row)
         ms_of = dict(took)
-        self._lane_costs = {key: sum(ms_of[g] for g, _ in by_lane[key]) for key in keys}  # this step's lanes
+        self._lane_costs = {key: sum(ms_of[g] for g, _ in rows) for key, rows in by_lane.items()}
+        self._judge(took, costly, owners, self._mask_threads, lanes)
+
+    def _judge(self, took: list[tuple[int, float]], costly: list | None, owners: list | None, threads: int,
+               lanes: list | None) -> None:
+        """A step's (row, ms) of each mask, timed as it ran on `threads`: the rows to strike go to `costly`
+        (struck_rows), those under MAX_TOKEN_MS into row_ms."""
+        times = [(ms, g) for g, ms in took]  # (ms, row)
         if costly is not None:
-            costly += struck_rows(times, owners, self._mask_threads, lanes)
+            costly += struck_rows(times, owners, threads, lanes)
         self._measure([ms for ms, _ in times if ms <= MAX_TOKEN_MS])
 
     @functools.cached_property
@@ -514,16 +515,15 @@ class _Step:
 
 def struck_rows(times: list[tuple[float, int]], owners: list | None = None, threads: int = 1,
                 lanes: list | None = None) -> list[tuple[int, float]]:
-    """A step's (ms, row) of each mask, timed one by one, `threads`, the executor's (1 without one: the
-    core's thread), `owners`,
-    each row's request (None: a request each), and `lanes`, each row's compile (None: its request's) -> (row,
-    its request's ms) of the rows it strikes. The rows of a request count together (its n choices, a
-    completion's prompts: 40 rows of 2 ms held every step 80 ms, never struck, in a review), the rows of a
-    lane in turn, and any set of rows holds the step as the executor would take it (_Step: a
-    request was struck on the core's thread for what the executor takes in 20 ms, others beside a costly
-    row by its ratio, or more than needed by a serial share, in reviews): each request over MAX_TOKEN_MS is
-    struck, then, while the rest is over MAX_TOKEN_MS, of the requests of COSTLY_ROW_MS or more the costliest
-    in the longest lane, unless the cheaper ones alone are over it."""
+    """A step's (ms, row) of each mask, timed one by one, `threads`, those it ran on (1: the core's thread),
+    `owners`, each row's request (None: a request each), and `lanes`, each row's compile (None: its
+    request's) -> (row, its request's ms) of the rows it strikes. The rows of a request count together (its n
+    choices, a completion's prompts: 40 rows of 2 ms held every step 80 ms, never struck, in a review), the
+    rows of a lane in turn, and any set of rows holds the step as `threads` take it (_Step; by the step's
+    ratio or a serial share, reviews found requests struck beside a costly row or more than needed): each
+    request over MAX_TOKEN_MS is struck, then, while the rest is over MAX_TOKEN_MS, requests of COSTLY_ROW_MS
+    or more (_strikes: the costliest, or the longest lane's while it alone holds the step), unless the
+    cheaper ones alone are over it."""
     if sum(ms for ms, _ in times) <= MAX_TOKEN_MS:
         return []  # no set of these rows can hold the step longer than their sum
     step = _Step({g: ms for ms, g in times}, {g: g if owners is None else owners[g] for _, g in times},
