@@ -65,15 +65,14 @@ def main() -> None:
     grammar = (llguidance.LLMatcher.grammar_from_json_schema(SCHEMA, defaults={"whitespace_flexible": False})
                if args.grammar == "json" else llguidance.LLMatcher.grammar_from_regex("[a-z ]+"))
     executor = llguidance.LLExecutor(args.threads)
-    words_ = words
 
     def on_executor(matchers, lanes, bits):
         executor.unsafe_compute_mask_ptr([(m, g) for g, m in enumerate(matchers)], bits.data_ptr(),
-                                         words_ * 4, len(matchers))
+                                         words * 4, len(matchers))
 
     def on_this_thread(matchers, lanes, bits):  # grammar.py's core's thread: each row timed, in turn
         for g, m in enumerate(matchers):
-            _mask_ms((m, bits.data_ptr() + g * words_ * 4, words_ * 4))
+            _mask_ms((m, bits.data_ptr() + g * words * 4, words * 4))
 
     runners = {"executor": on_executor, "this thread": on_this_thread}
     results = []
