@@ -17,7 +17,6 @@ from server.api.streaming import ChunkFrame
 from server.engine.sampling_params import SamplingParams
 from tests import test_api_tool_calls
 from tests.asgi_client import post
-from tests.engine_helpers import started_engine
 from tests.test_api_openai import sse_payloads
 from tests.test_api_tool_calls import CALL, TOOLS
 
@@ -27,17 +26,6 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 USAGE_OPTIONS = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
 CONTINUOUS = {"stream": True, **USAGE_OPTIONS}
 MESSAGES = [{"role": "user", "content": "hello there"}]
-
-
-@pytest.fixture(scope="module")
-def engine():
-    with started_engine(model="tiny", device="cpu", attention_backend="torch", num_blocks=256) as eng:
-        yield eng
-
-
-@pytest.fixture(scope="module")
-def app(engine):
-    return create_app(engine)
 
 
 def usage_stream(r) -> tuple[list[dict], dict]:

@@ -12,7 +12,6 @@ import pytest
 
 from server.api.app import create_app
 from tests.asgi_client import post
-from tests.engine_helpers import started_engine
 from tests.test_api_call_array import REPLIES, reply
 from tests.test_api_tool_calls import chat, scripted
 
@@ -22,12 +21,6 @@ pytestmark = pytest.mark.timeout(120)
 HTTP_REPLIES = {name: calls for name, calls in REPLIES.items() if name != "weird name"}
 TOOLS = [{"type": "function", "function": {"name": name}}
          for name in dict.fromkeys(name for calls in HTTP_REPLIES.values() for name, _ in calls)]
-
-
-@pytest.fixture(scope="module")
-def engine():
-    with started_engine(model="tiny", device="cpu", attention_backend="torch", num_blocks=64) as eng:
-        yield eng
 
 
 @dataclass

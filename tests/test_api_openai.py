@@ -10,22 +10,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.api.app import create_app
 from tests.asgi_client import get, post
-from tests.engine_helpers import started_engine
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def engine():
-    with started_engine(model="tiny", device="cpu", attention_backend="torch", num_blocks=256) as eng:
-        yield eng
-
-
-@pytest.fixture(scope="module")
-def app(engine):
-    return create_app(engine)
 
 
 def sse_payloads(text: str) -> list:

@@ -15,7 +15,6 @@ import pytest
 
 from server.api.app import create_app
 from tests.asgi_client import get, post
-from tests.engine_helpers import started_engine
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -25,17 +24,6 @@ ENDPOINTS = [("/v1/completions", {"prompt": "Hi"}, "cmpl-"),
 IDS = ["completions", "chat"]
 SHORT = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
 HEX32 = re.compile(r"[0-9a-f]{32}")
-
-
-@pytest.fixture(scope="module")
-def engine():
-    with started_engine(model="tiny", device="cpu", attention_backend="torch", num_blocks=256) as eng:
-        yield eng
-
-
-@pytest.fixture(scope="module")
-def app(engine):
-    return create_app(engine)
 
 
 def chunks(r: httpx.Response) -> list[dict]:

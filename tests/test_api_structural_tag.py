@@ -16,7 +16,6 @@ from server.engine.grammar import LIMITS, vocabulary
 from server.engine.sampling_params import MAX_GRAMMAR_CHARS
 from server.model.tokenizer import ByteTokenizer
 from tests.asgi_client import post
-from tests.engine_helpers import started_engine
 from tests.test_api_structured_output import chat_request, completion, grammar, scripted
 from tests.test_api_structured_output_engine import text_of
 
@@ -116,12 +115,6 @@ def test_both_request_forms_build_one_grammar():
     for param, fields in forms:
         assert grammar(completion(**fields)) == (text, param)
         assert grammar(chat_request(**fields)) == (text, param)
-
-
-@pytest.fixture(scope="module")
-def engine():
-    with started_engine(model="tiny", device="cpu", attention_backend="torch", num_blocks=64) as eng:
-        yield eng
 
 
 ENDPOINTS = [("/v1/completions", {"prompt": "hi"}),
@@ -232,11 +225,6 @@ def complete_structures(text: str, finish: str) -> int:
         assert set(value) == {"n"} and type(value["n"]) is int and 0 <= value["n"] <= 99, text
         whole, rest = whole + 1, after
     return whole
-
-
-@pytest.fixture(scope="module")
-def app(engine):
-    return create_app(engine)
 
 
 @pytest.mark.parametrize("path,base,fields,stream", [

@@ -19,7 +19,6 @@ from server.engine.grammar import Grammars
 from server.model.tokenizer import ByteTokenizer
 from tests import test_api_tool_calls
 from tests.asgi_client import post
-from tests.engine_helpers import started_engine
 from tests.test_api_tool_calls import chat, streamed
 
 pytestmark = pytest.mark.timeout(120)
@@ -256,12 +255,6 @@ def test_forced_replies_parse_into_calls():
 
 ENDPOINTS = [("/v1/completions", {"prompt": "hi"}),
              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]
-
-@pytest.fixture(scope="module")
-def engine():
-    with started_engine(model="tiny", device="cpu", attention_backend="torch", num_blocks=64) as eng:
-        yield eng
-
 
 def scripted(reply: str, seen: list, finish: str = "stop"):
     """engine.generate that records the params it gets and streams `reply` in three deltas per choice."""

@@ -17,7 +17,6 @@ from server.cli import main
 from server.model.chat_template import ChatTemplate
 from server.model.tokenizer import HFTokenizer
 from tests.asgi_client import post
-from tests.engine_helpers import started_engine
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -25,12 +24,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                             "parameters": {"type": "object",
                                                            "properties": {"city": {"type": "string"}}}}}]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def engine():
-    with started_engine(model="tiny", device="cpu", attention_backend="torch", num_blocks=64) as eng:
-        yield eng
 
 
 def scripted(engine, reply: str, pieces: int = 5, seen: list | None = None, finish: str = "stop"):

@@ -17,7 +17,6 @@ from server.api.protocol import ChatCompletionRequest, ChatMessage
 from server.model.chat_template import ChatTemplate
 from server.model.tokenizer import HFTokenizer
 from tests.asgi_client import post
-from tests.engine_helpers import started_engine
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -103,12 +102,6 @@ def test_the_tools_render_in_the_real_template_shapes(template):
     variables = {"tools": [t.model_dump(exclude_none=True) for t in req.tools]}
     shown = tok.decode(chat_prompt_ids(tok, req.messages, True, None, variables))
     assert '"name": "get_weather"' in shown and '"description": "Weather of a city"' in shown
-
-
-@pytest.fixture(scope="module")
-def engine():
-    with started_engine(model="tiny", device="cpu", attention_backend="torch", num_blocks=64) as eng:
-        yield eng
 
 
 def scripted(parts: list[str], finish: str = "stop"):
