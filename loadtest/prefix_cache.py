@@ -12,10 +12,6 @@ from __future__ import annotations
 
 import re
 
-import httpx
-
-from loadtest.client import fetch_text
-
 _SERIES = re.compile(r"^(?:pagewalk_|vllm:)prefix_cache_(queries|hits)(?:_total)?(?:\{[^}]*\})?\s+(\S+)\s*$",
                      re.M)
 WARN_HIT_RATE = 0.10  # above this share of cached prompt tokens the report warns
@@ -31,12 +27,6 @@ def parse_counters(text: str) -> dict[str, float] | None:
         except ValueError:
             continue
     return sums if "queries" in sums and "hits" in sums else None
-
-
-async def fetch_counters(client: httpx.AsyncClient, base_url: str, api_key: str | None) -> dict | None:
-    """The counters now, or None when the server has no /metrics or not these series."""
-    text = await fetch_text(client, base_url, "/metrics", api_key)
-    return None if text is None else parse_counters(text)
 
 
 def hit_rate(before: dict | None, after: dict | None) -> float | None:

@@ -11,11 +11,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from loadtest.benchmark import BenchmarkRun
-from loadtest.client import ClientConfig, RequestRecord, calibrate_chat_overhead, fetch_json
+from loadtest.client import ClientConfig, RequestRecord, calibrate_chat_overhead, fetch_json, fetch_text
 from loadtest.metrics import SLO, compute_metrics
-from loadtest.prefix_cache import fetch_counters, hit_rate
+from loadtest.prefix_cache import hit_rate, parse_counters
 from loadtest.processes import auto_processes, run_workload
 from loadtest.report import build_report
+from loadtest.server_steps import parse_steps, step_fields
 from loadtest.workload import LengthRange, arrival_offsets, build_workload
 
 
@@ -133,16 +134,18 @@ async def measure(
             progress.update(task, advance=1, failed=failed)
 
         async with httpx.AsyncClient() as client:
-            cache_before = await fetch_counters(client, settings.base_url, settings.api_key)
+            metrics_before = await fetch_text(client, settings.base_url, "/metrics", settings.api_key)
         run = await run_workload(specs, cfg, level, offsets, settings.processes_for(level), stop, on_record)
     async with httpx.AsyncClient() as client:
         health_after = await fetch_json(client, settings.base_url, "/health", settings.api_key)
-        cache_after = await fetch_counters(client, settings.base_url, settings.api_key)
+        metrics_after = await fetch_text(client, settings.base_url, "/metrics", settings.api_key)
     metrics = compute_metrics(run.records, run.duration_s, settings.slo)
     config = settings.config_dict(level) | {"model": server.model}
     if settings.endpoint == "chat":
         config["chat_template_tokens"] = server.chat_overhead
     report = build_report(run, metrics, config, settings.command, server.health, settings.detailed)
     report["server_health_after"] = health_after
-    report["server_prefix_cache_hit_rate"] = hit_rate(cache_before, cache_after)
+    before, after = metrics_before or "", metrics_after or ""
+    report["server_prefix_cache_hit_rate"] = hit_rate(parse_counters(before), parse_counters(after))
+    report.update(step_fields(parse_steps(before), parse_steps(after)))
     return run, report

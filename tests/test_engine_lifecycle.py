@@ -402,3 +402,28 @@ def test_prefix_cache_counters_count_each_prompts_first_lookup_only():
         assert m.value("pagewalk_prefix_cache_hits_total") == 0
     finally:
         e.shutdown(timeout=5)
+
+
+def test_step_metrics_count_every_step_once_with_its_tokens():
+    # 3 prompts of 20 + 7 + 30 tokens through a 16-token budget, then 5 / 9 / 2 greedy tokens each (the
+    # first from the prompt's last chunk, the rest one decode token a step; CPU: no async overlap, so no
+    # step computes a token past the end)
+    budget = 16
+    e = make_engine(max_num_batched_tokens=budget)
+    try:
+        prompts = [[3 + (5 * i + 11 * j) % 200 for j in range(n)] for i, n in enumerate((20, 7, 30))]
+        outputs = (5, 9, 2)
+        run_all(e, [(f"s{i}", p, greedy(n)) for i, (p, n) in enumerate(zip(prompts, outputs, strict=True))])
+        m = e.metrics
+        tokens = sum(map(len, prompts)) + sum(n - 1 for n in outputs)
+        assert wait_until(lambda: m.value("pagewalk_iteration_tokens_total_sum") == tokens)
+        prompt_steps = m.value("pagewalk_engine_steps_total", {"kind": "prompt"})
+        decode_steps = m.value("pagewalk_engine_steps_total", {"kind": "decode"})
+        assert m.value("pagewalk_iteration_tokens_total_count") == prompt_steps + decode_steps
+        assert prompt_steps >= -(-sum(map(len, prompts)) // budget)  # no step holds more than the budget
+        assert decode_steps >= max(outputs) - 1 - prompt_steps
+        assert m.value("pagewalk_iteration_tokens_total_bucket", {"le": str(float(budget))}) == (
+            prompt_steps + decode_steps)
+        assert m.value("pagewalk_iteration_tokens_total_bucket", {"le": "8.0"}) >= decode_steps  # <= 3 rows
+    finally:
+        e.shutdown(timeout=5)

@@ -82,6 +82,12 @@ def test_completions_end_to_end(pagewalk_url, tmp_path):
     assert 0 < r["ttft_ms"]["p50"] <= r["e2el_ms"]["p50"]
     assert r["server_health"]["status"] == "ok" and r["server_health"]["model"] == "tiny"
     assert r["config"]["model"] == "tiny"
+    # the server's steps in the window: every prompt token and every token after each request's first (CPU:
+    # no async overlap); the metrics of a step are recorded just after its tokens go out, so the last step of
+    # the warm-up or of the run (a decode step of at most C rows) may fall on either side of a reading
+    ran = r["server_steps"] * r["server_tokens_per_step"]
+    assert abs(ran - N * (INPUT_LEN + OUTPUT_LEN - 1)) <= C
+    assert 1 <= r["server_prompt_steps"] <= N and r["server_steps"] >= OUTPUT_LEN
 
 
 def test_chat_end_to_end_calibrates_prompt_length(pagewalk_url, tmp_path):

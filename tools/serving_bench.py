@@ -265,16 +265,24 @@ def table(res: dict) -> str:
                      f"{_f(row.get('replay_ms'), '.3f')} | {_f(row.get('host_ms'), '.3f')} |")
     loops = (res.get("engine") or {}).get("closed_loop", [])
     if loops:
-        lines += ["", "| same workload | engine, no HTTP, tok/s | HTTP tok/s | HTTP / engine |",
-                  "|---|---|---|---|"]
+        lines += ["", "| same workload | engine, no HTTP, tok/s | HTTP tok/s | HTTP / engine "
+                  "| engine steps (with prompt tokens) | HTTP steps (with prompt tokens) |",
+                  "|---|---|---|---|---|---|"]
     for r in loops:
         name = (f"c{r['concurrency']}" + ("_long" if r["num_requests"] > 256 else "")
                 + ("_cached" if r.get("cached") else "") + ("_sampled" if r.get("sampled") else ""))
-        thr = (res["serving"]["reports"].get(name) or {}).get("output_throughput")
+        rep = res["serving"]["reports"].get(name) or {}
+        thr = rep.get("output_throughput")
         what = (f"{r['concurrency']} in flight, {r['num_requests']} requests"
                 + (", prompts cached" if r.get("cached") else "") + (", sampled" if r.get("sampled") else ""))
+        kinds = (r.get("steps") or {}).get("kinds", {})
+        prompt = kinds.get("with_prompt_tokens", {}).get("steps", 0)
+        engine_steps = f"{prompt + kinds.get('decode_only', {}).get('steps', 0)} ({prompt})" if kinds else "-"
+        http_steps = (f"{_f(rep['server_steps'])} ({_f(rep.get('server_prompt_steps'))})"
+                      if rep.get("server_steps") else "-")
         lines.append(f"| {what} | {_f(r['tok_s'])} | "
-                     f"{_f(thr)} | {_f(thr / r['tok_s'] if thr else None, '.0%')} |")
+                     f"{_f(thr)} | {_f(thr / r['tok_s'] if thr else None, '.0%')} | {engine_steps} | "
+                     f"{http_steps} |")
     return "\n".join(lines)
 
 

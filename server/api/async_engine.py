@@ -112,9 +112,10 @@ class AsyncEngine:
         self.max_waiting = -(-config.max_waiting // self.api_server.count)
         self.waiting_bound = (f"max_waiting={config.max_waiting}" if self.api_server.count == 1 else
                               f"this API server's {self.max_waiting} of max_waiting={config.max_waiting}")
-        # the core's all-time (prefix queries, prefix hits, preemptions) last counted into the metrics: the
-        # counters advance by their change, so that a server attaching late counts the core's whole history
-        self._core_counts = (0, 0, 0)
+        # the core's all-time (prefix queries, prefix hits, preemptions, steps, prompt steps) last counted
+        # into the metrics: the counters advance by their change, so that a server attaching late counts the
+        # core's whole history
+        self._core_counts = (0, 0, 0, 0, 0)
         self._accepting = True
         self._serving_admitted = True  # False once the drain's wait is over: admitted prompts refused too
         # queue places the API's admission (server/api/admission.py) holds for prompts of admitted
@@ -390,11 +391,15 @@ class AsyncEngine:
         m.num_requests_running.set(s.running)
         m.num_requests_waiting.set(waiting)
         m.kv_cache_usage_perc.set(s.used_blocks / max(1, self.info.num_blocks - 1))
-        queries, hits, preemptions = self._core_counts
+        queries, hits, preemptions, steps, prompt_steps = self._core_counts
         m.prefix_cache_queries.inc(s.prefix_queries - queries)
         m.prefix_cache_hits.inc(s.prefix_hits - hits)
         m.num_preemptions.inc(s.preemptions - preemptions)
-        self._core_counts = (s.prefix_queries, s.prefix_hits, s.preemptions)
+        m.engine_steps["prompt"].inc(s.prompt_steps - prompt_steps)
+        m.engine_steps["decode"].inc(s.steps - steps - (s.prompt_steps - prompt_steps))
+        if s.num_prefill_tokens or s.num_decode_tokens:  # the step this update reports (an idle one: none)
+            m.iteration_tokens.observe(s.num_prefill_tokens + s.num_decode_tokens)
+        self._core_counts = (s.prefix_queries, s.prefix_hits, s.preemptions, s.steps, s.prompt_steps)
 
     def _on_death(self, reason: str) -> None:
         error = f"the engine core died ({reason})"

@@ -24,6 +24,9 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0
 _REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 960.0,
                     1920.0, 7680.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+# tokens of one engine step: decode batches (the CUDA-graph sizes) up to the default token budget and past it
+_STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+STEP_KINDS = ("prompt", "decode")  # steps with prompt tokens (decode rows beside them or not), decode-only
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 
 
@@ -92,6 +95,15 @@ class EngineMetrics:
         self.prefix_cache_hits = counter(
             "pagewalk_prefix_cache_hits", "Prompt tokens served from the prefix cache")
         self.num_preemptions = counter("pagewalk_num_preemptions", "Sequences preempted (recomputed later)")
+        # the engine's steps (vLLM's iteration_tokens_total; the steps by kind are pagewalk's): how full the
+        # steps run, and how many of them prefill
+        self.iteration_tokens = histogram(
+            "pagewalk_iteration_tokens_total", "Tokens (prompt and decode) of each engine step",
+            _STEP_TOKEN_BUCKETS)
+        engine_steps = Counter("pagewalk_engine_steps", "Engine steps that ran tokens, by kind: 'prompt' "
+                               "(prompt tokens, decode rows beside them or not) or 'decode' (decode only)",
+                               ["model_name", "kind"], registry=r)
+        self.engine_steps = {kind: engine_steps.labels(model, kind) for kind in STEP_KINDS}
         self.prompt_tokens = counter("pagewalk_prompt_tokens", "Prompt tokens of accepted requests")
         self.generation_tokens = counter("pagewalk_generation_tokens", "Generated tokens, all choices")
         self._request_success = Counter(

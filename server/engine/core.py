@@ -78,6 +78,8 @@ class EngineCore:
         self._guided: set[str] = set()  # the requests with a structured output
         self.generated_tokens = 0  # output tokens in the updates, all time
         self.prefill_tokens = 0  # prompt (and recomputed) tokens scheduled, all time
+        self.steps = 0  # steps that ran tokens, all time
+        self.prompt_steps = 0  # of them, those with prompt tokens
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self, er: EngineRequest) -> None:
@@ -231,6 +233,9 @@ class EngineCore:
             updates += self._postprocess(done)
         self.generated_tokens += sum(len(u.new_token_ids) for u in updates)
         self.prefill_tokens += sched.num_prefill_tokens
+        if not sched.is_empty:
+            self.steps += 1
+            self.prompt_steps += sched.num_prefill_tokens > 0
         return StepUpdate(updates, self.stats(sched.num_prefill_tokens, sched.num_decode_tokens,
                                               len(sched.preempted)))
 
@@ -309,7 +314,8 @@ class EngineCore:
         return CoreStats(running, len(self.requests) - running, u.free_blocks, u.used_blocks, u.cached_blocks,
                          u.prefix_hit_rate, num_prefill_tokens, num_decode_tokens, num_preemptions,
                          u.prefix_queries, u.prefix_hits, self.generated_tokens,
-                         self.scheduler.num_preemptions, self.prefill_tokens)
+                         self.scheduler.num_preemptions, self.prefill_tokens, self.steps,
+                         self.prompt_steps)
 
     def running_request_ids(self) -> set[str]:
         """Requests with a choice holding KV blocks (in the scheduler's running list)."""

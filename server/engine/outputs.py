@@ -65,6 +65,8 @@ class CoreStats(msgspec.Struct, array_like=True, gc=False):
     generated_tokens: int = 0  # output tokens the core handed out, all time (every client's)
     preemptions: int = 0  # all time
     prefill_tokens: int = 0  # prompt (and recomputed) tokens run, all time
+    steps: int = 0  # steps that ran tokens, all time
+    prompt_steps: int = 0  # of them, those with prompt tokens (decode rows beside them or not), all time
 
 
 class StepUpdate(msgspec.Struct, tag="step", gc=False):
