@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_helpers import GREEDY, REPO, Server, free_port
 
 from server.api.metrics import MULTIPROC_DIR_ENV
+from tests.engine_helpers import wait_until
 from tools.serving_bench import api_server_pids
 
 
@@ -71,6 +72,13 @@ def test_two_api_servers_serve_every_request_sum_their_metrics_and_drain_on_sigt
         srv.wait_idle()  # the core's view, from either server: nothing running, every block free
         assert srv.metric("pagewalk_request_success_total", {"finished_reason": "length"}) == 32
         assert srv.metric("pagewalk_generation_tokens_total") == 32 * 8
+        # the core's steps are counted once, by the server that records the core's metrics: every prompt token
+        # (no prefix hit: the prompt is under a block) and 7 decode tokens a request (CPU: no async overlap)
+        ran = srv.metric("pagewalk_prompt_tokens_total") + 32 * 7
+        assert wait_until(lambda: srv.metric("pagewalk_iteration_tokens_total_sum") == ran), (
+            srv.metric("pagewalk_iteration_tokens_total_sum"), ran)
+        assert srv.metric("pagewalk_iteration_tokens_total_count") == sum(
+            srv.metric("pagewalk_engine_steps_total", {"kind": kind}) for kind in ("prompt", "decode"))
         # the block map's totals are the core's, whichever server answers
         totals = [httpx.get(f"{srv.url}/debug/kvcache", timeout=30).json()["totals"] for _ in range(6)]
         assert all(t["generated_tokens"] == 32 * 8 and t == totals[0] for t in totals), totals
