@@ -5,8 +5,8 @@ The core ends a choice on EOS / a stop token id (finish "stop", that last id is 
 detokenized, unless include_stop_str_in_output), on max_tokens ("length"), or on an abort or error. A
 structured output also ends with finish "stop" on its grammar's last token, whose text is output: a guided
 choice's last id is dropped only where it is EOS or a stop token id. A stop
-string is found here, once the choice has min_tokens tokens: the choice ends with finish "stop" and the caller
-aborts it in the core; tokens the core sends after that are dropped.
+string is found here, in the text of the tokens after the first min_tokens (as vLLM's v1): the choice ends with
+finish "stop" and the caller aborts it in the core; tokens the core sends after that are dropped.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class ChoiceStream:
         self.detokenizer = (detokenizer_for(tokenizer, prompt_token_ids, params.skip_special_tokens)
                             if params.detokenize else None)
         self.stops = StopStrings(params.stop, params.include_stop_str_in_output) if params.stop else None
-        self.min_tokens = params.min_tokens  # stop strings count from this many tokens on
+        self.min_tokens = params.min_tokens  # stop strings count in the tokens after this many
         self.stop_text_kept = params.include_stop_str_in_output  # a stop token's text too
         # a structured output's EOS ids: its "stop" may come on a content token (the grammar complete)
         self.guided_eos = frozenset(tokenizer.eos_token_ids) if params.grammar is not None else None
@@ -72,7 +72,7 @@ class ChoiceStream:
                 break
             text = self.detokenizer.push(token)
             if self.stops is not None:
-                text, hit = self.stops.feed(text, self.num_tokens + i + 1 >= self.min_tokens)
+                text, hit = self.stops.feed(text, self.num_tokens + i + 1 > self.min_tokens)
             pieces.append(text)
             if hit is not None:
                 taken = i + 1
