@@ -15,57 +15,110 @@ string ends at a character when the state (or one of its suffix states) is a who
 
 from __future__ import annotations
 
-from collections import deque
-from functools import lru_cache
+import threading
+from array import array
+from collections import OrderedDict, deque
+
+BRANCHES = -2  # only[state] of a state with several children (those in branch[state])
 
 
 class StopAutomaton:
-    """goto[state]: char -> state; fail[state]: the state of its longest proper suffix in the trie;
-    match[state]: the longest stop string that is a suffix of the state's text ("" if none)."""
+    """The trie of the stop strings with Aho-Corasick's failure links, in flat arrays. A state has one child
+    (`only[state]` its code point, `child[state]` the child), none (only -1) or several (only BRANCHES,
+    `branch[state]`: code point -> child; the root's children are always in `root`); fail[state]: the state
+    of its longest proper suffix in the trie; depth[state]: its text's length; match[state]: the longest stop
+    string that is a suffix of the state's text ("" if none). A list at the API's bounds (64 strings of 256
+    characters) is ~16K states, nearly all of one child: with a dict a state it held ~5 MB alive (a review),
+    in these arrays ~0.4 MB."""
 
-    __slots__ = ("goto", "fail", "depth", "match")
+    __slots__ = ("root", "only", "child", "branch", "fail", "depth", "match")
 
     def __init__(self, stops: tuple[str, ...]):
         assert stops and all(stops), "stop strings are non-empty"
-        self.goto: list[dict[str, int]] = [{}]
-        self.depth = [0]
+        self.root: dict[int, int] = {}
+        self.only, self.child, self.depth = array("i", [BRANCHES]), array("i", [0]), array("i", [0])
+        self.branch: dict[int, dict[int, int]] = {0: self.root}
         ends: dict[int, str] = {}
         for stop in stops:
             state = 0
             for ch in stop:
-                nxt = self.goto[state].get(ch)
-                if nxt is None:
-                    nxt = len(self.goto)
-                    self.goto[state][ch] = nxt
-                    self.goto.append({})
-                    self.depth.append(self.depth[state] + 1)
-                state = nxt
+                state = self._child_or_new(state, ord(ch))
             ends[state] = stop
-        self.fail = [0] * len(self.goto)
-        self.match = [""] * len(self.goto)
-        queue = deque(self.goto[0].values())
+        self.fail = array("i", bytes(4 * len(self.only)))
+        self.match = [""] * len(self.only)
+        queue = deque(self.root.values())
         while queue:  # breadth first: a state's suffix states are shallower, so already final
             state = queue.popleft()
             self.match[state] = ends.get(state) or self.match[self.fail[state]]
-            for ch, nxt in self.goto[state].items():
-                self.fail[nxt] = self.step(self.fail[state], ch) if state else 0
+            for code, nxt in self._children(state).items():
+                self.fail[nxt] = self.step(self.fail[state], code) if state else 0
                 queue.append(nxt)
 
-    def step(self, state: int, ch: str) -> int:
-        goto, fail = self.goto, self.fail
-        while True:
-            nxt = goto[state].get(ch)
-            if nxt is not None:
-                return nxt
-            if state == 0:
-                return 0
+    def _children(self, state: int) -> dict[int, int]:
+        only = self.only[state]
+        if only == BRANCHES:
+            return self.branch[state]
+        return {only: self.child[state]} if only >= 0 else {}
+
+    def _child_or_new(self, state: int, code: int) -> int:
+        """The child of `state` on `code`, made if it has none."""
+        only = self.only[state]
+        if only == code:
+            return self.child[state]
+        if only == BRANCHES and code in self.branch[state]:
+            return self.branch[state][code]
+        nxt = len(self.only)
+        self.only.append(-1)
+        self.child.append(0)
+        self.depth.append(self.depth[state] + 1)
+        if only == -1:
+            self.only[state], self.child[state] = code, nxt
+        else:
+            if only >= 0:  # a second child: the state branches
+                self.branch[state] = {only: self.child[state]}
+                self.only[state], self.child[state] = BRANCHES, 0
+            self.branch[state][code] = nxt
+        return nxt
+
+    def step(self, state: int, code: int) -> int:
+        """The state after `state` reads the character of code point `code`."""
+        only, child, branch, fail = self.only, self.child, self.branch, self.fail
+        while state:
+            o = only[state]
+            if o == code:
+                return child[state]
+            if o == BRANCHES:
+                nxt = branch[state].get(code)
+                if nxt is not None:
+                    return nxt
             state = fail[state]
+        return self.root.get(code, 0)
 
 
-@lru_cache(maxsize=256)
+# automata kept for the requests that repeat a stop list, least recently asked dropped first: bounded in trie
+# states (~24 bytes each, ~3 MB in all), not in lists, since a list's states go up to the API's bounds (16K)
+CACHED_STATES = 1 << 17
+_cache: OrderedDict[tuple[str, ...], StopAutomaton] = OrderedDict()
+_cached_states = 0  # the states of the automata in _cache
+_cache_lock = threading.Lock()
+
+
 def compiled(stops: tuple[str, ...]) -> StopAutomaton:
     """The automaton of a stop list; the n choices (and repeated requests) of one list share it."""
-    return StopAutomaton(stops)
+    with _cache_lock:
+        automaton = _cache.get(stops)
+        if automaton is not None:
+            _cache.move_to_end(stops)
+            return automaton
+    automaton = StopAutomaton(stops)
+    global _cached_states
+    with _cache_lock:
+        if stops not in _cache:  # (another thread may have built it meanwhile)
+            _cache[stops] = automaton
+            _cached_states += len(automaton.only)
+        while _cached_states > CACHED_STATES and len(_cache) > 1:
+            _cached_states -= len(_cache.popitem(last=False)[1].only)
+    return automaton
 
 
 class StopStrings:
@@ -85,9 +138,10 @@ class StopStrings:
         a = self.automaton
         s = self.held + text
         base = len(self.held)  # the held text is already walked: the state covers it
-        state, depth, match = self.state, a.depth, a.match
+        state, depth, match, root, step = self.state, a.depth, a.match, a.root, a.step
         for i in range(base, len(s)):
-            state = a.step(state, s[i])
+            code = ord(s[i])
+            state = step(state, code) if state else root.get(code, 0)  # (the text mostly leaves no state)
             stop = match[state]  # the longest stop string ending here: the earliest start
             if stop and armed:
                 self.state, self.held = 0, ""

@@ -1,0 +1,56 @@
+"""server/api/stop_strings.py's automaton at the API's bounds: what it holds, and the cache of them (a review:
+a dict a trie state held ~5 MB alive a list of 64 stop strings of 256 characters, and an LRU of 256 lists
+kept ~1.4 GB). Its matching is checked against a naive reference in test_api_fuzz.py."""
+
+from __future__ import annotations
+
+import gc
+import random
+import tracemalloc
+
+from server.api import stop_strings
+from server.api.admission import RequestLimits
+from server.api.stop_strings import StopAutomaton, StopStrings, compiled
+
+# the API's default bounds of a request's stop strings
+MAX_STOP_STRINGS, MAX_STOP_CHARS = RequestLimits().max_stop_strings, RequestLimits().max_stop_string_length
+
+
+def bounds_list(rng: random.Random) -> tuple[str, ...]:
+    return tuple("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(MAX_STOP_CHARS))
+                 for _ in range(MAX_STOP_STRINGS))
+
+
+def test_a_list_at_the_bounds_holds_under_a_megabyte():
+    stops = bounds_list(random.Random(0))
+    gc.collect()
+    tracemalloc.start()
+    try:
+        automaton = StopAutomaton(stops)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(automaton.only) > 15_000  # ~16K states: nearly every character its own
+    assert held < 1_000_000, f"{held / 1e6:.1f} MB"
+
+
+def test_the_cache_keeps_a_bounded_number_of_states_and_shares_a_repeated_list():
+    rng = random.Random(1)
+    small = ("\n\n", "User:")
+    first = compiled(small)
+    for _ in range(3 * stop_strings.CACHED_STATES // (MAX_STOP_STRINGS * MAX_STOP_CHARS)):
+        compiled(bounds_list(rng))
+        assert compiled(small) is first  # asked again each time: the most recent, never dropped
+    cached = stop_strings._cache
+    assert sum(len(a.only) for a in cached.values()) == stop_strings._cached_states
+    assert stop_strings._cached_states <= stop_strings.CACHED_STATES
+    assert len(cached) < 3 * stop_strings.CACHED_STATES // (MAX_STOP_STRINGS * MAX_STOP_CHARS)
+
+
+def test_a_stop_string_that_shares_a_branching_prefix_is_found_across_deltas():
+    # "abd" fails over to "bd" after "ab" took the branch from "b" to "c": the link runs through a branching
+    # state whose children live in its dict
+    s = StopStrings(["abc", "bd", "bx"])
+    assert s.feed("xa") == ("x", None)
+    assert s.feed("b") == ("", None)  # "ab": a prefix of "abc", held
+    assert s.feed("d") == ("a", "bd")
