@@ -100,6 +100,9 @@ BAD_COMPLETIONS = [
     ({**CMPL, "skip_special_tokens": "no"}, "skip_special_tokens"),  # a bool (false spells them)
     ({**CMPL, "guided_json": {"type": "wat"}}, "guided_json"),
     ({**CMPL, "guided_regex": "(unclosed"}, "guided_regex"),
+    # a lone trailing backslash: llguidance drops it, which served "ab\\" as /ab/
+    ({**CMPL, "guided_regex": "ab\\"}, "guided_regex"), ({**CMPL, "guided_regex": "\\"}, "guided_regex"),
+    ({**CMPL, "structured_outputs": {"regex": "a\\\\\\"}}, "structured_outputs"),
     ({**CMPL, "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     ({**CMPL, "prompt_logprobs": 21}, "prompt_logprobs"),
     ({**CMPL, "stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),  # vLLM's: not with a stream

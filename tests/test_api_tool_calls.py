@@ -26,6 +26,17 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
+def nested(depth: int) -> dict:
+    """An object schema whose one property is such an object, `depth` levels down to a string."""
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+NESTED_300 = nested(300)
+
+
 def scripted(engine, reply: str, pieces: int = 5, seen: list | None = None, finish: str = "stop"):
     """engine.generate streams `reply` in about `pieces` deltas per choice, each choice ending with `finish`;
     `seen` records the SamplingParams it gets."""
@@ -96,6 +107,15 @@ def test_plain_replies_and_choices_without_calls_are_text(engine, monkeypatch):
         assert streamed(chat(app, stream=True, **fields)) == (CALL, [], ["stop"])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_that_does_not_parse_is_content_as_written_whitespace_included(engine, monkeypatch, stream):
+    reply = '  <tool_call>\n{"name": oops}</tool_call>'
+    monkeypatch.setattr(engine, "generate", scripted(engine, reply, pieces=len(reply)))
+    r = chat(create_app(engine, tool_call_parser="hermes"), stream=stream, tools=TOOLS)
+    content = streamed(r)[0] if stream else r.json()["choices"][0]["message"]["content"]
+    assert content == reply
+
+
 def test_auto_tool_choice_needs_the_server_to_parse_calls(engine):
     r = chat(create_app(engine), tools=TOOLS)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
@@ -108,6 +128,11 @@ def test_auto_tool_choice_needs_the_server_to_parse_calls(engine):
     ({"tools": [{"type": "retrieval"}]}, "tools"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    # a tool_choice but "none" needs tools (OpenAI's and vLLM's 400s)
+    ({"tool_choice": "auto"}, "tool_choice"), ({"tool_choice": "required"}, "tool_choice"),
+    # "required" merges the tools' schemas into one: 300 levels of properties were a RecursionError there
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": NESTED_300}}],
+      "tool_choice": "required"}, "tools"),
 ])
 def test_bad_tools_and_forced_choices_are_400s(engine, fields, param):
     r = chat(create_app(engine, tool_call_parser="hermes"), **fields)

@@ -74,6 +74,14 @@ def test_raise_exception_is_a_template_error_not_a_crash():
         t.render(MESSAGES)
     with pytest.raises(ChatTemplateError):  # an undefined call inside the template
         ChatTemplate("{{ messages.nope() }}", "t").render(MESSAGES)
+    # a template that walks a client's tool schema recursively, given one nested deeper than Python's stack
+    walk = ("{% macro show(s) %}{% if s.properties is defined %}{% for k, v in s.properties.items() %}{{ k }}"
+            "{{ show(v) }}{% endfor %}{% endif %}{% endmacro %}{% for t in tools %}{{ show(t) }}{% endfor %}")
+    deep: dict = {}
+    for _ in range(1000):
+        deep = {"properties": {"a": deep}}
+    with pytest.raises(ChatTemplateError, match="RecursionError"):
+        ChatTemplate(walk, "t").render(MESSAGES, tools=[deep])
 
 
 def test_templates_compile_at_start_up(tmp_path):

@@ -4,9 +4,9 @@
 The core ends a choice on EOS / a stop token id (finish "stop", that last id is counted but never
 detokenized, unless include_stop_str_in_output), on max_tokens ("length"), or on an abort or error. A
 structured output also ends with finish "stop" on its grammar's last token, whose text is output: a guided
-choice's last id is dropped only where it is EOS or a stop token id. A stop
-string is found here, in the text of the tokens after the first min_tokens (as vLLM's v1): the choice ends with
-finish "stop" and the caller aborts it in the core; tokens the core sends after that are dropped.
+choice's last id is dropped only where it is EOS or a stop token id. A stop string is found here, in the
+text of the tokens after the first min_tokens (as vLLM's v1): the choice ends with finish "stop" and the
+caller aborts it in the core; tokens the core sends after that are dropped.
 """
 
 from __future__ import annotations

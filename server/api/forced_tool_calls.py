@@ -138,7 +138,10 @@ def forced_calls(req: ChatCompletionRequest) -> ForcedCalls | None:
 
 def forced_schema(req: ChatCompletionRequest) -> dict[str, Any] | None:
     """The JSON schema a forced reply follows, None when tool_choice forces nothing; a 400 for a tool_choice
-    without tools or naming a function that is not among them."""
+    but "none" without tools (as OpenAI's and vLLM's), one naming a function that is not among them, or
+    tools too deeply nested to merge into the array's schema."""
+    if req.tool_choice == "auto" and not req.tools:
+        raise APIError(400, "tool_choice \"auto\" needs 'tools'.", "tool_choice")
     forced = forced_calls(req)
     if forced is None:
         return None
@@ -146,7 +149,10 @@ def forced_schema(req: ChatCompletionRequest) -> dict[str, Any] | None:
         shown = '"required"' if forced.name is None else f"naming '{forced.name}'"
         raise APIError(400, f"tool_choice {shown} needs 'tools'.", "tool_choice")
     if forced.name is None:
-        return _calls_schema(req.tools, forced.parallel)
+        try:
+            return _calls_schema(req.tools, forced.parallel)
+        except RecursionError:  # (a named function's schema goes to llguidance whole: its limit's 400)
+            raise APIError(400, "A tool's parameters nest too deeply.", "tools") from None
     tool = next((t for t in req.tools if t.function.name == forced.name), None)
     if tool is None:
         raise APIError(400, f"tool_choice names '{forced.name}', which is not among the tools.",

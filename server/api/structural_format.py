@@ -70,10 +70,16 @@ class Regex(_Node):
 
     @model_validator(mode="after")
     def _no_lone_backslash(self):
-        """llguidance's regex_to_lark drops a trailing backslash, which would serve a pattern that is none."""
-        if (len(self.pattern) - len(self.pattern.rstrip("\\"))) % 2:
-            raise ValueError("'pattern' ends with a lone backslash")
+        check_regex(self.pattern, "'pattern'")
         return self
+
+
+def check_regex(pattern: str, what: str = "the regex") -> str:
+    """`pattern`, or ValueError where it ends with a lone backslash: llguidance's regex_to_lark (and
+    grammar_from_regex) drop it, which would serve a pattern that is none ("ab\\" as /ab/)."""
+    if (len(pattern) - len(pattern.rstrip("\\"))) % 2:
+        raise ValueError(f"{what} ends with a lone backslash")
+    return pattern
 
 
 class Grammar(_Node):

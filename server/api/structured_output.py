@@ -49,7 +49,7 @@ from server.api.protocol import (
     _SamplingRequest,
 )
 from server.api.special_literals import Literals, special_tokens
-from server.api.structural_format import JsonSchema, Tag, TriggeredTags
+from server.api.structural_format import JsonSchema, Tag, TriggeredTags, check_regex
 from server.api.trigger_index import TriggerIndex
 from server.engine import grammar as core_grammar
 from server.engine.forced_specials import ForcedSpecials
@@ -225,7 +225,7 @@ def _vllm_grammar(kind: str, value, literals: Literals) -> str:
     if kind in ("json", "json_object"):
         return json_grammar(value if kind == "json" else None)
     if kind == "regex":
-        return LLMatcher.grammar_from_regex(value)
+        return LLMatcher.grammar_from_regex(check_regex(value))
     if kind == "choice":  # Lark alternatives of the strings, quoted as JSON
         return llguidance.grammar_from("choice", value)
     if kind == "structural_tag":

@@ -117,8 +117,14 @@ class ToolCallStream:
     def _feed_hermes(self, s: str) -> str:
         start = s.find(HERMES_OPEN)
         if start >= 0:
-            self.calling, self.held = True, s[start:]
-            return s[:start] if self.visible_sent or s[:start].strip() else ""
+            before = s[:start]
+            if self.visible_sent or before.strip():
+                self.calling, self.held = True, s[start:]
+                return before
+            # only whitespace before the call: held with it, so that a call that does not parse is all
+            # content as written (as the unary reply's), and one that does gets parse's content
+            self.calling, self.held = True, s
+            return ""
         keep = next((k for k in range(min(len(HERMES_OPEN) - 1, len(s)), 0, -1)
                      if s.endswith(HERMES_OPEN[:k])), 0)  # a tail that may grow into the opening
         if not self.visible_sent and not s[:len(s) - keep].strip():

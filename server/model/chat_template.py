@@ -87,7 +87,9 @@ class ChatTemplate:
             raise
         except jinja2.TemplateError as e:
             raise ChatTemplateError(str(e)) from None
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError, ArithmeticError) as e:
+        # RecursionError (a RuntimeError): a template that walks a client's deeply nested tool schema
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError, ArithmeticError,
+                RuntimeError) as e:
             raise ChatTemplateError(f"the chat template failed on this request: {type(e).__name__}: {e}") \
                 from None
 
