@@ -165,3 +165,30 @@ def test_async_equals_sync_on_cuda_with_graphs():
     assert async_core.runner.graphs is not None and async_core.runner.graphs.num_replays > 0
     assert sync_core.scheduler.num_preemptions > 0
     assert async_tokens == sync_tokens
+
+
+def test_a_failed_step_fails_its_own_requests_not_a_new_one_under_a_reused_id():
+    # with async scheduling a step's failure shows a step later: by then its request may be aborted and its
+    # id reused by a new request, which never ran in the failed batch (a review: it was failed too)
+    core, _ = build_core(EngineConfig(**{**TINY, "device": "cpu", "attention_backend": "torch"},
+                                      async_scheduling=True))
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    core.add_request(EngineRequest("x", [5, 6, 7, 8, 9], greedy, 0.0))
+    core.step()
+    core.step()  # a decode step of the first "x" in flight
+    in_flight = core._in_flight
+    assert in_flight is not None and [s.request_id for s in in_flight.sched.samples] == ["x"]
+
+    def device_failure():
+        raise RuntimeError("the device failed the step")
+
+    in_flight.result.wait = device_failure
+    assert [u.finish_reason for u in core.abort_request("x")] == ["abort"]
+    core.add_request(EngineRequest("x", [9, 8, 7], greedy, 0.0))
+    tokens, finish = [], []
+    while core.has_work():
+        for u in core.step().updates:
+            tokens += u.new_token_ids
+            finish += [u.finish_reason] if u.finish_reason else []
+    assert finish == ["length"] and len(tokens) == 8
+    assert core.kv.usage().used_blocks == 0

@@ -302,7 +302,13 @@ class EngineCore:
 
     def _fail_batch(self, sched: SchedulerOutput, e: Exception) -> list[SeqUpdate]:
         logger.exception("engine step failed; failing %d sequences", len(sched.samples))
-        batch = {s.request_id for s in sched.samples} | {c.seq.request_id for c in sched.prefills}
+        # the requests the batch ran, by their sequences: with async scheduling the failure shows a step
+        # later, when a client may have aborted one and sent a new request under its id (a review)
+        batch = set()
+        for seq in [*sched.samples, *(c.seq for c in sched.prefills)]:
+            req = self.requests.get(seq.request_id)
+            if req is not None and any(own is seq for own in req.seqs):
+                batch.add(seq.request_id)
         return [u for rid in batch for u in self.abort_request(rid, None, "error", _describe(e))]
 
     def stats(self, num_prefill_tokens: int = 0, num_decode_tokens: int = 0,
