@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# a config.json without `architectures`: transformers' Auto classes go by model_type
+ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                              "qwen2": "Qwen2ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,8 @@ class ModelConfig:
     def _from_hf(cls, cfg: dict, name: str) -> ModelConfig:
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if not archs:
+            arch = ARCHITECTURE_OF_MODEL_TYPE.get(cfg.get("model_type"))
         if arch is None:
             raise ValueError(
                 f"unsupported architecture {archs or cfg.get('model_type')!r} in config.json; "
@@ -103,12 +108,13 @@ class ModelConfig:
         for flag in ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window"):
             if cfg.get(flag) is not None and not isinstance(cfg[flag], bool):  # bool("false") is True
                 raise ValueError(f"config.json's {flag} must be true or false, got {cfg[flag]!r}")
-        if cfg.get("hidden_act", "silu") != "silu":
+        if cfg.get("hidden_act", "silu") not in ("silu", "swish"):  # (transformers' swish is SiLU)
             raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; only silu (SwiGLU) is supported")
         num_heads = cfg["num_attention_heads"]
         if not (isinstance(num_heads, int) and num_heads >= 1):  # before head_dim divides by it
             raise ValueError(f"num_attention_heads must be an integer >= 1, got {num_heads!r}")
         rope = _rope_params(cfg)
+        max_positions = cfg.get("max_position_embeddings", DEFAULT_POSITIONS[arch])
         attention_bias = bool(cfg.get("attention_bias", False))
         is_qwen2 = arch == "Qwen2ForCausalLM"
         sliding = _sliding_window(cfg, arch)
@@ -123,10 +129,10 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-            max_position_embeddings=cfg.get("max_position_embeddings", DEFAULT_POSITIONS[arch]),
+            max_position_embeddings=max_positions,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-            rope_scaling=_rope_scaling(rope),
+            rope_theta=float(rope["rope_theta"]),
+            rope_scaling=_rope_scaling(rope, cfg.get("original_max_position_embeddings"), max_positions),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias and not is_qwen2,
@@ -141,6 +147,7 @@ class ModelConfig:
 # 4096 * 32, Qwen2Config)
 DEFAULT_POSITIONS = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 131072, "Qwen2ForCausalLM": 32768}
 QWEN2_MAX_WINDOW_LAYERS = 28  # transformers' Qwen2Config default: the layers from here on slide
+DEFAULT_SLIDING_WINDOW = 4096  # transformers' MistralConfig and Qwen2Config default (an explicit null: none)
 
 
 def _sliding_window(cfg: dict, arch: str) -> int | None:
@@ -151,7 +158,7 @@ def _sliding_window(cfg: dict, arch: str) -> int | None:
     refused rather than served wrong."""
     if arch == "LlamaForCausalLM":
         return None
-    window = cfg.get("sliding_window")
+    window = cfg.get("sliding_window", DEFAULT_SLIDING_WINDOW)
     num_layers = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
     if types is not None:
@@ -175,13 +182,18 @@ def _sliding_window(cfg: dict, arch: str) -> int | None:
 
 
 def _rope_params(cfg: dict) -> dict:
-    """transformers 5 writes `rope_parameters`; 4.x writes `rope_theta` + `rope_scaling`."""
-    params = dict(cfg.get("rope_parameters") or {})
-    params.update(cfg.get("rope_scaling") or {})
+    """transformers 5 writes `rope_parameters`; 4.x writes `rope_theta` + `rope_scaling`. Read as transformers
+    reads them: a `rope_scaling` replaces `rope_parameters` whole (where a config holds both, merging them
+    let the latter's "rope_type": "default" hide the former's "type": "llama3", a review), and the dict's
+    rope_theta comes before the top level's."""
+    params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
     return params
 
 
-def _rope_scaling(rope: dict) -> RopeScaling:
+def _rope_scaling(rope: dict, top_level_original: int | None, max_positions: int) -> RopeScaling:
+    """The pretraining length llama3 scales from, as transformers takes it: the config's top-level
+    original_max_position_embeddings, else the rope dict's, else max_position_embeddings."""
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "default":
         return RopeScaling()
@@ -192,7 +204,8 @@ def _rope_scaling(rope: dict) -> RopeScaling:
         factor=float(rope["factor"]),
         low_freq_factor=float(rope["low_freq_factor"]),
         high_freq_factor=float(rope["high_freq_factor"]),
-        original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        original_max_position_embeddings=int(top_level_original if top_level_original is not None else
+                                             rope.get("original_max_position_embeddings", max_positions)),
     )
 
 

@@ -1,0 +1,87 @@
+"""config.json read as transformers reads it, on tiny random checkpoints (fp32, CPU): the spellings real
+configs carry where transformers and a plain reading part ways (a review found each; before, the first three
+served different logits without an error and the last two refused valid checkpoints)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from model_fixtures import hf_config, write_hf_checkpoint
+
+from server.model import load_model
+from server.model.loader import model_config
+
+transformers = pytest.importorskip("transformers")
+
+IDS = list(range(3, 63))
+LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8}
+DELETE = object()
+
+
+def checkpoint(tmp_path: Path, arch: str = "llama", edits: dict | None = None, **overrides) -> Path:
+    """A tiny random checkpoint of `arch`, its config.json then edited (DELETE drops a key)."""
+    path = tmp_path / "ckpt"
+    write_hf_checkpoint(path, hf_config(arch, **overrides))
+    f = path / "config.json"
+    cfg = json.loads(f.read_text())
+    for key, value in (edits or {}).items():
+        if value is DELETE:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    f.write_text(json.dumps(cfg))
+    return path
+
+
+def hf_model(path: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager",
+                                                             dtype=torch.float32).eval()
+
+
+def logits_error(path: Path, ids: list[int] = IDS, last_only: bool = False) -> float:
+    """Max |ours - transformers'| over max |transformers'| of the logits at every position (or the last)."""
+    model, _ = load_model(str(path), "cpu", torch.float32)
+    with torch.no_grad():
+        ours = model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids))))
+        theirs = hf_model(path)(torch.tensor([ids])).logits[0].float()
+    if last_only:
+        ours, theirs = ours[-1], theirs[-1]
+    return float((ours - theirs).abs().max() / theirs.abs().max())
+
+
+def test_a_legacy_rope_scaling_replaces_rope_parameters_whole(tmp_path):
+    # both spellings: transformers takes rope_scaling's llama3; merged, rope_parameters' "default" hid it
+    path = checkpoint(tmp_path, edits={"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+                                       "rope_scaling": {"type": "llama3", **LLAMA3}})
+    assert logits_error(path) < 1e-4
+    path = checkpoint(tmp_path / "linear", edits={"rope_parameters": {"rope_type": "default"},
+                                                  "rope_scaling": {"type": "linear", "factor": 4.0}})
+    with pytest.raises(ValueError, match="linear"):  # not served as plain RoPE
+        model_config(str(path))
+
+
+def test_a_top_level_original_max_position_embeddings_comes_first(tmp_path):
+    path = checkpoint(tmp_path, edits={"original_max_position_embeddings": 8},
+                      rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, **LLAMA3,
+                                       "original_max_position_embeddings": 64})
+    assert logits_error(path) < 1e-4
+
+
+def test_a_missing_sliding_window_is_transformers_default(tmp_path):
+    # Mistral windows every layer at 4096 where config.json omits the key (an explicit null: no window)
+    path = checkpoint(tmp_path, "mistral", edits={"sliding_window": DELETE}, sliding_window=None,
+                      max_position_embeddings=8192, num_hidden_layers=1)
+    assert model_config(str(path)).sliding_window == 4096
+    assert logits_error(path, [(i * 7919) % 317 + 3 for i in range(4200)], last_only=True) < 1e-4
+    qwen2 = checkpoint(tmp_path / "qwen2", "qwen2", edits={"use_sliding_window": True, "max_window_layers": 0,
+                                                           "sliding_window": DELETE, "layer_types": DELETE})
+    assert model_config(str(qwen2)).sliding_window == 4096
+
+
+def test_swish_is_silu_and_model_type_names_the_architecture(tmp_path):
+    assert logits_error(checkpoint(tmp_path, edits={"hidden_act": "swish"})) < 1e-4
+    assert logits_error(checkpoint(tmp_path / "bare", "qwen2", edits={"architectures": DELETE})) < 1e-4
