@@ -8,9 +8,8 @@ import gc
 import random
 import tracemalloc
 
-from server.api import stop_strings
 from server.api.admission import RequestLimits
-from server.api.stop_strings import StopAutomaton, StopStrings, compiled
+from server.api.stop_strings import AutomatonCache, StopAutomaton, StopStrings, compiled
 
 # the API's default bounds of a request's stop strings
 MAX_STOP_STRINGS, MAX_STOP_CHARS = RequestLimits().max_stop_strings, RequestLimits().max_stop_string_length
@@ -36,15 +35,15 @@ def test_a_list_at_the_bounds_holds_under_a_megabyte():
 
 def test_the_cache_keeps_a_bounded_number_of_states_and_shares_a_repeated_list():
     rng = random.Random(1)
+    cache = AutomatonCache(max_states=4 * MAX_STOP_STRINGS * MAX_STOP_CHARS)  # four lists at the bounds
     small = ("\n\n", "User:")
-    first = compiled(small)
-    for _ in range(3 * stop_strings.CACHED_STATES // (MAX_STOP_STRINGS * MAX_STOP_CHARS)):
-        compiled(bounds_list(rng))
-        assert compiled(small) is first  # asked again each time: the most recent, never dropped
-    cached = stop_strings._cache
-    assert sum(len(a.only) for a in cached.values()) == stop_strings._cached_states
-    assert stop_strings._cached_states <= stop_strings.CACHED_STATES
-    assert len(cached) < 3 * stop_strings.CACHED_STATES // (MAX_STOP_STRINGS * MAX_STOP_CHARS)
+    first = cache.get(small)
+    for _ in range(12):
+        cache.get(bounds_list(rng))
+        assert cache.get(small) is first  # asked again each time: the most recent, never dropped
+    assert sum(len(a.only) for a in cache.kept.values()) == cache.states <= cache.max_states
+    assert 2 <= len(cache.kept) <= 5
+    assert compiled(small) is compiled(small)  # the API's cache
 
 
 def test_a_stop_string_that_shares_a_branching_prefix_is_found_across_deltas():

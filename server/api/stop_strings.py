@@ -95,30 +95,41 @@ class StopAutomaton:
         return self.root.get(code, 0)
 
 
-# automata kept for the requests that repeat a stop list, least recently asked dropped first: bounded in trie
-# states (~24 bytes each, ~3 MB in all), not in lists, since a list's states go up to the API's bounds (16K)
-CACHED_STATES = 1 << 17
-_cache: OrderedDict[tuple[str, ...], StopAutomaton] = OrderedDict()
-_cached_states = 0  # the states of the automata in _cache
-_cache_lock = threading.Lock()
+CACHED_STATES = 1 << 17  # trie states the automata kept hold in all (~24 bytes each: ~3 MB)
+
+
+class AutomatonCache:
+    """The automata of recent stop lists, for the requests that repeat one, the least recently asked dropped
+    first: bounded in trie states, not in lists, since a list's states go up to the API's bounds (16K)."""
+
+    def __init__(self, max_states: int = CACHED_STATES):
+        self.max_states = max_states
+        self.kept: OrderedDict[tuple[str, ...], StopAutomaton] = OrderedDict()
+        self.states = 0  # of the automata kept
+        self._lock = threading.Lock()  # (the API's handlers may build matchers on several threads)
+
+    def get(self, stops: tuple[str, ...]) -> StopAutomaton:
+        with self._lock:
+            automaton = self.kept.get(stops)
+            if automaton is not None:
+                self.kept.move_to_end(stops)
+                return automaton
+        automaton = StopAutomaton(stops)  # (built outside the lock: up to ~30 ms at the bounds)
+        with self._lock:
+            if stops not in self.kept:  # (another thread may have built it meanwhile)
+                self.kept[stops] = automaton
+                self.states += len(automaton.only)
+            while self.states > self.max_states and len(self.kept) > 1:
+                self.states -= len(self.kept.popitem(last=False)[1].only)
+        return automaton
+
+
+_CACHE = AutomatonCache()
 
 
 def compiled(stops: tuple[str, ...]) -> StopAutomaton:
     """The automaton of a stop list; the n choices (and repeated requests) of one list share it."""
-    with _cache_lock:
-        automaton = _cache.get(stops)
-        if automaton is not None:
-            _cache.move_to_end(stops)
-            return automaton
-    automaton = StopAutomaton(stops)
-    global _cached_states
-    with _cache_lock:
-        if stops not in _cache:  # (another thread may have built it meanwhile)
-            _cache[stops] = automaton
-            _cached_states += len(automaton.only)
-        while _cached_states > CACHED_STATES and len(_cache) > 1:
-            _cached_states -= len(_cache.popitem(last=False)[1].only)
-    return automaton
+    return _CACHE.get(stops)
 
 
 class StopStrings:
