@@ -22,7 +22,7 @@ from loadtest.processes import STREAMS_PER_PROCESS, WorkerError
 from loadtest.report import load_report, print_compare, print_report, save_report
 from loadtest.session import RunSettings, discover, measure, warm_up
 from loadtest.sweep import parse_levels, run_sweep, sweep_table, sweep_warnings
-from loadtest.workload import LengthRange
+from loadtest.workload import LengthRange, check_arrivals
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,6 +106,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     if settings.num_requests < 1 or (settings.concurrency is not None and settings.concurrency < 1):
         parser.error("--num-requests and --concurrency must be >= 1")
+    try:  # before any request: the arrival schedule is built only once the warm-up has run
+        check_arrivals(settings.request_rate, settings.burstiness)
+    except ValueError as e:
+        parser.error(f"--{str(e).replace('_', '-')}")
+    if not settings.stream and settings.slo.tpot_ms is not None:
+        parser.error("--slo-tpot-ms needs streamed responses (--no-stream measures no TPOT)")
     try:
         return asyncio.run(_run(settings, levels, args.out, args.plot))
     except KeyboardInterrupt:
@@ -124,7 +130,10 @@ async def _run(settings: RunSettings, levels: list[int] | None, out: str | None,
         err.print(f"[red]server discovery failed:[/] {e}")
         return 1
     first_level = levels[0] if levels else settings.concurrency or settings.num_requests
-    warm = await warm_up(settings, server, first_level)
+    warm = await warm_up(settings, server, first_level, stop)
+    if stop.is_set():  # Ctrl-C during the warm-up: nothing was measured
+        err.print("[yellow]interrupted during the warm-up: nothing measured[/]")
+        return 130
     if any(not r.success for r in warm):
         err.print(f"[yellow]warmup: {sum(not r.success for r in warm)}/{len(warm)} requests failed[/]")
     if levels is not None:

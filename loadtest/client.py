@@ -2,10 +2,11 @@
 
 Times are `time.perf_counter()` seconds. `send_time` is taken just before the request goes out (after the
 concurrency slot is acquired), each content chunk is stamped when the piece of body carrying it is read
-(sse.py), `end_time` when the stream ends. A content chunk is one whose choice carries non-empty text
-(completions) or delta content (chat), as in vLLM's `bench serve`, or non-empty `token_ids`: streaming
-requests ask for them (`return_token_ids`, which pagewalk and vLLM honour and other servers ignore), so a
-token whose text is not yet printable (half a UTF-8 character, or an id outside a byte tokenizer's range)
+(sse.py), `end_time` when the stream ends; E2EL ends at the last event with choices (`last_chunk_time`, as
+vLLM's latency: a usage block or [DONE] sent later is no token). A content chunk is one whose choice carries
+non-empty text (completions) or delta content (chat), as in vLLM's `bench serve`, or non-empty `token_ids`:
+streaming requests ask for them (`return_token_ids`, which pagewalk and vLLM honour and other servers ignore),
+so a token whose text is not yet printable (half a UTF-8 character, or an id outside a byte tokenizer's range)
 still counts as arriving.
 The output token count is the server's `usage.completion_tokens` when the response has it, else the number
 of token ids streamed, else the number of content chunks.
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from loadtest.sse import StreamReader
+from loadtest.sse import StreamReader, unary_counts
 from loadtest.workload import RequestSpec
 
 
@@ -59,6 +60,7 @@ class RequestRecord:
     chunk_times: list[float] = field(default_factory=list)  # arrival of each content chunk
     output_tokens: int = 0
     streamed: bool = True  # False: the whole response came at once (no ITL, no TPOT)
+    last_chunk_time: float | None = None  # streamed: the last event with choices (the E2EL's end, as vLLM's)
     error_kind: str | None = None
     error: str = ""
 
@@ -72,7 +74,10 @@ class RequestRecord:
 
     @property
     def e2el(self) -> float:
-        return self.end_time - self.send_time
+        """To the last event with choices where streamed (a usage block or [DONE] sent later is no token's
+        time: vLLM ends its latency there too), else to the response's end."""
+        end = self.last_chunk_time if self.last_chunk_time is not None else self.end_time
+        return end - self.send_time
 
     @property
     def tpot(self) -> float | None:
@@ -146,6 +151,7 @@ async def _stream(client: httpx.AsyncClient, spec: RequestSpec, cfg: ClientConfi
         return _fail(rec, "incomplete_stream", "stream ended without data: [DONE]")
     if not rec.chunk_times:  # no TTFT to report, yet its usage tokens would count in the throughput
         return _fail(rec, "no_content", "stream ended without a content chunk")
+    rec.last_chunk_time = reader.last_choices_time
     counted = reader.streamed_ids or len(rec.chunk_times)
     _apply_usage(rec, reader.completion_tokens, reader.prompt_tokens, counted)
     _check_finish(rec, reader.finish_reason)
@@ -156,22 +162,16 @@ async def _unary(client: httpx.AsyncClient, spec: RequestSpec, cfg: ClientConfig
     if resp.status_code != 200:
         return _fail(rec, f"http_{resp.status_code}", resp.text)
     try:
-        body = resp.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):  # a 200 whose body is not JSON (or not UTF-8)
+        completion_tokens, prompt_tokens, counted, finish_reason = unary_counts(resp.content)
+    except ValueError:  # a 200 whose body is not JSON, not UTF-8, or not a response's shape
         return _fail(rec, "bad_response", resp.content[:500].decode(errors="replace"))
-    if not isinstance(body, dict):
-        return _fail(rec, "bad_response", resp.text[:500])
     # Without streaming the first token is seen with the whole response: TTFT = e2el, no ITL, no TPOT.
     rec.chunk_times.append(time.perf_counter())
     rec.streamed = False
-    usage = body.get("usage") or {}
-    choices = body.get("choices") or [{}]
-    ids = [c.get("token_ids") for c in choices if isinstance(c, dict)]
-    counted = sum(len(t) for t in ids if isinstance(t, list))
-    if usage.get("completion_tokens") is None and not counted:  # 0 tokens would read as a success
+    if completion_tokens is None and not counted:  # 0 tokens would read as a success
         return _fail(rec, "no_usage", "a response without usage or token ids: its output tokens are unknown")
-    _apply_usage(rec, usage.get("completion_tokens"), usage.get("prompt_tokens"), counted)
-    _check_finish(rec, choices[-1].get("finish_reason") if isinstance(choices[-1], dict) else None)
+    _apply_usage(rec, completion_tokens, prompt_tokens, counted)
+    _check_finish(rec, finish_reason)
 
 
 def _check_finish(rec: RequestRecord, finish_reason: str | None) -> None:

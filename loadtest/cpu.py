@@ -58,8 +58,10 @@ def load_fields(loads: list[ProcessLoad]) -> dict:
     return {
         "client_processes": len(drivers),
         "client_cpu_s": cpu,
-        "client_cpu_util": cpu / (wall * len(drivers)) if wall > 0 else 0.0,
-        "client_busy_max": max(x.busy for x in loads),
+        # over every process measured (the parent's CPU is in the sum: over the drivers alone it read > 1)
+        "client_cpu_util": cpu / (wall * len(loads)) if wall > 0 else 0.0,
+        # the drivers': what more --processes relieves (the parent merges their records whatever the count)
+        "client_busy_max": max(x.busy for x in drivers),
     }
 
 

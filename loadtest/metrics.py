@@ -54,8 +54,11 @@ class SLO:
             return False
         if self.ttft_ms is not None and (rec.ttft is None or rec.ttft * 1000.0 > self.ttft_ms):
             return False
-        tpot = rec.tpot if rec.tpot is not None else 0.0  # a one-token request has no per-token time
-        return self.tpot_ms is None or tpot * 1000.0 <= self.tpot_ms
+        if self.tpot_ms is None:
+            return True
+        if rec.tpot is None:  # a one-token request has no per-token time (vLLM's 0); an unstreamed one was
+            return rec.output_tokens <= 1  # never measured: it does not meet a TPOT bound
+        return rec.tpot * 1000.0 <= self.tpot_ms
 
 
 @dataclass

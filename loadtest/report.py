@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import platform
 import time
 from pathlib import Path
@@ -145,7 +146,10 @@ def compare_rows(a: dict, b: dict) -> list[tuple[str, float | None, float | None
         va, vb = _lookup(a, key), _lookup(b, key)
         if va is None and vb is None:
             continue
-        ratio = vb / va if va not in (None, 0) and vb is not None else None
+        if va is None or vb is None or va == vb == 0:
+            ratio = None
+        else:  # from 0 to more (0 failures to 5): an infinite ratio, so that it is marked
+            ratio = vb / va if va != 0 else math.copysign(math.inf, vb)
         rows.append((key, va, vb, ratio))
     return rows
 
@@ -164,7 +168,7 @@ def print_compare(a: dict, b: dict, names: tuple[str, str], console: Console | N
         table.add_column(col, justify=justify)
     for key, va, vb, ratio in compare_rows(a, b):
         better = _better(key, ratio)
-        ratio_text = "-" if ratio is None else f"{ratio:.3f}x"
+        ratio_text = "-" if ratio is None else "from 0" if math.isinf(ratio) else f"{ratio:.3f}x"
         style = {True: "green", False: "red", None: ""}[better]
         table.add_row(key, fmt(va), fmt(vb), f"[{style}]{ratio_text}[/]" if style else ratio_text)
     console.print(table)

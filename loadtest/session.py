@@ -94,15 +94,18 @@ def client_config(settings: RunSettings, model: str) -> ClientConfig:
     )  # fmt: skip
 
 
-async def warm_up(settings: RunSettings, server: Server, concurrency: int) -> list[RequestRecord]:
-    """`settings.warmup` requests of the same shape (a different seed), not measured."""
+async def warm_up(settings: RunSettings, server: Server, concurrency: int,
+                  stop: asyncio.Event | None = None) -> list[RequestRecord]:
+    """`settings.warmup` requests of the same shape (a different seed), not measured; `stop` (the first
+    Ctrl-C) ends them as it ends a measured run."""
     if settings.warmup <= 0:
         return []
     specs = build_workload(settings.warmup, settings.input_lens, settings.output_lens, settings.seed + 7919,
                            settings.endpoint, settings.vocab_range, server.chat_overhead)  # fmt: skip
     level = min(concurrency, settings.warmup)
     cfg = client_config(settings, server.model)
-    run = await run_workload(specs, cfg, level, [0.0] * len(specs), settings.processes_for(concurrency))
+    run = await run_workload(specs, cfg, level, [0.0] * len(specs), settings.processes_for(concurrency),
+                             stop)
     return run.records
 
 

@@ -52,16 +52,32 @@ _NO_ERROR = msgspec.Raw(b"")
 _DECODE = msgspec.json.Decoder(_Chunk).decode
 
 
+def unary_counts(body: bytes) -> tuple[int | None, int | None, int, str | None]:
+    """A non-streamed response's body -> (usage completion_tokens, usage prompt_tokens, token ids returned,
+    the last choice's finish_reason), read through the same schema as an event's: ValueError where it is not
+    a JSON object of that shape (a `usage` that is no object, a count that is no integer, `choices` that is
+    no list), so one malformed body fails its request rather than the run."""
+    try:
+        response = _DECODE(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ValueError(str(e)) from None
+    usage = response.usage or _Usage()
+    choices = response.choices or []
+    ids = sum(len(c.token_ids) for c in choices if c.token_ids)
+    return usage.completion_tokens, usage.prompt_tokens, ids, choices[-1].finish_reason if choices else None
+
+
 class StreamReader:
     """Fed the body's byte chunks in order; appends the arrival time of each content chunk to `chunk_times`.
 
     After the body: `done` (saw `data: [DONE]`), `completion_tokens` and `prompt_tokens` (from the last usage
     block; None without one), `streamed_ids` (token ids seen), `finish_reason` (the last one given),
-    `failure` ((error_kind, message) of the first bad or error event, which ends the reading).
+    `last_choices_time`, `failure` ((error_kind, message) of the first bad or error event, which ends the
+    reading).
     """
 
     __slots__ = ("chunk_times", "done", "completion_tokens", "prompt_tokens", "streamed_ids", "finish_reason",
-                 "failure", "_tail")  # fmt: skip
+                 "failure", "last_choices_time", "_tail")  # fmt: skip
 
     def __init__(self, chunk_times: list[float]) -> None:
         self.chunk_times = chunk_times
@@ -71,6 +87,9 @@ class StreamReader:
         self.streamed_ids = 0
         self.finish_reason: str | None = None
         self.failure: tuple[str, str] | None = None
+        # the arrival of the last event with choices (a finish chunk without text too; not a usage block or
+        # [DONE]): where vLLM's latency ends ("only token chunks advance the request end")
+        self.last_choices_time: float | None = None
         self._tail = b""  # a line not yet ended by its newline
 
     def feed(self, data: bytes, now: float) -> bool:
@@ -106,6 +125,7 @@ class StreamReader:
             if usage.prompt_tokens is not None:
                 self.prompt_tokens = usage.prompt_tokens
         if chunk.choices:
+            self.last_choices_time = now
             ids = 0
             text = False
             for c in chunk.choices:

@@ -85,12 +85,18 @@ def build_workload(
     return specs
 
 
+def check_arrivals(request_rate: float, burstiness: float) -> None:
+    """ValueError unless request_rate > 0 (inf: all at once) and burstiness is a finite number > 0 (NaN
+    compares false both ways: it passed a `<= 0` test and sent everything at once)."""
+    if not request_rate > 0:
+        raise ValueError(f"request_rate must be > 0 (or inf), got {request_rate}")
+    if not 0 < burstiness < math.inf:
+        raise ValueError(f"burstiness must be a number > 0, got {burstiness}")
+
+
 def arrival_offsets(num_requests: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
     """Seconds after the start at which each request is released (non-decreasing, first is 0)."""
-    if request_rate <= 0:
-        raise ValueError(f"request_rate must be > 0 (or inf), got {request_rate}")
-    if burstiness <= 0:
-        raise ValueError(f"burstiness must be > 0, got {burstiness}")
+    check_arrivals(request_rate, burstiness)
     if math.isinf(request_rate) or num_requests == 0:
         return [0.0] * num_requests
     rng = np.random.default_rng(seed + 1)  # independent of the prompt stream

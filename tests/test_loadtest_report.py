@@ -1,6 +1,7 @@
 """loadtest CLI, JSON report, plots, sweep, compare and Ctrl-C, against the scripted SSE server."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -101,7 +102,7 @@ def test_compare_rows_and_ratios():
 def test_compare_shows_the_servers_prefix_cache_hit_rate_neither_better_nor_worse():
     a, b = report(server_prefix_cache_hit_rate=0.0), report(server_prefix_cache_hit_rate=0.97)
     rows = {key: (va, vb, ratio) for key, va, vb, ratio in compare_rows(a, b)}
-    assert rows["server_prefix_cache_hit_rate"] == (0.0, 0.97, None)   # a cached run beside a fresh one
+    assert rows["server_prefix_cache_hit_rate"] == (0.0, 0.97, math.inf)   # a cached run beside a fresh one
     assert _better("server_prefix_cache_hit_rate", 2.0) is None
     assert "server_prefix_cache_hit_rate" not in {k for k, *_ in compare_rows(report(), report())}
 
