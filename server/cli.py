@@ -7,6 +7,7 @@ flag's help says so.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -46,6 +47,17 @@ def fraction(value: str) -> float:
     if not 0.0 < x <= 1.0:
         raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], got {value}")
     return x
+
+
+def json_list(value: str) -> list[str]:
+    """An argparse type: a JSON list of strings (vLLM's spelling of --allowed-origins and its kin)."""
+    try:
+        items = json.loads(value)
+    except json.JSONDecodeError:
+        items = None
+    if not (isinstance(items, list) and all(isinstance(x, str) for x in items)):
+        raise argparse.ArgumentTypeError(f'expected a JSON list of strings such as \'["*"]\', got {value!r}')
+    return items
 
 
 def positive_int(value: str) -> int:
@@ -167,6 +179,12 @@ def add_server_flags(s: argparse.ArgumentParser) -> None:
                         "core's worth of Python; --max-waiting is shared out among them")
     s.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set)")
+    s.add_argument("--allowed-origins", type=json_list, default=[],
+                   help='origins browsers may call the API from, a JSON list (\'["*"]\': any); default none '
+                        '(vLLM allows any)')
+    s.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and credentials")
+    s.add_argument("--allowed-methods", type=json_list, default=["*"], help="CORS: a JSON list of methods")
+    s.add_argument("--allowed-headers", type=json_list, default=["*"], help="CORS: a JSON list of headers")
     s.add_argument("--max-body-bytes", type=positive_int, default=None,
                    help="request body limit in bytes, 413 above it (default: 1 MiB)")
     s.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -339,6 +357,7 @@ def serve_api(args: argparse.Namespace, api_server=None, sock=None) -> int:
     from server.api.app import create_app, stop_engine
     from server.api.async_engine import AsyncEngine
     from server.api.connections import drop_stalled, guarded_protocol
+    from server.api.cors import CorsPolicy
     from server.api.limits import DEFAULT_MAX_BODY_BYTES
     from server.engine.core_client import CoreStartupError
 
@@ -369,7 +388,9 @@ def serve_api(args: argparse.Namespace, api_server=None, sock=None) -> int:
     max_body_bytes = args.max_body_bytes or DEFAULT_MAX_BODY_BYTES
     app = create_app(engine, api_key=args.api_key, max_body_bytes=max_body_bytes,
                      tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                     shutdown_timeout_s=args.shutdown_timeout, limits=request_limits(args))
+                     shutdown_timeout_s=args.shutdown_timeout, limits=request_limits(args),
+                     cors=CorsPolicy(tuple(args.allowed_origins), args.allow_credentials,
+                                     tuple(args.allowed_methods), tuple(args.allowed_headers)))
     logger.info(startup_line(engine, http_url(args.host, sock.getsockname()[1])))
     if engine.sampling_defaults:  # as vLLM says it: the model's own values replace OpenAI's defaults
         logger.info("sampling defaults from the model's generation_config.json (for fields a request leaves "

@@ -96,6 +96,7 @@ def test_uvicorn_400_is_an_openai_error_body(server):
     assert raw.startswith(b"HTTP/1.1 400"), raw
     err = json_body(raw)["error"]
     assert err["type"] == "invalid_request_error" and err["code"] == "invalid_http"
+    assert b"\r\nx-request-id: " in raw.split(b"\r\n\r\n")[0]  # as every response (a fresh one here)
 
 
 @pytest.mark.parametrize("where", ["url", "one header", "many headers"])
@@ -117,6 +118,7 @@ def test_oversized_request_headers_get_431(server, where):
     raw = read_all(s)
     assert raw.startswith(b"HTTP/1.1 431"), raw[:200]
     assert json_body(raw)["error"]["code"] == "headers_too_large"
+    assert b"\r\nx-request-id: " in raw.split(b"\r\n\r\n")[0]
     s.close()
     assert httpx.get(f"{server.url}/health", headers={"X-Fine": "a" * 4096}).status_code == 200
 

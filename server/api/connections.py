@@ -37,6 +37,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from server.api.errors import error_body
 from server.api.limits import DEFAULT_MAX_BODY_BYTES
+from server.api.request_ids import HEADER, new_request_id
 
 logger = logging.getLogger("pagewalk.api")
 
@@ -55,8 +56,10 @@ SEND_BUFFER_BYTES = 256 * 1024
 def raw_error(status: int, reason: str, message: str, code: str | None = None) -> bytes:
     """A complete HTTP/1.1 error response (Connection: close) with the OpenAI error body."""
     body = json.dumps(error_body(status, message, None, code)).encode()
+    # a fresh X-Request-Id, as every response carries one (the request's own headers are not read here)
     head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
+            f"content-length: {len(body)}\r\n{HEADER.lower()}: {new_request_id()}\r\n"
+            f"connection: close\r\n\r\n")
     return head.encode() + body
 
 
