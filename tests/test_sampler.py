@@ -82,6 +82,13 @@ def test_top_k_then_top_p_renormalises_after_k_and_min_p_is_relative_to_best():
     assert_close_freq(empirical(PROBS, SamplingParams(min_p=0.5, top_k=3)), [0.625, 0.375, 0, 0])
 
 
+def test_top_k_keeps_every_token_tied_with_the_kth():
+    # three tokens tie for the best: top_k=2 keeps all three (vLLM's `logits < kth` mask, and the kernel's);
+    # the sorted path cut at rank 2 and dropped one of them arbitrarily (a review)
+    probs = [0.3, 0.05, 0.3, 0.05, 0.3]
+    assert_close_freq(empirical(probs, SamplingParams(top_k=2)), [1 / 3, 0, 1 / 3, 0, 1 / 3])
+
+
 def test_penalties_math():
     logits = torch.tensor([[2.0, -1.0, 0.5, 1.0]])
     counts = torch.tensor([[2.0, 1.0, 0.0, 0.0]])  # generated: 0, 0, 1

@@ -11,7 +11,8 @@ Penalties read per-row output-token counts and a prompt-token mask on the device
 Two draws with one semantics: on CUDA a sampled step is one Triton launch (kernels/sampling.py: rejection
 with a rising pivot, no sort of the vocabulary, greedy rows' argmax included); on CPU (and where the kernel is
 turned off, e.g. as a benchmark baseline) the torch path below, which sorts the rows that use top-k / top-p.
-They differ in ties at a threshold (the kernel keeps all of them) and in which token a given uniform picks.
+Both keep every token tied with the k-th of top-k (as vLLM's); they differ in ties at the top-p threshold (the
+kernel keeps all of them) and in which token a given uniform picks.
 """
 
 from __future__ import annotations
@@ -354,7 +355,8 @@ def _draw_sorted(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     sorted_scaled, order = scaled.sort(dim=-1, descending=True)  # (S, V)
     ranks = torch.arange(V, device=scaled.device)[None, :]  # (1, V)
     k = torch.where(top_k > 0, top_k.clamp(max=V), torch.full_like(top_k, V))  # (S,)
-    probs = sorted_scaled.exp().masked_fill(ranks >= k[:, None], 0.0)  # unnormalised, best = 1
+    kth = sorted_scaled.gather(1, (k - 1)[:, None])  # (S, 1): ties with the k-th stay (vLLM's, the kernel's)
+    probs = sorted_scaled.exp().masked_fill(sorted_scaled < kth, 0.0)  # unnormalised, best = 1
     cdf = probs.cumsum(dim=-1)
     beyond_p = (cdf - probs >= top_p[:, None] * cdf[:, -1:]) & (ranks > 0) & (top_p < 1.0)[:, None]
     probs = probs.masked_fill(beyond_p | (probs < min_p[:, None]), 0.0)
