@@ -13,6 +13,7 @@ import math
 import os
 import signal
 import sys
+import threading
 from typing import NoReturn
 
 logger = logging.getLogger("pagewalk")
@@ -283,13 +284,32 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_serve_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # until the server's own handlers replace it; put back after (main may run inside another program)
+    main_thread = threading.current_thread() is threading.main_thread()  # (signals are set from it alone)
+    previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
         return serve(args)
     except (ValueError, OSError) as e:  # a bad model, tokenizer, template or flag value found at start-up
         return startup_failed(e)
+    except Terminated:  # a stop asked for before there was anything to drain
+        print("pagewalk serve: stopped during start-up (SIGTERM)", file=sys.stderr)
+        return 0
     except KeyboardInterrupt:  # Ctrl-C before the signal handlers are set: the model was still loading
         print("pagewalk serve: interrupted during start-up", file=sys.stderr)
         return 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM during start-up, raised where Ctrl-C's KeyboardInterrupt would be: the same clean-up runs
+    (the core starting is killed, its directory removed). Python's default would end the process on the
+    spot, leaving both (a review)."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated
 
 
 def startup_failed(error: Exception) -> int:

@@ -38,7 +38,7 @@ def supervise(args: argparse.Namespace) -> int:
     from server.api.async_engine import ApiServer
     from server.api.metrics import MULTIPROC_DIR_ENV
     from server.cli import engine_config, http_url, run_api_server, startup_failed
-    from server.engine.core_client import CoreStartupError, ProcessCoreClient
+    from server.engine.core_client import STOP_WAIT_S, CoreStartupError, ProcessCoreClient
     from server.model.loader import load_tokenizer
 
     config = engine_config(args)
@@ -59,7 +59,7 @@ def supervise(args: argparse.Namespace) -> int:
         try:
             sock = listen(args.host, args.port)
         except OSError as e:
-            core.close(timeout=10)
+            core.close(timeout=STOP_WAIT_S)
             return startup_failed(e)
         port = sock.getsockname()[1]  # the one the OS chose for --port 0
         ctx = multiprocessing.get_context("spawn")
@@ -73,7 +73,7 @@ def supervise(args: argparse.Namespace) -> int:
         logger.info("pagewalk: %d API servers (pids %s) on %s, engine core pid %d", n,
                     ", ".join(str(p.pid) for p in servers), http_url(args.host, port), core.process.pid)
         failed = _wait(servers, core_died)
-        core.close(timeout=10)
+        core.close(timeout=STOP_WAIT_S)
         return 1 if failed or core_died.is_set() or core.stopped_by_force else 0
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)

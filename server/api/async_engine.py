@@ -24,7 +24,13 @@ from server.api.choice_stream import ChoiceStream
 from server.api.metrics import EngineMetrics
 from server.api.output_channel import OutputChannel, call_soon
 from server.api.outputs import ChoiceDelta, RequestOutput
-from server.engine.core_client import AttachedCoreClient, CoreClient, ProcessCoreClient, ThreadCoreClient
+from server.engine.core_client import (
+    STOP_WAIT_S,
+    AttachedCoreClient,
+    CoreClient,
+    ProcessCoreClient,
+    ThreadCoreClient,
+)
 from server.engine.engine import EngineConfig
 from server.engine.outputs import CoreStats, EngineRequest, SeqUpdate, StepUpdate
 from server.engine.sampling_params import SamplingParams
@@ -156,7 +162,7 @@ class AsyncEngine:
                 self.dead = (f"the engine core is hung: {unanswered} aborts unanswered in "
                              f"{ABORT_WAIT_S:.0f} s; it was killed")
                 logger.error("%s", self.dead)
-        self.client.close(timeout=10.0, hung=hung)
+        self.client.close(timeout=STOP_WAIT_S, hung=hung)
         if hung:
             self._fail_everything(self.dead)
         with self._lock:  # a query sent behind the Shutdown gets no reply: it is answered here

@@ -52,6 +52,10 @@ logger = logging.getLogger("pagewalk.engine")
 OnMessage = Callable[[FromCore], None]
 OnDeath = Callable[[str], None]
 RECEIVE_POLL_MS = 100  # the receiver looks at its stop flag this often
+# a core told to stop exits within this (a CUDA context's teardown takes a second or two); past it the core
+# is hung and is killed: it ignores SIGTERM and SIGINT (they are the API process's to handle), so only
+# SIGKILL stops it (a review: a hung idle core held a SIGTERM'd server 15 s, 10 s waiting, 5 s terminating)
+STOP_WAIT_S = 5.0
 IN_PROCESS = b"in-process"  # the thread client's id in its CoreLoop
 
 
@@ -273,8 +277,12 @@ class ProcessCoreClient(_SocketCoreClient):
         logger.info("engine core process started (pid %d)", self.process.pid)
         try:
             self.info = self._handshake(updates)
-        except BaseException:
-            self._stop_process(timeout=5)
+        except Exception:  # a core that could not start exits by itself
+            self._stop_process(STOP_WAIT_S)
+            self._release()
+            raise
+        except BaseException:  # Ctrl-C (or an exit) while it starts: nothing of it is worth waiting for
+            self._kill()
             self._release()
             raise
 
@@ -299,10 +307,7 @@ class ProcessCoreClient(_SocketCoreClient):
     def _stop_process(self, timeout: float) -> None:
         self.process.join(timeout)
         if self.process.is_alive():
-            logger.warning("engine core did not stop in %.0f s; terminating it", timeout)
-            self.stopped_by_force = True
-            self.process.terminate()
-            self.process.join(5)
+            logger.warning("engine core did not stop in %.0f s; killing it", timeout)
         self._kill()
 
     def _kill(self) -> None:

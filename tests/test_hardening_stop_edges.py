@@ -1,0 +1,82 @@
+"""Stopping at the edges (a review found each): a hung core with nothing in flight is killed within the
+shutdown's bound (it ignores SIGTERM, so waiting for a terminate() was lost time); Ctrl-C while the core
+starts exits at once; SIGTERM while it starts is a clean stop (no process or directory left behind)."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from server_helpers import REPO, Server, free_port
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.mark.parametrize("servers", ["1", "2"])
+def test_an_idle_hung_core_is_killed_within_the_shutdown_bound(tmp_path, servers):
+    srv = Server(tmp_path, "--api-server-count", servers, "--num-blocks", "256", "--shutdown-timeout", "1")
+    core = srv.core_pid()
+    try:
+        os.kill(core, signal.SIGSTOP)  # hung, and no request in flight: no abort goes unanswered
+        start = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        code = srv.proc.wait(timeout=60)
+        elapsed = time.monotonic() - start
+        assert code == 1, srv.log.read_text()[-2000:]  # killed: a failure a supervisor sees
+        assert elapsed < 1 + 8, (elapsed, srv.log.read_text()[-2000:])  # 15 s before
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(core, signal.SIGCONT)
+        srv.stop()
+
+
+def starting(tmp_path):
+    """A server whose core process has started and is still loading; its temp files in a folder of its own."""
+    port = free_port()
+    log = tmp_path / "server.log"
+    private = tmp_path / "tmp"
+    private.mkdir()
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--device", "cpu",
+           "--attention-backend", "torch", "--num-blocks", "256"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "TMPDIR": str(private)})
+    deadline = time.monotonic() + 60
+    while not (m := re.search(r"engine core process started \(pid (\d+)\)", log.read_text())):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.005)
+    return proc, log, int(m.group(1)), private
+
+
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("sig,code,line", [(signal.SIGINT, 130, "interrupted during start-up"),
+                                           (signal.SIGTERM, 0, "stopped during start-up")])
+def test_a_signal_while_the_core_starts_stops_at_once_and_leaves_nothing(tmp_path, sig, code, line):
+    proc, log, core, private = starting(tmp_path)
+    try:
+        proc.send_signal(sig)
+        start = time.monotonic()
+        assert proc.wait(timeout=60) == code, log.read_text()[-2000:]
+        assert time.monotonic() - start < 5 and line in log.read_text()  # 10.5 s, or death by SIGTERM
+        deadline = time.monotonic() + 10
+        while not gone(core) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert gone(core)
+        assert not glob.glob(str(private / "pagewalk-core-*"))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
