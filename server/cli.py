@@ -390,6 +390,10 @@ def serve_api(args: argparse.Namespace, api_server=None, sock=None) -> int:
             drop_stalled(self.server_state.connections)
             await stop_engine(self.config.app)
             await super().shutdown(sockets)
+            if self.force_exit:  # a second Ctrl-C skips the lifespan's shutdown, and the lifespan task, left
+                # waiting, is cancelled at exit: an ERROR traceback (a review). The engine has stopped, so the
+                # lifespan's own stop returns at once
+                await self.lifespan.shutdown()
 
     config = engine_config(args)
     tokenizer = None

@@ -1,6 +1,7 @@
 """Stopping at the edges (a review found each): a hung core with nothing in flight is killed within the
 shutdown's bound (it ignores SIGTERM, so waiting for a terminate() was lost time); Ctrl-C while the core
-starts exits at once; SIGTERM while it starts is a clean stop (no process or directory left behind)."""
+starts exits at once; SIGTERM while it starts is a clean stop (no process or directory left behind); a
+second Ctrl-C during the drain leaves no traceback."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
+import httpx
 import pytest
 from server_helpers import REPO, Server, free_port
 
@@ -80,3 +83,31 @@ def test_a_signal_while_the_core_starts_stops_at_once_and_leaves_nothing(tmp_pat
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_second_ctrl_c_during_the_drain_leaves_no_traceback(tmp_path):
+    srv = Server(tmp_path, "--num-blocks", "256", "--shutdown-timeout", "20")
+    events, started = [], threading.Event()
+
+    def reader() -> None:
+        body = {"prompt": "x", "max_tokens": 300, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    started.set()
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    try:
+        assert started.wait(30)
+        srv.proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)  # draining: the stream goes on
+        srv.proc.send_signal(signal.SIGINT)  # uvicorn's force exit: it skips the lifespan's shutdown
+        assert srv.proc.wait(timeout=60) == 0
+        thread.join(10)
+        assert events[-1] == "[DONE]"  # the drain finished the stream
+        log = srv.log.read_text()
+        assert "Traceback" not in log and "CancelledError" not in log, log[-2500:]
+    finally:
+        srv.stop()
