@@ -96,7 +96,8 @@ class EngineMetrics:
             "pagewalk_prefix_cache_hits", "Prompt tokens served from the prefix cache")
         self.num_preemptions = counter("pagewalk_num_preemptions", "Sequences preempted (recomputed later)")
         # the engine's steps (vLLM's iteration_tokens_total; the steps by kind are pagewalk's): how full the
-        # steps run, and how many of them prefill
+        # steps run, and how many of them prefill. The counters follow the core's all-time counts; the
+        # histogram holds the steps its recording server saw, from its attaching to the core on
         self.iteration_tokens = histogram(
             "pagewalk_iteration_tokens_total", "Tokens (prompt and decode) of each engine step",
             _STEP_TOKEN_BUCKETS)
