@@ -1,6 +1,6 @@
 """CORS (server/api/cors.py): off by default; with --allowed-origins a browser's preflight is answered before
 the bearer-token check (it carries no key), the request after it gets the CORS headers, and an origin not
-named is refused. Also /health's 405 names both of its methods (a review found these)."""
+named is refused. (A review found these.)"""
 
 from __future__ import annotations
 
@@ -51,8 +51,3 @@ def test_the_origins_flag_takes_a_json_list_of_strings():
     for bad in ("*", '"*"', "[1]", "{}"):
         with pytest.raises(argparse.ArgumentTypeError):
             json_list(bad)
-
-
-def test_a_405_on_health_names_get_and_head(engine):
-    r = call(create_app(engine), "POST", "/health")
-    assert r.status_code == 405 and {m.strip() for m in r.headers["allow"].split(",")} == {"GET", "HEAD"}

@@ -9,7 +9,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 router = APIRouter()
 
 
-@router.api_route("/health", methods=["GET", "HEAD"])  # one route: a 405 lists both in Allow (RFC 9110)
+@router.get("/health")
+@router.head("/health", include_in_schema=False)
 async def health(request: Request) -> JSONResponse:
     info = request.app.state.engine.health()
     return JSONResponse(info, status_code=200 if info.get("status") == "ok" else 503)
