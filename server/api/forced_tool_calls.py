@@ -140,14 +140,13 @@ def forced_schema(req: ChatCompletionRequest) -> dict[str, Any] | None:
     """The JSON schema a forced reply follows, None when tool_choice forces nothing; a 400 for a tool_choice
     but "none" without tools (as OpenAI's and vLLM's), one naming a function that is not among them, or
     tools too deeply nested to merge into the array's schema."""
-    if req.tool_choice == "auto" and not req.tools:
-        raise APIError(400, "tool_choice \"auto\" needs 'tools'.", "tool_choice")
+    choice = req.tool_choice
+    if choice not in (None, "none") and not req.tools:
+        shown = f'"{choice}"' if isinstance(choice, str) else f"naming '{choice.function.name}'"
+        raise APIError(400, f"tool_choice {shown} needs 'tools'.", "tool_choice")
     forced = forced_calls(req)
     if forced is None:
         return None
-    if not req.tools:
-        shown = '"required"' if forced.name is None else f"naming '{forced.name}'"
-        raise APIError(400, f"tool_choice {shown} needs 'tools'.", "tool_choice")
     if forced.name is None:
         try:
             return _calls_schema(req.tools, forced.parallel)
