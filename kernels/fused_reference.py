@@ -1,5 +1,5 @@
 """Torch references for the fused decoder ops (kernels/rmsnorm.py, rope_store.py, activation.py, gemv.py,
-splitk_add.py).
+splitk_add.py, gate_up_silu.py).
 
 Each computes in fp32 and rounds once into the output dtype, as its kernel does; the one extra rounding is
 the residual sum, which is stored in the residual's own dtype before it is normed (the unfused `x + h`).
@@ -37,6 +37,13 @@ def silu_and_mul_reference(gate_up: torch.Tensor, norm_of=None, eps: float = 0.0
     """gate_up (T, 2I) = [gate | up] -> silu(gate) * up (T, I); norm_of, eps, bias as scaled_projection."""
     gate, up = scaled_projection(gate_up, norm_of, eps, bias).chunk(2, dim=-1)
     return (gate / (1.0 + torch.exp(-gate)) * up).to(gate_up.dtype)
+
+
+def gate_up_silu_reference(x, weight, eps: float) -> torch.Tensor:
+    """kernels.gate_up_silu.gate_up_silu as the unfused ops compute it: the product x (M, K) weight (2I, K)^T
+    in fp32, rounded to x's dtype (the GEMM's output), then silu_and_mul_reference with x's row scale."""
+    gate_up = (x.float() @ weight.float().T).to(x.dtype)  # (M, 2I)
+    return silu_and_mul_reference(gate_up, norm_of=x, eps=eps)
 
 
 def rope_store_reference(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads: int,

@@ -256,29 +256,33 @@ def test_one_row_warm_up_launches_what_a_one_row_step_launches(tiny, monkeypatch
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
-def test_down_projection_warm_up_compiles_what_steps_launch(tiny, monkeypatch):
-    """warm_up_down_projection (start-up on CUDA) must launch every Triton specialisation of the split-K down
-    projection that decode and small prefill steps launch: the tile config and the row count's M == 1 /
-    M % 16 == 0 cases (Triton specialises integers on those)."""
+def test_mlp_warm_up_compiles_what_steps_launch(tiny, monkeypatch):
+    """warm_up_mlp (start-up on CUDA) must launch every Triton specialisation of the fused gate_up + SiLU
+    and the split-K down projection that decode and small prefill steps launch: the tile config and the
+    row count's M == 1 / M % 16 == 0 cases (Triton specialises integers on those)."""
+    from kernels import gate_up_silu as gus_mod
     from kernels import splitk_add as splitk_mod
     from kernels.launch_cache import CachedLauncher
-    from server.model.fused_forward import warm_up_down_projection
+    from server.model.fused_forward import warm_up_mlp
 
     seen: list[tuple] = []
     original = CachedLauncher.__call__
+    rows_arg = {id(splitk_mod._kernel): 5, id(gus_mod._kernel): 4}  # the M argument's index
 
     def record(self, grid, *args, num_warps, num_stages, **kw):
-        if self is splitk_mod._kernel:
-            m = args[5]
-            seen.append((tuple(sorted(kw.items())), m == 1, m % 16 == 0))
+        if id(self) in rows_arg:
+            m = args[rows_arg[id(self)]]
+            seen.append((id(self), tuple(sorted(kw.items())), m == 1, m % 16 == 0))
         return original(self, grid, *args, num_warps=num_warps, num_stages=num_stages, **kw)
 
     monkeypatch.setattr(CachedLauncher, "__call__", record)
     runner = ModelRunner(tiny, block_size=4, num_blocks=32, attention_backend="triton", max_num_seqs=4,
                          max_model_len=32)
     seen.clear()
-    warm_up_down_projection(tiny)
+    warm_up_mlp(tiny)
     warm = set(seen)
+    assert {launcher for launcher, *_ in warm} == set(rows_arg)
     seen.clear()
     run_steps(tiny, runner, "fused", teacher_forced_batches([20, 17, 2], 4, 32, steps=2))  # 39 rows, then 3
-    assert seen and set(seen) <= warm
+    assert {launcher for launcher, *_ in seen} == set(rows_arg)
+    assert set(seen) <= warm

@@ -8,7 +8,9 @@ layer with attention, no norm kernel: the row scale rsqrt(mean(r^2) + eps) commu
 kernel reading the GEMM's output applies it; the residual adds are the GEMMs' own (cuBLAS, beta = 1),
 rounded to the model dtype once per add as the eager `x = x + sublayer(x)`. Up to SPLITK_MAX_ROWS rows the
 down GEMM is kernels/splitk_add.py's (one launch where cuBLAS takes a split-K GEMM and a reduce kernel),
-rounded the same way. The final norm is a kernel.
+rounded the same way, and the gate_up GEMM, the norm's row scale and SiLU-and-mul are one launch
+(kernels/gate_up_silu.py, the row scale summed from the GEMM's own input tiles): four launches a layer. The
+final norm is a kernel.
 
 It reads the same parameters as the torch modules and needs paged attention: RoPE writes the new tokens'
 K/V into the cache itself, then `attn.attend` runs on the stored K/V. A decode step of this forward is what
@@ -33,6 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.activation import silu_and_mul
+from kernels.gate_up_silu import GATE_UP_SILU_MAX_ROWS, gate_up_silu
+from kernels.gate_up_silu import TILE_CLASSES as GATE_UP_TILE_CLASSES
 from kernels.gemv import gemv, gemv_rope_store
 from kernels.rmsnorm import rms_norm
 from kernels.rope_store import rope_store_kv
@@ -85,18 +89,32 @@ def warm_up_one_row(model: LlamaForCausalLM, k_cache: torch.Tensor, v_cache: tor
     rms_norm(row, inner.norm.weight, inner.norm.eps)
 
 
-def warm_up_down_projection(model: LlamaForCausalLM) -> None:
-    """Makes the split-K down projection's tile counters (before any graph capture) and compiles its tile
-    configs on scratch rows (layer 0's weight), so that an eager server compiles none mid-serving."""
-    weight = model.model.layers[0].mlp.down_proj.weight  # (H, I)
+def warm_up_mlp(model: LlamaForCausalLM) -> None:
+    """Makes the split-K down projection's tile counters (before any graph capture) and compiles the MLP's
+    Triton GEMMs (the fused gate_up + SiLU, the split-K down projection) for every tile class on scratch rows
+    (layer 0's weights), so that an eager server compiles none mid-serving."""
+    mlp = model.model.layers[0].mlp
+    weight = mlp.down_proj.weight  # (H, I)
     warm_up_splitk(weight.device)
-    least = 1
-    for most, _ in TILE_CLASSES:  # every tile class, Triton's M % 16 == 0 and != 0 cases of each
-        for rows in sorted({max(least, 2), most}):
-            act = torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-            out = torch.zeros(rows, weight.shape[0], dtype=weight.dtype, device=weight.device)
-            splitk_add(out, act, weight)
+    for rows in _warm_up_rows(TILE_CLASSES):
+        act = torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        out = torch.zeros(rows, weight.shape[0], dtype=weight.dtype, device=weight.device)
+        splitk_add(out, act, weight)
+    eps = model.model.layers[0].post_attention_layernorm.eps
+    for rows in _warm_up_rows(GATE_UP_TILE_CLASSES):
+        if fuses_gate_up_silu(rows, mlp.gate_up_proj):
+            gate_up_silu(torch.zeros(rows, weight.shape[0], dtype=weight.dtype, device=weight.device),
+                         mlp.gate_up_proj.weight, eps)
+
+
+def _warm_up_rows(tile_classes) -> list[int]:
+    """Row counts that launch every Triton specialisation of a kernel with these tile classes: each class's
+    fewest rows past one and most rows (Triton specialises M on M % 16 == 0; one row takes the GEMVs)."""
+    rows, least = [], 1
+    for most, _ in tile_classes:
+        rows += sorted({max(least, 2), most})
         least = most + 1
+    return rows
 
 
 def takes_one_row(input_ids: torch.Tensor) -> bool:
@@ -118,11 +136,25 @@ def _layer(layer: DecoderLayer, residual: torch.Tensor, cos, sin, attn: Attentio
     if out_rows is not None:
         residual, attended = residual.index_select(0, out_rows), attended.index_select(0, out_rows)
     _add_projection(residual, attended, mod.o_proj)
-    gate_up = F.linear(residual, mlp.gate_up_proj.weight)  # (T, 2I)
-    act = silu_and_mul(gate_up, norm_of=residual, eps=layer.post_attention_layernorm.eps,
-                       bias=mlp.gate_up_proj.bias)  # (T, I)
+    act = _mlp_activation(residual, mlp.gate_up_proj, layer.post_attention_layernorm.eps)  # (T, I)
     _add_down_projection(residual, act, mlp.down_proj)
     return residual
+
+
+def _mlp_activation(residual: torch.Tensor, proj: nn.Linear, eps: float) -> torch.Tensor:
+    """residual (T, H), the un-normed stream -> silu(gate) * up (T, I) of its normed rows: up to
+    GATE_UP_SILU_MAX_ROWS rows kernels/gate_up_silu.py's one launch (the GEMM with the norm's row scale and
+    the activation in its epilogue); else cuBLAS's GEMM, then the SiLU-and-mul kernel applies both."""
+    if fuses_gate_up_silu(residual.shape[0], proj):
+        return gate_up_silu(residual, proj.weight, eps)
+    gate_up = F.linear(residual, proj.weight)  # (T, 2I)
+    return silu_and_mul(gate_up, norm_of=residual, eps=eps, bias=proj.bias)
+
+
+def fuses_gate_up_silu(rows: int, proj: nn.Linear) -> bool:
+    """Whether `rows` rows take the fused gate_up + SiLU launch (tools/decode_forward_bench times the
+    separate GEMM and SiLU-and-mul too, by replacing this)."""
+    return proj.bias is None and rows <= GATE_UP_SILU_MAX_ROWS
 
 
 def _add_down_projection(residual: torch.Tensor, act: torch.Tensor, proj: nn.Linear) -> None:
