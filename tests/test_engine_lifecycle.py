@@ -157,6 +157,36 @@ def test_waiting_queue_limit():
         e.shutdown(timeout=5)
 
 
+def test_prompt_tokens_count_prompts_whose_prefill_ran():
+    """pagewalk_prompt_tokens_total is vLLM's prompt_tokens_total ("prefill tokens processed"): a request
+    that waited and was aborted before it ran adds nothing; one that ran adds its prompt at its first token."""
+    e = make_engine(max_num_seqs=1)
+    count = lambda: e.metrics.value("pagewalk_prompt_tokens_total")  # noqa: E731
+    try:
+        async def main():
+            holder = asyncio.create_task(collect(e, "holder", [1, 5, 6], greedy(1500)))
+            while e.health()["running"] < 1:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)  # its first token is out
+            assert count() == 3
+            queued = asyncio.create_task(collect(e, "queued", [1] + [7] * 99, greedy(4)))
+            while e.health()["waiting"] < 1:
+                await asyncio.sleep(0.01)
+            queued.cancel()
+            await asyncio.gather(queued, return_exceptions=True)
+            while e.health()["waiting"]:
+                await asyncio.sleep(0.01)
+            assert count() == 3
+            holder.cancel()
+            await asyncio.gather(holder, return_exceptions=True)
+            await collect(e, "ran", [1] + [8] * 9, greedy(2))
+            assert count() == 13
+
+        asyncio.run(main())
+    finally:
+        e.shutdown(timeout=5)
+
+
 def test_invalid_params_are_refused_by_generate(engine):
     with pytest.raises(RequestRejected) as bad:
         run_one(engine, "bad-params", [1, 2], SamplingParams(top_p=1.5))

@@ -281,7 +281,6 @@ class AsyncEngine:
                 if not self._live:  # the drain's wait ends with the last
                     self._idle.notify_all()
                 raise
-        self.metrics.prompt_tokens.inc(len(live.prompt_token_ids))
         finished = False
         try:
             while not finished:
@@ -463,6 +462,9 @@ class AsyncEngine:
                 last_times[u.index] = now
                 if live.first_token_time is None:
                     live.first_token_time = now
+                    # counted once its prefill has run, as vLLM's prompt tokens: a request aborted or failed
+                    # while it waits was never processed
+                    m.prompt_tokens.inc(len(live.prompt_token_ids))
                     if live.scheduled_time is not None:
                         m.request_prefill_time.observe(max(0.0, now - live.scheduled_time))
             if delta.finish_reason is not None:

@@ -105,7 +105,8 @@ class EngineMetrics:
                                "(prompt tokens, decode rows beside them or not) or 'decode' (decode only)",
                                ["model_name", "kind"], registry=r)
         self.engine_steps = {kind: engine_steps.labels(model, kind) for kind in STEP_KINDS}
-        self.prompt_tokens = counter("pagewalk_prompt_tokens", "Prompt tokens of accepted requests")
+        self.prompt_tokens = counter("pagewalk_prompt_tokens",
+                                     "Prompt tokens of requests whose prefill ran (at their first token)")
         self.generation_tokens = counter("pagewalk_generation_tokens", "Generated tokens, all choices")
         self._request_success = Counter(
             "pagewalk_request_success", "Finished choices by finished reason",
