@@ -159,7 +159,8 @@ def test_waiting_queue_limit():
 
 def test_prompt_tokens_count_prompts_whose_prefill_ran():
     """pagewalk_prompt_tokens_total is vLLM's prompt_tokens_total ("prefill tokens processed"): a request
-    that waited and was aborted before it ran adds nothing; one that ran adds its prompt at its first token."""
+    that waited and was aborted before it ran adds nothing; one that ran adds its prompt at its first
+    token."""
     e = make_engine(max_num_seqs=1)
     count = lambda: e.metrics.value("pagewalk_prompt_tokens_total")  # noqa: E731
     try:

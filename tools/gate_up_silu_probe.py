@@ -59,7 +59,7 @@ def _variant_kernel(X, W, OUT, eps, M, K, stride_x, stride_o, INTERMEDIATE: tl.c
         w_rows = tl.where(r2 < BLOCK_N, pid_n * BLOCK_N + r2, INTERMEDIATE + pid_n * BLOCK_N + r2 - BLOCK_N)
         w_ptrs = W + w_rows[:, None].to(tl.int64) * K + rk[None, :]
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
+        for _ in range(0, K, BLOCK_K):
             x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
             xf = x.to(tl.float32)
             squares += tl.sum(xf * xf, axis=1)
@@ -71,7 +71,7 @@ def _variant_kernel(X, W, OUT, eps, M, K, stride_x, stride_o, INTERMEDIATE: tl.c
         g_ptrs = W + rn[:, None].to(tl.int64) * K + rk[None, :]
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
+        for _ in range(0, K, BLOCK_K):
             x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
             if MODE == 2:
                 xs = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0, cache_modifier=".ca").to(tl.float32)
