@@ -48,3 +48,11 @@ def test_auth_is_checked_before_the_body_size(app):
 def test_head_health(app):
     r = request(app, "HEAD", "/health")
     assert r.status_code == 200 and r.content == b""
+
+
+def test_a_405_on_health_allows_get_and_head(app):
+    r = request(app, "POST", "/health")
+    assert r.status_code == 405
+    assert sorted(m.strip() for m in r.headers["allow"].split(",")) == ["GET", "HEAD"]
+    paths = request(app, "GET", "/openapi.json", headers=KEY).json()["paths"]
+    assert list(paths["/health"]) == ["get"]

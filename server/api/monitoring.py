@@ -9,8 +9,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 router = APIRouter()
 
 
+# The hidden route serves both methods and is matched first, so a 405 on /health says "Allow: GET, HEAD";
+# the GET route after it only documents /health in the OpenAPI schema (one route of both methods there would
+# give the schema a duplicate operation id).
 @router.get("/health")
-@router.head("/health", include_in_schema=False)
+@router.api_route("/health", methods=["GET", "HEAD"], include_in_schema=False)
 async def health(request: Request) -> JSONResponse:
     info = request.app.state.engine.health()
     return JSONResponse(info, status_code=200 if info.get("status") == "ok" else 503)
