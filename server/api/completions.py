@@ -195,6 +195,9 @@ def _job(engine, req: CompletionRequest, grammar: Grammar | None = None,
     if scores_prompt and not req.echo:
         raise APIError(400, "max_tokens 0 generates nothing: it is only valid with echo (score the prompt).",
                        "max_tokens")
+    if scores_prompt and req.min_tokens:  # checked against the 0 sent, before the one dropped token below
+        raise APIError(400, f"min_tokens must be an integer in [0, max_tokens=0], got {req.min_tokens}",
+                       "min_tokens")
     max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
     max_tokens = max(1, max_tokens)  # scoring: the one sampled token is dropped
     check_cut_room(cut_to, max_tokens, engine.max_model_len, "max_tokens")

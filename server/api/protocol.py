@@ -250,6 +250,8 @@ class _SamplingRequest(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(None, min_length=1)
     guided_grammar: str | None = None
+    structural_tag: Annotated[StructuralTag | None, _STRUCTURAL_TAG_TEXT] = None  # vLLM's legacy field too
+    guided_whitespace_pattern: Annotated[Any, refused_unless(None)] = None  # as structured_outputs' own
     # vLLM's: the prompt shares prefix-cache blocks only with requests of the same salt (tenants apart: a
     # cached prefix answers faster, which would tell one tenant what another sent)
     cache_salt: Annotated[str | None, AfterValidator(_cache_salt)] = None
@@ -417,6 +419,8 @@ class ChatMessage(_Request):
                 texts.append(part.text)
             elif part.type == "refusal" and self.role == "assistant" and part.refusal is not None:
                 texts.append(part.refusal)
+            elif part.type == "text" or (part.type == "refusal" and self.role == "assistant"):  # no field
+                raise ValueError(f"a content part of type '{part.type}' needs its '{part.type}' field")
             else:
                 raise ValueError(f"content part of type '{part.type}' is not supported; use 'text' (or "
                                  "'refusal' in an assistant's turn)")

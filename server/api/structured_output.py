@@ -6,7 +6,8 @@ The sources, at most one per request (two are a 400 naming the second):
   structural_tag (vLLM's) -> its structural tag (below);
 - structured_outputs (vLLM's): exactly one of json (a schema, or its JSON text), regex, choice, grammar (Lark
   or llama.cpp's GBNF), json_object, structural_tag (the object, or its JSON text);
-- guided_json, guided_regex, guided_choice, guided_grammar (vLLM's legacy fields, with the same meanings);
+- guided_json, guided_regex, guided_choice, guided_grammar, structural_tag (vLLM's legacy fields, with the
+  same meanings);
 - chat tool_choice "required" or a named function (forced_tool_calls.py gives the schema).
 A structural tag in its structures-and-triggers form is free text in which each trigger the model writes
 opens a structure whose begin starts with it: the rest of that begin, a JSON value that follows its schema,
@@ -208,6 +209,8 @@ def _sources(req: _SamplingRequest) -> list[tuple[str, Builder]]:
         value = getattr(req, f"guided_{kind}")
         if value is not None:
             sources.append((f"guided_{kind}", partial(_vllm_grammar, kind, value)))
+    if req.structural_tag is not None:
+        sources.append(("structural_tag", partial(_vllm_grammar, "structural_tag", req.structural_tag)))
     if isinstance(req, ChatCompletionRequest):
         schema = forced_schema(req)
         if schema is not None:
