@@ -6,7 +6,12 @@ out (M, I) = silu(s * (x Wg^T)) * (s * (x Wu^T)), where W (2I, K) = [Wg | Wu] st
 gate_up_proj, norm weight folded in: server/model/norm_folding.py) and s = rsqrt(mean(x^2) + eps) per row of
 the un-normed residual stream x (M, K). Grid (I / BLOCK_N, M / BLOCK_M): each program holds a gate and an
 up accumulator for the same BLOCK_N intermediate columns and walks all of K, so it also sums its rows'
-squares as the x tiles pass (the row scale costs no extra read and no extra launch). The products are
+squares as the x tiles pass (the row scale costs no extra read and no extra launch): as the diagonal of a
+third product, x x^T, so that x feeds tensor-core dots alone. Summed from the x tile in registers instead, it
+gave 0.1-0.5 relative errors at BLOCK_M 64 on an H100 (Triton 3.6.0): the pipeliner then keeps x in one
+buffer fewer than the weights (2 against 3 stages) while the asynchronous wgmma still reads it, and the
+load two steps ahead overwrites the tile in use (tools/gate_up_silu_probe; the TTGIR shows the buffers).
+The extra dot costs BLOCK_M / (2 BLOCK_N) more tensor-core work in a memory-bound loop. The products are
 rounded to the model dtype before the scale, where the unfused path's GEMM output is rounded, then scaled,
 activated and multiplied in fp32 and rounded once, as kernels/activation.py does.
 
@@ -43,9 +48,10 @@ class Tiles(NamedTuple):
 
 # (the most rows, tiles), in increasing rows. BLOCK_N 64 reads 128 weight rows a K step, the tile that
 # tools/splitk_gemm_probe found best for the plain gate_up GEMM at 16 and 64 rows (BN 128, BK 128).
+# tools/gate_up_silu_bench --sweep (H100): 25.97 us a layer at 16 rows, 26.45 at 64; 32-row tiles
+# (mma.sync, not wgmma) took 31.3 at 32 rows, so 17-64 rows take the 64-row tile.
 TILE_CLASSES = (
-    (16, Tiles(16, 64, 128, 4, 4)),
-    (32, Tiles(32, 64, 128, 4, 4)),
+    (16, Tiles(16, 64, 128, 3, 4)),
     (GATE_UP_SILU_MAX_ROWS, Tiles(64, 64, 128, 3, 4)),
 )
 
@@ -66,7 +72,7 @@ def _gate_up_silu_kernel(X, W, OUT, eps, M, K, stride_x, stride_o,
     up_offset = INTERMEDIATE * K
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    squares = tl.zeros((BLOCK_M,), dtype=tl.float32)                 # sum of x^2 per row, for the norm
+    gram = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)            # x x^T: its diagonal, the rows' squares
     for k in range(0, K, BLOCK_K):
         if EVEN:
             x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
@@ -78,12 +84,13 @@ def _gate_up_silu_kernel(X, W, OUT, eps, M, K, stride_x, stride_o,
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             g = tl.load(g_ptrs, mask=w_mask, other=0.0)
             u = tl.load(g_ptrs + up_offset, mask=w_mask, other=0.0)
-        xf = x.to(tl.float32)
-        squares += tl.sum(xf * xf, axis=1)
         acc_g = tl.dot(x, tl.trans(g), acc_g, input_precision=DOT_PRECISION)  # (BM, BN) fp32
         acc_u = tl.dot(x, tl.trans(u), acc_u, input_precision=DOT_PRECISION)
+        gram = tl.dot(x, tl.trans(x), gram, input_precision=DOT_PRECISION)   # (BM, BM) fp32
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
+    rb = tl.arange(0, BLOCK_M)
+    squares = tl.sum(tl.where(rb[:, None] == rb[None, :], gram, 0.0), axis=1)  # (BM,) sum of x^2 per row
     rstd = tl.rsqrt(squares / K + eps)[:, None]                      # (BM, 1)
     gate = acc_g.to(OUT.dtype.element_ty).to(tl.float32) * rstd      # rounded where the GEMM output is
     up = acc_u.to(OUT.dtype.element_ty).to(tl.float32) * rstd

@@ -9,6 +9,7 @@ graph: rel err against the fp32 reference and µs a layer.
   pre_pass   the squares from a first pass over x's rows, the K loop only multiplies
   own_load   the squares from a second load of the same x tile (its own load op, not the dots')
   one_dot    one dot over [gate rows | up rows] (BM, 2 BN), split after the loop; squares in the loop
+  gram_diag  the squares as the diagonal of x x^T, a third dot in the loop (x then feeds dots alone)
 Prints a table; writes JSON to --out.
 """
 
@@ -42,7 +43,7 @@ def _epilogue(acc_g, acc_u, squares, OUT, rm, rn, M, K, eps, stride_o, INTERMEDI
 @triton.jit
 def _variant_kernel(X, W, OUT, eps, M, K, stride_x, stride_o, INTERMEDIATE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr):
-    """MODE 1 pre_pass, 2 own_load, 3 one_dot (shapes divide the tiles: no K or N masks)."""
+    """MODE 1 pre_pass, 2 own_load, 3 one_dot, 4 gram_diag (shapes divide the tiles: no K or N masks)."""
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -67,6 +68,20 @@ def _variant_kernel(X, W, OUT, eps, M, K, stride_x, stride_o, INTERMEDIATE: tl.c
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    elif MODE == 4:
+        g_ptrs = W + rn[:, None].to(tl.int64) * K + rk[None, :]
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        gram = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)       # x x^T: its diagonal, the squares
+        for _ in range(0, K, BLOCK_K):
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            acc_g = tl.dot(x, tl.trans(tl.load(g_ptrs)), acc_g)
+            acc_u = tl.dot(x, tl.trans(tl.load(g_ptrs + INTERMEDIATE * K)), acc_u)
+            gram = tl.dot(x, tl.trans(x), gram)
+            x_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+        rb = tl.arange(0, BLOCK_M)
+        squares = tl.sum(tl.where(rb[:, None] == rb[None, :], gram, 0.0), axis=1)
     else:
         g_ptrs = W + rn[:, None].to(tl.int64) * K + rk[None, :]
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -83,7 +98,7 @@ def _variant_kernel(X, W, OUT, eps, M, K, stride_x, stride_o, INTERMEDIATE: tl.c
     _epilogue(acc_g, acc_u, squares, OUT, rm, rn, M, K, eps, stride_o, INTERMEDIATE)
 
 
-MODES = {"pre_pass": 1, "own_load": 2, "one_dot": 3}
+MODES = {"pre_pass": 1, "own_load": 2, "one_dot": 3, "gram_diag": 4}
 
 
 def variant(mode: str, tiles: gus_mod.Tiles):
