@@ -55,24 +55,38 @@ def supervise(args: argparse.Namespace) -> int:
         except CoreStartupError as e:
             return startup_failed(e)
         core_died = threading.Event()
-        core.start(lambda msg: None, lambda reason: core_died.set())
-        try:
-            sock = listen(args.host, args.port)
-        except OSError as e:
-            core.close(timeout=STOP_WAIT_S)
-            return startup_failed(e)
+        servers: list = []
+        stopping = threading.Event()
+        stop = _stopper(servers, stopping)
+        try:  # until the handlers below: Ctrl-C or SIGTERM (cli.main's Terminated) raise here
+            core.start(lambda msg: None, lambda reason: core_died.set())
+            try:
+                sock = listen(args.host, args.port)
+            except OSError as e:
+                core.close(timeout=STOP_WAIT_S)
+                return startup_failed(e)
+            for sig in (signal.SIGTERM, signal.SIGINT):  # from here a signal stops the servers started
+                signal.signal(sig, stop)
+        except BaseException:  # nothing started is worth a drain; at exit Python would wait for the core
+            # (which ignores SIGTERM) without end
+            core.close(timeout=STOP_WAIT_S, hung=True)
+            raise
         port = sock.getsockname()[1]  # the one the OS chose for --port 0
         ctx = multiprocessing.get_context("spawn")
         n = args.api_server_count
-        servers = [ctx.Process(target=run_api_server, name=f"pagewalk-api-{i}",
-                               args=(args, ApiServer(i, n, core.address, core.process.pid), sock))
-                   for i in range(n)]
-        for p in servers:
-            p.start()
+        for i in range(n):
+            if stopping.is_set():  # a signal while they start: those started drain (or die of it), no more
+                break
+            api = ApiServer(i, n, core.address, core.process.pid)
+            server = ctx.Process(target=run_api_server, name=f"pagewalk-api-{i}", args=(args, api, sock))
+            server.start()
+            servers.append(server)  # the handler signals it from here: never one half spawned
         sock.close()  # the servers hold it now
-        logger.info("pagewalk: %d API servers (pids %s) on %s, engine core pid %d", n,
+        if stopping.is_set():  # the one that started as the signal came has its SIGTERM now
+            stop(again=True)
+        logger.info("pagewalk: %d API servers (pids %s) on %s, engine core pid %d", len(servers),
                     ", ".join(str(p.pid) for p in servers), http_url(args.host, port), core.process.pid)
-        failed = _wait(servers, core_died)
+        failed = _wait(servers, core_died, stopping, stop)
         core.close(timeout=STOP_WAIT_S)
         return 1 if failed or core_died.is_set() or core.stopped_by_force else 0
     finally:
@@ -90,20 +104,26 @@ def listen(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=family, backlog=2048)
 
 
-def _wait(servers: list, core_died: threading.Event) -> bool:
-    """Until every API server has exited; True if one failed (died, or exited non-zero). A dead core makes
-    every server exit non-zero by itself; the caller also looks at `core_died`."""
-    stopping = threading.Event()
+def _stopper(servers: list, stopping: threading.Event):
+    """The SIGTERM / SIGINT handler: the first call sets `stopping` and passes SIGTERM on to each server
+    started (never SIGINT: a second one makes uvicorn skip draining)."""
 
-    def stop(*_) -> None:
-        if not stopping.is_set():
+    signalled: set[int] = set()
+
+    def stop(*_, again: bool = False) -> None:
+        if again or not stopping.is_set():
             stopping.set()
             for p in servers:
-                if p.is_alive():
-                    os.kill(p.pid, signal.SIGTERM)  # never SIGINT: a second one makes uvicorn skip draining
+                if p.pid not in signalled and p.is_alive():
+                    signalled.add(p.pid)
+                    os.kill(p.pid, signal.SIGTERM)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, stop)
+    return stop
+
+
+def _wait(servers: list, core_died: threading.Event, stopping: threading.Event, stop) -> bool:
+    """Until every API server has exited; True if one failed (died, or exited non-zero). A dead core makes
+    every server exit non-zero by itself; the caller also looks at `core_died`."""
     failed = False
     alive = list(servers)
     while alive:

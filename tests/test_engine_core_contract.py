@@ -60,9 +60,14 @@ def test_a_request_it_can_never_run_is_refused_alone(core, prompt_len, params, m
     assert run(core) == {("y", 0): "length"}
 
 
-def test_a_choice_larger_than_the_cache_is_refused():
-    core, _ = build_core(EngineConfig(**{**TINY, "num_blocks": 8}))  # 7 usable blocks of 4: 28 tokens
-    with pytest.raises(ValueError, match="KV cache"):
+def test_max_model_len_fits_the_cache():
+    """A sequence of max_model_len tokens fits the KV cache: an asked max_model_len above it is refused at
+    start-up (as vLLM's), the model's own is cut to it; a choice above it is refused alone."""
+    with pytest.raises(ValueError, match="more than the KV cache holds"):
+        build_core(EngineConfig(**{**TINY, "num_blocks": 8}))  # 7 usable blocks of 4: 28 tokens, asked 64
+    core, info = build_core(EngineConfig(**{**TINY, "num_blocks": 8, "max_model_len": None}))
+    assert info.max_model_len == info.capacity_tokens == core.runner.max_model_len == 28
+    with pytest.raises(ValueError, match="max_model_len"):
         core.add_request(EngineRequest("big", [5] * 20, greedy(10), 0.0))
     core.add_request(EngineRequest("y", [5] * 10, greedy(10), 0.0))
     assert run(core) == {("y", 0): "length"}
@@ -89,7 +94,7 @@ def test_a_token_in_flight_does_not_preempt_another_sequence(core):
     no block left for A's next decode; A waits a step instead of preempting B, whose prompt filled the
     cache, and B's work is not thrown away (sync scheduling never sees a token in flight)."""
     vocab = core.runner.config.vocab_size
-    cfg = {**TINY, "num_blocks": 8, "max_num_seqs": 4, "max_num_batched_tokens": 48}
+    cfg = {**TINY, "num_blocks": 8, "max_num_seqs": 4, "max_num_batched_tokens": 48, "max_model_len": 28}
     small, _ = build_core(EngineConfig(**cfg, async_scheduling=core.async_scheduling))
     small.add_request(EngineRequest("A", [7, 8, 9, 10], greedy(10, stop_token_ids=list(range(vocab))), 0.0))
     small.add_request(EngineRequest("B", list(range(30, 52)), greedy(2), 0.0))  # 22 tokens: 6 of 7 blocks

@@ -111,3 +111,43 @@ def test_a_second_ctrl_c_during_the_drain_leaves_no_traceback(tmp_path):
         assert "Traceback" not in log and "CancelledError" not in log, log[-2500:]
     finally:
         srv.stop()
+
+
+def spawned_children(pid: int) -> list[int]:
+    """The children of `pid` that multiprocessing's spawn started (the core, the API servers)."""
+    kids = []
+    for task in glob.glob(f"/proc/{pid}/task/*/children"):
+        with contextlib.suppress(OSError), open(task) as f:
+            kids += [int(c) for c in f.read().split()]
+    spawned = []
+    for kid in kids:
+        with contextlib.suppress(OSError), open(f"/proc/{kid}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                spawned.append(kid)
+    return spawned
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_the_supervisor_spawns_api_servers_stops_them_and_the_core(tmp_path, sig):
+    """Past the core's start-up the supervisor spawns its API servers (~15 ms each: 24 here); a signal then
+    stops those started and the core, with no traceback (it hung in Python's exit, waiting for the core)."""
+    log = tmp_path / "server.log"
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", "0", "--device", "cpu",
+           "--attention-backend", "torch", "--num-blocks", "64", "--api-server-count", "24"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while len(kids := spawned_children(proc.pid)) < 2:  # the core, then the first API server
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.005)
+        core = min(kids)
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while not gone(core) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert gone(core) and "Traceback" not in log.read_text(), log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()

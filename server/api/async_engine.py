@@ -177,7 +177,9 @@ class AsyncEngine:
         with self._idle:
             while ((self._live or self.reserved) and self.dead is None
                    and (left := deadline - time.monotonic()) > 0):
-                self._idle.wait(min(left, RESERVED_POLL_S) if self.reserved else left)
+                # a wait longer than threading.TIMEOUT_MAX (~292 years) overflows: `timeout` may be any
+                # --shutdown-timeout
+                self._idle.wait(min(left, RESERVED_POLL_S if self.reserved else threading.TIMEOUT_MAX))
 
     # ---- admission --------------------------------------------------------------------------------
     def check_admissible(self, num_prompt_tokens: int, params: SamplingParams,

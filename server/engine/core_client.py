@@ -82,7 +82,10 @@ class ThreadCoreClient:
     stopped_by_force = False  # a thread cannot be killed: close() waits up to its timeout
 
     def __init__(self, config: EngineConfig):
-        self.core, self.info = build_core(config)
+        try:
+            self.core, self.info = build_core(config)
+        except Exception as e:  # as the core process reports it: one line, no traceback (out of memory, ...)
+            raise CoreStartupError(f"{type(e).__name__}: {e}") from e
         self._inbox: queue.SimpleQueue[ToCore] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
@@ -262,13 +265,38 @@ class _SocketCoreClient:
         self._wake_w.close()
 
 
+SUN_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path holds 108 with the NUL)
+
+
+def _socket_dir() -> Path:
+    """A fresh directory for the core's socket: under $TMPDIR, or under /tmp where $TMPDIR makes the socket's
+    path too long for a Unix socket (HPC scratch directories)."""
+    for parent in (None, "/tmp"):
+        try:
+            path = Path(tempfile.mkdtemp(prefix="pagewalk-core-", dir=parent))
+        except OSError:
+            continue
+        if len(os.fsencode(path / "core")) <= SUN_PATH_MAX:
+            return path
+        path.rmdir()
+    raise ValueError(f"no directory for the engine core's socket: under {tempfile.gettempdir()} (TMPDIR) its "
+                     f"path is longer than a Unix socket's {SUN_PATH_MAX} bytes and /tmp is not writable; "
+                     "set TMPDIR to a shorter directory")
+
+
 class ProcessCoreClient(_SocketCoreClient):
     """Starts the core process and owns it: close() shuts it down. `updates` False: a client that only
     controls the core (the supervisor of several API servers, which attach to it)."""
 
     def __init__(self, config: EngineConfig, log_level: str = "info", updates: bool = True):
-        self._dir = Path(tempfile.mkdtemp(prefix="pagewalk-core-"))
-        super().__init__(f"ipc://{self._dir}/core")
+        self._dir = _socket_dir()
+        try:
+            super().__init__(f"ipc://{self._dir}/core")
+        except BaseException as e:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            if isinstance(e, zmq.ZMQError):
+                raise OSError(f"cannot open the engine core's socket in {self._dir}: {e}") from None
+            raise
         ctx = multiprocessing.get_context("spawn")
         self.process = ctx.Process(target=run_core_process,
                                    args=(config, self.address, log_level, os.getpid()),

@@ -60,11 +60,13 @@ def build_core(config: EngineConfig) -> tuple[EngineCore, CoreInfo]:
                          max_num_batched_tokens=config.max_num_batched_tokens,
                          max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
                          enforce_eager=config.enforce_eager)
+    max_model_len = _fitted_max_model_len(max_model_len, runner.capacity_tokens, config.max_model_len)
+    runner.max_model_len = max_model_len  # what requests are checked against (its tables are as wide or more)
     kv = KVCacheManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
     async_scheduling = config.async_scheduling
     if async_scheduling is None:
         async_scheduling = runner.device.type == "cuda"
-    eos = set(tokenizer.eos_token_ids)
+    eos = set(_checked_eos_ids(tokenizer.eos_token_ids, model.config.vocab_size))
     grammars = Grammars(tokenizer, model.config.vocab_size, eos)
     core = EngineCore(runner, kv, eos, config.max_num_seqs, config.max_num_batched_tokens, async_scheduling,
                       grammars)
@@ -78,3 +80,26 @@ def build_core(config: EngineConfig) -> tuple[EngineCore, CoreInfo]:
                 "kv_cache=%d blocks x %d = %d tokens, max_model_len=%d", info.model, info.device, info.dtype,
                 info.attention_backend, info.num_blocks, info.block_size, info.capacity_tokens, max_model_len)
     return core, info
+
+
+def _checked_eos_ids(ids, vocab_size: int) -> list[int]:
+    """The checkpoint's EOS ids (config.json, generation_config.json, the tokenizer's), each a token of the
+    model: one that is not would index past the logits in a min_tokens request."""
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise ValueError(f"eos_token_id {token!r} is not a token of the model (vocab_size {vocab_size})")
+    return list(ids)
+
+
+def _fitted_max_model_len(max_model_len: int, capacity_tokens: int, asked: int | None) -> int:
+    """A sequence of max_model_len tokens must fit the KV cache. An asked --max-model-len that does not is a
+    start-up error, as vLLM's; the model's own length is cut to the cache's (a log line says so)."""
+    if max_model_len <= capacity_tokens:
+        return max_model_len
+    if asked is not None:
+        raise ValueError(f"max_model_len {max_model_len} is more than the KV cache holds ({capacity_tokens} "
+                         "tokens): lower --max-model-len, or give the cache more blocks (--num-blocks, "
+                         "--gpu-memory-utilization)")
+    logger.warning("max_model_len %d (the model's) is more than the KV cache holds: serving %d tokens a "
+                   "sequence", max_model_len, capacity_tokens)
+    return capacity_tokens

@@ -94,6 +94,14 @@ class ChatTemplate:
                 from None
 
 
+def template_file(path: Path | str) -> ChatTemplate:
+    """A chat template file (UTF-8 jinja) -> its template; an unreadable file is a ValueError naming it."""
+    try:
+        return ChatTemplate(Path(path).read_text(encoding="utf-8"), str(path))
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read the chat template {path}: {e}") from None
+
+
 def load_chat_template(value: str) -> ChatTemplate:
     """`--chat-template`: a path to a template file, or the template text itself."""
     try:
@@ -101,7 +109,7 @@ def load_chat_template(value: str) -> ChatTemplate:
     except OSError:  # template text too long to be a path
         is_file = False
     if is_file:
-        return ChatTemplate(Path(value).read_text(), value)
+        return template_file(value)
     if "{{" not in value and "{%" not in value:
         raise ValueError(f"--chat-template {value!r} is neither a file nor a jinja template")
     return ChatTemplate(value, "--chat-template")

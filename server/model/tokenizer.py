@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from server.model.chat_template import ChatTemplate
+from server.model.chat_template import ChatTemplate, template_file
 from server.model.json_file import read_json_object
 
 # The presets' declared template: one "role: content" line per message, then "assistant:" to prompt the
@@ -257,7 +257,7 @@ def _token_str(token) -> str | None:
 def _chat_template(path: Path, cfg: dict) -> ChatTemplate | None:
     jinja_file = path / "chat_template.jinja"  # transformers >= 4.43 may save it beside the config
     if jinja_file.is_file():
-        return ChatTemplate(jinja_file.read_text(), str(jinja_file))
+        return template_file(jinja_file)
     template = cfg.get("chat_template")
     origin = str(path / "tokenizer_config.json")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
