@@ -286,3 +286,27 @@ def test_mlp_warm_up_compiles_what_steps_launch(tiny, monkeypatch):
     run_steps(tiny, runner, "fused", teacher_forced_batches([20, 17, 2], 4, 32, steps=2))  # 39 rows, then 3
     assert {launcher for launcher, *_ in seen} == set(rows_arg)
     assert set(seen) <= warm
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
+def test_a_fused_gate_up_silu_that_disagrees_at_start_up_is_not_used(tiny, monkeypatch, caplog):
+    """warm_up_mlp checks the fused gate_up + SiLU against cuBLAS's GEMM + SiLU-and-mul; where it disagrees
+    (a compiler hazard the CPU cannot see), that device keeps the two launches, and the forward is right."""
+    import server.model.fused_forward as ff
+
+    monkeypatch.setattr(ff, "_GATE_UP_SILU_REFUSED", set())
+    ff.warm_up_mlp(tiny)
+    assert not ff._GATE_UP_SILU_REFUSED and ff.fuses_gate_up_silu(8, tiny.model.layers[0].mlp.gate_up_proj)
+    runner = ModelRunner(tiny, block_size=4, num_blocks=32, attention_backend="triton", max_num_seqs=4,
+                         max_model_len=32)
+    batches = teacher_forced_batches([9, 5, 3], 4, 32, steps=2)
+    want = run_steps(tiny, runner, "torch", batches)
+    real = ff.gate_up_silu
+    monkeypatch.setattr(ff, "gate_up_silu", lambda x, w, eps: real(x, w, eps) * 1.5)  # wrong
+    with caplog.at_level(logging.WARNING, logger="server.model.fused_forward"):
+        ff.warm_up_mlp(tiny)
+    assert ff._GATE_UP_SILU_REFUSED == {torch.device("cpu")} and "keeps the two launches" in caplog.text
+    assert not ff.fuses_gate_up_silu(8, tiny.model.layers[0].mlp.gate_up_proj)
+    got = run_steps(tiny, runner, "fused", batches)  # the wrong kernel is never called
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-3, rtol=1e-3)
