@@ -95,3 +95,17 @@ def test_gpu_bench_shape(m, dtype):
     assert err < 2e-2, err
     for _ in range(3):
         assert torch.equal(gate_up_silu(x, weight, 1e-5), got)
+
+
+def test_x_is_buffered_as_deep_as_the_weights_on_hopper():
+    """The hazard of docs/kernel.md, checked without a GPU: compiled offline for sm_90 at the 64-row tile,
+    x (which the wgmma reads asynchronously) gets as many shared-memory buffers as the weights. Summing its
+    squares from a register copy gave it one fewer, and the loads ahead overwrote the tile in use."""
+    from tools.ttgir_stages import TILES, buffers, ttgir
+
+    try:
+        text = ttgir(gus_mod._gate_up_silu_kernel, TILES | {"EVEN": True, "DOT_PRECISION": "tf32"})
+    except Exception as e:  # a Triton without the NVIDIA backend or its ptxas cannot tell
+        pytest.skip(f"no offline sm_90 compile here: {type(e).__name__}: {e}")
+    stages = {shape.split("x")[0] for _, shape in buffers(text)}
+    assert len(buffers(text)) == 3 and len(stages) == 1, buffers(text)
