@@ -155,3 +155,17 @@ def test_enable_auto_tool_choice_needs_a_parser(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "tiny", "--enable-auto-tool-choice"])
     assert "--tool-call-parser" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("per_token", [{}, {"return_token_ids": True}])
+def test_no_empty_deltas_while_a_call_is_written(engine, monkeypatch, per_token):
+    """Streamed "auto" calls: text goes out until a call opens, then nothing until the calls come whole; an
+    empty delta per token in between is sent only where the request asked for each token's ids."""
+    monkeypatch.setattr(engine, "generate", scripted(engine, "Let me look.\n" + CALL, pieces=30))
+    r = chat(create_app(engine, tool_call_parser="hermes"), stream=True, tools=TOOLS, **per_token)
+    deltas = [c["delta"] for line in r.text.splitlines() if line.startswith("data: {")
+              for c in json.loads(line[6:])["choices"]]
+    empty = [d for d in deltas[1:] if not d.get("content") and not d.get("tool_calls")]
+    assert bool(empty) == bool(per_token), deltas
+    text, calls, finishes = streamed(r)
+    assert text == "Let me look.\n" and len(calls) == 1 and finishes == ["tool_calls"]

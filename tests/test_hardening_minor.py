@@ -56,3 +56,15 @@ def test_a_405_on_health_allows_get_and_head(app):
     assert sorted(m.strip() for m in r.headers["allow"].split(",")) == ["GET", "HEAD"]
     paths = request(app, "GET", "/openapi.json", headers=KEY).json()["paths"]
     assert list(paths["/health"]) == ["get"]
+
+
+def test_the_key_guards_v1_and_the_schema_and_leaves_the_rest_open(app):
+    """README: the key is asked for on /v1/* and /openapi.json (vLLM guards /v1); the probes, the
+    tokenizer's routes, /version and the playground stay open."""
+    assert request(app, "GET", "/v1/models").status_code == 401
+    assert request(app, "GET", "/openapi.json").status_code == 401
+    for method, path, body in [("GET", "/health", None), ("GET", "/metrics", None), ("GET", "/version", None),
+                               ("GET", "/", None), ("POST", "/tokenize", {"prompt": "hi"}),
+                               ("POST", "/detokenize", {"tokens": [5, 6]})]:
+        r = request(app, method, path, json=body) if body else request(app, method, path)
+        assert r.status_code == 200, (path, r.status_code, r.text[:200])

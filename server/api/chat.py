@@ -267,8 +267,10 @@ def _tool_delta_events(job: ChatJob, tools: ToolCallStream | NamedCallStream | R
     if not isinstance(tools, ToolCallStream):
         return _forced_call_events(job, tools, d)
     d.text = tools.feed(d.text)
-    if d.finish_reason is None:
-        return [job.delta_event(d)] if d.text or d.token_ids else []
+    if d.finish_reason is None:  # while a call is written the stream holds its text: no empty deltas then,
+        # unless the request asked for each token's ids or logprobs
+        said_per_token = d.token_ids and (job.req.return_token_ids or job.req.logprobs)
+        return [job.delta_event(d)] if d.text or said_per_token else []
     held, calls = tools.finish()
     calls = job.allowed_calls(calls)
     d.text += held
@@ -279,7 +281,8 @@ def _tool_delta_events(job: ChatJob, tools: ToolCallStream | NamedCallStream | R
     last = ChatChunkChoice(index=d.index, delta=ChatDelta(tool_calls=deltas), finish_reason=reason,
                            stop_reason=d.stop_reason)
     events = [job.frame.event(job.chunk([last]))]
-    if d.text or d.token_ids:  # the content before the calls, and the last ids, in a delta of their own
+    if d.text or (d.token_ids and (job.req.return_token_ids or job.req.logprobs)):  # the content before the
+        # calls, and the last ids where asked for, in a delta of their own
         events.insert(0, job.delta_event(replace(d, finish_reason=None, stop_reason=None)))
     return events
 
