@@ -409,36 +409,48 @@ def serve_api(args: argparse.Namespace, api_server=None, sock=None) -> int:
                              api_server=api_server, tokenizer=tokenizer)
     except CoreStartupError as e:
         return startup_failed(e)
-    max_body_bytes = args.max_body_bytes or DEFAULT_MAX_BODY_BYTES
-    app = create_app(engine, api_key=args.api_key, max_body_bytes=max_body_bytes,
-                     tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                     shutdown_timeout_s=args.shutdown_timeout, limits=request_limits(args),
-                     cors=CorsPolicy(tuple(args.allowed_origins), args.allow_credentials,
-                                     tuple(args.allowed_methods), tuple(args.allowed_headers)))
-    logger.info(startup_line(engine, http_url(args.host, sock.getsockname()[1])))
-    if engine.sampling_defaults:  # as vLLM says it: the model's own values replace OpenAI's defaults
-        logger.info("sampling defaults from the model's generation_config.json (for fields a request leaves "
-                    "out): %s", ", ".join(f"{k}={v}" for k, v in engine.sampling_defaults.items()))
-    logger.info("prefix caching %s; bearer-token auth on /v1/* %s; tool calls %s",
-                "on" if args.enable_prefix_caching else "off", "required" if args.api_key else "off",
-                f"parsed ({args.tool_call_parser})" if args.enable_auto_tool_choice else "off")
-    # the engine has drained (or aborted what was left) before uvicorn's own graceful shutdown starts, and
-    # GuardedHttpProtocol drops clients that are not reading: what remains finishes in a second or is cut
-    protocol = guarded_protocol(args.header_timeout, args.client_stall_timeout, args.max_connections,
-                                max_body_bytes)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, http=protocol,
-                            timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=0.5,
-                            access_log=False)
-    # uvicorn re-raises the signal it shut down on once it is done; a graceful stop is a clean exit (0)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
-    server = GracefulServer(config)
 
-    def core_died(reason: str) -> None:  # in-flight requests have their error; a supervisor restarts us
-        logger.error("%s: stopping the server", reason)
-        server.should_exit = True
+    def build() -> GracefulServer:
+        """The app and its uvicorn server around the engine; the core is running meanwhile."""
+        max_body_bytes = args.max_body_bytes or DEFAULT_MAX_BODY_BYTES
+        app = create_app(engine, api_key=args.api_key, max_body_bytes=max_body_bytes,
+                         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                         shutdown_timeout_s=args.shutdown_timeout, limits=request_limits(args),
+                         cors=CorsPolicy(tuple(args.allowed_origins), args.allow_credentials,
+                                         tuple(args.allowed_methods), tuple(args.allowed_headers)))
+        logger.info(startup_line(engine, http_url(args.host, sock.getsockname()[1])))
+        if engine.sampling_defaults:  # as vLLM says it: the model's own values replace OpenAI's defaults
+            logger.info("sampling defaults from the model's generation_config.json (for fields a request "
+                        "leaves out): %s", ", ".join(f"{k}={v}" for k, v in engine.sampling_defaults.items()))
+        logger.info("prefix caching %s; bearer-token auth on /v1/* %s; tool calls %s",
+                    "on" if args.enable_prefix_caching else "off", "required" if args.api_key else "off",
+                    f"parsed ({args.tool_call_parser})" if args.enable_auto_tool_choice else "off")
+        # the engine has drained (or aborted what was left) before uvicorn's own graceful shutdown starts,
+        # and GuardedHttpProtocol drops clients that are not reading: what remains finishes in a second or
+        # is cut
+        protocol = guarded_protocol(args.header_timeout, args.client_stall_timeout, args.max_connections,
+                                    max_body_bytes)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, http=protocol,
+                                timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=0.5,
+                                access_log=False)
+        # uvicorn re-raises the signal it shut down on once it is done; a graceful stop is a clean exit (0)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)
+        server = GracefulServer(config)
 
-    engine.on_core_death = core_died
+        def core_died(reason: str) -> None:  # in-flight requests have their error; a supervisor restarts us
+            logger.error("%s: stopping the server", reason)
+            server.should_exit = True
+
+        engine.on_core_death = core_died
+        return server
+
+    try:
+        server = build()
+    except BaseException:  # a signal (Terminated, Ctrl-C) before uvicorn's own handlers, or an error: the
+        # core stops now (at exit Python would wait for it without end: it ignores SIGTERM)
+        engine.shutdown(timeout=0)
+        raise
     server.run(sockets=[sock])
     # a core that died, hung or had to be killed at shutdown: non-zero, so a supervisor sees the failure
     exit_now(1 if engine.dead is not None or engine.client.stopped_by_force else 0)

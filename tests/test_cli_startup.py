@@ -116,3 +116,30 @@ def test_served_model_name_before_model_is_a_usage_error(tmp_path, capsys):
     assert e.value.code == 2 and "looks like MODEL" in capsys.readouterr().err
     args = parse_serve_args(["serve", str(tmp_path), "--served-model-name", "my-model"])
     assert args.model == str(tmp_path) and args.served_model_name == ["my-model"]
+
+
+def test_a_stop_while_the_server_is_built_around_a_running_core_stops_the_core(monkeypatch, caplog, capsys):
+    """The core runs before uvicorn's handlers are set: a SIGTERM (cli's Terminated) there ends start-up
+    cleanly and takes the core with it (Python's exit would wait for a core that ignores SIGTERM)."""
+    import logging
+
+    import server.api.app as app_module
+    from server.cli import Terminated, main
+
+    def interrupted(*args, **kwargs):
+        raise Terminated
+
+    monkeypatch.setattr(app_module, "create_app", interrupted)
+    with caplog.at_level(logging.INFO):
+        assert main(["serve", "--port", "0", "--device", "cpu", "--attention-backend", "torch",
+                     "--num-blocks", "64"]) == 0
+    assert "stopped during start-up" in capsys.readouterr().err
+    (pid,) = [int(m) for m in re.findall(r"engine core process started \(pid (\d+)\)", caplog.text)]
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            break
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
