@@ -25,7 +25,8 @@ SCALARS = (
 )  # fmt: skip
 CLIENT_LOAD = ("client_processes", "client_cpu_s", "client_cpu_util", "client_busy_max")
 # what the server's /metrics said of the run, where it says it (prefix_cache.py, server_steps.py)
-SERVER = ("server_prefix_cache_hit_rate", "server_steps", "server_tokens_per_step", "server_prompt_steps")
+SERVER = ("server_prefix_cache_hit_rate", "server_steps", "server_tokens_per_step", "server_prompt_steps",
+          "server_handoff_ms")
 HIGHER_IS_BETTER = {"completed", "request_throughput", "output_throughput", "total_token_throughput",
                     "request_goodput", "total_output_tokens", "total_input_tokens"}  # fmt: skip
 

@@ -149,6 +149,10 @@ def test_health_and_metrics_after_requests(engine):
                                      "dtype": "float32"}) == 1.0
     for name in ("queue_time", "prefill_time", "decode_time", "inference_time"):
         assert m.value(f"pagewalk_request_{name}_seconds_count") > 0
+    # the handoff (arrival to the core taking the request in) is a part of the queue time, per request
+    handoff, queue = "pagewalk_request_handoff_seconds", "pagewalk_request_queue_time_seconds"
+    assert m.value(f"{handoff}_count") == m.value(f"{queue}_count")
+    assert 0 < m.value(f"{handoff}_sum") <= m.value(f"{queue}_sum")
     assert m.value("pagewalk_request_prompt_tokens_sum") > 0
     assert m.value("pagewalk_request_generation_tokens_sum") > 0
 

@@ -88,6 +88,7 @@ def test_completions_end_to_end(pagewalk_url, tmp_path):
     ran = r["server_steps"] * r["server_tokens_per_step"]
     assert abs(ran - N * (INPUT_LEN + OUTPUT_LEN - 1)) <= C
     assert 1 <= r["server_prompt_steps"] <= N and r["server_steps"] >= OUTPUT_LEN
+    assert 0 < r["server_handoff_ms"] < r["ttft_ms"]["max"]  # the run's requests' mean handoff to the core
 
 
 def test_chat_end_to_end_calibrates_prompt_length(pagewalk_url, tmp_path):

@@ -266,8 +266,8 @@ def table(res: dict) -> str:
     loops = (res.get("engine") or {}).get("closed_loop", [])
     if loops:
         lines += ["", "| same workload | engine, no HTTP, tok/s | HTTP tok/s | HTTP / engine "
-                  "| engine steps (with prompt tokens) | HTTP steps (with prompt tokens) |",
-                  "|---|---|---|---|---|---|"]
+                  "| engine steps (with prompt tokens) | HTTP steps (with prompt tokens) | HTTP handoff ms |",
+                  "|---|---|---|---|---|---|---|"]
     for r in loops:
         name = (f"c{r['concurrency']}" + ("_long" if r["num_requests"] > 256 else "")
                 + ("_cached" if r.get("cached") else "") + ("_sampled" if r.get("sampled") else ""))
@@ -282,7 +282,7 @@ def table(res: dict) -> str:
                       if rep.get("server_steps") else "-")
         lines.append(f"| {what} | {_f(r['tok_s'])} | "
                      f"{_f(thr)} | {_f(thr / r['tok_s'] if thr else None, '.0%')} | {engine_steps} | "
-                     f"{http_steps} |")
+                     f"{http_steps} | {_f(rep.get('server_handoff_ms'), '.2f')} |")
     return "\n".join(lines)
 
 

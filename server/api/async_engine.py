@@ -453,6 +453,8 @@ class AsyncEngine:
             if u.scheduled_time is not None and live.scheduled_time is None:
                 live.scheduled_time = u.scheduled_time
                 m.request_queue_time.observe(max(0.0, u.scheduled_time - live.arrival_time))
+                if u.received_time is not None:
+                    m.request_handoff_time.observe(max(0.0, u.received_time - live.arrival_time))
             if delta.token_ids:
                 num_tokens += len(delta.token_ids)
                 last_times = live.last_token_time

@@ -69,6 +69,11 @@ class EngineMetrics:
         self.request_queue_time = histogram(
             "pagewalk_request_queue_time_seconds", "Arrival to the first engine step that ran the request",
             _REQUEST_BUCKETS)
+        # not vLLM's: the API's and the transport's share of the queue time (the core takes adds in between
+        # its steps, so a step in flight adds up to its length)
+        self.request_handoff_time = histogram(
+            "pagewalk_request_handoff_seconds", "Arrival to the engine core taking the request in",
+            _LATENCY_BUCKETS)
         self.request_prefill_time = histogram(
             "pagewalk_request_prefill_time_seconds", "First step that ran the request to its first token",
             _REQUEST_BUCKETS)

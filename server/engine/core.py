@@ -97,7 +97,8 @@ class EngineCore:
         if er.request_id in self.requests:
             raise ValueError(f"request id {er.request_id!r} is already in the engine")
         self._check_fits(len(er.prompt_token_ids), er.params)
-        req = Request(er.request_id, list(er.prompt_token_ids), er.params, er.arrival_time, er.group)
+        req = Request(er.request_id, list(er.prompt_token_ids), er.params, er.arrival_time, er.group,
+                      received_time=time.monotonic())
         if er.params.prompt_logprobs is not None:
             req.prompt_logprobs = prompt_logprobs(self.runner.model, req.prompt_token_ids,
                                                   er.params.prompt_logprobs)
@@ -369,11 +370,11 @@ class EngineCore:
             reason = "stop"
         elif num_output >= p.max_tokens:
             reason = "length"
-        if num_output == 1:  # a choice's first update carries its request's prompt logprobs and start time
+        if num_output == 1:  # a choice's first update carries its request's prompt logprobs and times
             req = self.requests[seq.request_id]
-            prompt_lps, scheduled = req.prompt_logprobs, req.scheduled_time
+            prompt_lps, scheduled, received = req.prompt_logprobs, req.scheduled_time, req.received_time
         else:
-            prompt_lps = scheduled = None
+            prompt_lps = scheduled = received = None
         if reason is not None:
             seq.finish_reason, seq.stop_reason = reason, stop_token
             for child in reversed(seq.fork_children):  # never forked off it: each prefills on its own
@@ -383,7 +384,7 @@ class EngineCore:
             self.scheduler.finish(seq)
             self._forget_if_finished(self.requests[seq.request_id])
         return SeqUpdate(seq.request_id, seq.index, [token], logprobs, reason, stop_token, None, prompt_lps,
-                         scheduled)
+                         scheduled, received)
 
     @staticmethod
     def _logprobs(seq: Sequence, samples: HostSamples, r: int) -> TokenLogprobs:

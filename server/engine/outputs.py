@@ -46,6 +46,8 @@ class SeqUpdate(msgspec.Struct, array_like=True, gc=False):
     # on a choice's first update: time.monotonic() of the first step that ran the request (the clock is
     # system-wide, so the API process compares it with its arrival time)
     scheduled_time: float | None = None
+    # on a choice's first update: time.monotonic() when the core took the request in (between its steps)
+    received_time: float | None = None
 
 
 class CoreStats(msgspec.Struct, array_like=True, gc=False):

@@ -18,6 +18,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)  # index order: seqs[i].index == i
     prompt_logprobs: list | None = None  # TokenLogprobs per prompt token (None first), when asked for
     scheduled_time: float | None = None  # time.monotonic() of the first step that ran it
+    received_time: float | None = None  # time.monotonic() when add_request took it in
 
     @property
     def finished(self) -> bool:
