@@ -433,10 +433,12 @@ def serve_api(args: argparse.Namespace, api_server=None, sock=None) -> int:
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, http=protocol,
                                 timeout_keep_alive=args.timeout_keep_alive, timeout_graceful_shutdown=0.5,
                                 access_log=False)
-        # uvicorn re-raises the signal it shut down on once it is done; a graceful stop is a clean exit (0)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: None)
         server = GracefulServer(config)
+        # until uvicorn's own handlers (in server.run), a signal asks the server to stop, as theirs do; after
+        # them it is harmless: uvicorn re-raises the signal it shut down on once it is done, and a graceful
+        # stop is a clean exit (0)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
 
         def core_died(reason: str) -> None:  # in-flight requests have their error; a supervisor restarts us
             logger.error("%s: stopping the server", reason)
@@ -452,6 +454,7 @@ def serve_api(args: argparse.Namespace, api_server=None, sock=None) -> int:
         engine.shutdown(timeout=0)
         raise
     server.run(sockets=[sock])
+    engine.shutdown(timeout=0)  # stopped by the app's shutdown already, unless uvicorn never started
     # a core that died, hung or had to be killed at shutdown: non-zero, so a supervisor sees the failure
     exit_now(1 if engine.dead is not None or engine.client.stopped_by_force else 0)
 

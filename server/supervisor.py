@@ -35,9 +35,8 @@ WAIT_S = 0.5  # how often the supervisor looks at its flags between process ends
 
 
 def supervise(args: argparse.Namespace) -> int:
-    from server.api.async_engine import ApiServer
     from server.api.metrics import MULTIPROC_DIR_ENV
-    from server.cli import engine_config, http_url, run_api_server, startup_failed
+    from server.cli import engine_config, http_url, startup_failed
     from server.engine.core_client import STOP_WAIT_S, CoreStartupError, ProcessCoreClient
     from server.model.loader import load_tokenizer
 
@@ -49,22 +48,18 @@ def supervise(args: argparse.Namespace) -> int:
     metrics_dir = tempfile.mkdtemp(prefix="pagewalk-metrics-")
     previous = os.environ.get(MULTIPROC_DIR_ENV)
     os.environ[MULTIPROC_DIR_ENV] = metrics_dir  # read by prometheus_client when each server imports it
+    core_died = threading.Event()
+    servers: list = []
+    stopping = threading.Event()
+    stop = _stopper(servers, stopping)
     try:
         try:
             core = ProcessCoreClient(config, args.log_level, updates=False)
         except CoreStartupError as e:
             return startup_failed(e)
-        core_died = threading.Event()
-        servers: list = []
-        stopping = threading.Event()
-        stop = _stopper(servers, stopping)
         try:  # until the handlers below: Ctrl-C or SIGTERM (cli.main's Terminated) raise here
             core.start(lambda msg: None, lambda reason: core_died.set())
-            try:
-                sock = listen(args.host, args.port)
-            except OSError as e:
-                core.close(timeout=STOP_WAIT_S)
-                return startup_failed(e)
+            sock = listen(args.host, args.port)
             for sig in (signal.SIGTERM, signal.SIGINT):  # from here a signal stops the servers started
                 signal.signal(sig, stop)
         except BaseException:  # nothing started is worth a drain; at exit Python would wait for the core
@@ -72,16 +67,13 @@ def supervise(args: argparse.Namespace) -> int:
             core.close(timeout=STOP_WAIT_S, hung=True)
             raise
         port = sock.getsockname()[1]  # the one the OS chose for --port 0
-        ctx = multiprocessing.get_context("spawn")
-        n = args.api_server_count
-        for i in range(n):
-            if stopping.is_set():  # a signal while they start: those started drain (or die of it), no more
-                break
-            api = ApiServer(i, n, core.address, core.process.pid)
-            server = ctx.Process(target=run_api_server, name=f"pagewalk-api-{i}", args=(args, api, sock))
-            server.start()
-            servers.append(server)  # the handler signals it from here: never one half spawned
-        sock.close()  # the servers hold it now
+        try:
+            _spawn(servers, stopping, args, core, sock)
+        except BaseException:  # a server that could not start (EAGAIN, out of memory, ...): none of it stays
+            stop(again=True)
+            _reap(servers)
+            core.close(timeout=STOP_WAIT_S, hung=True)
+            raise
         if stopping.is_set():  # the one that started as the signal came has its SIGTERM now
             stop(again=True)
         logger.info("pagewalk: %d API servers (pids %s) on %s, engine core pid %d", len(servers),
@@ -95,6 +87,37 @@ def supervise(args: argparse.Namespace) -> int:
             os.environ.pop(MULTIPROC_DIR_ENV, None)
         else:
             os.environ[MULTIPROC_DIR_ENV] = previous
+
+
+def _spawn(servers: list, stopping: threading.Event, args: argparse.Namespace, core, sock) -> None:
+    """Starts the N API servers on `sock` (which they hold after; closed here), appending each once it has
+    started, so that the handler never signals one half spawned; a signal meanwhile stops the spawning."""
+    from server.api.async_engine import ApiServer
+    from server.cli import run_api_server
+
+    ctx = multiprocessing.get_context("spawn")
+    n = args.api_server_count
+    try:
+        for i in range(n):
+            if stopping.is_set():
+                break
+            api = ApiServer(i, n, core.address, core.process.pid)
+            server = ctx.Process(target=run_api_server, name=f"pagewalk-api-{i}", args=(args, api, sock))
+            server.start()
+            servers.append(server)
+    finally:
+        sock.close()
+
+
+def _reap(servers: list) -> None:
+    """Waits STOP_WAIT_S for servers told to stop, then kills those left."""
+    from server.engine.core_client import STOP_WAIT_S
+
+    multiprocessing.connection.wait([p.sentinel for p in servers], timeout=STOP_WAIT_S)
+    for p in servers:
+        if p.is_alive():
+            p.kill()
+        p.join()
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -151,3 +151,45 @@ def test_a_signal_while_the_supervisor_spawns_api_servers_stops_them_and_the_cor
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def run_patched_main(patch: str, args: list[str], timeout: float) -> tuple[int | None, str, list[int]]:
+    """`patch` (Python source) then cli.main(args) in a fresh interpreter -> (exit code, or None if it hung;
+    its output; its children still alive, which are then killed)."""
+    code = f"import sys\n{patch}\nfrom server.cli import main\nsys.exit(main({args!r}))\n"
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        rc = None
+    alive = [kid for kid in spawned_children(proc.pid) if not gone(kid)] if rc is None else []
+    for pid in alive + ([proc.pid] if proc.poll() is None else []):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    return rc, proc.stdout.read(), alive
+
+
+SERVE_ARGS = ["serve", "--port", "0", "--device", "cpu", "--attention-backend", "torch", "--num-blocks", "64"]
+
+
+def test_a_sigterm_before_uvicorns_handlers_still_stops_the_server():
+    """Between the server's build and uvicorn's own handlers a SIGTERM was swallowed (no-op handlers) and the
+    server served on; a supervisor, which signals each server once, then waited for it without end."""
+    patch = ("import os, signal, uvicorn\norig = uvicorn.Server.__init__\n"
+             "def init(self, config):\n    orig(self, config)\n    os.kill(os.getpid(), signal.SIGTERM)\n"
+             "uvicorn.Server.__init__ = init")
+    rc, out, _ = run_patched_main(patch, SERVE_ARGS, timeout=60)
+    assert rc == 0 and "Traceback" not in out, out[-2000:]
+
+
+def test_a_server_that_cannot_be_spawned_stops_the_others_and_the_core():
+    """An error starting an API server (EAGAIN, out of memory) left those started and the core running, and
+    the exit waited for them without end."""
+    patch = ("import multiprocessing.context as mc\nreal = mc.SpawnProcess.start\ncalls = []\n"
+             "def start(self):\n    calls.append(self.name)\n    if len(calls) == 3:\n"
+             "        raise OSError(11, 'Resource temporarily unavailable')\n    return real(self)\n"
+             "mc.SpawnProcess.start = start")
+    rc, out, alive = run_patched_main(patch, SERVE_ARGS + ["--api-server-count", "3"], timeout=90)
+    assert rc == 1 and not alive and "Resource temporarily unavailable" in out, (rc, alive, out[-2000:])

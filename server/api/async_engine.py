@@ -100,6 +100,15 @@ class AsyncEngine:
             self.client: CoreClient = AttachedCoreClient(api_server.core_address, api_server.core_pid)
         else:
             self.client = ThreadCoreClient(config) if in_process else ProcessCoreClient(config, log_level)
+        try:
+            self._set_up(config)
+        except BaseException:  # a signal (cli's Terminated) or an error now: a core of ours must not outlive
+            # us (killed at once); a shared one is only left
+            self.client.close(timeout=STOP_WAIT_S, hung=api_server is None)
+            raise
+
+    def _set_up(self, config: EngineConfig) -> None:
+        """The state around the client's core, from its facts."""
         info = self.info = self.client.info
         self.model_name, self.device, self.dtype = info.model, info.device, info.dtype
         self.model_name = (config.served_model_name or (info.model,))[0]

@@ -279,9 +279,9 @@ def _socket_dir() -> Path:
         if len(os.fsencode(path / "core")) <= SUN_PATH_MAX:
             return path
         path.rmdir()
-    raise ValueError(f"no directory for the engine core's socket: under {tempfile.gettempdir()} (TMPDIR) its "
-                     f"path is longer than a Unix socket's {SUN_PATH_MAX} bytes and /tmp is not writable; "
-                     "set TMPDIR to a shorter directory")
+    raise ValueError(f"no directory for the engine core's socket: none could be made under "
+                     f"{tempfile.gettempdir()} (TMPDIR) or /tmp with a path a Unix socket takes "
+                     f"({SUN_PATH_MAX} bytes); set TMPDIR to a short, writable directory")
 
 
 class ProcessCoreClient(_SocketCoreClient):
