@@ -14,7 +14,6 @@ or a directory that gets gate_up_silu_<gpu>.json).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ from kernels import gate_up_silu as gus_mod
 from kernels.activation import silu_and_mul
 from kernels.fused_reference import gate_up_silu_reference
 from tools.sampler_bench import graph_ms, out_path
+from tools.tile_sweep import best_lines, comparison_lines, sweep_tiles
 
 LAYERS, INTER, K, EPS = 16, 8192, 2048, 1e-5
 ROWS = (2, 8, 16, 32, 48, 64, 128)
@@ -71,22 +71,9 @@ def row(rows: int, variant: str, us: float, err: float, **extra) -> dict:
 def sweep(rows: int, gen: torch.Generator) -> list[dict]:
     ws, x = operands(rows, gen)
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    out = []
-    shipped = gus_mod.tile_config
-    try:
-        for values in itertools.product(*SWEEP.values()):
-            cfg = dict(zip(SWEEP, values, strict=True))
-            tiles = gus_mod.Tiles(block_m, cfg["block_n"], cfg["block_k"], cfg["num_stages"],
-                                  cfg["num_warps"])
-            gus_mod.tile_config = lambda m, t=tiles: t
-            try:
-                us, err = time_us(fused, ws, x)
-            except triton.runtime.errors.OutOfResources:
-                continue
-            out.append(row(rows, "sweep", us, err, tiles=tiles._asdict()))
-    finally:
-        gus_mod.tile_config = shipped
-    return out
+    timed = sweep_tiles(gus_mod, SWEEP, lambda cfg: gus_mod.Tiles(block_m, **cfg),
+                        lambda: time_us(fused, ws, x))
+    return [row(rows, "sweep", us, err, tiles=tiles._asdict()) for tiles, us, err in timed]
 
 
 def main() -> None:
@@ -113,19 +100,9 @@ def main() -> None:
     print(f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}: silu(s x Wg^T) * (s x Wu^T), "
           f"x (M, {K}), W ({2 * INTER}, {K}); µs a layer over {LAYERS} layers' weights in one graph; "
           f"JSON {path}")
-    for rows in SWEEP_ROWS if swept else ():
-        for r in sorted((r for r in swept if r["rows"] == rows), key=lambda r: r["us"])[:3]:
-            print(f"sweep {rows} rows: {r['us']:.2f} µs {r['tiles']}")
-    print("| rows | cuBLAS + silu_and_mul µs | gate_up_silu µs | TB/s | speed-up |")
-    print("|---|---|---|---|---|")
-    for rows in ROWS:
-        base = next(r for r in rows_out if r["rows"] == rows and r["variant"] == "cuBLAS + silu_and_mul")
-        ours = next((r for r in rows_out if r["rows"] == rows and r["variant"] == "gate_up_silu"), None)
-        if ours is None:
-            print(f"| {rows} | {base['us']:.2f} | - | - | - |")
-        else:
-            print(f"| {rows} | {base['us']:.2f} | {ours['us']:.2f} | {ours['TBps']:.2f} | "
-                  f"{base['us'] / ours['us']:.2f} |")
+    for line in best_lines(swept, SWEEP_ROWS) + comparison_lines(rows_out, ROWS, "cuBLAS + silu_and_mul",
+                                                                   "gate_up_silu"):
+        print(line)
     if bad:
         print(f"WRONG RESULTS: {[(r['rows'], r['variant'], r['rel_err']) for r in bad]}")
         sys.exit(1)

@@ -14,7 +14,6 @@ that gets splitk_add_<gpu>.json).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ import triton
 from kernels import splitk_add as splitk_mod
 from kernels.fused_reference import splitk_add_reference
 from tools.sampler_bench import graph_ms, out_path
+from tools.tile_sweep import best_lines, comparison_lines, sweep_tiles
 
 LAYERS, N, K = 16, 2048, 8192
 ROWS = (2, 8, 16, 32, 48, 64, 128)
@@ -70,7 +70,10 @@ def row(rows: int, variant: str, us: float, err: float, **extra) -> dict:
             "rel_err": err, **extra}
 
 
-def tiles_for(rows: int, cfg: dict) -> splitk_mod.Tiles:
+def tiles_for(rows: int, cfg: dict) -> splitk_mod.Tiles | None:
+    """The configuration's tiles at `rows`; None where its K splits do not divide K in BLOCK_K steps."""
+    if K % (cfg["block_k"] * cfg["split_k"]):
+        return None
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     return splitk_mod.Tiles(block_m, cfg["block_n"], cfg["block_k"], cfg["split_k"], cfg["num_stages"],
                             cfg["num_warps"])
@@ -78,22 +81,9 @@ def tiles_for(rows: int, cfg: dict) -> splitk_mod.Tiles:
 
 def sweep(rows: int, gen: torch.Generator) -> list[dict]:
     ws, x, res = operands(rows, gen)
-    out = []
-    shipped = splitk_mod.tile_config
-    try:
-        for values in itertools.product(*SWEEP.values()):
-            tiles = tiles_for(rows, dict(zip(SWEEP, values, strict=True)))
-            if K % (tiles.block_k * tiles.split_k):
-                continue
-            splitk_mod.tile_config = lambda m, t=tiles: t
-            try:
-                us, err = time_us(splitk_mod.splitk_add, ws, x, res)
-            except triton.runtime.errors.OutOfResources:
-                continue
-            out.append(row(rows, "sweep", us, err, tiles=tiles._asdict()))
-    finally:
-        splitk_mod.tile_config = shipped
-    return out
+    timed = sweep_tiles(splitk_mod, SWEEP, lambda cfg: tiles_for(rows, cfg),
+                        lambda: time_us(splitk_mod.splitk_add, ws, x, res))
+    return [row(rows, "sweep", us, err, tiles=tiles._asdict()) for tiles, us, err in timed]
 
 
 def main() -> None:
@@ -119,20 +109,9 @@ def main() -> None:
     path.write_text(json.dumps({"meta": meta, "rows": rows_out, "sweep": swept}, indent=1))
     print(f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}: residual (M, {N}) += "
           f"(M, {K}) W^T, µs a layer over {LAYERS} layers' weights in one graph; JSON {path}")
-    print("| rows | cuBLAS addmm_ µs | splitk_add µs | TB/s | speed-up |")
-    print("|---|---|---|---|---|")
-    for rows in ROWS:
-        base = next(r for r in rows_out if r["rows"] == rows and r["variant"] == "cuBLAS addmm_")
-        ours = next((r for r in rows_out if r["rows"] == rows and r["variant"] == "splitk_add"), None)
-        if ours is None:
-            print(f"| {rows} | {base['us']:.2f} | - | - | - |")
-        else:
-            print(f"| {rows} | {base['us']:.2f} | {ours['us']:.2f} | {ours['TBps']:.2f} | "
-                  f"{base['us'] / ours['us']:.2f} |")
-    for rows in SWEEP_ROWS if swept else ():
-        best = sorted((r for r in swept if r["rows"] == rows), key=lambda r: r["us"])[:3]
-        for r in best:
-            print(f"sweep {rows} rows: {r['us']:.2f} µs {r['tiles']}")
+    for line in (comparison_lines(rows_out, ROWS, "cuBLAS addmm_", "splitk_add")
+                 + best_lines(swept, SWEEP_ROWS)):
+        print(line)
     if bad:
         print(f"WRONG RESULTS: {[(r['rows'], r['variant'], r['rel_err']) for r in bad]}")
         sys.exit(1)
