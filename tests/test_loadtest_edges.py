@@ -39,18 +39,18 @@ def run_against(app, n: int = 1, output_len: int = 4, stream: bool = True):
         return asyncio.run(go())
 
 
-async def drain(receive) -> None:
+async def start_response(receive, send, content_type: bytes) -> None:
+    """Reads the request's body, then starts a 200 response of `content_type`."""
     while (await receive()).get("more_body"):
         pass
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", content_type)]})
 
 
 def unary_app(body: dict):
     async def app(scope, receive, send):
         if scope["type"] != "http":
             return
-        await drain(receive)
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json")]})
+        await start_response(receive, send, b"application/json")
         await send({"type": "http.response.body", "body": json.dumps(body).encode()})
     return app
 
@@ -81,9 +81,7 @@ async def late_usage_app(scope, receive, send):
     """Four tokens 20 ms apart, then the usage block 0.4 s later (a proxy or a slow server's trailer)."""
     if scope["type"] != "http":
         return
-    await drain(receive)
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"text/event-stream")]})
+    await start_response(receive, send, b"text/event-stream")
 
     async def event(payload) -> None:
         data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
