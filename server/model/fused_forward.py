@@ -131,7 +131,7 @@ def _gate_up_silu_error(weight: torch.Tensor, eps: float) -> float:
     worst = 0.0
     for rows in _warm_up_rows(GATE_UP_TILE_CLASSES):
         x = (torch.randn(rows, weight.shape[1], generator=gen, device=weight.device) * 2).to(weight.dtype)
-        want = silu_and_mul(F.linear(x, weight), norm_of=x, eps=eps).float()
+        want = _two_launches(x, weight, eps).float()
         got = gate_up_silu(x, weight, eps).float()
         worst = max(worst, float((got - want).abs().max() / want.abs().max()))
     return worst
@@ -177,8 +177,12 @@ def _mlp_activation(residual: torch.Tensor, proj: nn.Linear, eps: float) -> torc
     the activation in its epilogue); else cuBLAS's GEMM, then the SiLU-and-mul kernel applies both."""
     if fuses_gate_up_silu(residual.shape[0], proj):
         return gate_up_silu(residual, proj.weight, eps)
-    gate_up = F.linear(residual, proj.weight)  # (T, 2I)
-    return silu_and_mul(gate_up, norm_of=residual, eps=eps, bias=proj.bias)
+    return _two_launches(residual, proj.weight, eps, proj.bias)
+
+
+def _two_launches(residual: torch.Tensor, weight: torch.Tensor, eps: float, bias=None) -> torch.Tensor:
+    """The same as gate_up_silu (plus the bias) as cuBLAS's GEMM (T, 2I), then the SiLU-and-mul kernel."""
+    return silu_and_mul(F.linear(residual, weight), norm_of=residual, eps=eps, bias=bias)
 
 
 def fuses_gate_up_silu(rows: int, proj: nn.Linear) -> bool:
