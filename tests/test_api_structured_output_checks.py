@@ -51,6 +51,22 @@ def test_a_grammar_the_core_could_not_serve_is_a_400_naming_its_field(app, body,
     assert len(error["message"]) < 600  # llguidance's messages cut: no parser state, backtrace or grammar
 
 
+@pytest.mark.parametrize("body,reason", [
+    ({"structured_outputs": {"regex": "(a"}}, "unclosed group"),
+    ({"guided_regex": "a{5,2}"}, "invalid repetition count range"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "s", "schema": {"type": "string", "pattern": "[z-a]"}}}}, "invalid character class range"),
+])
+def test_a_bad_regex_is_a_400_that_says_why(app, body, reason):
+    """llguidance puts a regex's parse error on a line below its caret; the 400 ended at "regex parse
+    error:" before (a review with the openai SDK)."""
+    path, body = (("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], **body})
+                  if "response_format" in body else (COMPLETIONS, {"prompt": "x", **body}))
+    r = post(app, path, {"max_tokens": 4, **body})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_grammar", r.text[:300]
+    assert reason in r.json()["error"]["message"], r.json()["error"]["message"]
+
+
 WIDE = {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(500)}}
 
 

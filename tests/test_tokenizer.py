@@ -61,6 +61,27 @@ def test_simple_chat_template():
     assert ByteTokenizer().apply_chat_template(parts, add_generation_prompt=False) == "user: ab\n"
 
 
+# Qwen2.5-Instruct's shape: a system turn, or its default one; any other role but user/assistant is dropped
+QWEN_LIKE = ("{% if messages[0]['role'] == 'system' %}<s>{{ messages[0]['content'] }}</s>{% else %}"
+             "<s>You are Qwen.</s>{% endif %}{% for m in messages %}{% if m['role'] == 'user' %}"
+             "<u>{{ m['content'] }}</u>{% endif %}{% endfor %}")
+
+
+def test_a_developer_message_is_the_system_turn_where_the_template_does_not_name_it():
+    """OpenAI's developer message is the system instruction: a template without a "developer" branch
+    renders it as "system" (before, Qwen2.5's template dropped it for its default system prompt: a review
+    with the openai SDK); one that names the role gets it as sent."""
+    developer = [{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "hi"}]
+    system = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "hi"}]
+    qwen = ChatTemplate(QWEN_LIKE, "test")
+    assert qwen.render(developer) == qwen.render(system) == "<s>Answer in French.</s><u>hi</u>"
+    named = ChatTemplate("{% for m in messages %}{% if m.role == \"developer\" %}[dev]{% endif %}"
+                         "{{ m.role }}:{{ m.content }};{% endfor %}", "test")
+    assert named.render(developer) == "[dev]developer:Answer in French.;user:hi;"
+    assert ByteTokenizer().apply_chat_template(developer, add_generation_prompt=False) == \
+        "system: Answer in French.\nuser: hi\n"
+
+
 @BYTE_DETOKENIZERS
 @settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=64), st.lists(st.sampled_from([0, 1, 2, 300]), max_size=4), st.randoms())

@@ -611,8 +611,13 @@ def too_costly(took_ms: float) -> str:
 
 def brief(error: str) -> str:
     """llguidance's message without the parser state it dumps after its first line (which quotes the
-    grammar and the tokens so far), at most MAX_ERROR_CHARS."""
-    first = error.strip().split("\n", 1)[0]
+    grammar and the tokens so far), at most MAX_ERROR_CHARS. A regex's parse error says why on a line of
+    its own below the caret ("...: regex parse error:" / "    (a" / "    ^" / "error: unclosed group"): that
+    line is kept (a review: the message ended at "regex parse error:")."""
+    first, *rest = error.strip().split("\n")
+    reason = next((line for line in rest if line.startswith("error: ")), None)
+    if first.endswith(":") and reason is not None:
+        first = f"{first} {reason.removeprefix('error: ')}"
     return first if len(first) <= MAX_ERROR_CHARS else first[:MAX_ERROR_CHARS] + "..."
 
 

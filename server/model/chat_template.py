@@ -9,6 +9,7 @@ json.dumps' indent/separators/sort_keys, `raise_exception(message)` and `strftim
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -64,6 +65,10 @@ class ChatTemplate:
     def __init__(self, source: str, origin: str) -> None:
         self.source = source
         self.origin = origin  # where it came from, for error messages
+        # a template that names the "developer" role renders it its own way; the others get it as "system"
+        # (OpenAI's developer message is the system instruction; Qwen2.5's template dropped it silently and
+        # wrote its default system prompt instead: a review; vLLM, llama.cpp and SGLang map it so too)
+        self.knows_developer = re.search(r"""['"]developer['"]""", source) is not None
         try:
             self._template = _ENV.from_string(source)
         except jinja2.TemplateSyntaxError as e:
@@ -79,7 +84,7 @@ class ChatTemplate:
         as `tools`)."""
         # tools and documents are defined (None) as transformers passes them: `{% if tools is not none %}`
         context = {"tools": None, "documents": None, **named, **(variables or {}),
-                   "messages": [_plain_message(m) for m in messages],
+                   "messages": [self._as_known_role(_plain_message(m)) for m in messages],
                    "add_generation_prompt": add_generation_prompt}
         try:
             return self._template.render(context)
@@ -92,6 +97,12 @@ class ChatTemplate:
                 RuntimeError) as e:
             raise ChatTemplateError(f"the chat template failed on this request: {type(e).__name__}: {e}") \
                 from None
+
+
+    def _as_known_role(self, message: dict) -> dict:
+        if message.get("role") == "developer" and not self.knows_developer:
+            return {**message, "role": "system"}
+        return message
 
 
 def template_file(path: Path | str) -> ChatTemplate:
