@@ -124,3 +124,25 @@ def test_forced_tool_calls_have_arguments_that_parse(app, stream):
             assert arguments in ({"city": "Paris"}, {"city": "Rome"})
         else:
             assert tool_choice == "required" and call["function"]["name"] == "get_time" and arguments == {}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_the_model_cannot_follow_is_a_400_not_a_retried_500(app, stream):
+    """The tiny preset gives every id outside printable ASCII a logit of -inf, so "café" has no token with a
+    nonzero probability at its "é": the draw falls outside the grammar and the request fails in the engine.
+    That is the request's own failure: a 400 (streamed: an error event of that type), not the engine's 500,
+    which the openai SDK retried twice, failing each the same way (a review)."""
+    r = post(app, "/v1/completions", {"prompt": "Drink:", "max_tokens": 8, "stream": stream,
+                                      "structured_outputs": {"choice": ["café"]}})
+    if stream:
+        errors = [json.loads(line[6:])["error"] for line in r.text.splitlines()
+                  if line.startswith("data: {") and '"error"' in line]
+        (error,) = errors
+    else:
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "structured_output_failed", error
+    assert "allows no token the model can produce" in error["message"], error
+    r = post(app, "/v1/completions", {"prompt": "Drink:", "max_tokens": 8, "temperature": 0,
+                                      "structured_outputs": {"choice": ["cafe"]}})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "cafe", r.text  # the engine serves on

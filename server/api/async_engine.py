@@ -81,6 +81,7 @@ class LiveRequest:
     scheduled_time: float | None = None  # the core's first step that ran it (from its first update)
     first_token_time: float | None = None  # of any choice
     error: str | None = None
+    error_kind: str | None = None  # SeqUpdate.error_kind of the error
     closed: bool = False  # the stream has its last output
     label: tuple[str, int] = ("", 0)  # the id its client sees, and that response's index of its choice 0
 
@@ -484,7 +485,7 @@ class AsyncEngine:
                 m.finished(delta.finish_reason)
                 ending.add(live)
             if u.error is not None:
-                live.error = u.error
+                live.error, live.error_kind = u.error, u.error_kind
             deltas = outputs.get(live)
             if deltas is None:
                 outputs[live] = [delta]
@@ -499,7 +500,7 @@ class AsyncEngine:
                 live.closed = True
                 self._observe_finished(live, now)
             live.channel.put_merged(RequestOutput(live.request_id, live.prompt_token_ids, deltas, finished,
-                                                  live.error))
+                                                  live.error, live.error_kind))
 
     def _fail(self, live: LiveRequest, error: str, pending: list[ChoiceDelta] = ()) -> None:
         """End every choice still open with finish_reason "error", after `pending` (deltas not sent yet)."""

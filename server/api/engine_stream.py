@@ -20,6 +20,7 @@ from server.api.async_engine import RequestRejected
 from server.api.errors import APIError
 from server.api.outputs import ChoiceDelta, RequestOutput, TokenLogprob
 from server.api.protocol import Usage
+from server.engine.outputs import STRUCTURED_OUTPUT_FAILED
 from server.engine.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -223,4 +224,9 @@ def usage(prompts: list[list[int]], states: list[ChoiceState] | list[StreamedCho
 
 
 def engine_error(out: RequestOutput) -> APIError:
+    """The engine's failure, a 500; or the request's own (its structured output failed in the engine), a 400
+    that clients do not retry (the openai SDK sent such a request three times, failing each the same way)."""
+    if out.error_kind == STRUCTURED_OUTPUT_FAILED:
+        return APIError(400, f"The structured output failed this request: {out.error}",
+                        code="structured_output_failed")
     return APIError(500, f"The engine failed this request: {out.error}", code="engine_error")

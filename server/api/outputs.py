@@ -46,6 +46,7 @@ class RequestOutput:
     deltas: list[ChoiceDelta]
     finished: bool  # every choice has a finish_reason
     error: str | None = None
+    error_kind: str | None = None  # SeqUpdate.error_kind: STRUCTURED_OUTPUT_FAILED, the request's own; None
 
 
 def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
@@ -89,4 +90,4 @@ class MergedOutput:
         merged.request_id, merged.prompt_token_ids, merged.finished = (out.request_id, out.prompt_token_ids,
                                                                        out.finished)
         if not merged.error and out.error:  # the first error
-            merged.error = out.error
+            merged.error, merged.error_kind = out.error, out.error_kind

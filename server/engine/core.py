@@ -35,7 +35,14 @@ from kvcache import KVCacheManager
 from kvcache.snapshot import block_map
 from server.engine import grammar
 from server.engine.grammar import GrammarError, Grammars, TokenMask, too_costly
-from server.engine.outputs import CoreStats, EngineRequest, SeqUpdate, StepUpdate, TokenLogprobs
+from server.engine.outputs import (
+    STRUCTURED_OUTPUT_FAILED,
+    CoreStats,
+    EngineRequest,
+    SeqUpdate,
+    StepUpdate,
+    TokenLogprobs,
+)
 from server.engine.prompt_logprobs import prompt_logprobs
 from server.engine.request import Request
 from server.engine.runner import HostSamples, StepResult
@@ -152,8 +159,9 @@ class EngineCore:
         return bool(self.requests) or self._in_flight is not None
 
     def abort_request(self, request_id: str, index: int | None = None, reason: str = "abort",
-                      error: str | None = None) -> list[SeqUpdate]:
-        """End choice `index` (None: every unfinished choice) with `reason`; free their blocks now.
+                      error: str | None = None, error_kind: str | None = None) -> list[SeqUpdate]:
+        """End choice `index` (None: every unfinished choice) with `reason` (and, for "error", `error` and
+        its SeqUpdate.error_kind); free their blocks now.
         Unknown requests and finished choices are ignored (empty list). Choices waiting to fork from an
         ended one end with it (they had no prompt of their own yet): each gets its update too."""
         req = self.requests.get(request_id)
@@ -171,7 +179,8 @@ class EngineCore:
         for seq in open_before:
             if seq.is_finished:
                 seq.finish_reason = seq.finish_reason or reason
-                updates.append(SeqUpdate(request_id, seq.index, [], None, seq.finish_reason, None, error))
+                updates.append(SeqUpdate(request_id, seq.index, [], None, seq.finish_reason, None, error,
+                                         error_kind=error_kind))
         self._forget_if_finished(req)
         return updates
 
@@ -200,7 +209,7 @@ class EngineCore:
             try:
                 matcher = future.result()
             except Exception as e:  # GrammarError, or llguidance's own
-                updates += self.abort_request(rid, None, "error", _describe(e))
+                updates += self.abort_request(rid, None, "error", _describe(e), STRUCTURED_OUTPUT_FAILED)
                 continue
             req = self.requests[rid]
             for seq in req.seqs:  # none has a token yet: each starts from the grammar's start
@@ -337,19 +346,21 @@ class EngineCore:
 
     def _process(self, taken: list[tuple[int, Sequence]], samples: HostSamples) -> list[SeqUpdate]:
         updates = []
-        failed: dict[str, str] = {}
+        failed: dict[str, tuple[str, str | None]] = {}  # request -> its error, its SeqUpdate.error_kind
         for r, seq in taken:
             if seq.request_id in failed:
                 continue
             try:
                 updates.append(self._finish_checks(seq, samples, r))
+            except GrammarError as e:  # its own grammar's: its grammar compiles afresh for the next request
+                logger.warning("request %s failed: %s", seq.request_id, e)
+                failed[seq.request_id] = _describe(e), STRUCTURED_OUTPUT_FAILED
+                self.grammars.forget(seq.params.grammar, seq.params.cache_salt)
             except Exception as e:  # this request only
                 logger.exception("request %s failed", seq.request_id)
-                failed[seq.request_id] = _describe(e)
-                if isinstance(e, GrammarError):  # its grammar compiles afresh for the next request
-                    self.grammars.forget(seq.params.grammar, seq.params.cache_salt)
-        for rid, error in failed.items():  # its choices already updated this step keep their update
-            updates += self.abort_request(rid, None, "error", error)
+                failed[seq.request_id] = _describe(e), None
+        for rid, (error, kind) in failed.items():  # its choices already updated this step keep their update
+            updates += self.abort_request(rid, None, "error", error, kind)
         return updates
 
     def _finish_checks(self, seq: Sequence, samples: HostSamples, r: int) -> SeqUpdate:

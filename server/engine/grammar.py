@@ -349,9 +349,12 @@ class Grammars:
     @staticmethod
     def accept(matcher: llguidance.LLMatcher, token: int) -> bool:
         """Advance `matcher` by the sampled `token`; -> whether the grammar is complete. GrammarError where
-        the matcher refuses it (a token the mask did not allow: a bug, or a mask-free draw)."""
+        the matcher refuses it: a token the mask did not allow is drawn where the model gives every allowed
+        token probability 0 (the presets' -inf logits outside printable ASCII against a grammar of "café").
+        """
         if not matcher.consume_token(token) or matcher.is_error():
-            raise GrammarError(f"the structured output refused token {token}: {brief(matcher.get_error())}")
+            raise GrammarError(f"the structured output allows no token the model can produce here (token "
+                               f"{token} was drawn outside it: {brief(matcher.get_error())})")
         return matcher.is_stopped()
 
 

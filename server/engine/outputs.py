@@ -11,6 +11,8 @@ import msgspec
 
 from server.engine.sampling_params import SamplingParams
 
+STRUCTURED_OUTPUT_FAILED = "structured_output"  # SeqUpdate.error_kind
+
 # one new token's logprob and the top-k (token id, logprob) pairs, best first
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
 # one prompt token's logprob, its rank in the vocabulary (1: the most likely) and the top-k, best first
@@ -48,6 +50,10 @@ class SeqUpdate(msgspec.Struct, array_like=True, gc=False):
     scheduled_time: float | None = None
     # on a choice's first update: time.monotonic() when the core took the request in (between its steps)
     received_time: float | None = None
+    # finish "error" caused by the request itself, not the engine: STRUCTURED_OUTPUT_FAILED (its grammar does
+    # not compile in the core, holds every step too long, or allows no token the model can draw). The API
+    # answers it with a 400, which clients do not retry; None: the engine's failure, a 500
+    error_kind: str | None = None
 
 
 class CoreStats(msgspec.Struct, array_like=True, gc=False):
