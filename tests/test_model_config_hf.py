@@ -85,3 +85,15 @@ def test_a_missing_sliding_window_is_transformers_default(tmp_path):
 def test_swish_is_silu_and_model_type_names_the_architecture(tmp_path):
     assert logits_error(checkpoint(tmp_path, edits={"hidden_act": "swish"})) < 1e-4
     assert logits_error(checkpoint(tmp_path / "bare", "qwen2", edits={"architectures": DELETE})) < 1e-4
+
+
+@pytest.mark.parametrize("arch,flag", [("mistral", "attention_bias"), ("mistral", "mlp_bias"),
+                                       ("qwen2", "mlp_bias"), ("qwen2", "attention_bias")])
+def test_bias_flags_count_for_llama_only_as_in_transformers(tmp_path, arch, flag):
+    """transformers builds Mistral's projections without biases and Qwen2's with q/k/v biases only,
+    whatever config.json's attention_bias / mlp_bias say: such a checkpoint loads and serves as there
+    (before, it was refused for the bias tensors the flag named: a review)."""
+    path = checkpoint(tmp_path, arch, edits={flag: True})
+    config = model_config(str(path))
+    assert (config.qkv_bias, config.o_bias, config.mlp_bias) == (arch == "qwen2", False, False)
+    assert logits_error(path) < 1e-4

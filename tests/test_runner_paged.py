@@ -229,3 +229,24 @@ def test_profiling_dummy_batch_is_a_valid_maximal_step(tiny):
     runner.kv, runner.num_blocks = runner._allocate_cache(blocks_needed), blocks_needed
     tokens = runner.execute(step, tables.__getitem__).wait().token_ids
     assert len(tokens) == 7 and all(0 <= t < model.config.vocab_size for t in tokens)
+
+
+def test_a_head_dim_the_triton_kernels_cannot_take_is_served_by_torch_or_refused(monkeypatch):
+    """head_dim 8 (open_llama_3b's is 100): asked for, the Triton backend is refused at start-up naming
+    head_dim; "auto", which takes Triton on CUDA (resolve_backend, made to here), serves it with the torch
+    backend. Before, the engine started and failed every request at its first KV store (a review)."""
+    from server.model.config import preset
+    from server.model.loader import build_model
+    from server.model.random_init import init_random_weights
+
+    config = preset("tiny", head_dim=8, num_layers=1)
+    model = build_model(config, torch.device("cpu"), torch.float32)
+    init_random_weights(model, config)
+    with pytest.raises(ValueError, match="head_dim in multiples of 16 .* got 8"):
+        ModelRunner(model, block_size=4, num_blocks=16, attention_backend="triton")
+    monkeypatch.setattr(kernels, "resolve_backend", lambda device, requested: "triton")  # as on CUDA
+    runner = ModelRunner(model, block_size=4, num_blocks=16, attention_backend="auto")
+    assert runner.attention_backend == "torch" and runner.decode_workspace is None
+    blocks = ShuffledBlocks(16, 4, seed=1)
+    logits = run_chunks(runner, [blocks.chunk("a", [1, 40, 41, 42, 43], 0)])
+    assert torch.isfinite(logits).all()

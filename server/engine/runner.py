@@ -154,7 +154,7 @@ class ModelRunner:
         self.model, self.config = model, model.config
         self.device, self.dtype = model.device, model.dtype
         self.block_size = block_size
-        self.attention_backend = kernels.resolve_backend(self.device, attention_backend)
+        self.attention_backend = self._attention_backend(attention_backend)
         model.prepare_decoder_ops(model.decoder_ops_for(self.attention_backend))  # before the profiling step
         self.sliding_window = self.config.sliding_window
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
@@ -496,6 +496,23 @@ class ModelRunner:
         return *self.state.step_inputs(tokens, num_decode, None, chunks), out_rows.long()
 
     # ---- CUDA-graph decode --------------------------------------------------------------------------------
+
+    def _attention_backend(self, requested: str) -> str:
+        """The backend that serves this model: resolve_backend's, unless the Triton kernels cannot take its
+        dtype or head_dim (open_llama_3b's 100, a toy's 8). Then "auto" takes the torch backend, with a
+        warning, and "triton" is refused here: before, every request failed at its first KV store, and
+        "auto" on CUDA refused the model naming a backend the user never chose (a review)."""
+        backend = kernels.resolve_backend(self.device, requested)
+        if backend != "triton":
+            return backend
+        try:
+            kernels.check_supported("triton", self.dtype, self.config.head_dim, self.block_size)
+        except ValueError as e:
+            if requested == "triton":
+                raise ValueError(f"--attention-backend triton cannot serve this model: {e}") from None
+            log.warning("attention backend torch (no CUDA graphs): %s", e)
+            return "torch"
+        return backend
 
     def _new_batch_state(self) -> BatchState:
         """Rows for max_num_seqs sequences, tables for max_model_len tokens (or one profiling chunk)."""

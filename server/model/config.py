@@ -115,8 +115,11 @@ class ModelConfig:
             raise ValueError(f"num_attention_heads must be an integer >= 1, got {num_heads!r}")
         rope = _rope_params(cfg)
         max_positions = cfg.get("max_position_embeddings", DEFAULT_POSITIONS[arch])
-        attention_bias = bool(cfg.get("attention_bias", False))
-        is_qwen2 = arch == "Qwen2ForCausalLM"
+        # transformers reads attention_bias and mlp_bias for Llama only: Mistral's projections never have a
+        # bias, Qwen2's q/k/v always do (a config's flags there are ignored, and so the tensors they would
+        # name: a review found such a Mistral checkpoint refused, or served with its biases applied)
+        is_llama, is_qwen2 = arch == "LlamaForCausalLM", arch == "Qwen2ForCausalLM"
+        attention_bias = is_llama and bool(cfg.get("attention_bias", False))
         sliding = _sliding_window(cfg, arch)
         eos = cfg.get("eos_token_id")
         return cls(
@@ -135,8 +138,8 @@ class ModelConfig:
             rope_scaling=_rope_scaling(rope, cfg.get("original_max_position_embeddings"), max_positions),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=is_qwen2 or attention_bias,
-            o_bias=attention_bias and not is_qwen2,
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            o_bias=attention_bias,
+            mlp_bias=is_llama and bool(cfg.get("mlp_bias", False)),
             sliding_window=sliding,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos])),
