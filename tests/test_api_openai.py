@@ -92,7 +92,8 @@ def test_chat_completion_and_logprobs(app, engine):
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
-    flat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    # the text parts joined by "\n", as vLLM joins them
+    flat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi \nthere"}]
     prompt = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(flat), add_bos=True)
     assert body["prompt_token_ids"] == prompt and body["usage"]["prompt_tokens"] == len(prompt)
     (choice,) = body["choices"]

@@ -174,3 +174,72 @@ def test_whitespace_before_a_call_is_not_content_when_streamed(engine, monkeypat
             for c in json.loads(line[6:])["choices"]:
                 content += c["delta"].get("content") or ""
     assert content == "", repr(content)
+
+
+def _render(template: str, messages: list[dict], tools: list | None = None) -> str:
+    tok = _tok(template)
+    req = ChatCompletionRequest.model_validate({"messages": messages, **({"tools": tools} if tools else {})})
+    variables = {"tools": [t.model_dump(exclude_none=True) for t in req.tools]} if tools else None
+    return tok.decode(chat_prompt_ids(tok, req.messages, True, None, variables))
+
+
+def test_an_empty_tool_calls_list_is_a_plain_assistant_turn():
+    """LangChain sends `"tool_calls": []` on plain assistant turns; Llama 3.1's `'tool_calls' in message`
+    branch then took the turn for a call and failed (a 400). vLLM drops an empty list; so does pagewalk."""
+    shown = _render(LLAMA31, [{"role": "user", "content": "hi"},
+                              {"role": "assistant", "content": "Hello!", "tool_calls": []},
+                              {"role": "user", "content": "Weather in Paris?"}])
+    assert "<|start_header_id|>assistant<|end_header_id|>\n\nHello!<|eot_id|>" in shown, shown
+
+
+@pytest.mark.parametrize("arguments", ["", None, "{cut", "[1, 2]"])
+def test_history_arguments_that_are_no_json_object_render_as_an_empty_one(arguments):
+    """A no-argument call's `arguments` "" (as several clients send it), or text that is no JSON object:
+    the template gets {} (vLLM's rule); Llama 3.1's showed the model `"parameters": ""` before."""
+    history = [HISTORY[0], {**HISTORY[1], "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+        HISTORY[2]]
+    assert '{"name": "get_weather", "parameters": {}}' in _render(LLAMA31, history, TOOLS)
+
+
+def test_text_parts_are_joined_by_newlines_and_ipython_is_a_role():
+    """A message's text parts reach the template joined by "\\n", as vLLM joins them ("" before); Llama 3's
+    own role for a tool's result, "ipython", is taken (a 400 before; vLLM takes any role)."""
+    parts = [{"type": "text", "text": "Summarize this:"}, {"type": "text", "text": "The cat sat."}]
+    assert "<|im_start|>user\nSummarize this:\nThe cat sat.<|im_end|>" in _render(QWEN25, [
+        {"role": "user", "content": parts}])
+    shown = _render(LLAMA31, [*HISTORY[:2], {"role": "ipython", "content": "sunny"}], TOOLS)
+    assert "<|start_header_id|>ipython<|end_header_id|>\n\nsunny<|eot_id|>" in shown, shown
+
+
+def test_a_checkpoints_tool_use_template_renders_requests_with_tools(tmp_path):
+    """tokenizer_config.json's named templates "default" and "tool_use" (Hermes-2-Pro's, Hermes-3's): a
+    request with tools gets "tool_use", as transformers' apply_chat_template and vLLM pick it (it was never
+    used: the model was never shown its tools, a review); one without gets "default". transformers 5 saves
+    it as additional_chat_templates/tool_use.jinja beside chat_template.jinja: the same there."""
+    import transformers
+    from model_fixtures import byte_bpe_tokenizer
+
+    default = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    tool_use = "<|im_start|>system\n<tools>{{ tools | tojson }}</tools><|im_end|>\n" + default
+    byte_bpe_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    templates = [{"name": "default", "template": default}, {"name": "tool_use", "template": tool_use}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": templates}))
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    hf.chat_template = {"default": default, "tool_use": tool_use}
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "tokenizer.json").write_bytes((tmp_path / "tokenizer.json").read_bytes())
+    (saved / "chat_template.jinja").write_text(default)
+    (saved / "additional_chat_templates").mkdir()
+    (saved / "additional_chat_templates" / "tool_use.jinja").write_text(tool_use)
+    for directory in (tmp_path, saved):
+        tok = HFTokenizer.from_dir(directory)
+        for tools in (TOOLS, None):
+            req = ChatCompletionRequest.model_validate({"messages": messages, "tools": tools})
+            variables = {"tools": [t.model_dump(exclude_none=True) for t in req.tools]} if tools else None
+            shown = tok.decode(chat_prompt_ids(tok, req.messages, True, None, variables),
+                               skip_special_tokens=False)
+            assert shown == hf.apply_chat_template(messages, tools=tools, tokenize=False), (directory, shown)
+            assert ("get_weather" in shown) == (tools is not None)

@@ -57,8 +57,9 @@ def test_byte_tokenizer_larger_vocab_ignores_unused_ids():
 def test_simple_chat_template():
     text = ByteTokenizer().apply_chat_template(MESSAGES)
     assert text == "system: be brief\nuser: hi\nassistant:"
+    # text parts joined by "\n", as vLLM joins them
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
-    assert ByteTokenizer().apply_chat_template(parts, add_generation_prompt=False) == "user: ab\n"
+    assert ByteTokenizer().apply_chat_template(parts, add_generation_prompt=False) == "user: a\nb\n"
 
 
 # Qwen2.5-Instruct's shape: a system turn, or its default one; any other role but user/assistant is dropped

@@ -369,21 +369,24 @@ class ContentPart(_Request):
 def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
     """An earlier turn's tool call as templates render it: OpenAI's clients send its arguments as JSON text,
     templates write them with `| tojson`, so they get the object (transformers' convention, as vLLM does);
-    text that is not a JSON object stays as it is."""
+    arguments that are no JSON object (empty, cut, a list) are {} there, as vLLM gives them (Llama 3.1's
+    template wrote `"parameters": ""` for them: a review)."""
     function = call.get("function")
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+    if not isinstance(function, dict) or not (function.get("arguments") is None
+                                              or isinstance(function["arguments"], str)):
         return call
     try:
-        arguments = json.loads(function["arguments"])
+        arguments = json.loads(function["arguments"] or "{}")
     except (ValueError, RecursionError):  # not JSON, or nested past Python's stack
-        return call
+        arguments = {}
     if not isinstance(arguments, dict):
-        return call
+        arguments = {}
     return {**call, "function": {**function, "arguments": arguments}}
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # "ipython": Llama 3's tool results, as its template names them (vLLM takes any role)
+    role: Literal["system", "developer", "user", "assistant", "tool", "ipython"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     # an earlier turn's function calls and a tool result's id: the chat template renders them (as in vLLM)
@@ -405,7 +408,7 @@ class ChatMessage(_Request):
             value = getattr(self, key)
             if value is not None:
                 out[key] = value
-        if self.tool_calls is not None:
+        if self.tool_calls:  # [] is no calls (LangChain sends it; Llama 3.1's template raised on it)
             out["tool_calls"] = [_call_for_template(call) for call in self.tool_calls]
         return out
 
@@ -424,7 +427,7 @@ class ChatMessage(_Request):
             else:
                 raise ValueError(f"content part of type '{part.type}' is not supported; use 'text' (or "
                                  "'refusal' in an assistant's turn)")
-        return "".join(texts)
+        return "\n".join(texts)  # as vLLM joins a message's text parts for a template of string content
 
 
 class ToolFunction(_Request):

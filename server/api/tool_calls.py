@@ -59,7 +59,7 @@ def _llama3_json(text: str) -> tuple[str | None, list[ToolCall] | None]:
     while i < len(body):
         try:
             obj, end = decoder.raw_decode(body, i)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # nested past Python's stack: a 500 before (a review)
             return text, None
         calls.append(_named_call(obj, "parameters"))
         i = end

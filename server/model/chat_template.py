@@ -62,9 +62,10 @@ _ENV = _environment()
 class ChatTemplate:
     """A compiled template; a syntax error is a ValueError here, at start-up, not on every request."""
 
-    def __init__(self, source: str, origin: str) -> None:
+    def __init__(self, source: str, origin: str, tool_use: ChatTemplate | None = None) -> None:
         self.source = source
         self.origin = origin  # where it came from, for error messages
+        self.tool_use = tool_use  # the checkpoint's "tool_use" template: it renders requests with tools
         # a template that names the "developer" role renders it its own way; the others get it as "system"
         # (OpenAI's developer message is the system instruction; Qwen2.5's template dropped it silently and
         # wrote its default system prompt instead: a review; vLLM, llama.cpp and SGLang map it so too)
@@ -82,6 +83,8 @@ class ChatTemplate:
         with nothing). Raises ChatTemplateError when the template rejects the messages or its variables: a
         jinja error, or a Python one its expressions raise on the request's values (iterating an int given
         as `tools`)."""
+        if self.tool_use is not None and (variables or {}).get("tools"):
+            return self.tool_use.render(messages, add_generation_prompt, variables, **named)
         # tools and documents are defined (None) as transformers passes them: `{% if tools is not none %}`
         context = {"tools": None, "documents": None, **named, **(variables or {}),
                    "messages": [self._as_known_role(_plain_message(m)) for m in messages],
@@ -105,10 +108,10 @@ class ChatTemplate:
         return message
 
 
-def template_file(path: Path | str) -> ChatTemplate:
+def template_file(path: Path | str, tool_use: ChatTemplate | None = None) -> ChatTemplate:
     """A chat template file (UTF-8 jinja) -> its template; an unreadable file is a ValueError naming it."""
     try:
-        return ChatTemplate(Path(path).read_text(encoding="utf-8"), str(path))
+        return ChatTemplate(Path(path).read_text(encoding="utf-8"), str(path), tool_use)
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"cannot read the chat template {path}: {e}") from None
 
@@ -130,5 +133,5 @@ def _plain_message(message: dict) -> dict:
     """OpenAI content parts ([{"type": "text", "text": ...}]) are joined into one string."""
     content = message.get("content")
     if isinstance(content, list):
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        content = "\n".join(p.get("text", "") for p in content if isinstance(p, dict))  # as vLLM joins them
     return {**message, "content": "" if content is None else content}

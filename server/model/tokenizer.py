@@ -255,15 +255,21 @@ def _token_str(token) -> str | None:
 
 
 def _chat_template(path: Path, cfg: dict) -> ChatTemplate | None:
+    """The directory's chat template, with its "tool_use" one (Hermes-2-Pro's and Hermes-3's layout), which
+    transformers and vLLM render for a request with tools (a review: it was never used)."""
     jinja_file = path / "chat_template.jinja"  # transformers >= 4.43 may save it beside the config
+    tool_file = path / "additional_chat_templates" / "tool_use.jinja"  # ... and the others there (>= 4.54)
     if jinja_file.is_file():
-        return template_file(jinja_file)
+        return template_file(jinja_file, template_file(tool_file) if tool_file.is_file() else None)
     template = cfg.get("chat_template")
     origin = str(path / "tokenizer_config.json")
+    tool_use = None
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         named = {t["name"]: t["template"] for t in template}
         if "default" not in named and len(named) != 1:  # as transformers: which one is not ours to guess
             raise ValueError(f"{origin} names chat templates {sorted(named)} and none 'default': pass the "
                              "one to serve with --chat-template")
         template = named.get("default", next(iter(named.values()), None))
-    return ChatTemplate(template, origin) if template else None
+        if "default" in named and named.get("tool_use"):
+            tool_use = ChatTemplate(named["tool_use"], f"{origin} (tool_use)")
+    return ChatTemplate(template, origin, tool_use) if template else None
