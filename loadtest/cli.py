@@ -20,7 +20,7 @@ from loadtest.metrics import SLO
 from loadtest.plot import plot_run, plot_sweep
 from loadtest.processes import STREAMS_PER_PROCESS, WorkerError
 from loadtest.report import load_report, print_compare, print_report, save_report
-from loadtest.session import RunSettings, discover, measure, warm_up
+from loadtest.session import RunSettings, SetupError, discover, measure, warm_up
 from loadtest.sweep import parse_levels, run_sweep, sweep_table, sweep_warnings
 from loadtest.workload import LengthRange, check_arrivals
 
@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     if settings.num_requests < 1 or (settings.concurrency is not None and settings.concurrency < 1):
         parser.error("--num-requests and --concurrency must be >= 1")
+    if settings.seed < 0:  # numpy's seeds are >= 0: a traceback from the workload before (a review)
+        parser.error(f"--seed must be >= 0, got {settings.seed}")
     try:  # before any request: the arrival schedule is built only once the warm-up has run
         check_arrivals(settings.request_rate, settings.burstiness)
     except ValueError as e:
@@ -126,6 +128,9 @@ async def _run(settings: RunSettings, levels: list[int] | None, out: str | None,
     console, err = stdout_console(), Console(stderr=True)
     try:
         server = await discover(settings)
+    except SetupError as e:
+        err.print(f"[red]cannot run this workload:[/] {e}")
+        return 2
     except (httpx.HTTPError, RuntimeError) as e:
         err.print(f"[red]server discovery failed:[/] {e}")
         return 1

@@ -24,9 +24,10 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+import numpy as np
 
 from loadtest.sse import StreamReader, unary_counts
-from loadtest.workload import RequestSpec
+from loadtest.workload import ChatCalibration, RequestSpec, text_prompt
 
 
 @dataclass(frozen=True)
@@ -208,16 +209,28 @@ async def fetch_json(client: httpx.AsyncClient, base_url: str, path: str, api_ke
         return None
 
 
-CHAT_PROBE_LEN = 16  # characters of the calibration prompt
+CHAT_PROBES = (16, 272)  # characters of the two calibration prompts (random letters, as the workload's)
 
 
-async def calibrate_chat_overhead(client: httpx.AsyncClient, cfg: ClientConfig) -> int:
-    """Prompt tokens the chat template adds around a user message (byte-level: 1 char = 1 token)."""
-    probe = RequestSpec(index=-1, prompt="a" * CHAT_PROBE_LEN, input_len=CHAT_PROBE_LEN, output_len=1)
+async def calibrate_chat(client: httpx.AsyncClient, cfg: ClientConfig) -> ChatCalibration:
+    """How many prompt tokens the server counts for a chat prompt of random letters: two prompts of
+    CHAT_PROBES characters give the tokens a character (1 on a byte-level tokenizer) and the template's own
+    tokens around the message. A BPE tokenizer merges letters (~0.3 tokens a character): the workload scales
+    its prompts by it, where one letter a token sent prompts of a third of --input-len, silently (a
+    review)."""
     unary = dataclasses.replace(cfg, endpoint="chat", stream=False)
-    resp = await client.post(unary.url, json=build_payload(probe, unary), headers=unary.headers())
-    resp.raise_for_status()
-    prompt_tokens = (resp.json().get("usage") or {}).get("prompt_tokens")
-    if prompt_tokens is None:
-        raise RuntimeError("chat calibration needs usage.prompt_tokens in the server's response")
-    return int(prompt_tokens) - CHAT_PROBE_LEN
+    counts = []
+    for chars in CHAT_PROBES:
+        prompt = text_prompt(np.random.default_rng([7, chars]), chars)
+        probe = RequestSpec(index=-1, prompt=prompt, input_len=chars, output_len=1)
+        resp = await client.post(unary.url, json=build_payload(probe, unary), headers=unary.headers())
+        resp.raise_for_status()
+        prompt_tokens = (resp.json().get("usage") or {}).get("prompt_tokens")
+        if prompt_tokens is None:
+            raise RuntimeError("chat calibration needs usage.prompt_tokens in the server's response")
+        counts.append(int(prompt_tokens))
+    per_char = (counts[1] - counts[0]) / (CHAT_PROBES[1] - CHAT_PROBES[0])
+    if not per_char > 0:
+        raise RuntimeError(f"chat calibration: {CHAT_PROBES[1]} letters counted {counts[1]} prompt tokens, "
+                           f"{CHAT_PROBES[0]} counted {counts[0]}")
+    return ChatCalibration(counts[0] - per_char * CHAT_PROBES[0], per_char)

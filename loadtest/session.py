@@ -11,13 +11,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from loadtest.benchmark import BenchmarkRun
-from loadtest.client import ClientConfig, RequestRecord, calibrate_chat_overhead, fetch_json, fetch_text
+from loadtest.client import ClientConfig, RequestRecord, calibrate_chat, fetch_json, fetch_text
 from loadtest.metrics import SLO, compute_metrics
 from loadtest.prefix_cache import hit_rate, parse_counters
 from loadtest.processes import auto_processes, run_workload
 from loadtest.report import build_report
 from loadtest.server_steps import parse_steps, step_fields
-from loadtest.workload import LengthRange, arrival_offsets, build_workload
+from loadtest.workload import ChatCalibration, LengthRange, arrival_offsets, build_workload
 
 
 @dataclass
@@ -68,11 +68,18 @@ class Server:
 
     model: str
     health: dict | None
-    chat_overhead: int = 0
+    chat: ChatCalibration = field(default_factory=ChatCalibration)
 
 
-async def discover(settings: RunSettings) -> Server:
-    async with httpx.AsyncClient() as client:
+class SetupError(RuntimeError):
+    """The run cannot start as asked (the workload does not fit what the server counts)."""
+
+
+async def discover(settings: RunSettings, console: Console | None = None) -> Server:
+    """The server's model, health and chat calibration; SetupError where the chat prompts cannot be
+    --input-len tokens long. Its requests wait up to the run's request timeout (a server compiling on its
+    first request took longer than httpx's 5 s default: no run started, a review)."""
+    async with httpx.AsyncClient(timeout=settings.timeout_s) as client:
         health = await fetch_json(client, settings.base_url, "/health", settings.api_key)
         model = settings.model
         if model is None:
@@ -81,7 +88,17 @@ async def discover(settings: RunSettings) -> Server:
             model = ids[0] if ids else "default"
         server = Server(model=model, health=health)
         if settings.endpoint == "chat":
-            server.chat_overhead = await calibrate_chat_overhead(client, client_config(settings, model))
+            server.chat = await calibrate_chat(client, client_config(settings, model))
+    if settings.endpoint == "chat":
+        try:
+            server.chat.letters(settings.input_lens.low)
+        except ValueError as e:
+            raise SetupError(str(e)) from None
+        if server.chat.per_char != 1.0:
+            (console or Console(stderr=True)).print(
+                f"[yellow]the server's tokenizer is not byte-level:[/] {server.chat.per_char:.3f} prompt "
+                f"tokens a letter; chat prompts have the letters that make about --input-len tokens "
+                f"(the report's input tokens are the server's count)")
     return server
 
 
@@ -101,7 +118,7 @@ async def warm_up(settings: RunSettings, server: Server, concurrency: int,
     if settings.warmup <= 0:
         return []
     specs = build_workload(settings.warmup, settings.input_lens, settings.output_lens, settings.seed + 7919,
-                           settings.endpoint, settings.vocab_range, server.chat_overhead)  # fmt: skip
+                           settings.endpoint, settings.vocab_range, server.chat)  # fmt: skip
     level = min(concurrency, settings.warmup)
     cfg = client_config(settings, server.model)
     run = await run_workload(specs, cfg, level, [0.0] * len(specs), settings.processes_for(concurrency),
@@ -119,7 +136,7 @@ async def measure(
     """Run the workload once at `concurrency`; returns the raw run and its report."""
     level = concurrency or settings.num_requests
     specs = build_workload(settings.num_requests, settings.input_lens, settings.output_lens, settings.seed,
-                           settings.endpoint, settings.vocab_range, server.chat_overhead)  # fmt: skip
+                           settings.endpoint, settings.vocab_range, server.chat)  # fmt: skip
     offsets = arrival_offsets(len(specs), settings.request_rate, settings.burstiness, settings.seed)
     cfg = client_config(settings, server.model)
     progress = Progress(
@@ -145,7 +162,8 @@ async def measure(
     metrics = compute_metrics(run.records, run.duration_s, settings.slo)
     config = settings.config_dict(level) | {"model": server.model}
     if settings.endpoint == "chat":
-        config["chat_template_tokens"] = server.chat_overhead
+        config["chat_template_tokens"] = server.chat.template
+        config["chat_tokens_per_letter"] = server.chat.per_char
     report = build_report(run, metrics, config, settings.command, server.health, settings.detailed)
     report["server_health_after"] = health_after
     before, after = metrics_before or "", metrics_after or ""

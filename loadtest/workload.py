@@ -2,9 +2,10 @@
 
 Completions prompts are token-id lists of exactly the requested length, drawn uniformly from a safe id range
 (`--vocab-range`, default 32..126: printable ASCII for byte-level tokenizers such as pagewalk's `tiny`).
-Chat prompts are text: random lowercase letters, one character per token, which holds for byte-level
-tokenizers only; the chat template's own tokens are measured once against the server (`chat_overhead`,
-see client.calibrate_chat_overhead) and subtracted, so the server sees `input_len` prompt tokens.
+Chat prompts are text: random lowercase letters. How many tokens the server counts for them is measured once
+(client.calibrate_chat: the template's own tokens, and the tokens a letter, 1 on a byte-level tokenizer), and
+each prompt has the letters that make `input_len` tokens: exactly on a byte-level tokenizer, about so on a
+BPE one (the report's input tokens are the server's count).
 
 Arrivals follow vLLM's `bench serve`: gaps are gamma-distributed with shape `burstiness` and mean
 `1 / request_rate` (burstiness 1 = Poisson); an infinite rate sends everything at once.
@@ -55,6 +56,21 @@ def text_prompt(rng: np.random.Generator, length: int) -> str:
     return "".join(chr(int(c)) for c in letters)
 
 
+@dataclass(frozen=True)
+class ChatCalibration:
+    """What the server counts for a chat prompt of n random letters: template + per_char * n tokens."""
+
+    template: float = 0.0  # the chat template's tokens around the message
+    per_char: float = 1.0  # tokens a letter: 1 on a byte-level tokenizer
+
+    def letters(self, input_len: int) -> int:
+        """The letters of a prompt of `input_len` tokens; ValueError where the template alone takes them."""
+        if input_len <= self.template + self.per_char / 2:
+            raise ValueError(f"input_len {input_len} must exceed the chat template's {self.template:g} "
+                             "tokens")
+        return max(1, round((input_len - self.template) / self.per_char))
+
+
 def build_workload(
     num_requests: int,
     input_lens: LengthRange,
@@ -62,7 +78,7 @@ def build_workload(
     seed: int,
     endpoint: str = "completions",
     vocab_range: tuple[int, int] = (32, 126),
-    chat_overhead: int = 0,
+    chat: ChatCalibration = ChatCalibration(),
 ) -> list[RequestSpec]:
     """`num_requests` specs; the same seed and length ranges give the same prompts and lengths. Each prompt
     draws from its own stream keyed by (seed, ranges, index): with one stream for all, a run at twice the
@@ -76,9 +92,7 @@ def build_workload(
     for i, (n_in, n_out) in enumerate(zip(ins, outs, strict=True)):
         prompt_rng = np.random.default_rng([*key, i])
         if endpoint == "chat":
-            if n_in <= chat_overhead:
-                raise ValueError(f"input_len {n_in} must exceed the chat template's {chat_overhead} tokens")
-            prompt: list[int] | str = text_prompt(prompt_rng, n_in - chat_overhead)
+            prompt: list[int] | str = text_prompt(prompt_rng, chat.letters(n_in))
         else:
             prompt = token_prompt(prompt_rng, n_in, vocab_range)
         specs.append(RequestSpec(index=i, prompt=prompt, input_len=n_in, output_len=n_out))

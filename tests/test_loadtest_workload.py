@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from loadtest.workload import LengthRange, arrival_offsets, build_workload
+from loadtest.workload import ChatCalibration, LengthRange, arrival_offsets, build_workload
 
 
 def test_token_prompts_have_exact_length_and_safe_ids():
@@ -48,11 +48,16 @@ def test_same_seed_same_workload_other_seed_differs():
 
 
 def test_chat_prompts_leave_room_for_the_template():
-    specs = build_workload(4, LengthRange(30, 30), LengthRange(4, 4), 0, endpoint="chat", chat_overhead=7)
+    specs = build_workload(4, LengthRange(30, 30), LengthRange(4, 4), 0, endpoint="chat",
+                           chat=ChatCalibration(7, 1.0))
     assert all(isinstance(s.prompt, str) and len(s.prompt) == 23 and s.input_len == 30 for s in specs)
     assert all(s.prompt.isalpha() and s.prompt.isascii() for s in specs)
     with pytest.raises(ValueError, match="chat template"):
-        build_workload(1, LengthRange(7, 7), LengthRange(4, 4), seed=0, endpoint="chat", chat_overhead=7)
+        build_workload(1, LengthRange(7, 7), LengthRange(4, 4), seed=0, endpoint="chat",
+                       chat=ChatCalibration(7, 1.0))
+    bpe = build_workload(2, LengthRange(64, 64), LengthRange(4, 4), 0, endpoint="chat",
+                         chat=ChatCalibration(20, 0.25))  # 4 letters a token: 176 letters make 44 tokens
+    assert [len(s.prompt) for s in bpe] == [176, 176]
 
 
 @pytest.mark.parametrize("text, expected", [("16", (16, 16)), ("8,64", (8, 64)), ("3:5", (3, 5))])
