@@ -495,8 +495,6 @@ class ModelRunner:
         chunks = (chunk_rows, qsl, lens) if layout.num_chunks else None
         return *self.state.step_inputs(tokens, num_decode, None, chunks), out_rows.long()
 
-    # ---- CUDA-graph decode --------------------------------------------------------------------------------
-
     def _attention_backend(self, requested: str) -> str:
         """The backend that serves this model: resolve_backend's, unless the Triton kernels cannot take its
         dtype or head_dim (open_llama_3b's 100, a toy's 8). Then "auto" takes the torch backend, with a
@@ -513,6 +511,8 @@ class ModelRunner:
             log.warning("attention backend torch (no CUDA graphs): %s", e)
             return "torch"
         return backend
+
+    # ---- CUDA-graph decode --------------------------------------------------------------------------------
 
     def _new_batch_state(self) -> BatchState:
         """Rows for max_num_seqs sequences, tables for max_model_len tokens (or one profiling chunk)."""
