@@ -334,6 +334,47 @@ def test_drain_finishes_every_prompt_of_an_admitted_windowed_request(stream):
     assert e.reserved == 0 and not e.client.is_alive()
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_windowed_request_at_the_drains_deadline_ends_abort(stream):
+    """The same request, one prompt in the engine at a time, long outputs, a drain of 0.5 s: the running
+    prompt ends "abort" at the deadline and the prompts still waiting for their window end "abort" too,
+    a 200 with every choice (their 503 "shutting down" failed the whole request, the choices already
+    generated with it, unary and streamed: a review)."""
+    import threading
+
+    import httpx
+
+    from server.api.admission import RequestLimits
+    from server.api.app import create_app
+
+    e = make_engine(max_num_seqs=4)
+    app = create_app(e, limits=RequestLimits(max_seqs_per_request=1))
+    body = {"prompt": [f"prompt {i}" for i in range(6)], "max_tokens": 600, "ignore_eos": True,
+            "temperature": 0.0, "stream": stream}
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            big = asyncio.create_task(c.post("/v1/completions", json=body, timeout=60))
+            assert await asyncio.to_thread(wait_until, lambda: e.health()["running"] > 0)
+            drain = threading.Thread(target=e.shutdown, args=(0.5,))
+            drain.start()
+            r = await big
+            await asyncio.to_thread(drain.join)
+            return r
+
+    r = asyncio.run(main())
+    assert r.status_code == 200, r.text
+    if stream:
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and not any('"error"' in ev for ev in events), r.text[-500:]
+        finished = [c for ev in events[:-1] for c in json.loads(ev)["choices"] if c["finish_reason"]]
+    else:
+        finished = r.json()["choices"]
+    assert sorted(c["index"] for c in finished) == list(range(6))
+    assert {c["finish_reason"] for c in finished} == {"abort"}
+    assert e.reserved == 0 and not e.client.is_alive()
+
+
 def test_a_detokenizer_failure_ends_every_choice_once_after_their_pending_deltas(engine, monkeypatch):
     """n = 2, choice 1's third update fails to detokenize in the same call as a delta of choice 0: the
     failure's final output carries choice 0's delta first, then both choices' "error" finishes (the

@@ -133,7 +133,7 @@ class AsyncEngine:
         # core's whole history
         self._core_counts = (0, 0, 0, 0, 0)
         self._accepting = True
-        self._serving_admitted = True  # False once the drain's wait is over: admitted prompts refused too
+        self._serving_admitted = True  # False once the drain's wait is over: _drain_ended
         # queue places the API's admission (server/api/admission.py) holds for prompts of admitted
         # requests not registered here yet (a window's later prompts): the drain waits for them too
         self.reserved = 0
@@ -190,6 +190,12 @@ class AsyncEngine:
                 # a wait longer than threading.TIMEOUT_MAX (~292 years) overflows: `timeout` may be any
                 # --shutdown-timeout
                 self._idle.wait(min(left, RESERVED_POLL_S if self.reserved else threading.TIMEOUT_MAX))
+
+    def _drain_ended(self) -> bool:
+        """Under the lock: the drain's wait is over (shutdown aborts what runs). An admitted request's prompt
+        that has not started then ends "abort" as they do, where a 503 failed the whole request, the choices
+        already generated with it (a request of several prompts, windowed: a review)."""
+        return not self._accepting and not self._serving_admitted and self.dead is None
 
     # ---- admission --------------------------------------------------------------------------------
     def check_admissible(self, num_prompt_tokens: int, params: SamplingParams,
@@ -278,21 +284,15 @@ class AsyncEngine:
                             for i in range(params.n)],
                            time.monotonic(), params.n, [None] * params.n, label=label or (request_id, 0))
         with self._lock:
-            self.check_admissible(len(live.prompt_token_ids), params, admitted)
-            if request_id in self._live:
-                raise RequestRejected(400, f"request id {request_id!r} is already in use")
-            self._live[request_id] = live
-            # sent under the lock that shutdown copies _live under: its Abort of this request comes after
-            # the add (the core ignores an Abort of an id it does not hold, and the drain would then take a
-            # working core for a hung one)
-            try:
-                self.client.send(EngineRequest(request_id, live.prompt_token_ids, params, live.arrival_time,
-                                               group))
-            except BaseException:  # never reached the core: nothing will ever end it there
-                del self._live[request_id]
-                if not self._live:  # the drain's wait ends with the last
-                    self._idle.notify_all()
-                raise
+            drain_ended = admitted and self._drain_ended()
+            if not drain_ended:
+                self._register(live, params, admitted, group)
+        if drain_ended:  # its own prompts that ran ended "abort" at the deadline too
+            for _ in range(params.n):
+                self.metrics.finished("abort")
+            yield RequestOutput(request_id, live.prompt_token_ids,
+                                [ChoiceDelta(i, "", [], None, "abort", None) for i in range(params.n)], True)
+            return
         finished = False
         try:
             while not finished:
@@ -302,6 +302,26 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    def _register(self, live: LiveRequest, params: SamplingParams, admitted: bool, group: str | None) -> None:
+        """Under the lock: check_admissible, then `live` is live and sent to the core; RequestRejected if
+        it cannot be served now."""
+        request_id = live.request_id
+        self.check_admissible(len(live.prompt_token_ids), params, admitted)
+        if request_id in self._live:
+            raise RequestRejected(400, f"request id {request_id!r} is already in use")
+        self._live[request_id] = live
+        # sent under the lock that shutdown copies _live under: its Abort of this request comes after the add
+        # (the core ignores an Abort of an id it does not hold, and the drain would then take a working core
+        # for a hung one)
+        try:
+            self.client.send(EngineRequest(request_id, live.prompt_token_ids, params, live.arrival_time,
+                                           group))
+        except BaseException:  # never reached the core: nothing will ever end it there
+            del self._live[request_id]
+            if not self._live:  # the drain's wait ends with the last
+                self._idle.notify_all()
+            raise
 
     def abort(self, request_id: str) -> None:
         """Abort a request (its blocks are freed at the core's next turn). Unknown ids are ignored."""
