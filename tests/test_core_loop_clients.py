@@ -103,3 +103,31 @@ def test_a_client_that_attaches_to_an_idle_core_gets_its_stats_at_once():
     assert to_b[1].stats.prefill_tokens == len(request("r").prompt_token_ids)
     assert to_b[1].stats.generated_tokens == 8 and to_b[1].stats.running == 0
     assert not any(c == b"ctl" and isinstance(m, StepUpdate) for c, m in sent)
+
+
+def test_one_turn_adds_one_prompt_logprobs_request_and_aborts_reach_those_behind_it(monkeypatch):
+    """A prompt-logprobs request runs its prompt's forward as it is added, on the loop's thread: a burst of
+    them held the loop for seconds, no step ran, and the drain's aborts went unanswered until it took the
+    core for hung (a review). One such add a turn, a step between; the adds behind it wait in order, and an
+    abort of one that waits ends its choices "abort" without its forward (also at Shutdown)."""
+    from server.engine import core as core_module
+
+    forwards: list[int] = []
+    real = core_module.prompt_logprobs
+    monkeypatch.setattr(core_module, "prompt_logprobs",
+                        lambda model, ids, k: forwards.append(len(ids)) or real(model, ids, k))
+    logprobs = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    burst = [(b"a", EngineRequest(f"p{i}", [5, 6, 7, 8 + i], logprobs, time.monotonic())) for i in range(4)]
+    sent = run_loop([[(b"a", Hello())], [*burst, (b"a", request("plain", 3))],
+                     [(b"a", Abort("p3"))]])
+    a = updates_of(sent, b"a")
+    steps = [m for c, m in sent if c == b"a" and isinstance(m, StepUpdate)]
+    assert len(forwards) == 3  # p0, p1, p2: p3 was aborted while it waited
+    assert [u.finish_reason for u in a["p3"]] == ["abort"]
+    for rid in ("p0", "p1", "p2", "plain"):
+        assert a[rid][-1].finish_reason == "length" and sum(len(u.new_token_ids) for u in a[rid]) == 3
+    # p0's first token came in the turn that added it, before p1 was added: a step between the forwards
+    first_step = next(i for i, m in enumerate(steps) for u in m.updates if u.request_id == "p0")
+    assert not any(u.request_id == "p1" for m in steps[:first_step + 1] for u in m.updates)
+    stopped = run_loop([[(b"a", Hello())], [*burst[:2], (b"ctl", Shutdown())]])
+    assert [u.finish_reason for u in updates_of(stopped, b"a")["p1"]] == ["abort"]

@@ -12,7 +12,7 @@ None: block until one comes; 0: do not wait), `send(client, message)` hands one 
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Hashable
 
 import msgspec
@@ -38,21 +38,33 @@ class CoreLoop:
         self.clients: dict[Client, None] = {}  # those that take StepUpdates, in the order they said Hello
         self.owners: dict[str, Client] = {}  # request id -> the client that added it, until it ends
         self.rejected: list[tuple[Client, list[SeqUpdate]]] = []  # adds refused before they had an owner
+        # adds behind a prompt-logprobs add of this turn, in arrival order: that one runs its prompt's
+        # forward as it is added, on this thread, so one turn adds at most one such request. A burst of 16
+        # (2K-token prompts, CPU) held the loop ~8 s: no step ran and the drain's aborts went unanswered
+        # until it took the working core for a hung one (a review).
+        self.backlog: deque[tuple[Client, EngineRequest]] = deque()
 
     def run(self) -> None:
         """Until a Shutdown message: every request still in the core is then aborted."""
         core, stalled = self.core, False
         while True:
-            timeout = (STALL_WAIT_S if stalled else 0.0) if core.has_work() else None
-            messages = self.receive(timeout)
+            busy = core.has_work() or self.backlog
+            timeout = (STALL_WAIT_S if stalled else 0.0) if busy else None
+            messages = [*self.backlog, *self.receive(timeout)]
+            self.backlog.clear()
             updates: list[SeqUpdate] = []
-            stop = changed = False
+            stop = changed = forward_added = False
             for client, msg in messages:
                 if isinstance(msg, EngineRequest):
+                    if forward_added:
+                        self.backlog.append((client, msg))
+                        continue
                     updates += self._add(client, msg)
+                    forward_added = msg.params.prompt_logprobs is not None
                     changed = True
                 elif isinstance(msg, Abort):
-                    if self.owners.get(msg.request_id) == client:
+                    backlogged = msg.index is None and self._drop_backlogged(client, msg.request_id)
+                    if not backlogged and self.owners.get(msg.request_id) == client:
                         updates += core.abort_request(msg.request_id, msg.index)
                     changed = True
                 elif isinstance(msg, Query):
@@ -65,6 +77,8 @@ class CoreLoop:
                 elif isinstance(msg, Shutdown):
                     stop = True
             if stop:
+                for client, msg in list(self.backlog):
+                    self._drop_backlogged(client, msg.request_id)
                 updates += [u for rid in list(core.requests) for u in core.abort_request(rid)]
                 self._publish(updates, core.stats())
                 return
@@ -76,6 +90,17 @@ class CoreLoop:
                 self._publish(updates, step.stats)
             elif updates or changed:
                 self._publish(updates, core.stats())
+
+    def _drop_backlogged(self, client: Client, request_id: str) -> bool:
+        """An add of `client` still in the backlog leaves it, each choice ended "abort" -> whether one did."""
+        for entry in self.backlog:
+            own, req = entry
+            if own == client and req.request_id == request_id:
+                self.backlog.remove(entry)
+                self.rejected.append((client, [SeqUpdate(request_id, i, [], None, "abort")
+                                               for i in range(req.params.n)]))
+                return True
+        return False
 
     def _add(self, client: Client, req: EngineRequest) -> list[SeqUpdate]:
         rid = req.request_id
