@@ -269,3 +269,31 @@ def test_a_small_grammar_is_not_checked_behind_large_ones(monkeypatch):
     small, took = asyncio.run(scenario())
     assert small == "small" and took < 0.4, took  # in one queue: behind 6 x 0.5 s on 2 threads, ~1.5 s
     assert checks.pending == 0
+
+
+def test_a_check_under_way_when_the_drain_begins_is_a_503(monkeypatch):
+    """The drain waits for admitted requests only: a request still in its check was cancelled by uvicorn
+    at its deadline, a traceback each in the log (a review). Once the server stops accepting, the check's
+    request answers 503 within a poll; the check itself is left to end on its thread."""
+    checks = structured_output.GrammarChecks()
+    gate = threading.Event()
+    monkeypatch.setattr(structured_output, "_checked", lambda *args: gate.wait(5) and "grammar")
+    stopping = threading.Event()
+
+    class Here:
+        async def is_disconnected(self):
+            return False
+
+    async def scenario():
+        check = asyncio.ensure_future(checks.run(Here(), 8, "slow", None, None, None, stopping.is_set))
+        await asyncio.sleep(0.15)
+        assert not check.done()
+        stopping.set()
+        start = time.perf_counter()
+        with pytest.raises(APIError) as stopped:
+            await check
+        return stopped.value.status, time.perf_counter() - start
+
+    status, took = asyncio.run(scenario())
+    gate.set()
+    assert status == 503 and took < 1.0 and checks.pending == 0

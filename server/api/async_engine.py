@@ -247,6 +247,11 @@ class AsyncEngine:
             raise RequestRejected(429, f"too many requests waiting ({waiting}, {self.waiting_bound}); "
                                   "retry later")
 
+    @property
+    def accepting(self) -> bool:
+        """New requests are taken: no drain has begun."""
+        return self._accepting
+
     def last_core_stats(self) -> CoreStats:
         """The core's stats as its last step reported them."""
         return self._stats

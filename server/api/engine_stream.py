@@ -8,7 +8,7 @@ those requests and frees their KV blocks.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -198,14 +198,19 @@ async def collect_choices(engine, engine_id: str, response_id: str, prompts: lis
     return states
 
 
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Awaits `work`, cancelling it (which aborts its engine requests) if the client disconnects."""
+async def unless_disconnected(request: Request, work: Awaitable[T],
+                              stopping: Callable[[], bool] | None = None) -> T:
+    """Awaits `work`, cancelling it (which aborts its engine requests) if the client disconnects, or with a
+    503 once `stopping()` says the server drains (work before admission, which the drain does not wait
+    for: uvicorn cancelled it at its deadline, a traceback each in the log, a review)."""
     task = asyncio.ensure_future(work)
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if done:
                 return task.result()
+            if stopping is not None and stopping():
+                raise APIError(503, "The server is shutting down.")
             if await request.is_disconnected():
                 raise ClientDisconnected()
     finally:

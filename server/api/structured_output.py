@@ -159,9 +159,9 @@ class GrammarChecks:
         self.pending = 0  # (the event loop's thread alone counts)
 
     async def run(self, request: Request, limit: int, param: str, build: Builder, tokenizer,
-                  salt: str | None = None) -> Grammar:
+                  salt: str | None = None, stopping: Callable[[], bool] | None = None) -> Grammar:
         """_checked on a check thread; a 429 with `limit` checks pending (pending_limit); dropped (a 499)
-        when the client goes away first (a check not started never starts)."""
+        when the client goes away first (a check not started never starts); a 503 once `stopping()`."""
         if self.pending >= limit:
             raise APIError(429, f"{limit} structured outputs are being checked; retry later.", param,
                            "too_many_grammar_checks", {"Retry-After": str(RETRY_AFTER_S)})
@@ -169,7 +169,7 @@ class GrammarChecks:
         try:
             pool = self.small_pool if _source_chars(build) <= core_grammar.SMALL_GRAMMAR_CHARS else self.pool
             work = asyncio.get_running_loop().run_in_executor(pool, _checked, param, build, tokenizer, salt)
-            return await unless_disconnected(request, work)
+            return await unless_disconnected(request, work, stopping)
         except ClientDisconnected:
             raise APIError(499, "The client went away while its structured output was checked.") from None
         finally:
@@ -207,8 +207,9 @@ async def request_grammar(request: Request, req: _SamplingRequest, tokenizer) ->
     source = _source(req)
     if source is None:
         return None
-    return await _CHECKS.run(request, pending_limit(request.app.state.engine), *source, tokenizer,
-                             req.cache_salt)
+    engine = request.app.state.engine
+    return await _CHECKS.run(request, pending_limit(engine), *source, tokenizer, req.cache_salt,
+                             lambda: not engine.accepting)
 
 
 def _sources(req: _SamplingRequest) -> list[tuple[str, Builder]]:
