@@ -117,17 +117,20 @@ def test_one_turn_adds_one_prompt_logprobs_request_and_aborts_reach_those_behind
     monkeypatch.setattr(core_module, "prompt_logprobs",
                         lambda model, ids, k: forwards.append(len(ids)) or real(model, ids, k))
     logprobs = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
-    burst = [(b"a", EngineRequest(f"p{i}", [5, 6, 7, 8 + i], logprobs, time.monotonic())) for i in range(4)]
-    sent = run_loop([[(b"a", Hello())], [*burst, (b"a", request("plain", 3))],
-                     [(b"a", Abort("p3"))]])
+    burst = [(b"a", EngineRequest(f"p{i}", [5, 6, 7, 8 + i], logprobs, time.monotonic())) for i in range(6)]
+    # p1 heads the backlog when its abort comes (a review: it was added, its forward run, then aborted);
+    # p5's abort comes in the turn that puts it back in the backlog
+    sent = run_loop([[(b"a", Hello())], [*burst[:4], (b"a", request("plain", 3))],
+                     [(b"a", Abort("p1"))], [(b"a", Abort("p3"))], [*burst[4:], (b"a", Abort("p5"))]])
     a = updates_of(sent, b"a")
     steps = [m for c, m in sent if c == b"a" and isinstance(m, StepUpdate)]
-    assert len(forwards) == 3  # p0, p1, p2: p3 was aborted while it waited
-    assert [u.finish_reason for u in a["p3"]] == ["abort"]
-    for rid in ("p0", "p1", "p2", "plain"):
+    assert len(forwards) == 3  # p0, p2, p4: p1, p3 and p5 were aborted while they waited
+    for rid in ("p1", "p3", "p5"):
+        assert [u.finish_reason for u in a[rid]] == ["abort"]
+    for rid in ("p0", "p2", "p4", "plain"):
         assert a[rid][-1].finish_reason == "length" and sum(len(u.new_token_ids) for u in a[rid]) == 3
-    # p0's first token came in the turn that added it, before p1 was added: a step between the forwards
+    # p0's first token came in the turn that added it, before p2 was added: a step between the forwards
     first_step = next(i for i, m in enumerate(steps) for u in m.updates if u.request_id == "p0")
-    assert not any(u.request_id == "p1" for m in steps[:first_step + 1] for u in m.updates)
+    assert not any(u.request_id == "p2" for m in steps[:first_step + 1] for u in m.updates)
     stopped = run_loop([[(b"a", Hello())], [*burst[:2], (b"ctl", Shutdown())]])
     assert [u.finish_reason for u in updates_of(stopped, b"a")["p1"]] == ["abort"]

@@ -4,6 +4,7 @@ calls, and the streamed splitter against the whole-reply parse over every split 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -96,3 +97,16 @@ def test_a_reply_nested_past_pythons_stack_is_content(parser, wrap):
     is then content, not a 500 (a call's arguments nested so deep, in llama3_json: a 500 before, a review)."""
     text = wrap.format("[" * 100_000 + "]" * 100_000)
     assert parse(parser, text) == (text, [])
+
+
+@pytest.mark.parametrize("parser,wrap", [
+    ("hermes", '<tool_call>{{"name": "f", "arguments": {}}}</tool_call>'),
+    ("llama3_json", '{{"name": "f", "parameters": {}}}')])
+def test_no_depth_near_pythons_stack_makes_the_parse_raise(parser, wrap):
+    """Arguments nested just short of the recursion limit decode, and their json.dumps, one frame deeper,
+    raised (a review of the fix above: llama3_json's dump was outside its try, a 500 at a band of depths)."""
+    limit = sys.getrecursionlimit()
+    for depth in range(limit - 150, limit + 10):
+        text = wrap.format("[" * depth + "]" * depth)
+        content, calls = parse(parser, text)
+        assert (content, calls) == (text, []) or [c.name for c in calls] == ["f"], depth

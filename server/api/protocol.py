@@ -368,20 +368,18 @@ class ContentPart(_Request):
 
 def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
     """An earlier turn's tool call as templates render it: OpenAI's clients send its arguments as JSON text,
-    templates write them with `| tojson`, so they get the object (transformers' convention, as vLLM does);
-    arguments that are no JSON object (empty, cut, a list) are {} there, as vLLM gives them (Llama 3.1's
+    templates write them with `| tojson`, so they get the value (transformers' convention, as vLLM does);
+    arguments that are missing, empty or no JSON (cut) are {} there, as vLLM gives them (Llama 3.1's
     template wrote `"parameters": ""` for them: a review)."""
     function = call.get("function")
-    if not isinstance(function, dict) or not (function.get("arguments") is None
-                                              or isinstance(function["arguments"], str)):
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not (arguments is None or isinstance(arguments, str)):
         return call
     try:
-        arguments = json.loads(function["arguments"] or "{}")
+        value = json.loads(arguments or "{}")
     except (ValueError, RecursionError):  # not JSON, or nested past Python's stack
-        arguments = {}
-    if not isinstance(arguments, dict):
-        arguments = {}
-    return {**call, "function": {**function, "arguments": arguments}}
+        value = {}
+    return {**call, "function": {**function, "arguments": value}}
 
 
 class ChatMessage(_Request):

@@ -150,12 +150,12 @@ class GrammarChecks:
     They run before admission, so this bound is theirs: a client sending grammars that take a second each
     and hanging up parked unbounded work here (a review: a 20-character regex then waited 19 s, and SIGTERM
     20 s); a hung-up client's queued check is dropped. A source of up to SMALL_GRAMMAR_CHARS characters is
-    checked on a thread of its own, as the core compiles it: a regex waited 23 s behind sixteen 125K-character
-    schemas in one queue (a review)."""
+    checked on CHECK_THREADS threads of its own, as the core compiles them apart: a regex waited 23 s behind
+    sixteen 125K-character schemas in one queue (a review)."""
 
     def __init__(self) -> None:
         self.pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="pagewalk-check")
-        self.small_pool = ThreadPoolExecutor(1, thread_name_prefix="pagewalk-check-small")
+        self.small_pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="pagewalk-check-small")
         self.pending = 0  # (the event loop's thread alone counts)
 
     async def run(self, request: Request, limit: int, param: str, build: Builder, tokenizer,

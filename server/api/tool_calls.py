@@ -59,9 +59,9 @@ def _llama3_json(text: str) -> tuple[str | None, list[ToolCall] | None]:
     while i < len(body):
         try:
             obj, end = decoder.raw_decode(body, i)
+            calls.append(_named_call(obj, "parameters"))  # (its json.dumps recurses one frame deeper)
         except (json.JSONDecodeError, RecursionError):  # nested past Python's stack: a 500 before (a review)
             return text, None
-        calls.append(_named_call(obj, "parameters"))
         i = end
         while i < len(body) and body[i] in " \t\r\n;":
             i += 1

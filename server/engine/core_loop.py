@@ -50,8 +50,7 @@ class CoreLoop:
         while True:
             busy = core.has_work() or self.backlog
             timeout = (STALL_WAIT_S if stalled else 0.0) if busy else None
-            messages = [*self.backlog, *self.receive(timeout)]
-            self.backlog.clear()
+            messages = self._with_backlog(self.receive(timeout))
             updates: list[SeqUpdate] = []
             stop = changed = forward_added = False
             for client, msg in messages:
@@ -62,7 +61,7 @@ class CoreLoop:
                     updates += self._add(client, msg)
                     forward_added = msg.params.prompt_logprobs is not None
                     changed = True
-                elif isinstance(msg, Abort):
+                elif isinstance(msg, Abort):  # (of an add this turn put back in the backlog: it leaves)
                     backlogged = msg.index is None and self._drop_backlogged(client, msg.request_id)
                     if not backlogged and self.owners.get(msg.request_id) == client:
                         updates += core.abort_request(msg.request_id, msg.index)
@@ -90,6 +89,17 @@ class CoreLoop:
                 self._publish(updates, step.stats)
             elif updates or changed:
                 self._publish(updates, core.stats())
+
+    def _with_backlog(self, received: list[tuple[Client, ToCore]]) -> list[tuple[Client, ToCore]]:
+        """This turn's messages: the backlog's adds, less those that `received` aborts (each choice ends
+        "abort", without its forward: a drain's aborts came behind the adds they end, a review), then
+        `received`."""
+        for client, msg in received:
+            if isinstance(msg, Abort) and msg.index is None:
+                self._drop_backlogged(client, msg.request_id)
+        messages = [*self.backlog, *received]
+        self.backlog.clear()
+        return messages
 
     def _drop_backlogged(self, client: Client, request_id: str) -> bool:
         """An add of `client` still in the backlog leaves it, each choice ended "abort" -> whether one did."""

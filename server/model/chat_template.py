@@ -68,7 +68,7 @@ class ChatTemplate:
         self.tool_use = tool_use  # the checkpoint's "tool_use" template: it renders requests with tools
         # a template that names the "developer" role renders it its own way; the others get it as "system"
         # (OpenAI's developer message is the system instruction; Qwen2.5's template dropped it silently and
-        # wrote its default system prompt instead: a review; vLLM, llama.cpp and SGLang map it so too)
+        # wrote its default system prompt instead: a review; llama.cpp maps it so, vLLM passes it on as is)
         self.knows_developer = re.search(r"""['"]developer['"]""", source) is not None
         try:
             self._template = _ENV.from_string(source)
