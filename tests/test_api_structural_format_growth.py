@@ -3,7 +3,10 @@ and its rule named wherever it is used (triggered_tags with at_least_one uses ea
 the first tag and among the rest; seven of them nested converted one 7.8 KB grammar node 128 times, 16 s on
 a check thread, for a 9 KB request), and a grammar that outgrows MAX_GRAMMAR_CHARS as it is written is
 refused then, before more of it is built (a tag's end written after each of 900 leaves made 54 MB in 26 s
-before the finished text was refused)."""
+before the finished text was refused).
+
+Each request must be answered in LINEAR_S, 5 s: a third of the 16 s the quadratic build took, and 6x the
+0.8 s the nested one took at most beside 3 busy processes (idle: 0.2 s; a bound of 2 s left it 2.5x)."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from tests.test_api_structural_tag_bounds import held_loop
 
 pytestmark = pytest.mark.timeout(120)
 
+LINEAR_S = 5.0  # the most a request of these takes to answer (module docstring)
 # a GBNF grammar of ~300 rules, under MAX_CFG_CHARS (8 KiB): one conversion takes ~0.1 s
 GBNF = "\n".join(["root ::= r0"] + [f'r{i} ::= "x{i}" r{i + 1} | "y"' for i in range(300)] + ['r300 ::= "z"'])
 
@@ -49,7 +53,7 @@ def test_a_nested_format_embeds_its_grammar_node_once(app):
     fmt = nested(7, {"type": "grammar", "grammar": GBNF})
     held, took, status = held_loop(app, {"prompt": "hi", "max_tokens": 4,
                                          "structured_outputs": {"structural_tag": {"format": fmt}}})
-    assert status == 200 and took < 2.0, (f"{took:.1f} s to answer a {len(str(fmt))}-character format "
+    assert status == 200 and took < LINEAR_S, (f"{took:.1f} s to answer a {len(str(fmt))}-character format "
                                           f"({status}); the API's event loop stalled up to {held:.2f} s")
     grammars = json.loads(format_grammar(fmt))["grammars"]
     assert [g["name"] for g in grammars] == ["format", "g0"]
@@ -65,4 +69,4 @@ def test_a_grammar_past_its_bound_is_refused_as_it_grows(app):
     took = time.perf_counter() - start
     assert r.status_code == 400 and f"more than {MAX_GRAMMAR_CHARS} characters" in r.text, r.text
     assert r.json()["error"]["param"] == "response_format"
-    assert took < 2.0, f"{took:.1f} s to refuse a grammar past {MAX_GRAMMAR_CHARS} characters"
+    assert took < LINEAR_S, f"{took:.1f} s to refuse a grammar past {MAX_GRAMMAR_CHARS} characters"

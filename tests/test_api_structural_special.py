@@ -336,9 +336,13 @@ class AllSpecial:
 
 def test_the_special_tokens_of_a_large_added_set_are_found_quickly():
     """One regex over 100K added texts took 5.6 s to compile, on the first structured output of any kind
-    (a review); a lookup per position and text length takes none."""
+    (a review); a lookup per position and text length takes none: 0.13-0.21 s here, 0.48-0.59 beside 3 busy
+    processes (with the test's tokenizer built inside the timing, against a bound of 1 s), so the bound is
+    2.5 s, under half the regex's."""
+    tokenizer = ManyAdded(100_000)
     start = time.perf_counter()
-    specials = special_tokens(ManyAdded(100_000), AllSpecial())
+    specials = special_tokens(tokenizer, AllSpecial())
     assert specials.pieces("a<|visual token 000007|>b<|visual token 099999|>") == [
         ("a", None), ("<|visual token 000007|>", 8), ("b", None), ("<|visual token 099999|>", 100_000)]
-    assert time.perf_counter() - start < 1.0
+    took = time.perf_counter() - start
+    assert took < 2.5, f"{took:.2f} s"

@@ -608,14 +608,16 @@ class SerialExecutor:
 def test_a_slow_spot_between_cheap_tokens_is_struck_on_an_executor_host(monkeypatch):
     """A grammar slow at every 4th token, beside other grammars: the executor's slow step names no row, and
     timing only the step after it (a cheap one) never struck it (a review); the steps after it are timed,
-    and its next slow tokens are reported, twice within STRIKE_WINDOW tokens."""
+    and its next slow tokens are reported, twice within STRIKE_WINDOW tokens. Slow is 120 ms against a
+    budget of 100 (a sleep is never short); a cheap step, microseconds, stays under it unless descheduled
+    100 ms (it was 40 against 30 ms)."""
     executor = SerialExecutor()
     monkeypatch.setattr(Grammars, "_executor", executor)
     monkeypatch.setattr(grammar_module, "PARALLEL_MASKS_MS", 0.0)
-    monkeypatch.setattr(grammar_module, "MAX_TOKEN_MS", 30.0)
+    monkeypatch.setattr(grammar_module, "MAX_TOKEN_MS", 100.0)
     grammars = Grammars(TOKENIZER, 300, {EOS})
     grammars.row_ms = 1.0
-    rows = [SlowEvery(4, 40.0), SlowEvery(10**6, 0.0), SlowEvery(10**6, 0.0)]
+    rows = [SlowEvery(4, 120.0), SlowEvery(10**6, 0.0), SlowEvery(10**6, 0.0)]
     reported = []
     for step in range(1, 13):
         costly: list = []
@@ -641,16 +643,21 @@ class SleepingRow:
 
 
 def test_a_costly_step_the_executor_refuses_runs_its_lanes_on_threads(monkeypatch):
-    """Six requests of one grammar (one lane: the executor refuses the step) beside five of other grammars,
-    5 ms a row: the lanes run on the mask threads, the popular one in turn, as the budget reads the step
-    (30 ms, none struck); in turn on the core's thread it held every step 55 ms, none struck (a review).
-    (8 ms rows, 48 of the 50 ms budget, failed once in CI: one sleep woke 4 ms late on the loaded 2-core box.)"""
+    """Six requests of one grammar (one lane: the executor refuses the step) beside five of other grammars:
+    the lanes run on the mask threads, the popular one in turn, as the budget reads the step (6 rows, none
+    struck); in turn on the core's thread, 11 rows, it held every step 55 ms of the real 50 ms budget, none
+    struck (a review). Here 50 ms rows against a budget of 500 (MAX_TOKEN_MS and COSTLY_ROW_MS x10): 300 ms
+    as it runs, 550 in turn, so each of the lane's six sleeps may wake 33 ms late. (8 ms rows, 48 of 50 ms,
+    failed once in CI: one sleep woke 4 ms late on the loaded 2-core box; 5 ms rows, 30 of 50, had rows of
+    12-15 ms struck in 3 of 11 runs beside 3 busy processes.)"""
     monkeypatch.setattr(Grammars, "_executor", CountedExecutor())
     monkeypatch.setattr(Grammars, "_mask_threads", 4)
+    monkeypatch.setattr(grammar_module, "MAX_TOKEN_MS", 10 * grammar_module.MAX_TOKEN_MS)
+    monkeypatch.setattr(grammar_module, "COSTLY_ROW_MS", 10 * grammar_module.COSTLY_ROW_MS)
     grammars = Grammars(TOKENIZER, 300, {EOS})
-    grammars.row_ms = 5.0
+    grammars.row_ms = 50.0
     popular, others = ({"lock": threading.Lock(), "now": 0, "most": 0} for _ in range(2))
-    rows = [SleepingRow(5.0, popular) for _ in range(6)] + [SleepingRow(5.0, others) for _ in range(5)]
+    rows = [SleepingRow(50.0, popular) for _ in range(6)] + [SleepingRow(50.0, others) for _ in range(5)]
     costly: list = []
     grammars.masks(rows, costly, [f"r{g}" for g in range(11)], [1] * 6 + [2, 3, 4, 5, 6])
     assert grammars._executor.steps == 0 and costly == []
@@ -688,7 +695,10 @@ def test_the_measured_row_cost_follows_each_steps_rows(monkeypatch):
     """A row over the limit is left out of row_ms, which moves towards a step's mean row at once (a review:
     capped at 4x a step, 8 steps of 20 ms rows ran in turn before the executor took them); the executor's
     steps measure it too, by their wall over the rows they spread (another: measured once in 64 executor
-    steps, one slow step kept cheap rows on the executor for ~700 steps)."""
+    steps, one slow step kept cheap rows on the executor for ~700 steps). The executor's step sleeps 30 ms,
+    which a loaded box may overshoot but never undercut: row_ms lies from the 30 ms step's reading to that of
+    a step 60 ms later (a 4 ms step, within 30% of its reading, failed 5 runs of 11 beside 3 busy
+    processes: 8 ms read)."""
     grammars = Grammars(TOKENIZER, 300, {EOS})
     matchers = [grammars.compile(regex_grammar("[a-c]+")).result() for _ in range(4)]
     grammars.masks(matchers)
@@ -702,10 +712,11 @@ def test_the_measured_row_cost_follows_each_steps_rows(monkeypatch):
     grammars.masks(matchers)
     weight = grammar_module.ROW_COST_WEIGHT
     assert grammars.row_ms == pytest.approx(first + weight * (20.0 - first))
-    grammars._executor, grammars._mask_threads = SleepingExecutor(4.0), 4  # (the instance's cached ones)
+    grammars._executor, grammars._mask_threads = SleepingExecutor(30.0), 4  # (the instance's cached ones)
     before = grammars.row_ms
-    grammars.masks(matchers)  # 4 rows x row_ms over PARALLEL_MASKS_MS, 4 lanes: the executor's step, 4 ms
-    assert grammars.row_ms == pytest.approx(before + weight * (4.0 * 4 / 4 - before), rel=0.3)
+    grammars.masks(matchers)  # 4 rows x row_ms over PARALLEL_MASKS_MS, 4 lanes: the executor's step, 30 ms
+    least = before + weight * (30.0 * 4 / 4 - before)  # its wall x 4 threads / 4 rows (~9.2 from ~4.0)
+    assert least - 1e-9 <= grammars.row_ms <= least + weight * 60.0, (before, grammars.row_ms)
 
 
 class SleepingExecutor:
@@ -851,17 +862,21 @@ class SleepingMatcher:
         ctypes.memset(ptr, 0xFF, nbytes)
 
 
-def test_a_step_over_its_budget_strikes_its_costliest_rows():
-    """Three rows of 30 ms each (under MAX_TOKEN_MS alone, 90 ms in all) beside cheap ones: the step
+def test_a_step_over_its_budget_strikes_its_costliest_rows(monkeypatch):
+    """Three rows of 120 ms each (under MAX_TOKEN_MS alone, 360 ms in all) beside cheap ones: the step
     strikes the costliest until the rest fit in MAX_TOKEN_MS; cheap rows are never struck. Ten requests of
-    a 45 ms grammar made every step 450 ms before."""
+    a 45 ms grammar made every step 450 ms before. The budget is 200 ms here (MAX_TOKEN_MS and COSTLY_ROW_MS
+    x4): two strikes need rows over 100 ms, which a sleep of 120 guarantees, and the row kept may wake 80 ms
+    late (30 ms rows against the real 50 left it 20)."""
+    monkeypatch.setattr(grammar_module, "MAX_TOKEN_MS", 4 * grammar_module.MAX_TOKEN_MS)
+    monkeypatch.setattr(grammar_module, "COSTLY_ROW_MS", 4 * grammar_module.COSTLY_ROW_MS)
     grammars = Grammars(ByteTokenizer(), ByteTokenizer.NUM_IDS, {EOS})
     cheap = [grammars.compile(regex_grammar("[a-c]+")).result() for _ in range(4)]
     costly: list[tuple[int, float]] = []
-    grammars.masks([cheap[0], SleepingMatcher(30), cheap[1], SleepingMatcher(30), SleepingMatcher(30),
+    grammars.masks([cheap[0], SleepingMatcher(120), cheap[1], SleepingMatcher(120), SleepingMatcher(120),
                     cheap[2], None, cheap[3]], costly)
     assert len(costly) == 2 and {g for g, _ in costly} < {1, 3, 4}, costly
-    assert all(ms >= 30 for _, ms in costly)
+    assert all(ms >= 120 for _, ms in costly)
 
 
 def test_the_struck_rows_of_a_step():
@@ -1063,9 +1078,14 @@ def test_a_requests_rows_count_together():
 
 
 @pytest.mark.parametrize("n,fails", [(1, False), (3, True)])
-def test_a_requests_choices_count_together_against_the_step_budget(n, fails):
+def test_a_requests_choices_count_together_against_the_step_budget(monkeypatch, n, fails):
     """A 20 ms grammar (under MAX_TOKEN_MS) serves n = 1; with n = 3 the request alone takes 60 ms of every
-    step, as one 60 ms row would, and fails (the policy a review questioned; the README states it)."""
+    step, as one 60 ms row would, and fails (the policy a review questioned; the README states it). Scaled
+    x2 here, 40 ms rows against a 100 ms budget (MAX_TOKEN_MS and COSTLY_ROW_MS x2): n = 1 fails only if
+    two of its sleeps wake 60 ms late (20 against 50 left 30); n = 3 takes 120 ms or more (sleeps run long,
+    never short)."""
+    monkeypatch.setattr(grammar_module, "MAX_TOKEN_MS", 2 * grammar_module.MAX_TOKEN_MS)
+    monkeypatch.setattr(grammar_module, "COSTLY_ROW_MS", 2 * grammar_module.COSTLY_ROW_MS)
     core, _ = build_core(config(async_scheduling=False))
     masks = core.grammars.masks
 
@@ -1074,7 +1094,7 @@ def test_a_requests_choices_count_together_against_the_step_budget(n, fails):
             self.matcher = matcher
 
         def unsafe_compute_mask_ptr(self, ptr, nbytes):
-            time.sleep(0.020)
+            time.sleep(0.040)
             self.matcher.unsafe_compute_mask_ptr(ptr, nbytes)
 
     core.grammars.masks = lambda matchers, costly=None, owners=None, lanes=None: masks(

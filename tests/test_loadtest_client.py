@@ -91,10 +91,15 @@ def test_concurrency_limits_requests_in_flight(timed_server):
 
 
 def test_poisson_arrivals_spread_the_sends(timed_server):
-    result = run(timed_server, 5, concurrency=5, output_len=2, rate=20.0)
+    """The sends follow the arrival offsets within 0.1 s, at 8 requests/s (0, 0.13, 0.17, 0.84, 0.89 s: all
+    at once is 0.89 s off at the last, evenly spaced 0.47 s at the fourth). The event loop sends late while
+    it reads the streams before: up to 31 ms beside 3 busy processes, 154 ms in a process's first run
+    (warmed up here; under xdist this test may be its worker's first), against 0.04 s at 20 requests/s."""
+    run(timed_server, 2, concurrency=2, output_len=2)  # warm-up, not measured
+    result = run(timed_server, 5, concurrency=5, output_len=2, rate=8.0)
     sends = sorted(r.send_time - result.start_time for r in result.records)
-    expected = arrival_offsets(5, 20.0, 1.0, 0)
-    assert sends == pytest.approx(expected, abs=0.04)
+    expected = arrival_offsets(5, 8.0, 1.0, 0)
+    assert sends == pytest.approx(expected, abs=0.1)
 
 
 def test_no_stream_has_ttft_equal_to_e2el_and_no_itl(timed_server):
