@@ -372,7 +372,9 @@ def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
     arguments that are missing, empty or no JSON (cut) are {} there, as vLLM gives them (Llama 3.1's
     template wrote `"parameters": ""` for them: a review)."""
     function = call.get("function")
-    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(function, dict):  # (a call without its function: the template says what it lacks)
+        return call
+    arguments = function.get("arguments")
     if not (arguments is None or isinstance(arguments, str)):
         return call
     try:
