@@ -291,11 +291,10 @@ def test_core_refuses_prompt_ids_outside_the_vocabulary(ids, bad):
     assert "ok" in core.requests and "bad" not in core.requests
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_drain_finishes_every_prompt_of_an_admitted_windowed_request(stream):
-    """A request of 6 prompts with a window of 2 in the engine at once is admitted whole; a drain that
-    starts while its first window runs serves its later prompts too (they used to get 503 "shutting down",
-    and the drain ended as soon as the first window did), while a new request gets its 503."""
+def drain_a_windowed_request(stream: bool, window: int, max_tokens: int, drain_s: float):
+    """A request of 6 prompts, `window` of them in the engine at once, and a drain of `drain_s` s that
+    starts while its first window runs (a new request is sent 0.05 s into it): the request is a 200 with
+    every choice finished -> (its finished choices, the new request's response)."""
     import threading
 
     import httpx
@@ -304,15 +303,15 @@ def test_drain_finishes_every_prompt_of_an_admitted_windowed_request(stream):
     from server.api.app import create_app
 
     e = make_engine(max_num_seqs=4)
-    app = create_app(e, limits=RequestLimits(max_seqs_per_request=2))
-    body = {"prompt": [f"prompt {i}" for i in range(6)], "max_tokens": 12, "ignore_eos": True,
+    app = create_app(e, limits=RequestLimits(max_seqs_per_request=window))
+    body = {"prompt": [f"prompt {i}" for i in range(6)], "max_tokens": max_tokens, "ignore_eos": True,
             "temperature": 0.0, "stream": stream}
 
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             big = asyncio.create_task(c.post("/v1/completions", json=body, timeout=60))
             assert await asyncio.to_thread(wait_until, lambda: e.health()["running"] > 0)
-            drain = threading.Thread(target=e.shutdown, args=(20.0,))
+            drain = threading.Thread(target=e.shutdown, args=(drain_s,))
             drain.start()
             await asyncio.sleep(0.05)
             late = await c.post("/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=60)
@@ -321,7 +320,6 @@ def test_drain_finishes_every_prompt_of_an_admitted_windowed_request(stream):
             return r, late
 
     r, late = asyncio.run(main())
-    assert late.status_code == 503
     assert r.status_code == 200, r.text
     if stream:
         events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
@@ -330,8 +328,18 @@ def test_drain_finishes_every_prompt_of_an_admitted_windowed_request(stream):
     else:
         finished = r.json()["choices"]
     assert sorted(c["index"] for c in finished) == list(range(6))
-    assert all(c["finish_reason"] == "length" for c in finished)
     assert e.reserved == 0 and not e.client.is_alive()
+    return finished, late
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_drain_finishes_every_prompt_of_an_admitted_windowed_request(stream):
+    """A request of 6 prompts with a window of 2 in the engine at once is admitted whole; a drain that
+    starts while its first window runs serves its later prompts too (they used to get 503 "shutting down",
+    and the drain ended as soon as the first window did), while a new request gets its 503."""
+    finished, late = drain_a_windowed_request(stream, window=2, max_tokens=12, drain_s=20.0)
+    assert late.status_code == 503
+    assert all(c["finish_reason"] == "length" for c in finished)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -340,39 +348,9 @@ def test_a_windowed_request_at_the_drains_deadline_ends_abort(stream):
     prompt ends "abort" at the deadline and the prompts still waiting for their window end "abort" too,
     a 200 with every choice (their 503 "shutting down" failed the whole request, the choices already
     generated with it, unary and streamed: a review)."""
-    import threading
-
-    import httpx
-
-    from server.api.admission import RequestLimits
-    from server.api.app import create_app
-
-    e = make_engine(max_num_seqs=4)
-    app = create_app(e, limits=RequestLimits(max_seqs_per_request=1))
-    body = {"prompt": [f"prompt {i}" for i in range(6)], "max_tokens": 600, "ignore_eos": True,
-            "temperature": 0.0, "stream": stream}
-
-    async def main():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            big = asyncio.create_task(c.post("/v1/completions", json=body, timeout=60))
-            assert await asyncio.to_thread(wait_until, lambda: e.health()["running"] > 0)
-            drain = threading.Thread(target=e.shutdown, args=(0.5,))
-            drain.start()
-            r = await big
-            await asyncio.to_thread(drain.join)
-            return r
-
-    r = asyncio.run(main())
-    assert r.status_code == 200, r.text
-    if stream:
-        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
-        assert events[-1] == "[DONE]" and not any('"error"' in ev for ev in events), r.text[-500:]
-        finished = [c for ev in events[:-1] for c in json.loads(ev)["choices"] if c["finish_reason"]]
-    else:
-        finished = r.json()["choices"]
-    assert sorted(c["index"] for c in finished) == list(range(6))
+    finished, late = drain_a_windowed_request(stream, window=1, max_tokens=600, drain_s=0.5)
+    assert late.status_code == 503
     assert {c["finish_reason"] for c in finished} == {"abort"}
-    assert e.reserved == 0 and not e.client.is_alive()
 
 
 def test_a_detokenizer_failure_ends_every_choice_once_after_their_pending_deltas(engine, monkeypatch):
