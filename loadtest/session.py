@@ -75,7 +75,7 @@ class SetupError(RuntimeError):
     """The run cannot start as asked (the workload does not fit what the server counts)."""
 
 
-async def discover(settings: RunSettings, console: Console | None = None) -> Server:
+async def discover(settings: RunSettings) -> Server:
     """The server's model, health and chat calibration; SetupError where the chat prompts cannot be
     --input-len tokens long. Its requests wait up to the run's request timeout (a server compiling on its
     first request took longer than httpx's 5 s default: no run started, a review)."""
@@ -95,7 +95,7 @@ async def discover(settings: RunSettings, console: Console | None = None) -> Ser
         except ValueError as e:
             raise SetupError(str(e)) from None
         if server.chat.per_char != 1.0:
-            (console or Console(stderr=True)).print(
+            Console(stderr=True).print(
                 f"[yellow]the server's tokenizer is not byte-level:[/] {server.chat.per_char:.3f} prompt "
                 f"tokens a letter; chat prompts have the letters that make about --input-len tokens "
                 f"(the report's input tokens are the server's count)")
