@@ -2,12 +2,15 @@
 
 The window trick (as in vLLM / TGI): decode a short window of ids ending at the last emitted position and the
 same window plus the new ids; the delta is the difference. A trailing U+FFFD means an incomplete byte
-sequence, so the text is held back until later ids complete it (or `flush()` at the end of the stream).
+sequence, so the text is held back until later ids complete it. At the end of the stream `flush()` returns
+the rest, less an incomplete character at its end: a reply that `max_tokens` (or EOS) cuts inside a
+character ends before it, as vLLM's detokenizers end it, not in U+FFFD.
 The window starts on the last CONTEXT_IDS ids of the prompt: a SentencePiece-style decoder (Llama-2,
 Mistral) drops the leading space of a sequence's first token, so a completion's first token decoded alone
 would lose it. Concatenating every delta and `flush()` gives exactly
 `decode(context + ids, skip)[len(decode(context, skip)):]` (with no context: `decode(ids, skip)`), `skip`
-being the stream's `skip_special_tokens` (False: special tokens are spelled, e.g. `<|start_header_id|>`).
+being the stream's `skip_special_tokens` (False: special tokens are spelled, e.g. `<|start_header_id|>`),
+less the U+FFFD that ends it, if any (the window cannot tell a decoded U+FFFD from an incomplete character).
 
 A tokenizer whose ids are bytes (ByteTokenizer, the presets') has a cheaper exact way: `token_bytes` maps each
 id to its bytes and the stdlib's incremental UTF-8 decoder holds an incomplete character until it completes,
@@ -45,8 +48,8 @@ class IncrementalDetokenizer:
         return self._delta(final=False)
 
     def flush(self) -> str:
-        """End of stream: return whatever is held back (incomplete bytes decode to U+FFFD)."""
-        return self._delta(final=True)
+        """End of stream: return what is held back, less the incomplete character at its end."""
+        return self._delta(final=True).rstrip(REPLACEMENT)
 
     def _delta(self, final: bool) -> str:
         if self.read_offset == len(self.ids):
@@ -88,8 +91,10 @@ class Utf8Detokenizer:
         return text
 
     def flush(self) -> str:
+        """End of stream: "" (the decoder holds at most the start of a character, which never completes)."""
         self.pending = False
-        return self.decoder.decode(b"", final=True)
+        self.decoder.reset()
+        return ""
 
 
 _TEXTS: dict[int, tuple[list[bytes], list[str | None]]] = {}  # id(token_bytes) -> (it, its texts)
