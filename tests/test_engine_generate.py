@@ -96,6 +96,19 @@ def test_stop_token_id_ends_the_choice(engine):
     assert (c.finish_reason, c.stop_reason) == ("stop", target)
 
 
+def test_eos_among_the_stop_token_ids_ends_as_eos_unless_eos_is_ignored(engine):
+    """vLLM checks EOS first: a stop_token_ids list holding EOS leaves stop_reason null, unless ignore_eos
+    makes EOS an ordinary token, when the list's id ends the choice."""
+    eos = min(engine.tokenizer.eos_token_ids)
+    prompt = prompt_of(engine, "eos listed")
+    for ignore_eos, stop_reason in ((False, None), (True, eos)):
+        params = SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=[eos], logit_bias={eos: 100.0},
+                                ignore_eos=ignore_eos)
+        c = run_one(engine, f"eos-listed-{ignore_eos}", prompt, params).choices[0]
+        assert c.token_ids == [eos]
+        assert (c.finish_reason, c.stop_reason) == ("stop", stop_reason)
+
+
 def test_a_long_stop_token_id_list_is_kept_distinct_and_matched_as_a_set(engine):
     """Repeats collapse (in order) where the params are made, so the wire carries each id once, and the
     core checks a token against a set: the same ending as the short list, whatever the list's length."""

@@ -373,10 +373,10 @@ class EngineCore:
         num_output = len(token_ids) - len(seq.prompt_token_ids)
         reason, stop_token = None, None
         complete = seq.matcher is not None and self._accept(seq, token)
-        if p.stop_token_ids and token in p.stop_token_set:
-            reason, stop_token = "stop", token
-        elif token in self.eos_token_ids and not p.ignore_eos:
+        if token in self.eos_token_ids and not p.ignore_eos:  # first, as vLLM: EOS has no stop_reason
             reason = "stop"
+        elif p.stop_token_ids and token in p.stop_token_set:
+            reason, stop_token = "stop", token
         elif complete:  # the structured output is whole (its last token, or EOS where the grammar ends)
             reason = "stop"
         elif num_output >= p.max_tokens:
