@@ -161,6 +161,33 @@ def test_an_allowed_token_the_model_masks_is_still_the_one_drawn():
             assert tokens[0] in (5, 6) and tokens[1] == EOS, temperature
 
 
+@pytest.mark.parametrize("extra", [dict(temperature=0.0), dict(temperature=1.0, seed=3),
+                                   dict(temperature=0.0, repetition_penalty=2.0)])
+def test_a_held_back_id_ranks_below_an_allowed_id_the_model_masks(extra):
+    """min_tokens holds EOS and the stop ids below every other id, an allowed id the model masks (raised to
+    its floor) included: row 0 allows 5 and 7, both masked, and holds 5 back; row 1 allows EOS (finite) and 7
+    (masked) and holds EOS back. Before, the hold-back was added to the logits: -3e38 - 1e30 rounded back to
+    the floor, and row 1's finite EOS ranked above the floor, so each drew its held-back id (a review). Once
+    min_tokens is met, the held-back ids are drawn again; and a held-back id that is all a row has left is
+    still drawn, under a repetition penalty too."""
+    rows = [SamplingParams(allowed_token_ids=[5, 7], stop_token_ids=[5], min_tokens=2, **extra),
+            SamplingParams(allowed_token_ids=[EOS, 7], min_tokens=2, **extra),
+            SamplingParams(allowed_token_ids=[EOS], min_tokens=5, **extra)]
+    sampler = sampler_with([])
+    for row, (params, held_back) in enumerate(zip(rows, [(5, EOS), (EOS,), (EOS,)], strict=True)):
+        init_row(sampler, row, params, held_back)
+    logits = torch.zeros(3, 40)
+    logits[:, 5] = logits[:, 7] = float("-inf")
+    logits[:, EOS] = 1.0
+    flags = step_flags(rows[0]) | step_flags(rows[1])
+    if extra.get("repetition_penalty"):  # each row's output holds its held-back ids: the penalty scales them
+        token_rows = torch.tensor([0, 0, 1, 1, 2, 2])
+        sampler.init_penalty_rows(torch.arange(3), token_rows, torch.tensor([5, EOS] * 3), torch.ones(6))
+    got = [sampler(logits, torch.arange(3), flags).token_ids.tolist() for _ in range(3)]
+    assert got[:2] == [[7, 7, EOS]] * 2, got
+    assert got[2][0] in (5, 7) and got[2][1:] == [EOS, EOS], got
+
+
 @pytest.mark.parametrize("bad", [
     dict(logit_bias={10**6: 5.0}), dict(logit_bias={-1: 5.0}), dict(allowed_token_ids=[10**6]),
     dict(min_tokens=1, stop_token_ids=[10**6]), dict(min_tokens=1, stop_token_ids=list(range(1100))),

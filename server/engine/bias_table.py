@@ -15,11 +15,14 @@ import torch
 from server.engine.sampling_params import SamplingParams
 
 ADDED, HELD_BACK, ALLOWED = 0, 1, 2  # entry kinds
-# What a held-back id gets, and what an allowed id the model masks (-inf) is raised to: finite, so a row
-# never ends all -inf (its argmax would be token 0, a draw any token), yet below any logit a model gives.
-# An allowed id that is also held back is then still drawn where nothing else is allowed.
-HOLD_BACK = -1e30
+# What an allowed id the model masks (-inf) is raised to, and what a held-back (or banned: bad_words.py) id is
+# lowered to: finite, so a row never ends all -inf (its argmax would be token 0, a draw any token), yet below
+# any logit a model gives. A held-back id ranks below every other, a masked allowed one included (a review
+# found EOS drawn before min_tokens where -3e38 - 1e30 rounded back to the floor), and is drawn only where
+# nothing else can be. The hold-back is a minimum taken after the penalties, not a sum: no repetition penalty
+# or floor moves it, and nothing overflows to -inf.
 ALLOWED_FLOOR = -3e38
+HOLD_BACK = -3.2e38
 
 
 def bias_entries(params: SamplingParams, held_back: list[int]) -> tuple[list[int], list[float], list[int]]:
@@ -78,20 +81,26 @@ class BiasTable:
             ids[:, :have], values[:, :have], kinds[:, :have] = self.ids, self.values, self.kinds
         self.ids, self.values, self.kinds = ids, values, kinds
 
-    def apply(self, logits: torch.Tensor, rows: torch.Tensor, samples: torch.Tensor, min_tokens: torch.Tensor,
-              keep_allowed: bool) -> torch.Tensor:
-        """logits (S, V) fp32 of `rows` (S,), their sample counts and min_tokens (S,) -> a biased copy: rows
-        with allowed entries keep only those tokens (where `keep_allowed`: the host knows a step has such
-        rows), then the added values, and the held-back ids at HOLD_BACK while samples < min_tokens."""
+    def apply(self, logits: torch.Tensor, rows: torch.Tensor, keep_allowed: bool) -> torch.Tensor:
+        """logits (S, V) fp32 of `rows` (S,) -> a biased copy: rows with allowed entries keep only those
+        tokens (where `keep_allowed`: the host knows a step has such rows), then the added values."""
         if self.ids is None:  # no row has had an entry yet
             return logits
         ids, values, kinds = self.ids[rows], self.values[rows], self.kinds[rows]  # (S, W)
         allowed = kinds == ALLOWED
         if keep_allowed:
             logits = _keep_allowed(logits, ids, allowed)
-        held = torch.where((samples < min_tokens)[:, None], HOLD_BACK, 0.0)  # (S, 1)
-        values = torch.where(kinds == HELD_BACK, held, torch.where(allowed, 0.0, values))
-        return logits.scatter_add(1, ids, values)
+        return logits.scatter_add(1, ids, torch.where(kinds == ADDED, values, 0.0))
+
+    def hold_back(self, logits: torch.Tensor, rows: torch.Tensor, samples: torch.Tensor,
+                  min_tokens: torch.Tensor) -> torch.Tensor:
+        """After apply and the penalties: logits (S, V) fp32 of `rows` (S,), their sample counts and
+        min_tokens (S,) -> a copy with the held-back ids at HOLD_BACK (at most) while samples < min_tokens."""
+        if self.ids is None:
+            return logits
+        held = (self.kinds[rows] == HELD_BACK) & (samples < min_tokens)[:, None]  # (S, W)
+        values = torch.where(held, HOLD_BACK, float("inf"))  # +inf: the amin keeps the logit
+        return logits.scatter_reduce(1, self.ids[rows], values, "amin")
 
 
     def floor_allowed(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -72,11 +72,11 @@ def draws_from_best(params: SamplingParams) -> bool:
     return not params.greedy and 0 < params.top_k <= COMPACT_TOP_K
 
 
-# The largest temperature a row samples at: the floors of held-back and banned ids (HOLD_BACK, -1e30) stay
-# floors after scaling only below ~1e28 ((-1e30 - top) / 1e30 ~ -1 kept e^-1 of a free token's weight: a
-# banned word drawn a quarter of the time, in a review). At 1e20 every model logit (and +-100 of bias) is
-# within 1e-18 of the row's best after scaling, so the draw is already exactly uniform in fp32 over the ids
-# not held back: a larger temperature would draw the same but for the floors.
+# The largest temperature a row samples at: the floors of held-back and banned ids (HOLD_BACK) stay floors
+# after scaling only well below their magnitude (with a floor of -1e30, (-1e30 - top) / 1e30 ~ -1 kept e^-1
+# of a free token's weight: a banned word drawn a quarter of the time, in a review). At 1e20 every model
+# logit (and +-100 of bias) is within 1e-18 of the row's best after scaling, so the draw is already exactly
+# uniform in fp32 over the ids not held back: a larger temperature would draw the same but for the floors.
 MAX_TEMPERATURE = 1e20
 
 
@@ -235,11 +235,13 @@ class Sampler:
         if flags & (PENALTIES | SAMPLED | BIAS):  # a plain all-greedy step reads no parameters
             floats, ints = self.floats[rows], self.ints[rows]  # (S, 6), (S, 4)
         if flags & BIAS:
-            logits = self.bias.apply(logits, rows, ints[:, 2], ints[:, 3], bool(flags & ALLOW))
+            logits = self.bias.apply(logits, rows, bool(flags & ALLOW))
         if flags & PENALTIES and self.counts is not None:
             logits = self._apply_penalties(logits, rows, floats)
             if flags & ALLOW:
                 logits = self.bias.floor_allowed(logits, rows)
+        if flags & BIAS:  # after the penalties and the floor: neither moves a held-back id
+            logits = self.bias.hold_back(logits, rows, ints[:, 2], ints[:, 3])
         if flags & BAD_WORDS:  # after the floor, which would lift a banned allowed id back
             logits = self.bad_words.ban_(_writable(logits, raw, flags), rows)
         if token_mask is not None:  # last: no bias, penalty or floor lifts a token the grammar refuses
