@@ -70,6 +70,17 @@ def positive_int(value: str) -> int:
     return n
 
 
+MAX_NUM_SEQS = 65536  # per-row state on the device and the host: 10**8 rows never finished starting (review)
+
+
+def batch_size(value: str) -> int:
+    """An argparse type: --max-num-seqs, an integer in [1, MAX_NUM_SEQS]."""
+    n = positive_int(value)
+    if n > MAX_NUM_SEQS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_NUM_SEQS}, got {value}")
+    return n
+
+
 def positive_seconds(value: str) -> float:
     """An argparse type: a finite number of seconds > 0 (a deadline of 0 or less fires at once)."""
     x = float(value)
@@ -150,7 +161,8 @@ def add_engine_flags(s: argparse.ArgumentParser) -> None:
                          "(vLLM: --num-gpu-blocks-override)")
     kv.add_argument("--kv-cache-memory", action=RetiredFlag, nargs=1,
                     replacement="--gpu-memory-utilization (a fraction of the GPU's total memory, as in vLLM)")
-    s.add_argument("--max-num-seqs", type=positive_int, default=64, help="sequences in one decode batch")
+    s.add_argument("--max-num-seqs", type=batch_size, default=64,
+                   help=f"sequences in one decode batch, at most {MAX_NUM_SEQS}")
     s.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
                    help="tokens in one engine step")
     s.add_argument("--max-waiting", type=positive_int, default=1024,
@@ -272,7 +284,20 @@ def parse_serve_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser (the format of the model's calls)")
     if args.api_key is None:
         args.api_key = os.environ.get(API_KEY_ENV)
+    if args.api_key:
+        args.api_key = _usable_api_key(args.api_key, parser)
     return args
+
+
+def _usable_api_key(key: str, parser: argparse.ArgumentParser) -> str:
+    """The key as a client can send it: without the whitespace around it (a secret file's newline: the
+    client's token is stripped too), printable ASCII (Starlette reads headers as latin-1, so a key of other
+    characters matched no request, a review)."""
+    key = key.strip()
+    if not key or not all(" " <= c <= "~" for c in key):
+        parser.error(f"--api-key (or ${API_KEY_ENV}) must be printable ASCII, not only whitespace: an HTTP "
+                     "header carries no other characters")
+    return key
 
 
 def main(argv: list[str] | None = None) -> int:

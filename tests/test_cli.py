@@ -54,6 +54,7 @@ def test_vllm_flags_reach_the_engine_config():
     (["--api-server-count", "2", "--engine-in-process"], "excludes --api-server-count"),
     (["--max-num-batched-tokens", "0"], "must be an integer >= 1, got 0"),  # every request hung
     (["--max-num-seqs", "-1"], "must be an integer >= 1, got -1"),
+    (["--max-num-seqs", "100000000"], "must be at most 65536"),  # never finished starting
     (["--max-waiting", "0"], "must be an integer >= 1"),
     (["--max-connections", "0"], "must be an integer >= 1"),
     (["--max-model-len", "0"], "must be an integer >= 1"),
@@ -84,6 +85,20 @@ def test_api_key_defaults_to_the_environment_but_help_never_shows_it(monkeypatch
     assert parse_serve_args(["serve"]).api_key == "sekrit"
     assert parse_serve_args(["serve", "--api-key", "other"]).api_key == "other"
     assert "sekrit" not in serve_parser().format_help()
+
+
+def test_an_api_key_is_what_a_client_can_send(monkeypatch, capsys):
+    """A secret file's trailing newline is not part of the key (the client's token is stripped too); a key
+    no HTTP header can carry is refused at start-up (a review: both started servers that answered 401 to
+    every request)."""
+    monkeypatch.setenv("PAGEWALK_API_KEY", "abc123\n")
+    assert parse_serve_args(["serve"]).api_key == "abc123"
+    for key in ("clé-secrète", " \n", "tab\tkey"):
+        with pytest.raises(SystemExit) as e:
+            parse_serve_args(["serve", "--api-key", key])
+        assert e.value.code == 2 and "must be printable ASCII" in capsys.readouterr().err
+    monkeypatch.setenv("PAGEWALK_API_KEY", "")
+    assert parse_serve_args(["serve"]).api_key == ""  # empty: auth off, as vLLM
 
 
 def test_help_has_text_and_defaults_for_every_flag():

@@ -67,6 +67,9 @@ def test_max_model_len_fits_the_cache():
         build_core(EngineConfig(**{**TINY, "num_blocks": 8}))  # 7 usable blocks of 4: 28 tokens, asked 64
     core, info = build_core(EngineConfig(**{**TINY, "num_blocks": 8, "max_model_len": None}))
     assert info.max_model_len == info.capacity_tokens == core.runner.max_model_len == 28
+    # the block tables are as wide as the cache's 7 blocks, not the model's positions (a config's 2**40
+    # asked for terabytes of tables: a review)
+    assert core.runner.state.block_tables.shape[1] == 7 < core.runner.config.max_position_embeddings // 4
     with pytest.raises(ValueError, match="max_model_len"):
         core.add_request(EngineRequest("big", [5] * 20, greedy(10), 0.0))
     core.add_request(EngineRequest("y", [5] * 10, greedy(10), 0.0))
@@ -101,3 +104,9 @@ def test_a_token_in_flight_does_not_preempt_another_sequence(core):
     assert run(small) == {("A", 0): "stop", ("B", 0): "length"}
     assert small.scheduler.num_preemptions == 0
     assert small.kv.usage().used_blocks == 0
+
+
+def test_a_kv_cache_that_cannot_be_allocated_names_its_flag():
+    """--num-blocks 10**11: the allocator's own message named no flag (a review)."""
+    with pytest.raises(ValueError, match=r"KV cache of 100000000000 blocks .* lower --num-blocks"):
+        build_core(EngineConfig(**{**TINY, "num_blocks": 10**11, "max_model_len": None}))

@@ -386,3 +386,40 @@ def test_generation_config_sampling_values_are_the_defaults_a_request_omits(tmp_
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": "hot"}))
     with pytest.raises(ValueError, match="temperature must be a number"):
         sampling_defaults(str(tmp_path))
+
+
+@pytest.mark.parametrize("values,message", [({"temperature": -1.0}, "temperature must be >= 0"),
+                                            ({"top_p": 5.0}, "top_p must be in"),
+                                            ({"top_k": 0.5}, "top_k must be an integer"),
+                                            ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0")])
+def test_an_out_of_range_sampling_default_is_refused_at_start_up(tmp_path, llama_dir, values, message):
+    """A default out of a request's own range would refuse every request that leaves its field out, with a
+    400 that blames the client (a review): the engine refuses it, the file named."""
+    from server.api.async_engine import checked_sampling_defaults
+
+    copy_checkpoint(llama_dir, tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, **values}))
+    with pytest.raises(ValueError, match=f"generation_config.json: {message}"):
+        checked_sampling_defaults(str(tmp_path))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_k": -1}))
+    assert checked_sampling_defaults(str(tmp_path)) == {"temperature": 0.6, "top_k": -1}
+
+
+def test_the_tokenizer_is_held_to_the_embedding_by_its_largest_id(tmp_path, llama_dir):
+    """A tokenizer.json may leave ids unused: its id range is its largest id + 1, not its count (a review:
+    300 entries, one of them id 400, passed the check against 320 rows, then a prompt holding that token
+    was a 500 in the core). Within the rows, the API takes every id up to the largest."""
+    from server.model.loader import load_tokenizer
+
+    copy_checkpoint(llama_dir, tmp_path)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    word = next(t for t, i in spec["model"]["vocab"].items() if i == 290)
+    for new_id, fits in ((400, False), (310, True)):
+        spec["model"]["vocab"][word] = new_id
+        (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+        if not fits:
+            with pytest.raises(ValueError, match="has ids up to 400 but the model only 320 embedding rows"):
+                load_tokenizer(str(tmp_path))
+            continue
+        tok = load_tokenizer(str(tmp_path))
+        assert tok.vocab_size == 311 and tok.encode(word, add_bos=False) == [310]

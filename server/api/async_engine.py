@@ -96,7 +96,7 @@ class AsyncEngine:
         self.api_server = api_server or ApiServer()
         self.tokenizer = tokenizer or load_tokenizer(config.model, config.tokenizer, config.chat_template)
         # generation_config.json's sampling values, for the fields a request leaves out
-        self.sampling_defaults = sampling_defaults(config.model)
+        self.sampling_defaults = checked_sampling_defaults(config.model)
         if api_server is not None:
             self.client: CoreClient = AttachedCoreClient(api_server.core_address, api_server.core_pid)
         else:
@@ -572,3 +572,15 @@ def _client_name(seq: dict, label: tuple[str, int] | None) -> tuple:
     if label is None:
         return (seq.get("request_id"), seq.get("index"))
     return (label[0], label[1] + seq.get("index", 0))
+
+
+def checked_sampling_defaults(model: str) -> dict[str, float | int]:
+    """The model's generation_config.json sampling values, each held to the rules of a request's own: out of
+    range, one would refuse every request that leaves its field out, with a 400 that blames the client (a
+    review). ValueError at start-up, the file named."""
+    defaults = sampling_defaults(model)
+    try:
+        SamplingParams(**defaults).validate(vocab_size=0)
+    except ValueError as e:
+        raise ValueError(f"{model}/generation_config.json: {e}") from None
+    return defaults

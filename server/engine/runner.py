@@ -186,7 +186,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.capacity_tokens = (num_blocks - 1) * block_size
         self.kv = self._allocate_cache(num_blocks)
-        self.state = self._new_batch_state()  # the profiling step's rows are reset: start clean
+        self.state = self._new_batch_state(self.capacity_tokens)  # the profiling step's rows are reset
         log.info(
             "runner: attention backend %s, %d KV blocks of %d tokens (%.1f MiB) on %s %s",
             self.attention_backend, num_blocks, block_size,
@@ -514,10 +514,14 @@ class ModelRunner:
 
     # ---- CUDA-graph decode --------------------------------------------------------------------------------
 
-    def _new_batch_state(self) -> BatchState:
-        """Rows for max_num_seqs sequences, tables for max_model_len tokens (or one profiling chunk)."""
-        tokens = max(self.max_model_len,
-                     min(self.max_num_batched_tokens, self.config.max_position_embeddings))
+    def _new_batch_state(self, capacity_tokens: int | None = None) -> BatchState:
+        """Rows for max_num_seqs sequences; tables for the longest sequence served, max_model_len tokens cut
+        to what the KV cache holds (`capacity_tokens`; None before the cache is sized: for the profiling
+        step), and at least one profiling chunk. Sized by max_model_len alone, a config's 2**40 positions
+        asked for terabytes of tables (a review)."""
+        chunk = min(self.max_num_batched_tokens, self.config.max_position_embeddings)
+        longest = chunk if capacity_tokens is None else min(self.max_model_len, capacity_tokens)
+        tokens = max(longest, chunk)
         return BatchState(self.max_num_seqs, -(-tokens // self.block_size), self.block_size, self.device,
                           kernel_inputs=self.attention_backend == "triton")
 
@@ -577,8 +581,13 @@ class ModelRunner:
 
     def _allocate_cache(self, num_blocks: int) -> KVCacheTensors:
         cfg = self.config
-        return KVCacheTensors(cfg.num_layers, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
-                              self.dtype, self.device)
+        try:
+            return KVCacheTensors(cfg.num_layers, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                  self.dtype, self.device)
+        except (RuntimeError, torch.OutOfMemoryError) as e:  # the allocator's own message names no flag
+            gib = num_blocks * self._bytes_per_block() / 2**30
+            raise ValueError(f"the KV cache of {num_blocks} blocks ({gib:.1f} GiB) does not fit on "
+                             f"{self.device}: lower --num-blocks (or --gpu-memory-utilization)") from e
 
     def _bytes_per_block(self) -> int:
         cfg = self.config

@@ -100,7 +100,7 @@ def load_tokenizer(name_or_path: str, tokenizer: str | None = None, chat_templat
         raise FileNotFoundError(f"tokenizer {tokenizer!r} is not a directory holding tokenizer.json")
     tok = HFTokenizer.from_dir(tok_dir, extra_eos_ids=tuple(eos_ids), chat_template=template)
     if tok.vocab_size > cfg.vocab_size:
-        raise ValueError(f"the tokenizer in {tok_dir} has {tok.vocab_size} ids but the model only "
+        raise ValueError(f"the tokenizer in {tok_dir} has ids up to {tok.vocab_size - 1} but the model only "
                          f"{cfg.vocab_size} embedding rows")
     return tok
 

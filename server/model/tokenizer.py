@@ -104,7 +104,9 @@ class HFTokenizer:
         template_tokens: dict[str, str | None] | None = None,
     ) -> None:
         self._tok = tokenizer
-        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        # the id range, not the count: a tokenizer.json may leave ids unused (a review: a count of 300 with an
+        # id 400 passed the embedding check, and the API refused id 400 as out of range)
+        self.vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         self.bos_token_id = self._token_id(bos_token)
         eos = {self._token_id(t) for t in eos_tokens} | set(eos_token_ids)
         self.eos_token_ids: set[int] = {i for i in eos if i is not None}
