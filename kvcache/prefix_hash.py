@@ -25,6 +25,8 @@ Injection: pass ``hash_fn=`` to ``KVCacheManager`` / ``BlockPool``; the default 
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections.abc import Callable, Hashable
 
 # hash_fn(parent_hash or the chain's root for the first block, the block's token ids) -> any hashable value
@@ -42,8 +44,14 @@ def default_block_hash(parent_hash: Hashable | None, token_ids: tuple[int, ...])
 
 
 def chain_root(cache_salt: str | None) -> ChainRoot:
-    """The root of a prompt's chain: None without a salt, else the salt's UTF-8 bytes as a tuple of ints
-    (surrogates passed through, so any str encodes). Equal only for equal salts (the encoding is one-to-one),
-    never equal to None or to a content tag (an int), and hashed alike in every process (str hashes are
-    randomised per process, int tuples are not)."""
-    return None if cache_salt is None else tuple(cache_salt.encode("utf-8", "surrogatepass"))
+    """The root of a prompt's chain: None without a salt, else a 256-bit BLAKE2b digest of the salt's UTF-8
+    bytes (surrogates passed through, so any str encodes) as four 64-bit ints. Equal only for equal salts
+    (barring a collision of the digest: a tenant would need a second preimage of another's secret salt),
+    never equal to None or to a content tag (an int), hashed alike in every process (str hashes are
+    randomised per process, int tuples are not), and of one size whatever the salt's: a salted chain's first
+    block keeps its root as its parent tag for as long as it stays cached (the salt's bytes as a tuple of
+    ints held 132 KB a block for a 4096-character salt: a review)."""
+    if cache_salt is None:
+        return None
+    digest = hashlib.blake2b(cache_salt.encode("utf-8", "surrogatepass"), digest_size=32).digest()
+    return struct.unpack(">4Q", digest)

@@ -9,7 +9,14 @@ import random
 import tracemalloc
 
 from server.api.admission import RequestLimits
-from server.api.stop_strings import AutomatonCache, StopAutomaton, StopStrings, compiled
+from server.api.stop_strings import (
+    CACHED_STATES,
+    ENTRY_STATES,
+    AutomatonCache,
+    StopAutomaton,
+    StopStrings,
+    compiled,
+)
 
 # the API's default bounds of a request's stop strings
 MAX_STOP_STRINGS, MAX_STOP_CHARS = RequestLimits().max_stop_strings, RequestLimits().max_stop_string_length
@@ -41,9 +48,21 @@ def test_the_cache_keeps_a_bounded_number_of_states_and_shares_a_repeated_list()
     for _ in range(12):
         cache.get(bounds_list(rng))
         assert cache.get(small) is first  # asked again each time: the most recent, never dropped
-    assert sum(len(a.only) for a in cache.kept.values()) == cache.states <= cache.max_states
+    assert sum(len(a.only) + ENTRY_STATES for a in cache.kept.values()) == cache.states <= cache.max_states
     assert 2 <= len(cache.kept) <= 5
     assert compiled(small) is compiled(small)  # the API's cache
+
+
+def test_many_small_lists_are_charged_for_their_entries_and_one_set_is_one_key():
+    """65K one-character lists filled the state bound with 82 MB when an entry cost only its 2 states (a
+    review): each is charged ENTRY_STATES more. Stop lists that are one set in another order or with repeats
+    share one automaton (the match does not depend on either)."""
+    cache = AutomatonCache()
+    for i in range(20_000):
+        cache.get((chr(0x4E00 + i),))
+    assert len(cache.kept) <= CACHED_STATES // ENTRY_STATES
+    a = StopStrings(["b", "a", "b"]).automaton
+    assert StopStrings(["a", "b"]).automaton is a
 
 
 def test_a_stop_string_that_shares_a_branching_prefix_is_found_across_deltas():

@@ -105,8 +105,16 @@ def test_a_fork_and_its_generated_blocks_stay_in_the_salt(hash_fn):
 
 def test_salts_differ_by_any_character():
     assert chain_root(None) is None
-    roots = {chain_root(s) for s in ("a", "b", "A", "a ", "é", "e\u0301", "x" * 128)}
-    assert len(roots) == 7
+    roots = {chain_root(s) for s in ("a", "b", "A", "a ", "é", "e\u0301", "x" * 128, "\ud800")}
+    assert len(roots) == 8
+
+
+def test_a_salts_root_is_one_size_whatever_the_salts():
+    """A salted chain's first block keeps its root for as long as it stays cached: the root is a digest of
+    four ints, not the salt's bytes (a 4096-character salt held 132 KB a cached block: a review)."""
+    short, long = chain_root("a"), chain_root("界" * 4096)
+    assert len(short) == len(long) == 4 and all(isinstance(x, int) for x in long)
+    assert chain_root("界" * 4096) == long  # equal salts, equal roots
 
 
 def test_a_salted_hash_is_the_same_in_every_process():

@@ -96,11 +96,19 @@ class StopAutomaton:
 
 
 CACHED_STATES = 1 << 17  # trie states the automata kept hold in all (~24 bytes each: ~3 MB)
+# what an automaton costs beyond its states, in states: its arrays, dicts and key (~1.2 KB; charged as
+# nothing, 65K one-character lists filled the bound with 82 MB: a review)
+ENTRY_STATES = 64
+
+
+def cost(automaton: StopAutomaton) -> int:
+    return len(automaton.only) + ENTRY_STATES
 
 
 class AutomatonCache:
     """The automata of recent stop lists, for the requests that repeat one, the least recently asked dropped
-    first: bounded in trie states, not in lists, since a list's states go up to the API's bounds (16K)."""
+    first: bounded in trie states (each list charged ENTRY_STATES more), not in lists, since a list's states
+    go up to the API's bounds (16K)."""
 
     def __init__(self, max_states: int = CACHED_STATES):
         self.max_states = max_states
@@ -118,9 +126,9 @@ class AutomatonCache:
         with self._lock:
             if stops not in self.kept:  # (another thread may have built it meanwhile)
                 self.kept[stops] = automaton
-                self.states += len(automaton.only)
+                self.states += cost(automaton)
             while self.states > self.max_states and len(self.kept) > 1:
-                self.states -= len(self.kept.popitem(last=False)[1].only)
+                self.states -= cost(self.kept.popitem(last=False)[1])
         return automaton
 
 
@@ -138,7 +146,8 @@ class StopStrings:
     __slots__ = ("automaton", "state", "held", "include")
 
     def __init__(self, stops: list[str], include: bool = False):
-        self.automaton = compiled(tuple(stops))
+        # one key per set of stops: the match does not depend on their order or repeats
+        self.automaton = compiled(tuple(sorted(set(stops))))
         self.state = 0
         self.held = ""  # text not yet emitted: a proper prefix of some stop string
         self.include = include  # the stop string is part of the output
