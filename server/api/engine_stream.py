@@ -217,6 +217,8 @@ async def unless_disconnected(request: Request, work: Awaitable[T],
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        elif not task.cancelled():  # read, in case the caller was cancelled as it ended: an error no one
+            task.exception()  # reads logs "Future exception was never retrieved" (a review)
 
 
 def usage(prompts: list[list[int]], states: list[ChoiceState] | list[StreamedChoice]) -> Usage:
