@@ -281,6 +281,11 @@ def test_the_grammar_reaches_the_engine(engine, monkeypatch, path, base):
     ({"structured_outputs": {"regex": "a", "json_object": True}}, "structured_outputs"),
     ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice"),
     ({"guided_choice": ["a"], "allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+    # unknown keys, as OpenAI refuses them: a misspelt schema, or a schema given to json_object, were ignored
+    # and the reply was free JSON (a review)
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schemaa": SCHEMA}}},
+     "response_format.json_schema.schemaa"),
+    ({"response_format": {"type": "json_object", "schema": SCHEMA}}, "response_format.schema"),
 ])
 def test_bad_structured_outputs_are_400s_over_http(engine, path, base, fields, param):
     r = post(create_app(engine), path, {**base, "max_tokens": 4, **fields})

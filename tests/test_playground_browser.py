@@ -9,6 +9,7 @@ PLAYGROUND_SCREENSHOT=docs/playground.png writes the README's screenshot there (
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from contextlib import contextmanager
@@ -55,10 +56,11 @@ def browser():
 
 
 @contextmanager
-def open_page(browser, url: str):
+def open_page(browser, url: str, bypass_csp: bool = True):
     """A fresh browser context on the playground at `url`, its stream live; `.problems` collects console
-    errors and uncaught exceptions."""
-    context = browser.new_context(viewport={"width": 1280, "height": 860})
+    errors and uncaught exceptions. The page's CSP forbids eval, which Playwright's wait_for_function uses:
+    the tests bypass it, but test_the_page_runs_under_its_own_csp."""
+    context = browser.new_context(viewport={"width": 1280, "height": 860}, bypass_csp=bypass_csp)
     pg = context.new_page()
     problems: list[str] = []
     pg.on("console", lambda m: problems.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
@@ -125,6 +127,19 @@ def test_page_loads_without_console_errors(page, server):
     assert page.problems == []
 
 
+def test_the_page_runs_under_its_own_csp(browser, server):
+    """Its Content-Security-Policy (script, style and connections from its own server alone; no eval): the
+    page loads, names the model, streams a prompt to its finish and shows the map, with no console error (a
+    blocked script, style or fetch logs one)."""
+    with open_page(browser, server, bypass_csp=False) as pg:
+        pg.wait_for_selector("#model:text-is('model: tiny')", timeout=15_000)
+        set_controls(pg, max_tokens=12)
+        run_prompt(pg, "Under the CSP: ")
+        pg.wait_for_selector(".output.done .state:text-is('finish: length')", timeout=30_000)
+        assert len(pg.inner_text(".output .completion")) > 0 and count(pg, "total") == 160
+        assert pg.problems == []
+
+
 def test_prompt_streams_and_the_map_shows_its_blocks_until_it_ends(page):
     set_controls(page, max_tokens=1500)
     run_prompt(page, "Hello from the browser: ")
@@ -144,6 +159,36 @@ def test_prompt_streams_and_the_map_shows_its_blocks_until_it_ends(page):
     page.wait_for_selector(".output.done")
     assert "stopped" in page.inner_text(".output pre")
     assert page.problems == []
+
+
+def test_an_error_ends_only_the_choices_still_running_and_a_cut_stream_ends_them_all(page):
+    """Two choices from a stream the test serves itself: choice 0 finishes, then an error event comes; choice
+    0 keeps its finish, choice 1 shows the error (before, the error overwrote finished choices too). A stream
+    that closes without [DONE] and without finishes leaves no card "streaming" (a review)."""
+    def sse(*events: dict | str) -> str:
+        return "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events)
+
+    def chunk(index: int, text: str, finish: str | None = None) -> dict:
+        return {"id": "cmpl-fake", "choices": [{"index": index, "text": text, "finish_reason": finish}]}
+
+    bodies = [sse(chunk(0, "done here", "stop"), chunk(1, "half"), {"error": {"message": "boom"}}, "[DONE]"),
+              sse(chunk(0, "cut"), chunk(1, "off"))]
+
+    def serve(body: str):
+        sse_type = {"Content-Type": "text/event-stream"}
+        return lambda route: route.fulfill(status=200, headers=sse_type, body=body)
+
+    for body in bodies:
+        page.route("**/v1/completions", serve(body))
+        set_controls(page, max_tokens=8, n=2)
+        run_prompt(page, "fake")
+        page.wait_for_function("document.querySelectorAll('.output.running').length === 0", timeout=10_000)
+        page.unroute("**/v1/completions")
+    states = page.eval_on_selector_all(".output .state", "nodes => nodes.map(n => n.textContent)")
+    assert states == ["error", "error", "error", "finish: stop"], states  # newest first, choice 1 over 0
+    texts = page.eval_on_selector_all(".output pre", "nodes => nodes.map(n => n.textContent)")
+    assert "[boom]" in texts[2] and "[boom]" not in texts[3]
+    assert all("ended before its choices finished" in t for t in texts[:2])
 
 
 def test_chat_mode_streams_to_the_finish(page):

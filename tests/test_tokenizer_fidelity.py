@@ -116,7 +116,7 @@ def test_load_tokenizer_overrides(tmp_path):
     assert tok.chat_token_ids(MESSAGES) == tok.encode("be brief")  # the byte tokenizer keeps its BOS
     preset = load_tokenizer("tiny")
     assert preset.apply_chat_template(MESSAGES[:2]) == "system: be brief\nuser: hi\nassistant:"
-    with pytest.raises(ValueError, match="300 ids but the model only 259"):
+    with pytest.raises(ValueError, match="ids up to 299 but the model only 259"):
         load_tokenizer("tiny", tokenizer=str(tmp_path / "tok"))
     with pytest.raises(FileNotFoundError, match="does not download from the Hugging Face Hub"):
         load_tokenizer("meta-llama/Llama-3.1-8B")

@@ -76,8 +76,15 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool | None = False
 
 
+# A structured output's own objects refuse keys they do not know, as OpenAI's API does: a misspelt "schema"
+# (or a schema given to json_object) was ignored and the reply was free JSON (a review)
+STRICT_KEYS = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
 class JsonSchemaFormat(_Request):
     """OpenAI's response_format.json_schema: the schema the reply's JSON follows."""
+
+    model_config = STRICT_KEYS
 
     name: str
     description: str | None = None
@@ -140,6 +147,7 @@ class ResponseFormat(_Request):
     """OpenAI's response_format: free text, any JSON object, or JSON that follows a schema; or vLLM's
     structural tag (either form: StructuralTag)."""
 
+    model_config = STRICT_KEYS
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
     structures: list[TagStructure] | None = Field(None, min_length=1, max_length=MAX_TAGS)

@@ -129,8 +129,11 @@ class RequestView {
     this.render(c);
   }
 
+  // An error, a stop or a broken stream ends the choices still running; a finished one keeps its finish.
   fail(message) {
     for (const c of this.cards) {
+      if (c.finish !== null) continue;
+      c.finish = "error";
       c.card.classList.remove("running");
       c.card.classList.add("error", "done");
       c.text.textContent += `\n[${message}]`;
@@ -168,6 +171,7 @@ async function runPrompt(prompt, label) {
         if (c.finish_reason) view.finish(c.index, c.finish_reason);
       }
     }
+    view.fail("the stream ended before its choices finished"); // (none left running after [DONE])
   } catch (e) {
     view.fail(e.name === "AbortError" ? "stopped" : String(e));
   } finally {
@@ -292,9 +296,10 @@ async function loadModel() {
 }
 
 // ---- wiring --------------------------------------------------------------------------------------------
-$("api-key").value = localStorage.getItem(KEY_STORE) || "";
+// the key lives as long as the tab, never on disk (in localStorage it outlived the browser: a review)
+$("api-key").value = sessionStorage.getItem(KEY_STORE) || "";
 $("api-key").addEventListener("change", () => {
-  localStorage.setItem(KEY_STORE, $("api-key").value.trim());
+  sessionStorage.setItem(KEY_STORE, $("api-key").value.trim());
   loadModel();
   restartKV();
 });
