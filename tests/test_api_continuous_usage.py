@@ -133,16 +133,22 @@ def _text(choice: dict) -> str:
 
 @pytest.mark.parametrize("path,base", [("/v1/completions", {"prompt": "Hello"}),
                                        ("/v1/chat/completions", {"messages": MESSAGES})])
-def test_without_include_usage_it_asks_for_nothing(app, path, base):
-    """As in vLLM: continuous_usage_stats alone adds neither usage to the chunks nor a usage chunk."""
+def test_alone_it_asks_for_usage_and_include_usage_false_still_wins(app, path, base):
+    """As in vLLM, whose include_usage defaults to true: continuous_usage_stats alone gives the running
+    usage and the usage chunk (a review: before, it gave nothing); with include_usage false, neither."""
     req = {**base, "max_tokens": 3, **GREEDY}
     plain = sse_payloads(post(app, path, {**req, "stream": True}).text)
     alone = post(app, path, {**req, "stream": True, "stream_options": {"continuous_usage_stats": True}})
     assert alone.status_code == 200, alone.text
     chunks = sse_payloads(alone.text)
     # (how many tokens a chunk carries follows the engine's pace: compare the streams' text, not chunk counts)
-    assert all("usage" not in c and c["choices"] for c in chunks)  # no usage, no usage-only chunk
-    assert streamed_text(chunks) == streamed_text(plain)
+    assert all(c["usage"] is not None for c in chunks) and chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] == 3
+    assert streamed_text(chunks[:-1]) == streamed_text(plain)
+    off = sse_payloads(post(app, path, {**req, "stream": True, "stream_options": {
+        "include_usage": False, "continuous_usage_stats": True}}).text)
+    assert all("usage" not in c and c["choices"] for c in off)  # no usage, no usage-only chunk
+    assert streamed_text(off) == streamed_text(plain)
     off = sse_payloads(post(app, path, {**req, "stream": True, "stream_options": {
         "include_usage": True, "continuous_usage_stats": False}}).text)
     assert all(c["usage"] is None for c in off[:-1]) and off[-1]["usage"]["completion_tokens"] == 3
@@ -193,7 +199,7 @@ def test_a_stream_without_it_pays_nothing_per_delta():
     """Without continuous usage the frame is the plain one (fixed tail) and the choices plain StreamedChoices:
     the hot path does what it did before."""
     for options in ({}, {"stream_options": {"include_usage": True}},
-                    {"stream_options": {"continuous_usage_stats": True}}):
+                    {"stream_options": {"include_usage": False, "continuous_usage_stats": True}}):
         req = ChatCompletionRequest(messages=MESSAGES, stream=True, **options)
         job = ChatJob(SimpleNamespace(model_name="tiny"), req, "chatcmpl-x", 1, [1, 2], SamplingParams())
         assert job.running_usage is None and type(job.frame) is ChunkFrame

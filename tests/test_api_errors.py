@@ -207,6 +207,16 @@ def test_unknown_model_is_404(engine):
     assert err["code"] == "model_not_found"
 
 
+def test_an_empty_model_name_and_top_logprobs_0_ask_for_nothing(engine):
+    """As vLLM takes them (a review): "model": "" is the served model, and top_logprobs 0 without logprobs
+    asks for nothing (above 0 it needs logprobs)."""
+    app = create_app(engine)
+    r = request(app, "POST", "/v1/completions", json={**CMPL, "model": ""})
+    assert r.status_code == 200 and r.json()["model"] == engine.model_name, r.text
+    r = request(app, "POST", "/v1/chat/completions", json={**CHAT, "top_logprobs": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None, r.text
+
+
 def test_prompt_plus_max_tokens_too_long_names_max_tokens_and_both_numbers(engine):
     r = request(create_app(engine), "POST", "/v1/completions",
                 json={"prompt": "hello", "max_tokens": engine.max_model_len})

@@ -103,6 +103,10 @@ def test_detokenize_round_trips(tiny):
     ("/tokenize", {"prompt": "a", "messages": MESSAGES}, 400, None),
     ("/tokenize", {"messages": []}, 400, "messages"),
     ("/tokenize", {"prompt": "a", "model": "other"}, 404, "model"),
+    # vLLM's fields not served here: refused, never a count of another prompt (a review: ignored before)
+    ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, 400, "continue_final_message"),
+    ("/tokenize", {"messages": MESSAGES, "chat_template": "{{ 1 }}"}, 400, "chat_template"),
+    ("/tokenize", {"prompt": "a", "return_token_strs": True}, 400, "return_token_strs"),
     ("/detokenize", {"tokens": [1, 10**6]}, 400, "tokens"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens[0]"),
     ("/detokenize", {"tokens": "abc"}, 400, "tokens"),

@@ -177,7 +177,7 @@ def _job(engine, req: ChatCompletionRequest, limits: RequestLimits | None = None
          tool_call_parser: str | None = None, grammar: Grammar | None = None,
          request_id: str | None = None) -> ChatJob:
     """`request_id`: the one resolve_request_id gave; None: a fresh one."""
-    if req.top_logprobs is not None and not req.logprobs:
+    if req.top_logprobs and not req.logprobs:  # 0 asks for nothing (vLLM's default)
         raise APIError(400, "top_logprobs requires logprobs to be true.", "top_logprobs")
     if req.calls_tools and tool_call_parser is None:
         raise APIError(400, '"auto" tool choice requires the server to run with --enable-auto-tool-choice '

@@ -84,7 +84,8 @@ def model_names(engine) -> list[str]:
 
 
 def check_model(engine, requested: str | None) -> None:
-    """A request may omit `model`; naming another model than the one served is a 404."""
-    if requested is not None and requested not in model_names(engine):
+    """A request may omit `model` (or send "", as vLLM takes it); naming another model than the one served is
+    a 404."""
+    if requested and requested not in model_names(engine):
         raise APIError(404, f"The model '{requested}' does not exist; this server serves "
                             f"'{engine.model_name}'.", "model", "model_not_found")

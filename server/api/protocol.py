@@ -71,8 +71,9 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
-    include_usage: bool | None = False
-    # vLLM's: every chunk before the usage chunk carries the usage so far; only with include_usage, as vLLM
+    include_usage: bool | None = None  # None: as OpenAI's false, unless continuous_usage_stats asks (vLLM)
+    # vLLM's: every chunk before the usage chunk carries the usage so far. vLLM's include_usage defaults to
+    # true, so this field alone gives usage there, and here; an explicit include_usage false still wins
     continuous_usage_stats: bool | None = False
 
 
@@ -319,12 +320,16 @@ class _SamplingRequest(_Request):
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+        """A usage chunk ends the stream: include_usage, or where it is not given, continuous_usage_stats."""
+        so = self.stream_options
+        if so is None:
+            return False
+        return bool(so.continuous_usage_stats if so.include_usage is None else so.include_usage)
 
     @property
     def continuous_usage(self) -> bool:
-        """Every streamed chunk carries the usage so far: continuous_usage_stats, which (as in vLLM) asks for
-        nothing without include_usage."""
+        """Every streamed chunk carries the usage so far: continuous_usage_stats, with the usage chunk (an
+        explicit include_usage false turns both off, as in vLLM)."""
         return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
@@ -504,6 +509,10 @@ class TokenizeRequest(_Request):
     # None: as the endpoint that takes this input tokenizes it (a prompt gets the post-processor's special
     # tokens, messages what /v1/chat/completions gives them)
     add_special_tokens: bool | None = None
+    # vLLM's, not served here (as chat refuses the first two): a 400, never a count of another prompt
+    continue_final_message: Annotated[Any, refused_unless(None, False)] = None
+    chat_template: Annotated[Any, refused_unless(None)] = None
+    return_token_strs: Annotated[Any, refused_unless(None, False)] = None
 
     @model_validator(mode="after")
     def _prompt_or_messages(self):
