@@ -217,6 +217,16 @@ def test_an_empty_model_name_and_top_logprobs_0_ask_for_nothing(engine):
     assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None, r.text
 
 
+def test_tool_choice_required_over_no_tools_calls_nothing(engine):
+    """As vLLM aligns it with OpenAI: "required" with tools [] is "none" (a review: a 400); with no tools
+    list at all it is a 400 naming tool_choice."""
+    app = create_app(engine)
+    r = request(app, "POST", "/v1/chat/completions", json={**CHAT, "tools": [], "tool_choice": "required"})
+    assert r.status_code == 200 and not r.json()["choices"][0]["message"].get("tool_calls"), r.text
+    r = request(app, "POST", "/v1/chat/completions", json={**CHAT, "tool_choice": "required"})
+    assert_error(r, 400, "tool_choice")
+
+
 def test_prompt_plus_max_tokens_too_long_names_max_tokens_and_both_numbers(engine):
     r = request(create_app(engine), "POST", "/v1/completions",
                 json={"prompt": "hello", "max_tokens": engine.max_model_len})

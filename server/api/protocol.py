@@ -491,6 +491,14 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True  # vLLM's: False renders the messages without the reply's opening
     documents: Annotated[Any, refused_unless(None)] = None
 
+    @model_validator(mode="after")
+    def _required_of_no_tools_is_none(self):
+        """tool_choice "required" over an empty tools list calls nothing: "none", as vLLM aligns it with
+        OpenAI (a review: it was a 400); without a tools list it stays a 400 (forced_tool_calls.py)."""
+        if self.tool_choice == "required" and self.tools == []:
+            self.tool_choice = "none"
+        return self
+
     @property
     def calls_tools(self) -> bool:
         """Whether the reply may hold tool calls to parse: tools given, tool_choice "auto" (its default)."""
