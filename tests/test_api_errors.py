@@ -50,7 +50,8 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 BAD_COMPLETIONS = [
     ({"max_tokens": 2}, "prompt"),
     ({"prompt": 5}, "prompt"),
-    ({"prompt": ""}, "prompt"),
+    ({"prompt": "", "add_special_tokens": False}, "prompt"),  # no BOS: no token to read
+    ({"prompt": ["a", ""], "add_special_tokens": False}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({"prompt": [[]]}, "prompt"),
     ({"prompt": ["a", 1]}, "prompt"),
@@ -215,6 +216,16 @@ def test_an_empty_model_name_and_top_logprobs_0_ask_for_nothing(engine):
     assert r.status_code == 200 and r.json()["model"] == engine.model_name, r.text
     r = request(app, "POST", "/v1/chat/completions", json={**CHAT, "top_logprobs": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None, r.text
+
+
+def test_an_empty_text_prompt_is_its_bos(engine):
+    """As vLLM serves it: "" tokenizes to BOS, a prompt (a review: refused before tokenizing); an empty list
+    of ids stays a 400."""
+    app = create_app(engine)
+    for prompt in ("", ["", "a"]):
+        r = request(app, "POST", "/v1/completions", json={**CMPL, "prompt": prompt, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["prompt_token_ids"] == [engine.tokenizer.bos_token_id]
 
 
 def test_tool_choice_required_over_no_tools_calls_nothing(engine):

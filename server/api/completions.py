@@ -179,6 +179,8 @@ def _job(engine, req: CompletionRequest, grammar: Grammar | None = None,
     if isinstance(prompt, str) or isinstance(prompt[0], str):
         texts = [prompt] if isinstance(prompt, str) else list(prompt)
         prompts = [tok.encode(t, add_bos=req.add_special_tokens is not False) for t in texts]
+        if not all(prompts):  # "" without a BOS: nothing for the model to read
+            raise APIError(400, "prompt must not be empty: it tokenizes to no token.", "prompt")
     else:
         prompts = [prompt] if isinstance(prompt[0], int) else [list(p) for p in prompt]
         for ids in prompts:
