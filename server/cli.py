@@ -7,6 +7,7 @@ flag's help says so.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -376,7 +377,29 @@ def startup_line(engine, url: str) -> str:
             f"kv_cache={capacity} tokens ({kv['num_blocks']} blocks x {kv['block_size']}) url={url}")
 
 
+# descriptors an API process needs beyond its connections: the core's sockets, pipes, files, the log
+FILE_MARGIN = 64
+
+
+def raise_open_file_limit(max_connections: int) -> None:
+    """The soft RLIMIT_NOFILE up to the hard one, as vLLM raises it: at a common soft limit of 1024 the API
+    process ran out of descriptors below --max-connections, new clients hung instead of getting the cap's
+    503, and asyncio logged a traceback per refused accept (250 MB in 100 s: a review). A warning if the
+    connections still do not fit."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    if soft != resource.RLIM_INFINITY and soft < max_connections + FILE_MARGIN:
+        logger.warning("the open-file limit (%d) is below --max-connections %d + %d: raise it (ulimit -n) or "
+                       "lower --max-connections", soft, max_connections, FILE_MARGIN)
+
+
 def serve(args: argparse.Namespace) -> int:
+    raise_open_file_limit(args.max_connections)
     if args.api_server_count > 1:
         from server.supervisor import supervise
 

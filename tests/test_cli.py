@@ -182,3 +182,23 @@ def test_cuda_without_a_device_is_one_line(capsys):
     assert main(["serve", "tiny", "--device", "cuda", "--engine-in-process", "--port", "0"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("pagewalk serve: error: --device cuda: no CUDA device") and err.count("\n") == 1
+
+
+def test_the_open_file_limit_is_raised_to_the_hard_one(monkeypatch, caplog):
+    """At a soft limit of 1024 the API process ran out of descriptors below --max-connections: new clients
+    hung instead of getting the cap's 503 (a review). Start-up raises it to the hard limit, and warns where
+    the connections still do not fit."""
+    import resource
+
+    from server.cli import raise_open_file_limit
+
+    limits = {"now": (1024, 4096)}
+    monkeypatch.setattr(resource, "getrlimit", lambda which: limits["now"])
+    monkeypatch.setattr(resource, "setrlimit", lambda which, value: limits.update(now=value))
+    with caplog.at_level("WARNING", logger="pagewalk"):
+        raise_open_file_limit(1024)
+    assert limits["now"] == (4096, 4096) and not caplog.records
+    limits["now"] = (1024, 1024)
+    with caplog.at_level("WARNING", logger="pagewalk"):
+        raise_open_file_limit(1024)
+    assert "below --max-connections 1024" in caplog.text
