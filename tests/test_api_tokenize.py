@@ -164,3 +164,12 @@ def test_chat_template_flag_supplies_the_template(checkpoint):
         r = call(app, "POST", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2,
                                                         "return_token_ids": True})
         assert r.status_code == 200 and r.json()["prompt_token_ids"] == expected, r.text
+
+
+def test_the_schema_names_the_responses(tiny):
+    """The handlers answer with pydantic's JSON as a Response (no encoder pass in the event loop); the
+    OpenAPI schema still names their response models."""
+    spec = tiny[0].openapi()
+    for path, model in (("/tokenize", "TokenizeResponse"), ("/detokenize", "DetokenizeResponse")):
+        schema = spec["paths"][path]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
+        assert schema == {"$ref": f"#/components/schemas/{model}"}

@@ -23,7 +23,8 @@ from server.api.sampling import check_token_ids
 router = APIRouter()
 
 
-@router.post("/tokenize", openapi_extra=request_body(TokenizeRequest, {"prompt": "Hello"}))
+@router.post("/tokenize", openapi_extra=request_body(TokenizeRequest, {"prompt": "Hello"}),
+             response_model=TokenizeResponse)  # the schema's (a Response returned passes as it is)
 async def tokenize(request: Request) -> Response:
     engine = request.app.state.engine
     req = await parse_body(request, TokenizeRequest)
@@ -39,7 +40,7 @@ async def tokenize(request: Request) -> Response:
     return Response(body.model_dump_json(), media_type="application/json")
 
 
-@router.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
+@router.post("/detokenize", openapi_extra=request_body(DetokenizeRequest), response_model=DetokenizeResponse)
 async def detokenize(request: Request) -> Response:
     engine = request.app.state.engine
     req = await parse_body(request, DetokenizeRequest)
