@@ -584,7 +584,7 @@ class ModelRunner:
         try:
             return KVCacheTensors(cfg.num_layers, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
                                   self.dtype, self.device)
-        except (RuntimeError, torch.OutOfMemoryError) as e:  # the allocator's own message names no flag
+        except RuntimeError as e:  # (torch.OutOfMemoryError among them) the allocator's message names no flag
             gib = num_blocks * self._bytes_per_block() / 2**30
             raise ValueError(f"the KV cache of {num_blocks} blocks ({gib:.1f} GiB) does not fit on "
                              f"{self.device}: lower --num-blocks (or --gpu-memory-utilization)") from e
