@@ -110,3 +110,31 @@ def test_a_kv_cache_that_cannot_be_allocated_names_its_flag():
     """--num-blocks 10**11: the allocator's own message named no flag (a review)."""
     with pytest.raises(ValueError, match=r"KV cache of 100000000000 blocks .* lower --num-blocks"):
         build_core(EngineConfig(**{**TINY, "num_blocks": 10**11, "max_model_len": None}))
+
+
+def run_tokens(core, max_steps: int = 500) -> tuple[dict[tuple[str, int], list[int]], list[str]]:
+    """-> every choice's tokens and the request ids in the order their first choice finished."""
+    tokens, finished = {}, []
+    for _ in range(max_steps):
+        if not core.has_work():
+            return tokens, finished
+        for u in core.step().updates:
+            tokens.setdefault((u.request_id, u.index), []).extend(u.new_token_ids)
+            if u.finish_reason is not None and u.request_id not in finished:
+                finished.append(u.request_id)
+    raise AssertionError("no progress")
+
+
+def test_a_small_request_is_not_held_behind_a_wide_one_that_does_not_fit(core):
+    """max_num_seqs 6: while `long` holds a row, the n = 6 request cannot enter; the small one queued after
+    it runs and finishes meanwhile, and the wide one's six choices are the tokens they are alone."""
+    core.add_request(EngineRequest("long", list(range(3, 9)), greedy(30), 0.0))
+    core.add_request(EngineRequest("wide", list(range(10, 15)), greedy(4, n=6), 0.0))
+    core.add_request(EngineRequest("small", list(range(20, 24)), greedy(3), 0.0))
+    tokens, finished = run_tokens(core)
+    assert finished == ["small", "long", "wide"]
+    assert core.kv.usage().used_blocks == 0
+    solo, _ = build_core(EngineConfig(**TINY, async_scheduling=False))
+    solo.add_request(EngineRequest("wide", list(range(10, 15)), greedy(4, n=6), 0.0))
+    alone, _ = run_tokens(solo)
+    assert {k: v for k, v in tokens.items() if k[0] == "wide"} == alone

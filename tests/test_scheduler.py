@@ -14,8 +14,9 @@ import pytest
 
 from kvcache import KVCacheManager
 from kvcache.prefix_hash import chain_root
+from server.engine import scheduler as scheduler_module
 from server.engine.sampling_params import SamplingParams
-from server.engine.scheduler import Scheduler
+from server.engine.scheduler import Scheduler, SchedulerOutput
 from server.engine.sequence import SeqStatus, Sequence
 
 VOCAB = 97
@@ -165,6 +166,85 @@ def test_one_step_admits_by_rows_counting_the_widths_it_admitted():
     h.run()
     assert all(s.output_token_ids == expected_output([1, 2, 3], 2) for s in wide)
     assert b.output_token_ids == expected_output([6, 7], 2)
+
+
+def first_steps(h: Harness, seqs: list[Sequence], max_steps: int = 200) -> list[int]:
+    """Run h to the end; -> the step at which each of seqs first took a batch row."""
+    started: dict[int, int] = {}
+    for step in range(max_steps):
+        if not h.sched.has_work() and h.in_flight is None:
+            return [started[s.seq_id] for s in seqs]
+        for s in h.step().new_rows:
+            started.setdefault(s.seq_id, step)
+    raise AssertionError("did not finish")
+
+
+def test_a_request_that_fits_is_admitted_past_a_wide_one_that_does_not():
+    """Rows: `long` holds one of three; the n=3 request behind it needs all three, so the small ones behind
+    it enter first (each counted against it), and it enters once `long` ends. Every output stays exact."""
+    h = Harness(max_num_seqs=3)
+    long = h.add([1, 2], max_tokens=8)[0]
+    wide = h.add([3, 4, 5], max_tokens=2, n=3)
+    small = [h.add([6, i], max_tokens=2)[0] for i in range(2)]
+    steps = first_steps(h, [long, wide[0], *small])
+    assert steps[0] == steps[2] == steps[3] == 0 and steps[1] > 0
+    assert wide[0].times_passed == 2 and small[0].times_passed == small[1].times_passed == 0
+    assert long.output_token_ids == expected_output([1, 2], 8)
+    assert all(s.output_token_ids == expected_output([3, 4, 5], 2) for s in wide)
+    assert all(s.output_token_ids == expected_output([6, i], 2) for i, s in enumerate(small))
+    assert h.kv.usage().used_blocks == 0
+
+
+def test_a_short_prompt_is_admitted_past_a_long_one_that_lacks_blocks():
+    h = Harness(num_blocks=9, block_size=4, caching=False)  # 8 usable blocks = 32 slots
+    held = h.add(list(range(10, 26)), max_tokens=6)[0]  # 16 + 6 tokens: 6 blocks at the end
+    big = h.add(list(range(30, 46)), max_tokens=1)[0]  # needs 4 blocks, finds 4 free less those kept free
+    short = h.add([50, 51], max_tokens=1)[0]  # needs 1
+    steps = first_steps(h, [held, big, short])
+    assert steps[2] < steps[1] and big.times_passed >= 1
+    assert big.output_token_ids == expected_output(list(range(30, 46)), 1)
+    assert short.output_token_ids == expected_output([50, 51], 1)
+
+
+def test_a_request_passed_max_passes_times_holds_the_queue(monkeypatch):
+    monkeypatch.setattr(scheduler_module, "MAX_PASSES", 2)
+    h = Harness(max_num_seqs=2)
+    long = h.add([1, 2], max_tokens=12)[0]
+    wide = h.add([3, 4], max_tokens=2, n=2)
+    small = [h.add([6, i], max_tokens=1)[0] for i in range(4)]
+    steps = first_steps(h, [long, wide[0], *small])
+    # two small ones pass the wide one; the third and fourth wait for it, which waits for `long`
+    assert max(steps[2:4]) < steps[1] <= min(steps[4:6]) and wide[0].times_passed == 2
+    assert steps[1] == 12  # `long` runs steps 0-11 (prefill + 11 decodes) before its row frees
+    assert all(s.output_token_ids == expected_output([3, 4], 2) for s in wide)
+
+
+def test_admission_looks_at_most_pass_depth_sequences_past_the_first_that_does_not_fit(monkeypatch):
+    monkeypatch.setattr(scheduler_module, "PASS_DEPTH", 1)
+    h = Harness(max_num_seqs=2)
+    long = h.add([1, 2], max_tokens=6)[0]
+    wide = [h.add([3, i], max_tokens=1, n=2)[0] for i in range(2)]
+    small = h.add([6, 7], max_tokens=1)[0]
+    out = h.step()
+    assert [c.seq for c in out.chunks] == [long] and small.status is SeqStatus.WAITING
+    assert first_steps(h, [small])  # it still runs, once the wide ones have
+    assert all(w.output_token_ids == expected_output([3, i], 1) for i, w in enumerate(wide))
+
+
+@pytest.mark.parametrize("preempted", [True, False])
+def test_a_preempted_sequence_holds_the_queue(monkeypatch, preempted):
+    """A preempted sequence at the front that cannot get its blocks back is never passed; a new one is."""
+    h = Harness(max_num_seqs=3)
+    a = h.add([1, 2], max_tokens=3)[0]
+    h.step()
+    h.sched._preempt(a, SchedulerOutput())  # as _reserve_slots does when blocks run out
+    a.num_preemptions = int(preempted)
+    small = h.add([6, 7], max_tokens=1)[0]
+    admit = h.sched._admit
+    monkeypatch.setattr(h.sched, "_admit", lambda seq, out: seq is not a and admit(seq, out))
+    h.step()
+    assert h.sched.waiting[0] is a
+    assert (small.status is SeqStatus.WAITING) is preempted
 
 
 def test_preemption_frees_latest_requeues_at_front_and_resumes_exactly():

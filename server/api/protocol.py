@@ -274,7 +274,7 @@ class _SamplingRequest(_Request):
     length_penalty: Annotated[Any, refused_unless(None, 1.0)] = None
     logits_processors: Annotated[Any, refused_unless(None, [])] = None
     prompt_embeds: Annotated[Any, refused_unless(None)] = None
-    priority: Annotated[Any, refused_unless(None, 0)] = None  # vLLM's; the scheduler is FCFS
+    priority: Annotated[Any, refused_unless(None, 0)] = None  # vLLM's; admission has no priorities
     kv_transfer_params: Annotated[Any, refused_unless(None, {})] = None  # vLLM's disaggregated prefill
     vllm_xargs: Annotated[Any, refused_unless(None, {})] = None  # vLLM's custom logits processors' arguments
 

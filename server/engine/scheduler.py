@@ -1,4 +1,4 @@
-"""Continuous-batching scheduler: decodes first, then chunked prefills, then FCFS admission.
+"""Continuous-batching scheduler: decodes first, then chunked prefills, then admission in arrival order.
 
 Pure bookkeeping on ints: it asks the KVCacheManager for blocks, hands out batch rows and decides who runs
 which token range. It is the one place that advances a Sequence: `schedule` counts a scheduled chunk as
@@ -19,6 +19,11 @@ from dataclasses import dataclass, field
 
 from kvcache import KVCacheManager
 from server.engine.sequence import SeqStatus, Sequence
+
+# Admission past a waiting sequence that does not fit: how many waiting sequences one step looks at beyond
+# the first that does not fit, and how many admissions may pass one sequence before it holds the queue.
+PASS_DEPTH = 32
+MAX_PASSES = 32
 
 
 @dataclass
@@ -133,14 +138,8 @@ class Scheduler:
             if (seq.status is SeqStatus.RUNNING and (not seq.is_decode or seq.fork_children)
                     and self._reserve_slots(seq, out)):
                 budget -= self._add_prefill(seq, budget, out)
-        slots = self.num_running_slots() if self.waiting else 0  # counted once: admission adds widths
-        while self.waiting and budget > 0 and not out.preempted:  # 3) FCFS admission
-            seq = self.waiting[0]
-            if slots + seq.width > self.max_num_seqs or not self._admit(seq, out):
-                break
-            self.waiting.popleft()
-            slots += seq.width  # before its prefill forks the children (they keep the same total)
-            budget -= self._add_prefill(seq, budget, out)
+        if self.waiting and not out.preempted:  # 3) admission, in arrival order as far as it fits
+            self._admit_waiting(budget, out)
         self._list_samples(out)
         return out
 
@@ -163,6 +162,30 @@ class Scheduler:
             seq.token_ids.append(token)
             taken.append((i, seq))
         return taken
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        """Admit waiting sequences in arrival order while rows, blocks and the token budget last. One that
+        does not fit (its n choices' rows, its blocks) is passed over, and those behind it tried, up to
+        PASS_DEPTH of them; each admission past a sequence counts against it, and one passed MAX_PASSES
+        times holds the queue until it fits, as a preempted one always does: a small request need not wait
+        behind a large one, and the large one waits at most MAX_PASSES admissions longer."""
+        slots = self.num_running_slots()  # counted once: admission adds widths
+        i = 0
+        while i < len(self.waiting) and budget > 0:
+            seq = self.waiting[i]
+            if slots + seq.width <= self.max_num_seqs and self._admit(seq, out):
+                del self.waiting[i]
+                for passed in itertools.islice(self.waiting, i):
+                    passed.times_passed += 1
+                slots += seq.width  # before its prefill forks the children (they keep the same total)
+                queued = len(self.waiting)
+                budget -= self._add_prefill(seq, budget, out)
+                if len(self.waiting) != queued:  # a child that could not fork went to the front: no blocks
+                    return
+            elif i < PASS_DEPTH and seq.num_preemptions == 0 and seq.times_passed < MAX_PASSES:
+                i += 1
+            else:
+                return
 
     # ---- helpers ----------------------------------------------------------------------------------
     def _mark_computed(self, seq: Sequence, end: int) -> None:
@@ -206,6 +229,7 @@ class Scheduler:
             pairs = self.kv.fork(parent.seq_id, child.seq_id)
             if pairs is None:
                 child.status = SeqStatus.WAITING
+                child.times_passed = MAX_PASSES  # it holds the queue until it fits, as a preempted one does
                 self.waiting.appendleft(child)
                 continue
             out.copies.extend(pairs)

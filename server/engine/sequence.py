@@ -41,6 +41,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
+    times_passed: int = 0  # admissions past it while it waited (Scheduler._admit_waiting bounds them)
     # the prompt's prefix-cache keys (KVCacheManager.prefix_keys), computed when the request arrives, so the
     # admission in a step only looks them up; dropped once admitted (32 admissions over a 496-token cached
     # prefix: the step's schedule() 1.02 -> 0.68 ms, add_request +0.45 ms outside the step; CI CPU, 3 runs)
