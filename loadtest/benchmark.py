@@ -1,4 +1,4 @@
-"""Drive a workload: release requests at their arrival offsets, keep at most `concurrency` in flight.
+"""Drive a workload: send requests at their arrival offsets, keep at most `concurrency` in flight.
 
 A request's clock starts when it gets a concurrency slot (as in vLLM's `bench serve`), so TTFT measures
 the server, not the client's own queue. Setting `stop` (Ctrl-C) cancels what is in flight and returns the
@@ -66,6 +66,12 @@ async def open_clients(concurrency: int, timeout_s: float) -> AsyncIterator[list
         yield [await stack.enter_async_context(make_client(share, timeout_s)) for share in shares]
 
 
+def in_order(num_requests: int) -> Callable[[], int | None]:
+    """Claims of one process: request indices 0, 1, ... then None."""
+    indices = iter(range(num_requests))
+    return lambda: next(indices, None)
+
+
 async def run_benchmark(
     client: httpx.AsyncClient | list[httpx.AsyncClient],
     specs: list[RequestSpec],
@@ -75,47 +81,39 @@ async def run_benchmark(
     stop: asyncio.Event | None = None,
     on_record: Callable[[RequestRecord], None] | None = None,
     start_at: float | None = None,
+    claim: Callable[[], int | None] | None = None,
 ) -> BenchmarkRun:
+    """`concurrency` slots, each sending one request at a time: a free slot claims the next request index
+    (`claim`; in order by default) and sends it at its arrival offset, so request j goes out at its offset
+    or, when every slot is busy then, as the first slot frees. Worker processes pass a claim shared by all of
+    them (processes.py), so their slots together behave as the slots of one process."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     run = BenchmarkRun(records=[], num_requested=len(specs), concurrency=concurrency)
     clients = client if isinstance(client, list) else [client]
-    free_slots: asyncio.Queue[int] = asyncio.Queue()
-    for slot in range(concurrency):
-        free_slots.put_nowait(slot)
-    tasks: list[asyncio.Task] = []
+    claim = claim or in_order(len(specs))
+    t0 = time.perf_counter() if start_at is None else start_at
 
-    async def one(spec: RequestSpec) -> None:
-        slot = await free_slots.get()
-        try:
-            rec = await send_request(clients[slot % len(clients)], spec, cfg)
-        finally:
-            free_slots.put_nowait(slot)
-        run.records.append(rec)
-        if on_record is not None:
-            on_record(rec)
-
-    async def dispatch() -> None:
-        t0 = time.perf_counter() if start_at is None else start_at
-        for spec, offset in zip(specs, offsets, strict=True):
-            delay = t0 + offset - time.perf_counter()
+    async def slot(s: int) -> None:
+        while (j := claim()) is not None:
+            delay = t0 + offsets[j] - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(spec)))
-        await asyncio.gather(*tasks)
+            rec = await send_request(clients[s % len(clients)], specs[j], cfg)
+            run.records.append(rec)
+            if on_record is not None:
+                on_record(rec)
 
-    dispatcher = asyncio.create_task(dispatch())
+    slots = asyncio.ensure_future(asyncio.gather(*(slot(s) for s in range(concurrency))))
     stopper = asyncio.create_task(stop.wait()) if stop is not None else None
-    waiters = [t for t in (dispatcher, stopper) if t is not None]
-    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-    run.interrupted = not dispatcher.done()
-    for task in [dispatcher, *tasks]:
-        task.cancel()
-    await asyncio.gather(dispatcher, *tasks, return_exceptions=True)
+    await asyncio.wait([t for t in (slots, stopper) if t is not None], return_when=asyncio.FIRST_COMPLETED)
+    run.interrupted = not slots.done()
+    slots.cancel()
+    await asyncio.gather(slots, return_exceptions=True)
     if stopper is not None:
         stopper.cancel()
-    if not run.interrupted and dispatcher.exception() is not None:
-        raise dispatcher.exception()
+    if not run.interrupted and slots.exception() is not None:
+        raise slots.exception()
     return run
 
 

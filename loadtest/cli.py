@@ -56,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="token ids for completions prompts (default: printable ASCII of byte-level tokenizers)")
     a("--temperature", type=float, default=0.0)
     a("--top-p", type=float, default=1.0, help="nucleus mass kept (sampled decoding)")
-    a("--request-timeout", type=float, default=600.0, metavar="S")
+    a("--request-timeout", type=float, default=600.0, metavar="S",
+      help="longest wait for any next piece of a response (httpx's timeout per read, not a deadline for "
+           "the whole request; the connection's at most 30 s): past it the request fails as timeout")
     a("--no-return-token-ids", action="store_true",
       help="do not ask for per-chunk token_ids (for servers that reject unknown fields)")
     a("--save-detailed", action="store_true", help="also store every chunk's timestamp in the JSON")

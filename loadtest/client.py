@@ -4,16 +4,18 @@ Times are `time.perf_counter()` seconds. `send_time` is taken just before the re
 concurrency slot is acquired), each content chunk is stamped when the piece of body carrying it is read
 (sse.py), `end_time` when the stream ends; E2EL ends at the last event with choices (`last_chunk_time`, as
 vLLM's latency: a usage block or [DONE] sent later is no token). A content chunk is one whose choice carries
-non-empty text (completions) or delta content (chat), as in vLLM's `bench serve`, or non-empty `token_ids`:
-streaming requests ask for them (`return_token_ids`, which pagewalk and vLLM honour and other servers ignore),
-so a token whose text is not yet printable (half a UTF-8 character, or an id outside a byte tokenizer's range)
-still counts as arriving.
+non-empty text (completions) or delta content or reasoning content (chat), as in vLLM's `bench serve`, or
+non-empty `token_ids`: streaming requests ask for them (`return_token_ids`, which pagewalk and vLLM honour and
+other servers ignore), so a token whose text is not yet printable (half a UTF-8 character, or an id outside a
+byte tokenizer's range) still counts as arriving.
 The output token count is the server's `usage.completion_tokens` when the response has it, else the number
-of token ids streamed, else the number of content chunks.
+of token ids streamed; a response with neither fails (`no_usage`): a server may merge several tokens into
+one chunk, so counting chunks would under-count its output (vLLM's bench re-tokenizes the text instead,
+which needs the model's tokenizer).
 
 Failures never raise: they come back as a record with `error_kind` set
 (`http_<status>`, `timeout`, `connect_error`, `stream_dropped`, `incomplete_stream`, `stream_error`,
-`bad_response`).
+`bad_response`, `no_content`, `no_usage`, `finish_abort`, `finish_error`).
 """
 
 from __future__ import annotations
@@ -153,8 +155,9 @@ async def _stream(client: httpx.AsyncClient, spec: RequestSpec, cfg: ClientConfi
     if not rec.chunk_times:  # no TTFT to report, yet its usage tokens would count in the throughput
         return _fail(rec, "no_content", "stream ended without a content chunk")
     rec.last_chunk_time = reader.last_choices_time
-    counted = reader.streamed_ids or len(rec.chunk_times)
-    _apply_usage(rec, reader.completion_tokens, reader.prompt_tokens, counted)
+    if reader.completion_tokens is None and not reader.streamed_ids:  # an event may carry several tokens
+        return _fail(rec, "no_usage", "a stream without usage or token ids: its output tokens are unknown")
+    _apply_usage(rec, reader.completion_tokens, reader.prompt_tokens, reader.streamed_ids)
     _check_finish(rec, reader.finish_reason)
 
 

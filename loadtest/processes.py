@@ -2,17 +2,17 @@
 
 One asyncio process reads about 15K SSE events a second at full CPU (httpx's HTTP/1.1 stack costs most of
 it, see sse.py), below the token rates of a fast server, so the work is spread:
-- request j takes concurrency slot j % C and slot s belongs to worker s % N: each worker holds its slots'
-  share of the concurrency (the shares sum to C) and of the requests, interleaved in order;
-- every worker releases its requests at their global arrival offsets from one start time the parent hands
-  out once all workers are up (`time.perf_counter` is CLOCK_MONOTONIC on Linux, one clock for every process
-  of the host; startup checks it), and sends each record back as it finishes;
+- slot s belongs to worker s % N, so each worker holds its share of the concurrency (the shares sum to C);
+- a free slot of any worker claims the next request index from one counter the workers share (a
+  multiprocessing Value), so the slots of all workers take requests in order as the slots of one process
+  do: no request waits for a slot of its own worker while another worker's slot is free (a review found
+  requests tied to workers losing a quarter of the throughput with uneven output lengths);
+- every worker sends its claimed requests at their global arrival offsets from one start time the parent
+  hands out once all workers are up (`time.perf_counter` is CLOCK_MONOTONIC on Linux, one clock for every
+  process of the host; startup checks it), and sends each record back as it finishes;
 - the parent merges the records into one BenchmarkRun, so the metrics are computed exactly as for one
   process (the duration is first send to last completion over all workers), and the run's `loads` hold
   every worker's CPU and the parent's own.
-A slot belongs to its worker: a request waits for a free slot of its own worker even while another worker
-has one free; with requests of equal length the shares drain together.
-
 Ctrl-C: workers ignore SIGINT (a terminal sends it to the whole process group); the parent's stop reaches
 them as a message and each returns the records that had finished. A worker that dies fails the run.
 
@@ -41,7 +41,7 @@ from loadtest.cpu import LoadMeter
 from loadtest.workload import RequestSpec
 
 STREAMS_PER_PROCESS = 8
-START_MARGIN_S = 0.2  # from handing out the start time to the first release: every worker is waiting
+START_MARGIN_S = 0.2  # from handing out the start time to the first send: every worker is waiting
 CLOCK_SKEW_LIMIT_S = 10.0  # a worker's clock reading, received by the parent, is at most this old
 
 
@@ -56,13 +56,24 @@ def auto_processes(concurrency: int, cpus: int | None = None) -> int:
     return max(1, min(math.ceil(concurrency / STREAMS_PER_PROCESS), cpus // 2))
 
 
-def split_work(num_requests: int, concurrency: int, processes: int) -> list[tuple[list[int], int]]:
-    """(request indices, concurrency share) per worker; never more workers than slots or requests."""
+def concurrency_shares(num_requests: int, concurrency: int, processes: int) -> list[int]:
+    """Slots per worker (slot s on worker s % n); never more workers than slots or requests."""
     n = max(1, min(processes, concurrency, num_requests))
-    shares = [([], len(range(w, concurrency, n))) for w in range(n)]
-    for j in range(num_requests):
-        shares[(j % concurrency) % n][0].append(j)
-    return shares
+    return [len(range(w, concurrency, n)) for w in range(n)]
+
+
+def shared_claim(counter, num_requests: int) -> Callable[[], int | None]:
+    """Claims from a counter every worker holds (multiprocessing.Value): the next request index, or None."""
+
+    def claim() -> int | None:
+        with counter.get_lock():
+            j = counter.value
+            if j >= num_requests:
+                return None
+            counter.value = j + 1
+        return j
+
+    return claim
 
 
 async def run_workload(
@@ -75,16 +86,17 @@ async def run_workload(
     on_record: Callable[[RequestRecord], None] | None = None,
 ) -> BenchmarkRun:
     """The whole workload at `concurrency`, in this process (processes=1) or spread over worker processes."""
-    shares = split_work(len(specs), concurrency, processes)
+    shares = concurrency_shares(len(specs), concurrency, processes)
     if len(shares) == 1:
         return await drive(specs, cfg, concurrency, offsets, stop, on_record)
     ctx = mp.get_context("spawn")
+    counter = ctx.Value("q", 0)  # the next request index to claim (shared_claim)
     workers = []
     finished = False
     try:
-        for indices, share in shares:
+        for share in shares:
             conn, child = ctx.Pipe()
-            args = (child, [specs[i] for i in indices], [offsets[i] for i in indices], cfg, share)
+            args = (child, specs, offsets, cfg, share, counter)
             proc = ctx.Process(target=_worker_main, args=args, daemon=True, name="loadtest-worker")
             with _sigint_ignored():
                 proc.start()
@@ -205,10 +217,10 @@ async def warm_clients(clients, cfg: ClientConfig) -> None:
     await asyncio.gather(*(fetch_text(c, cfg.base_url, "/health", cfg.api_key) for c in clients))
 
 
-def _worker_main(conn: Connection, specs, offsets, cfg: ClientConfig, concurrency: int) -> None:
+def _worker_main(conn: Connection, specs, offsets, cfg: ClientConfig, concurrency: int, counter) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop (inherited, made sure)
     try:
-        run = asyncio.run(_worker(conn, specs, offsets, cfg, concurrency))
+        run = asyncio.run(_worker(conn, specs, offsets, cfg, concurrency, shared_claim(counter, len(specs))))
         if run is not None:
             conn.send(("done", run.interrupted, run.loads[0]))
     except (BrokenPipeError, EOFError):
@@ -216,9 +228,9 @@ def _worker_main(conn: Connection, specs, offsets, cfg: ClientConfig, concurrenc
     conn.close()
 
 
-async def _worker(conn: Connection, specs, offsets, cfg, concurrency: int) -> BenchmarkRun | None:
-    """Ready (loop and clients built and warm, so the first release is on time), wait for the start, run
-    the share."""
+async def _worker(conn: Connection, specs, offsets, cfg, concurrency: int, claim) -> BenchmarkRun | None:
+    """Ready (loop and clients built and warm, so the first send is on time), wait for the start, run its
+    slots on the requests they claim."""
     async with open_clients(concurrency, cfg.timeout_s) as clients:
         await warm_clients(clients, cfg)
         conn.send(("ready", time.perf_counter()))
@@ -237,7 +249,7 @@ async def _worker(conn: Connection, specs, offsets, cfg, concurrency: int) -> Be
         loop.add_reader(conn.fileno(), on_message)
         send = lambda rec: conn.send(("record", rec))
         try:
-            run = await run_benchmark(clients, specs, cfg, concurrency, offsets, stop, send, start_at)
+            run = await run_benchmark(clients, specs, cfg, concurrency, offsets, stop, send, start_at, claim)
         finally:
             loop.remove_reader(conn.fileno())
         run.loads.append(meter.stop())

@@ -28,6 +28,12 @@ import msgspec
 
 class _Delta(msgspec.Struct):
     content: str | None = None
+    reasoning_content: str | None = None  # a reasoning model's thinking tokens (vLLM, SGLang, DeepSeek)
+    reasoning: str | None = None  # the same under vLLM's newer name
+
+    @property
+    def has_text(self) -> bool:
+        return bool(self.content or self.reasoning_content or self.reasoning)
 
 
 class _Choice(msgspec.Struct):
@@ -131,7 +137,7 @@ class StreamReader:
             for c in chunk.choices:
                 if c.token_ids:
                     ids += len(c.token_ids)
-                text = text or bool(c.text or (c.delta is not None and c.delta.content))
+                text = text or bool(c.text or (c.delta is not None and c.delta.has_text))
                 if c.finish_reason is not None:
                     self.finish_reason = c.finish_reason
             if ids or text:

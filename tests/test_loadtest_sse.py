@@ -78,3 +78,13 @@ def test_an_error_field_of_null_is_no_error():
     reader = StreamReader([])
     assert reader.feed(event({**completion("a", [97]), "error": None}), 1.0)
     assert reader.failure is None and reader.chunk_times == [1.0]
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+def test_a_reasoning_delta_is_a_content_chunk(field):
+    """A reasoning model's first tokens are its thinking (`delta.reasoning_content`, vLLM's newer
+    `delta.reasoning`): they are tokens, so they stamp the TTFT and the gaps, as vLLM's bench counts them."""
+    chat = lambda delta: {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta}]}
+    reader = read([event(chat({"role": "assistant", "content": ""})), event(chat({field: "hm"})),
+                   event(chat({field: "m"})), event(chat({"content": "ok"})), b"data: [DONE]\n\n"])
+    assert reader.chunk_times == [1.0, 2.0, 3.0]
