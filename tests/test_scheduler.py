@@ -219,6 +219,36 @@ def test_a_request_passed_max_passes_times_holds_the_queue(monkeypatch):
     assert all(s.output_token_ids == expected_output([3, 4], 2) for s in wide)
 
 
+def test_one_step_admits_at_most_max_passes_past_a_waiting_request():
+    """A step with rows for many small requests stops admitting past the wide one once it has been passed
+    MAX_PASSES times (a review: the bound was checked only when the scan reached it, and 60 entered)."""
+    h = Harness(max_num_seqs=64, max_tokens_per_step=1024, num_blocks=512)
+    h.add([1, 2], max_tokens=8)
+    wide = h.add([3, 4, 5], max_tokens=2, n=64)
+    small = [h.add([6, i], max_tokens=2)[0] for i in range(60)]
+    out = h.step()
+    assert wide[0].times_passed == scheduler_module.MAX_PASSES
+    assert len(out.new_rows) == 1 + scheduler_module.MAX_PASSES
+    assert sum(s.status is SeqStatus.WAITING for s in small) == 60 - scheduler_module.MAX_PASSES
+
+
+def test_a_step_stops_after_allocation_tries_failed_block_allocations():
+    """Each failed allocation walks its prompt's cached prefix: a step makes at most ALLOCATION_TRIES."""
+    h = Harness(num_blocks=41, block_size=4, max_num_seqs=64, max_tokens_per_step=1024)
+    h.add(list(range(100, 132)), max_tokens=200)  # 8 blocks, growing
+    for _ in range(3):
+        h.step()
+    for i in range(20):  # 40 blocks each: none fits
+        h.add([7 + i] * 160, max_tokens=1)
+    calls = []
+    allocate = h.kv.allocate
+    h.kv.allocate = lambda *a, **k: calls.append(r := allocate(*a, **k)) or r
+    for _ in range(5):
+        calls.clear()
+        h.step()
+        assert calls == [None] * scheduler_module.ALLOCATION_TRIES
+
+
 def test_admission_looks_at_most_pass_depth_sequences_past_the_first_that_does_not_fit(monkeypatch):
     monkeypatch.setattr(scheduler_module, "PASS_DEPTH", 1)
     h = Harness(max_num_seqs=2)
