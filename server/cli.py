@@ -279,6 +279,9 @@ def parse_serve_args(argv: list[str]) -> argparse.Namespace:
     args.model = args.model_tag or args.model or "tiny"
     if args.api_server_count < 1:
         parser.error("--api-server-count must be at least 1")
+    if args.max_waiting < args.api_server_count:
+        parser.error(f"--max-waiting ({args.max_waiting}) is shared out among the API servers: it must be at "
+                     f"least --api-server-count ({args.api_server_count})")
     if args.api_server_count > 1 and args.engine_in_process:
         parser.error("--engine-in-process (the core inside the one API process) excludes --api-server-count")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:

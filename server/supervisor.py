@@ -2,17 +2,20 @@
 
 One API process carries ~30K streamed tokens/s on an H200 host (docs/benchmarks/serving_h200.md: it, not
 the core, is the HTTP ceiling above that). This process, the supervisor, runs no HTTP itself:
-1. it starts the engine core (ProcessCoreClient, as a control client that takes no StepUpdates) and waits
+1. it binds the listening socket (a port in use fails at once, before any model loads);
+2. it starts the engine core (ProcessCoreClient, as a control client that takes no StepUpdates) and waits
    until it is built;
-2. it binds the listening socket and spawns N API servers (server.cli.run_api_server) that share it: the
-   kernel hands each new connection to one of them. Each attaches to the core (AttachedCoreClient) and
+3. it spawns N API servers (server.cli.run_api_server) that share the socket: the kernel hands each new
+   connection to one of them. Each attaches to the core (AttachedCoreClient) and
    serves exactly as a single API process does; their Prometheus values go to files in a private directory
    that any server's /metrics sums (server.api.metrics);
-3. on SIGTERM or SIGINT it passes SIGTERM on: each server drains its own requests and exits; then it shuts
-   the core down and exits 0.
+4. on SIGTERM or SIGINT it passes SIGTERM on: each server drains its own requests and exits; then it shuts
+   the core down and exits 0. A server still running --shutdown-timeout + DRAIN_MARGIN_S after the stop
+   (stopped, deadlocked) is killed, and the exit is non-zero.
 Failures end the whole server with a non-zero exit, so a supervisor above it restarts it: the core dies
 (each API server sees its pid end, fails its requests, answers 503 and exits 1), an API server dies or
-exits unasked (the others are stopped as on SIGTERM; its requests cannot be finished by anyone else), or
+exits unasked (the others are stopped as on SIGTERM; the core aborts its requests, which nobody can
+finish, within a second: server/engine/core_process.py ClientWatch), or
 a server finds the core hung at its drain (it kills the core; the others see it end).
 """
 
@@ -28,10 +31,14 @@ import signal
 import socket
 import tempfile
 import threading
+import time
 
 logger = logging.getLogger("pagewalk")
 
 WAIT_S = 0.5  # how often the supervisor looks at its flags between process ends
+# past --shutdown-timeout, how long a server told to stop may take before it is killed: a drained server
+# exits within ~2 s of its timeout; a hung one (stopped, deadlocked) would hold the core's memory for ever
+DRAIN_MARGIN_S = 10.0
 
 
 def supervise(args: argparse.Namespace) -> int:
@@ -43,6 +50,8 @@ def supervise(args: argparse.Namespace) -> int:
     config = engine_config(args)
     try:  # what each server loads first: a bad model, tokenizer or template fails here, once
         load_tokenizer(config.model, config.tokenizer, config.chat_template)
+        # bound before the core is built: a port in use or a bad --host fails now, not after the model loads
+        sock = listen(args.host, args.port)
     except (ValueError, OSError) as e:
         return startup_failed(e)
     metrics_dir = tempfile.mkdtemp(prefix="pagewalk-metrics-")
@@ -55,15 +64,18 @@ def supervise(args: argparse.Namespace) -> int:
     try:
         try:
             core = ProcessCoreClient(config, args.log_level, updates=False)
-        except CoreStartupError as e:
-            return startup_failed(e)
+        except BaseException as e:
+            sock.close()
+            if isinstance(e, CoreStartupError):
+                return startup_failed(e)
+            raise
         try:  # until the handlers below: Ctrl-C or SIGTERM (cli.main's Terminated) raise here
             core.start(lambda msg: None, lambda reason: core_died.set())
-            sock = listen(args.host, args.port)
             for sig in (signal.SIGTERM, signal.SIGINT):  # from here a signal stops the servers started
                 signal.signal(sig, stop)
         except BaseException:  # nothing started is worth a drain; at exit Python would wait for the core
             # (which ignores SIGTERM) without end
+            sock.close()
             core.close(timeout=STOP_WAIT_S, hung=True)
             raise
         port = sock.getsockname()[1]  # the one the OS chose for --port 0
@@ -78,7 +90,7 @@ def supervise(args: argparse.Namespace) -> int:
             stop(again=True)
         logger.info("pagewalk: %d API servers (pids %s) on %s, engine core pid %d", len(servers),
                     ", ".join(str(p.pid) for p in servers), http_url(args.host, port), core.process.pid)
-        failed = _wait(servers, core_died, stopping, stop)
+        failed = _wait(servers, core_died, stopping, stop, args.shutdown_timeout + DRAIN_MARGIN_S)
         core.close(timeout=STOP_WAIT_S)
         return 1 if failed or core_died.is_set() or core.stopped_by_force else 0
     finally:
@@ -144,11 +156,13 @@ def _stopper(servers: list, stopping: threading.Event):
     return stop
 
 
-def _wait(servers: list, core_died: threading.Event, stopping: threading.Event, stop) -> bool:
-    """Until every API server has exited; True if one failed (died, or exited non-zero). A dead core makes
-    every server exit non-zero by itself; the caller also looks at `core_died`."""
+def _wait(servers: list, core_died: threading.Event, stopping: threading.Event, stop, drain_s: float) -> bool:
+    """Until every API server has exited; True if one failed (died, exited non-zero, or was still running
+    `drain_s` after the stop and was killed). A dead core makes every server exit non-zero by itself; the
+    caller also looks at `core_died`."""
     failed = False
     alive = list(servers)
+    deadline = None
     while alive:
         multiprocessing.connection.wait([p.sentinel for p in alive], timeout=WAIT_S)
         for p in [p for p in alive if not p.is_alive()]:
@@ -167,4 +181,12 @@ def _wait(servers: list, core_died: threading.Event, stopping: threading.Event, 
         if core_died.is_set() and not stopping.is_set():
             logger.error("the engine core died: the API servers fail their requests and exit")
             stopping.set()  # each server sees the core's end itself; they exit 1
+        if stopping.is_set() and deadline is None:
+            deadline = time.monotonic() + drain_s
+        if deadline is not None and alive and time.monotonic() > deadline:
+            for p in alive:
+                logger.error("API server %s still running %.0f s after the stop: killed", p.name, drain_s)
+                p.kill()
+            failed = True
+            deadline = float("inf")  # killed: the loop reaps them
     return failed

@@ -44,9 +44,10 @@ def kill(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def test_a_port_in_use_is_one_line_before_the_model_loads(tmp_path):
+@pytest.mark.parametrize("servers", ["1", "2"])  # (with 2 the supervisor built the core first: a review)
+def test_a_port_in_use_is_one_line_before_the_model_loads(tmp_path, servers):
     taken = socket.create_server(("127.0.0.1", 0))
-    proc, log = start(tmp_path, "tiny", "--port", str(taken.getsockname()[1]))
+    proc, log = start(tmp_path, "tiny", "--port", str(taken.getsockname()[1]), "--api-server-count", servers)
     try:
         code = proc.wait(timeout=90)
     finally:

@@ -3,6 +3,7 @@ requests and its own running count; aborts and duplicate ids cannot reach anothe
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 
@@ -10,7 +11,7 @@ from server.engine.core_loop import CoreLoop
 from server.engine.engine import EngineConfig, build_core
 from server.engine.outputs import EngineRequest, StepUpdate
 from server.engine.sampling_params import SamplingParams
-from server.engine.wire import Abort, Hello, Query, Ready, Reply, Shutdown
+from server.engine.wire import Abort, Gone, Hello, Query, Ready, Reply, Shutdown
 
 CFG = EngineConfig(model="tiny", device="cpu", dtype="float32", block_size=16, num_blocks=128, max_num_seqs=8,
                    max_num_batched_tokens=256, attention_backend="torch")
@@ -134,3 +135,41 @@ def test_one_turn_adds_one_prompt_logprobs_request_and_aborts_reach_those_behind
     assert not any(u.request_id == "p2" for m in steps[:first_step + 1] for u in m.updates)
     stopped = run_loop([[(b"a", Hello())], [*burst[:2], (b"ctl", Shutdown())]])
     assert [u.finish_reason for u in updates_of(stopped, b"a")["p1"]] == ["abort"]
+
+
+def test_a_client_whose_process_ended_has_its_requests_aborted():
+    """Gone (the receiver's word for a client whose process ended): its requests stop running at once and
+    their updates go to nobody; the other client's request runs on."""
+    core_stats = []
+    sent = run_loop([[(b"a", Hello()), (b"b", Hello())],
+                     [(b"a", request("r1", 40)), (b"a", request("r2", 40)), (b"b", request("r3", 8))],
+                     [], [(b"a", Gone())], []])
+    for c, m in sent:
+        if c == b"b" and isinstance(m, StepUpdate):
+            core_stats.append(m.stats.running)
+    a, b = updates_of(sent, b"a"), updates_of(sent, b"b")
+    assert not any(u.finish_reason for us in a.values() for u in us)  # nothing after it ended
+    assert sum(len(u.new_token_ids) for u in a["r1"]) < 40
+    assert set(b) == {"r3"} and b["r3"][-1].finish_reason == "length"
+    assert sum(len(u.new_token_ids) for u in b["r3"]) == 8
+    assert 1 in core_stats[core_stats.index(3):]  # r3 alone runs once a's end is seen
+
+
+def test_the_client_watch_reports_an_ended_process_once(monkeypatch):
+    import subprocess
+    import sys
+
+    from server.engine import core_process
+
+    monkeypatch.setattr(core_process, "PARENT_CHECK_MS", 0)
+    watch = core_process.ClientWatch()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    watch.add(b"a", child.pid)
+    watch.add(b"b", os.getpid())
+    watch.add(b"ctl", 0)  # in-process: nothing to watch
+    assert watch.gone() == []
+    child.kill()  # a zombie until reaped: ended already
+    time.sleep(0.2)
+    assert [(c, type(m)) for c, m in watch.gone()] == [(b"a", Gone)]
+    child.wait()
+    assert watch.gone() == []

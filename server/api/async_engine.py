@@ -123,9 +123,10 @@ class AsyncEngine:
         self._live: dict[str, LiveRequest] = {}
         self._stats = CoreStats(0, 0, info.num_blocks - 1, 0, 0, 0.0)
         self._running_here = 0  # of the core's running requests, this process's
-        # the waiting bound, shared out: each API server admits up to its part (rounded up), and its refusals
-        # name the part and the setting
-        self.max_waiting = -(-config.max_waiting // self.api_server.count)
+        # the waiting bound, shared out exactly (the parts sum to it; the command line holds it at least one
+        # a server): each API server admits up to its part, and its refusals name the part and the setting
+        count, index = self.api_server.count, self.api_server.index
+        self.max_waiting = config.max_waiting // count + (index < config.max_waiting % count)
         self.waiting_bound = (f"max_waiting={config.max_waiting}" if self.api_server.count == 1 else
                               f"this API server's {self.max_waiting} of max_waiting={config.max_waiting}")
         # the core's all-time (prefix queries, prefix hits, preemptions, steps, prompt steps) last counted

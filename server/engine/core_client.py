@@ -169,7 +169,7 @@ class _SocketCoreClient:
 
     def _handshake(self, updates: bool = True) -> CoreInfo:
         """Hello, then the core's Ready (its facts) or StartupFailed, or its process's end."""
-        self.send(Hello(updates))
+        self.send(Hello(updates, os.getpid()))
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._death_fd(), zmq.POLLIN)

@@ -19,7 +19,7 @@ import msgspec
 
 from server.engine.core import EngineCore
 from server.engine.outputs import CoreStats, EngineRequest, SeqUpdate, StepUpdate
-from server.engine.wire import Abort, CoreInfo, FromCore, Hello, Query, Ready, Reply, Shutdown, ToCore
+from server.engine.wire import Abort, CoreInfo, FromCore, Gone, Hello, Query, Ready, Reply, Shutdown, ToCore
 
 logger = logging.getLogger("pagewalk.engine")
 
@@ -75,6 +75,9 @@ class CoreLoop:
                         self.send(client, StepUpdate([], self.core.stats()))
                 elif isinstance(msg, Shutdown):
                     stop = True
+                elif isinstance(msg, Gone):
+                    self._forget(client)
+                    changed = True
             if stop:
                 for client, msg in list(self.backlog):
                     self._drop_backlogged(client, msg.request_id)
@@ -89,6 +92,19 @@ class CoreLoop:
                 self._publish(updates, step.stats)
             elif updates or changed:
                 self._publish(updates, core.stats())
+
+    def _forget(self, client: Client) -> None:
+        """A client whose process ended leaves, and its requests are aborted: their rows and blocks go back
+        at once, their updates to nobody."""
+        self.backlog = deque((own, msg) for own, msg in self.backlog if own != client)
+        self.rejected = [(c, failed) for c, failed in self.rejected if c != client]
+        self.clients.pop(client, None)
+        mine = [rid for rid, owner in self.owners.items() if owner == client]
+        if mine:
+            logger.warning("a client of the engine core ended: its %d requests are aborted", len(mine))
+        for rid in mine:
+            self.core.abort_request(rid)
+            del self.owners[rid]
 
     def _with_backlog(self, received: list[tuple[Client, ToCore]]) -> list[tuple[Client, ToCore]]:
         """This turn's messages: the backlog's adds, less those that `received` aborts (each choice ends

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -22,7 +23,7 @@ import zmq
 
 from server.engine.core_loop import Client, CoreLoop
 from server.engine.engine import EngineConfig, build_core
-from server.engine.wire import FromCore, Hello, StartupFailed, ToCore, encoder, to_core_decoder
+from server.engine.wire import FromCore, Gone, Hello, StartupFailed, ToCore, encoder, to_core_decoder
 from server.heap import freeze_startup_heap
 
 PARENT_CHECK_MS = 1000  # an idle core looks for its parent this often
@@ -49,7 +50,9 @@ def run_core_process(config: EngineConfig, address: str, log_level: str, parent:
 
     def check_parent() -> None:
         if os.getppid() != parent:
-            sys.exit("pagewalk engine core: the process that started it is gone")
+            _exit_orphaned()
+
+    watch = ClientWatch()
 
     def receive(timeout: float | None) -> list[tuple[Client, ToCore]]:
         check_parent()  # a busy core never blocks below, so it looks here too
@@ -58,22 +61,28 @@ def run_core_process(config: EngineConfig, address: str, log_level: str, parent:
                 check_parent()
         elif timeout > 0:
             sock.poll(int(timeout * 1000))
-        messages = []
+        messages = watch.gone()
         while True:
             try:
                 client, frame = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return messages
-            messages.append((client, dec.decode(frame)))
+            msg = dec.decode(frame)
+            if isinstance(msg, Hello):
+                watch.add(client, msg.pid)
+            messages.append((client, msg))
 
     check_parent()  # gone already (killed during the spawn): no model to build
+    built = _watch_parent_while_building(parent)
     try:
         core, info = build_core(config)
     except BaseException as e:  # reported to the clients, which raise it: the server does not start
+        built.set()
         lines = traceback.format_exception(type(e), e, e.__traceback__)
         _answer_hellos(receive, send, StartupFailed(f"{type(e).__name__}: {e}\n{''.join(lines[-4:])}"))
         sock.close(linger=5000)
         sys.exit(1)
+    built.set()
     logging.getLogger("pagewalk.engine").info("engine core: start-up heap frozen (%d objects)",
                                               freeze_startup_heap())
     CoreLoop(core, info, receive, send).run()
@@ -83,6 +92,69 @@ def run_core_process(config: EngineConfig, address: str, log_level: str, parent:
     # The interpreter's own teardown (torch's modules, the model's tensors) takes ~0.8 s of the API process's
     # shutdown budget on a 2-core machine and has nothing left to do: the socket is flushed, logs written.
     os._exit(0)
+
+
+class ClientWatch:
+    """The clients' processes (their Hellos name them), looked at once a PARENT_CHECK_MS: a client whose
+    process has ended (an API server killed; its sockets send nothing on their own) is reported once as
+    Gone, so the core stops running its requests, which held their rows and blocks against the other
+    servers' requests until the whole server's drain ended (a review)."""
+
+    def __init__(self) -> None:
+        self.pids: dict[Client, int] = {}
+        self.next_look = 0.0
+
+    def add(self, client: Client, pid: int) -> None:
+        if pid:
+            self.pids[client] = pid
+
+    def gone(self) -> list[tuple[Client, Gone]]:
+        now = time.monotonic()
+        if not self.pids or now < self.next_look:
+            return []
+        self.next_look = now + PARENT_CHECK_MS / 1000
+        ended = [c for c, pid in self.pids.items() if not _process_alive(pid)]
+        for client in ended:
+            del self.pids[client]
+        return [(client, Gone()) for client in ended]
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, ended but not yet reaped by its parent, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's: it exists
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:  # no /proc here
+        return True
+
+
+def _exit_orphaned() -> None:
+    """The parent is gone: no client will ask for anything. Exits at once (the interpreter's teardown of
+    torch and the model only takes time and logs native leaks)."""
+    sys.stderr.write("pagewalk engine core: the process that started it is gone\n")
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def _watch_parent_while_building(parent: int) -> threading.Event:
+    """A thread that ends the process once its parent is gone, until the returned event is set: building the
+    core (minutes for a large checkpoint) looks at nothing else, and an orphan would finish loading the
+    model into memory nobody frees (a review: 8.5 s on after its supervisor's kill -9, the build done)."""
+    built = threading.Event()
+
+    def watch() -> None:
+        while not built.wait(PARENT_CHECK_MS / 1000):
+            if os.getppid() != parent:
+                _exit_orphaned()
+
+    threading.Thread(target=watch, name="pagewalk-parent-watch", daemon=True).start()
+    return built
 
 
 def _answer_hellos(receive, send, failure: StartupFailed) -> None:

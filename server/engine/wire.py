@@ -1,6 +1,7 @@
 """The messages between the API process and the engine-core process, and their msgpack codecs.
 
-To the core: Hello (a client's first message), EngineRequest (add), Abort, Query, Shutdown. From the core:
+To the core: Hello (a client's first message), EngineRequest (add), Abort, Query, Shutdown (and Gone, which
+the core's receiver makes up for a client whose process ended). From the core:
 Ready (the answer to Hello, once the core is built) or StartupFailed, then StepUpdates and Replies. Every
 message is a tagged msgspec Struct, so one decoder per direction reads them all.
 """
@@ -33,6 +34,12 @@ class Hello(msgspec.Struct, tag="hello"):
     controls the core, the supervisor of several API servers, gets none)."""
 
     updates: bool = True
+    pid: int = 0  # the client's process (0: none to watch, as in-process): its end ends its requests
+
+
+class Gone(msgspec.Struct, tag="gone"):
+    """No message on the wire: the core's receiver reports a client whose process has ended (an API server
+    killed), so the core aborts its requests rather than run them for nobody."""
 
 
 class Abort(msgspec.Struct, tag="abort"):
@@ -64,7 +71,7 @@ class Reply(msgspec.Struct, tag="reply"):
     value: dict
 
 
-ToCore = Hello | EngineRequest | Abort | Query | Shutdown
+ToCore = Hello | EngineRequest | Abort | Query | Shutdown | Gone
 FromCore = StepUpdate | Reply | Ready | StartupFailed
 
 
