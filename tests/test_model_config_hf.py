@@ -97,3 +97,22 @@ def test_bias_flags_count_for_llama_only_as_in_transformers(tmp_path, arch, flag
     config = model_config(str(path))
     assert (config.qkv_bias, config.o_bias, config.mlp_bias) == (arch == "qwen2", False, False)
     assert logits_error(path) < 1e-4
+
+
+@pytest.mark.parametrize("arch,model_type", [("mistral", "llama"), ("llama", "mistral"), ("qwen2", "llama")])
+def test_architectures_and_model_type_that_disagree_are_refused(tmp_path, arch, model_type):
+    """transformers builds by model_type, vLLM by architectures: a Mistral class over a "llama" type (a
+    window one reads and the other does not) served logits 1.3x off transformers' (a review)."""
+    path = checkpoint(tmp_path, arch, edits={"model_type": model_type})
+    with pytest.raises(ValueError, match="architectures .* and model_type .* name different models"):
+        model_config(str(path))
+    assert model_config(str(checkpoint(tmp_path / "same", arch))).num_layers >= 1  # agreeing: served
+
+
+def test_qwen2_sliding_layer_types_without_use_sliding_window_are_refused(tmp_path):
+    """Qwen2Config nulls the window without use_sliding_window and transformers then fails on the layers
+    marked sliding; pagewalk served them with the window (a review)."""
+    path = checkpoint(tmp_path, "qwen2", edits={"use_sliding_window": False, "sliding_window": 5,
+                                                "layer_types": ["sliding_attention"] * 2})
+    with pytest.raises(ValueError, match="use_sliding_window is false"):
+        model_config(str(path))

@@ -102,6 +102,16 @@ def test_sharded_checkpoint_loads_like_unsharded(tmp_path, llama_dir):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_single_file_beside_an_index_is_refused(tmp_path):
+    """save_pretrained unsharded, then sharded into the same folder, leaves model.safetensors beside the
+    index: transformers loads the one, the index named the other (served 1.6x off transformers: a review)."""
+    write_hf_checkpoint(tmp_path, hf_config("llama"))
+    write_hf_checkpoint(tmp_path, hf_config("llama"), max_shard_size="40KB")
+    assert all((tmp_path / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json"))
+    with pytest.raises(ValueError, match="both model.safetensors and model.safetensors.index.json"):
+        load_model(str(tmp_path), "cpu", torch.float32)
+
+
 def test_fused_parameters_stack_q_k_v_and_gate_up(llama_dir):
     model, _ = load_model(str(llama_dir), "cpu", torch.float32)
     ckpt = load_file(str(llama_dir / "model.safetensors"))
@@ -201,7 +211,7 @@ QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 10, "hidden_size":
     ({"use_sliding_window": False}, None),
     ({"use_sliding_window": True, "max_window_layers": 0}, 4),  # every layer slides
     ({"use_sliding_window": True, "max_window_layers": 28}, None),  # none of the 2 layers does (HF's rule)
-    ({"layer_types": ["sliding_attention", "sliding_attention"]}, 4),
+    ({"layer_types": ["sliding_attention", "sliding_attention"], "use_sliding_window": True}, 4),
     ({"layer_types": ["full_attention", "full_attention"], "use_sliding_window": True}, None),
     ({"use_sliding_window": True}, None),  # HF's default max_window_layers (28) above both layers
 ])
@@ -234,7 +244,8 @@ def test_llama_attends_fully_whatever_sliding_window_says():
 
 
 @pytest.mark.parametrize("extra", [{"use_sliding_window": True, "max_window_layers": 1},
-                                   {"layer_types": ["full_attention", "sliding_attention"]}])
+                                   {"layer_types": ["full_attention", "sliding_attention"],
+                                    "use_sliding_window": True}])
 def test_windows_on_some_layers_only_are_refused(extra):
     """One window for every layer is what the decoder serves: a mixed checkpoint was served with the
     window on every layer (wrong tokens from the first on)."""
@@ -247,7 +258,9 @@ def test_windows_on_some_layers_only_are_refused(extra):
     ([1, 2], "must hold a JSON object"),
     ({**QWEN2, "rope_scaling": [1, 2]}, "wrong type"),
     ({**QWEN2, "rope_parameters": {"rope_type": "llama3"}}, "lacks the field 'factor'"),
-    ({**QWEN2, "sliding_window": 0, "layer_types": ["sliding_attention"] * 2}, "sliding_window must"),
+    ({**QWEN2, "sliding_window": 0, "layer_types": ["sliding_attention"] * 2, "use_sliding_window": True},
+     "sliding_window must"),
+    ({**QWEN2, "layer_types": ["sliding_attention"] * 2}, "use_sliding_window is false"),
     ({**QWEN2, "rms_norm_eps": "1e-6"}, "rms_norm_eps must be a number"),
     ({**QWEN2, "rms_norm_eps": -1.0}, "rms_norm_eps must be a number"),
     ({**QWEN2, "max_position_embeddings": 0}, "max_position_embeddings must be an integer >= 1"),

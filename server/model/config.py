@@ -100,6 +100,11 @@ class ModelConfig:
                 f"unsupported architecture {archs or cfg.get('model_type')!r} in config.json; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        by_type = ARCHITECTURE_OF_MODEL_TYPE.get(cfg.get("model_type"))
+        if by_type not in (None, arch):  # transformers builds by model_type (vLLM by architectures): the two
+            # read a window, biases and defaults differently, so such a config has no one meaning
+            raise ValueError(f"config.json's architectures ({arch}) and model_type ({cfg['model_type']!r}, "
+                             f"{by_type}) name different models; make them agree")
         if cfg.get("quantization_config"):  # its tensors would not load as this decoder's weights
             method = cfg["quantization_config"].get("quant_method", "?") \
                 if isinstance(cfg["quantization_config"], dict) else "?"
@@ -169,6 +174,10 @@ def _sliding_window(cfg: dict, arch: str) -> int | None:
             raise ValueError(f"config.json's layer_types names {len(types)} layers, num_hidden_layers is "
                              f"{num_layers}")
         sliding = [t == "sliding_attention" for t in types]
+        if arch == "Qwen2ForCausalLM" and any(sliding) and not cfg.get("use_sliding_window", False):
+            # Qwen2Config nulls the window without use_sliding_window, and transformers then fails on the
+            # sliding layers: no meaning to serve (it was served with the window, a review)
+            raise ValueError("config.json's layer_types give sliding layers but use_sliding_window is false")
     elif arch == "Qwen2ForCausalLM":
         windowed = cfg.get("use_sliding_window", False)
         first = cfg.get("max_window_layers", QWEN2_MAX_WINDOW_LAYERS) if windowed else num_layers
