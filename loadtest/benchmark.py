@@ -104,12 +104,14 @@ async def run_benchmark(
             if on_record is not None:
                 on_record(rec)
 
-    slots = asyncio.ensure_future(asyncio.gather(*(slot(s) for s in range(concurrency))))
+    tasks = [asyncio.create_task(slot(s)) for s in range(concurrency)]
+    slots = asyncio.gather(*tasks)  # done when all are, or at the first that raises
     stopper = asyncio.create_task(stop.wait()) if stop is not None else None
     await asyncio.wait([t for t in (slots, stopper) if t is not None], return_when=asyncio.FIRST_COMPLETED)
     run.interrupted = not slots.done()
-    slots.cancel()
-    await asyncio.gather(slots, return_exceptions=True)
+    for task in tasks:  # (after a slot raised, the finished gather would cancel none of the others)
+        task.cancel()
+    await asyncio.gather(slots, *tasks, return_exceptions=True)  # the gather's own end read, not logged
     if stopper is not None:
         stopper.cancel()
     if not run.interrupted and slots.exception() is not None:

@@ -155,10 +155,10 @@ async def _stream(client: httpx.AsyncClient, spec: RequestSpec, cfg: ClientConfi
     if not rec.chunk_times:  # no TTFT to report, yet its usage tokens would count in the throughput
         return _fail(rec, "no_content", "stream ended without a content chunk")
     rec.last_chunk_time = reader.last_choices_time
-    if reader.completion_tokens is None and not reader.streamed_ids:  # an event may carry several tokens
-        return _fail(rec, "no_usage", "a stream without usage or token ids: its output tokens are unknown")
     _apply_usage(rec, reader.completion_tokens, reader.prompt_tokens, reader.streamed_ids)
     _check_finish(rec, reader.finish_reason)
+    if reader.completion_tokens is None and not reader.streamed_ids:  # an event may carry several tokens
+        _fail(rec, "no_usage", "a stream without usage or token ids: its output tokens are unknown")
 
 
 async def _unary(client: httpx.AsyncClient, spec: RequestSpec, cfg: ClientConfig, rec: RequestRecord):

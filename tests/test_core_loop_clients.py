@@ -173,3 +173,13 @@ def test_the_client_watch_reports_an_ended_process_once(monkeypatch):
     assert [(c, type(m)) for c, m in watch.gone()] == [(b"a", Gone)]
     child.wait()
     assert watch.gone() == []
+
+
+def test_messages_after_a_clients_gone_are_dropped():
+    """An add a client sent just before it ended, read after its Gone, ran for nobody and counted in the
+    other client's running (a review): the core's receiver puts Gone after the messages it read, and the
+    loop drops whatever comes later from a client it forgot."""
+    sent = run_loop([[(b"a", Hello()), (b"b", Hello())], [(b"b", request("rb", 4))],
+                     [(b"a", Gone()), (b"a", request("orphan", 30))]])
+    assert "orphan" not in updates_of(sent, b"b")
+    assert all(m.stats.running <= 1 for _, m in sent if isinstance(m, StepUpdate))

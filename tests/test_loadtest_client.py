@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 
 from loadtest.benchmark import drive, make_client, open_clients, run_benchmark
-from loadtest.client import ClientConfig, calibrate_chat
+from loadtest.client import ClientConfig, RequestRecord, calibrate_chat
 from loadtest.metrics import compute_metrics
 from loadtest.mock_server import MockScript, MockServer, free_port, serve_in_thread
 from loadtest.workload import ChatCalibration, LengthRange, arrival_offsets, build_workload
@@ -263,3 +263,30 @@ def test_payload_carries_the_sampling_settings():
     spec = RequestSpec(index=0, prompt=[5, 6], input_len=2, output_len=4)
     payload = build_payload(spec, ClientConfig(base_url="http://x", model="m", temperature=0.8, top_p=0.95))
     assert payload["temperature"] == 0.8 and payload["top_p"] == 0.95 and payload["max_tokens"] == 4
+
+
+def test_one_slot_raising_stops_every_slot(monkeypatch):
+    """An exception out of one slot (not an httpx.HTTPError: a bug, or a worker's broken pipe) ends the run,
+    and the other slots send nothing more (a review: they went on sending after run_benchmark raised)."""
+    from loadtest import benchmark
+
+    sent = []
+
+    async def fake_send(client, spec, cfg):
+        sent.append(spec)
+        if len(sent) == 1:
+            raise RuntimeError("boom")
+        await asyncio.sleep(0.05)
+        return RequestRecord(0, 1, 1, send_time=0.0)
+
+    monkeypatch.setattr(benchmark, "send_request", fake_send)
+
+    async def main():
+        with pytest.raises(RuntimeError, match="boom"):
+            await benchmark.run_benchmark(object(), list(range(200)), None, 4, [0.0] * 200)
+        at_raise = len(sent)
+        await asyncio.sleep(0.3)
+        return at_raise, len(sent)
+
+    at_raise, later = asyncio.run(main())
+    assert later == at_raise <= 4

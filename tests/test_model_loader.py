@@ -108,8 +108,18 @@ def test_a_single_file_beside_an_index_is_refused(tmp_path):
     write_hf_checkpoint(tmp_path, hf_config("llama"))
     write_hf_checkpoint(tmp_path, hf_config("llama"), max_shard_size="40KB")
     assert all((tmp_path / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json"))
-    with pytest.raises(ValueError, match="both model.safetensors and model.safetensors.index.json"):
+    with pytest.raises(ValueError, match="model.safetensors beside an index of other shards"):
         load_model(str(tmp_path), "cpu", torch.float32)
+
+
+def test_an_index_of_the_single_file_itself_loads(tmp_path, llama_dir):
+    """Some exporters write an index whose weight_map names model.safetensors alone: no conflict."""
+    write_hf_checkpoint(tmp_path, hf_config("llama"))
+    names = load_file(str(tmp_path / "model.safetensors")).keys()
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": dict.fromkeys(names, "model.safetensors")}))
+    model, _ = load_model(str(tmp_path), "cpu", torch.float32)
+    assert state(model).keys() == state(load_model(str(llama_dir), "cpu", torch.float32)[0]).keys()
 
 
 def test_fused_parameters_stack_q_k_v_and_gate_up(llama_dir):

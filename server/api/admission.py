@@ -137,10 +137,10 @@ class AdmissionGate:
 
     def reserve(self, prompts: list[list[int]], params: SamplingParams) -> Reservation:
         engine = self.engine
-        limit = engine.max_waiting  # with several API servers, this one's part of --max-waiting
+        limit = engine.max_request_prompts  # with several API servers, the smallest part of --max-waiting
         if len(prompts) > max(1, limit):
             raise APIError(400, f"{len(prompts)} prompts in one request exceed the waiting queue "
-                                f"({engine.waiting_bound}); send at most {limit}.", "prompt")
+                                f"({engine.request_prompts_bound}); send at most {limit}.", "prompt")
         try:  # 503 stopping or dead, 400 a prompt too long for the cache, 429 a full queue
             engine.reserve_places([len(ids) for ids in prompts], params)
         except RequestRejected as e:

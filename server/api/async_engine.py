@@ -129,6 +129,12 @@ class AsyncEngine:
         self.max_waiting = config.max_waiting // count + (index < config.max_waiting % count)
         self.waiting_bound = (f"max_waiting={config.max_waiting}" if self.api_server.count == 1 else
                               f"this API server's {self.max_waiting} of max_waiting={config.max_waiting}")
+        # the prompts one request may bring: the smallest part, so that every server gives one answer (the
+        # kernel picks the server; with unequal parts a request was a 400 on one and served by another)
+        self.max_request_prompts = config.max_waiting // count
+        self.request_prompts_bound = self.waiting_bound if count == 1 else (
+            f"the smallest API server's share, {self.max_request_prompts} of "
+            f"max_waiting={config.max_waiting}")
         # the core's all-time (prefix queries, prefix hits, preemptions, steps, prompt steps) last counted
         # into the metrics: the counters advance by their change, so that a server attaching late counts the
         # core's whole history

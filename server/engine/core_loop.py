@@ -43,6 +43,7 @@ class CoreLoop:
         # (2K-token prompts, CPU) held the loop ~8 s: no step ran and the drain's aborts went unanswered
         # until it took the working core for a hung one (a review).
         self.backlog: deque[tuple[Client, EngineRequest]] = deque()
+        self.gone: set[Client] = set()  # clients whose process ended: anything more from them is dropped
 
     def run(self) -> None:
         """Until a Shutdown message: every request still in the core is then aborted."""
@@ -54,6 +55,8 @@ class CoreLoop:
             updates: list[SeqUpdate] = []
             stop = changed = forward_added = False
             for client, msg in messages:
+                if client in self.gone:  # (a routing id is never used again)
+                    continue
                 if isinstance(msg, EngineRequest):
                     if forward_added:
                         self.backlog.append((client, msg))
@@ -96,6 +99,7 @@ class CoreLoop:
     def _forget(self, client: Client) -> None:
         """A client whose process ended leaves, and its requests are aborted: their rows and blocks go back
         at once, their updates to nobody."""
+        self.gone.add(client)
         self.backlog = deque((own, msg) for own, msg in self.backlog if own != client)
         self.rejected = [(c, failed) for c, failed in self.rejected if c != client]
         self.clients.pop(client, None)

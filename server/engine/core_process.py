@@ -61,12 +61,12 @@ def run_core_process(config: EngineConfig, address: str, log_level: str, parent:
                 check_parent()
         elif timeout > 0:
             sock.poll(int(timeout * 1000))
-        messages = watch.gone()
+        messages = []
         while True:
             try:
                 client, frame = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return messages
+            except zmq.Again:  # a client's last messages come before its Gone
+                return messages + watch.gone()
             msg = dec.decode(frame)
             if isinstance(msg, Hello):
                 watch.add(client, msg.pid)

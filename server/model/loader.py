@@ -212,16 +212,17 @@ def _open_weights(file: Path):
 
 def checkpoint_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
-    if index.is_file() and (path / "model.safetensors").is_file():  # one of them is left from another save
-        # (save_pretrained deletes stale shards, not a stale single file): transformers loads the single
-        # file, vLLM the index's shards; neither can be known to be the checkpoint meant
-        raise ValueError(f"{path} holds both model.safetensors and model.safetensors.index.json (one is left "
-                         "from an earlier save): remove the one that is not the checkpoint")
     if index.is_file():
         weight_map = read_json_object(index, required=True).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index} has no weight_map object")
-        files = [path / f for f in sorted(set(weight_map.values()))]
+        names = sorted(set(weight_map.values()))
+        if names != ["model.safetensors"] and (path / "model.safetensors").is_file():  # one of them is left
+            # from another save (save_pretrained deletes stale shards, not a stale single file): transformers
+            # loads the single file, vLLM the index's shards; neither can be known to be the checkpoint meant
+            raise ValueError(f"{path} holds model.safetensors beside an index of other shards (one of them "
+                             "is left from an earlier save): remove the one that is not the checkpoint")
+        files = [path / f for f in names]
     elif (path / "model.safetensors").is_file():
         files = [path / "model.safetensors"]
     else:
