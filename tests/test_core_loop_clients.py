@@ -183,3 +183,13 @@ def test_messages_after_a_clients_gone_are_dropped():
                      [(b"a", Gone()), (b"a", request("orphan", 30))]])
     assert "orphan" not in updates_of(sent, b"b")
     assert all(m.stats.running <= 1 for _, m in sent if isinstance(m, StepUpdate))
+
+
+def test_a_gone_clients_updates_of_its_last_turn_reach_no_one():
+    """Its abort, or an add that failed, in the turn of its Gone: with one client left the single-client
+    shortcut handed them to that client (a review)."""
+    bad = EngineRequest("bad", [10**9], SamplingParams(max_tokens=2), time.monotonic())  # out of the vocab
+    sent = run_loop([[(b"a", Hello()), (b"b", Hello())], [(b"a", request("ra", 40))], [],
+                     [(b"a", Abort("ra")), (b"a", bad), (b"a", Gone())], [(b"b", request("rb", 3))]])
+    b = updates_of(sent, b"b")
+    assert set(b) == {"rb"} and b["rb"][-1].finish_reason == "length"

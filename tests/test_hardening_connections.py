@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -166,14 +167,18 @@ def test_pipelined_headers_that_trickle_meet_the_header_deadline(server):
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
             b"content-length: " + str(len(body)).encode() + b"\r\n\r\n")
     s.sendall(head + body + b"GET /health HTTP/1.1\r\nX-A: ")
-    start = time.monotonic()
-    while time.monotonic() - start < 60:  # a header byte every 0.5 s while the connection lasts
-        time.sleep(0.5)
-        try:
-            s.sendall(b"a")
-        except OSError:
-            break
-    raw = read_all(s)
+    # read the stream as it comes: a client that reads nothing while the socket's buffers fill is dropped
+    # after --client-stall-timeout (1 s here), which cut the stream in some runs
+    with ThreadPoolExecutor(1) as pool:
+        reading = pool.submit(read_all, s)
+        start = time.monotonic()
+        while time.monotonic() - start < 60 and not reading.done():  # a header byte every 0.5 s
+            time.sleep(0.5)
+            try:
+                s.sendall(b"a")
+            except OSError:
+                break
+        raw = reading.result(timeout=60)
     s.close()
     assert raw.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in raw, raw[:300]
     assert b"HTTP/1.1 408" in raw, raw[-300:]

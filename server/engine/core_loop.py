@@ -79,7 +79,8 @@ class CoreLoop:
                 elif isinstance(msg, Shutdown):
                     stop = True
                 elif isinstance(msg, Gone):
-                    self._forget(client)
+                    self._forget(client)  # and its updates of this turn go nowhere either
+                    updates = [u for u in updates if u.request_id in self.owners]
                     changed = True
             if stop:
                 for client, msg in list(self.backlog):
@@ -104,11 +105,11 @@ class CoreLoop:
         self.rejected = [(c, failed) for c, failed in self.rejected if c != client]
         self.clients.pop(client, None)
         mine = [rid for rid, owner in self.owners.items() if owner == client]
-        if mine:
-            logger.warning("a client of the engine core ended: its %d requests are aborted", len(mine))
+        aborted = sum(bool(self.core.abort_request(rid)) for rid in mine)
         for rid in mine:
-            self.core.abort_request(rid)
             del self.owners[rid]
+        if aborted:
+            logger.warning("a client of the engine core ended: its %d requests are aborted", aborted)
 
     def _with_backlog(self, received: list[tuple[Client, ToCore]]) -> list[tuple[Client, ToCore]]:
         """This turn's messages: the backlog's adds, less those that `received` aborts (each choice ends
