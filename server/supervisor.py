@@ -64,18 +64,14 @@ def supervise(args: argparse.Namespace) -> int:
     try:
         try:
             core = ProcessCoreClient(config, args.log_level, updates=False)
-        except BaseException as e:
-            sock.close()
-            if isinstance(e, CoreStartupError):
-                return startup_failed(e)
-            raise
+        except CoreStartupError as e:
+            return startup_failed(e)
         try:  # until the handlers below: Ctrl-C or SIGTERM (cli.main's Terminated) raise here
             core.start(lambda msg: None, lambda reason: core_died.set())
             for sig in (signal.SIGTERM, signal.SIGINT):  # from here a signal stops the servers started
                 signal.signal(sig, stop)
         except BaseException:  # nothing started is worth a drain; at exit Python would wait for the core
             # (which ignores SIGTERM) without end
-            sock.close()
             core.close(timeout=STOP_WAIT_S, hung=True)
             raise
         port = sock.getsockname()[1]  # the one the OS chose for --port 0
@@ -94,6 +90,7 @@ def supervise(args: argparse.Namespace) -> int:
         core.close(timeout=STOP_WAIT_S)
         return 1 if failed or core_died.is_set() or core.stopped_by_force else 0
     finally:
+        sock.close()  # every way out before the spawn (which closes it after handing it on: a no-op then)
         shutil.rmtree(metrics_dir, ignore_errors=True)
         if previous is None:  # main() may run inside another program (the tests): leave its environment
             os.environ.pop(MULTIPROC_DIR_ENV, None)
