@@ -31,6 +31,7 @@ import triton.language as tl
 
 from kernels.launch_cache import CachedLauncher
 from kernels.rope_store import check_rope_store
+from kernels.splitk_add import device_tickets
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 QKV_ROPE_MAX_ROWS = 64  # up to here the fused launch replaces cuBLAS's GEMM + the RoPE + store kernel
@@ -42,6 +43,7 @@ class Tiles(NamedTuple):
     block_m: int
     block_h: int
     block_k: int
+    split_k: int     # K ranges a tile's programs split, merged by the last one (1: no merge)
     num_stages: int  # for 2-byte dtypes; fp32 takes half (its tiles are twice the shared memory)
     num_warps: int
 
@@ -49,54 +51,19 @@ class Tiles(NamedTuple):
 # (the most rows, tiles), in increasing rows: the gate_up + SiLU kernel's row classes, 16 pairs (32 weight
 # rows) a program so that the bench shape's 48 heads of 64 make 96 programs.
 TILE_CLASSES = (
-    (16, Tiles(16, 16, 128, 4, 4)),
-    (QKV_ROPE_MAX_ROWS, Tiles(64, 16, 128, 3, 4)),
+    (16, Tiles(16, 16, 128, 4, 4, 4)),
+    (QKV_ROPE_MAX_ROWS, Tiles(64, 16, 128, 4, 4, 4)),
 )
 
 
 @triton.jit
-def _qkv_rope_store_kernel(
-    X, W, BIAS, QKV, COS, SIN, K_CACHE, V_CACHE, SLOTS, eps, M, K, block_size,
-    stride_x, stride_o, stride_cos, stride_sin,
-    stride_kb, stride_kt, stride_kh, stride_kd,
-    stride_vb, stride_vt, stride_vh, stride_vd,
-    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """QKV rows of tile pid_m, pairs of program pid_n: the scaled (+ bias) product, rotated for q and k
-    heads, and for k and v heads stored into the cache. EVEN_K: K % BLOCK_K == 0 (unmasked weight loads;
-    the weight rows always exist: HALF % BLOCK_H == 0)."""
-    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
-    head = pid_n // (HALF // BLOCK_H)                                # q heads, then k heads, then v heads
-    pair = (pid_n % (HALF // BLOCK_H)) * BLOCK_H + tl.arange(0, BLOCK_H)  # (BH,) j in [0, D/2)
-    col = head * 2 * HALF + pair                                     # (BH,) first columns; partners + HALF
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                     # (BM,) rows
-    rk = tl.arange(0, BLOCK_K)
-    m_ok = rm < M
-    x_ptrs = X + rm[:, None].to(tl.int64) * stride_x + rk[None, :]
-    w_ptrs = W + col[:, None].to(tl.int64) * K + rk[None, :]        # (BH, BK); the partners' HALF rows on
-    partner = HALF * K
-    acc1 = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
-    gram = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)            # x x^T: its diagonal, the rows' squares
-    for k in range(0, K, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-            w1 = tl.load(w_ptrs)
-            w2 = tl.load(w_ptrs + partner)
-        else:
-            k_ok = (rk + k < K)[None, :]
-            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok, other=0.0)
-            w1 = tl.load(w_ptrs, mask=k_ok, other=0.0)
-            w2 = tl.load(w_ptrs + partner, mask=k_ok, other=0.0)
-        acc1 = tl.dot(x, tl.trans(w1), acc1, input_precision=DOT_PRECISION)  # (BM, BH) fp32
-        acc2 = tl.dot(x, tl.trans(w2), acc2, input_precision=DOT_PRECISION)
-        gram = tl.dot(x, tl.trans(x), gram, input_precision=DOT_PRECISION)   # (BM, BM) fp32
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    rb = tl.arange(0, BLOCK_M)
-    squares = tl.sum(tl.where(rb[:, None] == rb[None, :], gram, 0.0), axis=1)  # (BM,) sum of x^2 per row
+def _epilogue(acc1, acc2, squares, rm, m_ok, pair, col, head, eps, K, block_size, BIAS, QKV, COS, SIN,
+              K_CACHE, V_CACHE, SLOTS, stride_o, stride_cos, stride_sin,
+              stride_kb, stride_kt, stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
+              NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+              HAS_BIAS: tl.constexpr):
+    """The (BM, BH) products acc1 (columns col) and acc2 (col + HALF) of rows rm with their sums of squares
+    (BM,) -> the qkv rows, scaled, biased and (q, k) rotated; k and v into the cache."""
     rstd = tl.rsqrt(squares / K + eps)[:, None]                      # (BM, 1)
     y1 = acc1.to(QKV.dtype.element_ty).to(tl.float32) * rstd         # rounded where the GEMM output is
     y2 = acc2.to(QKV.dtype.element_ty).to(tl.float32) * rstd
@@ -128,7 +95,86 @@ def _qkv_rope_store_kernel(
             tl.store(dst + HALF * stride_vd, y2.to(V_CACHE.dtype.element_ty), mask=keep)
 
 
-_kernel = CachedLauncher(_qkv_rope_store_kernel, num_tensors=9)
+@triton.jit
+def _qkv_rope_store_kernel(
+    X, W, BIAS, QKV, COS, SIN, K_CACHE, V_CACHE, SLOTS, PART, TICKETS, eps, M, K, block_size, k_per_split,
+    stride_x, stride_o, stride_cos, stride_sin,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """QKV rows of tile pid_m, pairs of program pid_n: the products over K range [pid_k * k_per_split, +
+    k_per_split) (a multiple of BLOCK_K); with SPLIT_K > 1 the program drawing its tile's last ticket sums
+    the fp32 partials in PART in split order and finishes the tile (_epilogue). EVEN_K: K == SPLIT_K *
+    k_per_split (unmasked loads; the weight rows always exist: HALF % BLOCK_H == 0)."""
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    head = pid_n // (HALF // BLOCK_H)                                # q heads, then k heads, then v heads
+    pair = (pid_n % (HALF // BLOCK_H)) * BLOCK_H + tl.arange(0, BLOCK_H)  # (BH,) j in [0, D/2)
+    col = head * 2 * HALF + pair                                     # (BH,) first columns; partners + HALF
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                     # (BM,) rows
+    rk = pid_k * k_per_split + tl.arange(0, BLOCK_K)                 # (BK,) this step's K columns
+    m_ok = rm < M
+    x_ptrs = X + rm[:, None].to(tl.int64) * stride_x + rk[None, :]
+    w_ptrs = W + col[:, None].to(tl.int64) * K + rk[None, :]        # (BH, BK); the partners' HALF rows on
+    partner = HALF * K
+    acc1 = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
+    gram = tl.zeros((BLOCK_M, BLOCK_M), dtype=tl.float32)            # x x^T: its diagonal, the rows' squares
+    for k in range(0, k_per_split, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+            w1 = tl.load(w_ptrs)
+            w2 = tl.load(w_ptrs + partner)
+        else:
+            k_ok = (rk + k < K)[None, :]                             # (a split's range ends in K)
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok, other=0.0)
+            w1 = tl.load(w_ptrs, mask=k_ok, other=0.0)
+            w2 = tl.load(w_ptrs + partner, mask=k_ok, other=0.0)
+        acc1 = tl.dot(x, tl.trans(w1), acc1, input_precision=DOT_PRECISION)  # (BM, BH) fp32
+        acc2 = tl.dot(x, tl.trans(w2), acc2, input_precision=DOT_PRECISION)
+        gram = tl.dot(x, tl.trans(x), gram, input_precision=DOT_PRECISION)   # (BM, BM) fp32
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    rb = tl.arange(0, BLOCK_M)
+    squares = tl.sum(tl.where(rb[:, None] == rb[None, :], gram, 0.0), axis=1)  # (BM,) sum of x^2 per row
+    if SPLIT_K > 1:
+        tiles = tl.num_programs(0) * tl.num_programs(2)
+        tile = pid_m * tl.num_programs(0) + pid_n
+        rt = tl.arange(0, BLOCK_M)[:, None] * (2 * BLOCK_H) + tl.arange(0, BLOCK_H)[None, :]  # (BM, BH)
+        part = PART + tile * BLOCK_M * 2 * BLOCK_H + rt              # split 0's acc1; acc2 BLOCK_H on
+        part_sq = PART + SPLIT_K * tiles * BLOCK_M * 2 * BLOCK_H + tile * BLOCK_M + rb  # split 0's squares
+        split_acc = tiles * BLOCK_M * 2 * BLOCK_H                    # one split's stride, products
+        tl.store(part + pid_k * split_acc, acc1)
+        tl.store(part + pid_k * split_acc + BLOCK_H, acc2)
+        tl.store(part_sq + pid_k * tiles * BLOCK_M, squares)
+        # every thread's partial is stored (barrier) before the ticket's release; the acquire of the last
+        # ticket orders the merge's loads after every other split's release (kernels/splitk_add.py)
+        tl.debug_barrier()
+        counter = TICKETS + tile
+        ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:
+            acc1 = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
+            acc2 = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
+            squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):                       # split order: deterministic
+                acc1 += tl.load(part + s * split_acc, cache_modifier=".cg")
+                acc2 += tl.load(part + s * split_acc + BLOCK_H, cache_modifier=".cg")
+                squares += tl.load(part_sq + s * tiles * BLOCK_M, cache_modifier=".cg")
+            _epilogue(acc1, acc2, squares, rm, m_ok, pair, col, head, eps, K, block_size, BIAS, QKV, COS, SIN,
+                      K_CACHE, V_CACHE, SLOTS, stride_o, stride_cos, stride_sin, stride_kb, stride_kt,
+                      stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
+                      NUM_Q_HEADS, NUM_KV_HEADS, HALF, HAS_BIAS)
+            tl.store(counter, 0)                                     # back to zero for the next launch
+    else:
+        _epilogue(acc1, acc2, squares, rm, m_ok, pair, col, head, eps, K, block_size, BIAS, QKV, COS, SIN,
+                  K_CACHE, V_CACHE, SLOTS, stride_o, stride_cos, stride_sin, stride_kb, stride_kt,
+                  stride_kh, stride_kd, stride_vb, stride_vt, stride_vh, stride_vd,
+                  NUM_Q_HEADS, NUM_KV_HEADS, HALF, HAS_BIAS)
+
+
+_kernel = CachedLauncher(_qkv_rope_store_kernel, num_tensors=11)
 
 
 def tile_config(rows: int, head_dim: int) -> Tiles:
@@ -176,11 +222,18 @@ def _launch(x, weight, bias, qkv, cos, sin, k_cache, v_cache, slots, num_q_heads
     m, k = x.shape
     half = k_cache.shape[-1] // 2
     t = tile_config(m, 2 * half)
-    grid = ((num_q_heads + 2 * num_kv_heads) * half // t.block_h, triton.cdiv(m, t.block_m))
-    _kernel(grid, x, weight, qkv if bias is None else bias, qkv, cos, sin, k_cache, v_cache, slots,
-            float(eps), m, k, k_cache.shape[1], x.stride(0), qkv.stride(0), cos.stride(0), sin.stride(0),
-            *k_cache.stride(), *v_cache.stride(),
+    k_per_split = triton.cdiv(triton.cdiv(k, t.split_k), t.block_k) * t.block_k
+    grid = ((num_q_heads + 2 * num_kv_heads) * half // t.block_h, t.split_k, triton.cdiv(m, t.block_m))
+    tickets = device_tickets(x.device)
+    if grid[0] * grid[2] > tickets.numel():
+        raise ValueError(f"qkv_rope_store holds {tickets.numel()} tile counters, {grid[0] * grid[2]} needed")
+    part_floats = t.split_k * grid[0] * grid[2] * t.block_m * (2 * t.block_h + 1) if t.split_k > 1 else 1
+    part = torch.empty(part_floats, dtype=torch.float32, device=x.device)
+    _kernel(grid, x, weight, qkv if bias is None else bias, qkv, cos, sin, k_cache, v_cache, slots, part,
+            tickets, float(eps), m, k, k_cache.shape[1], k_per_split, x.stride(0), qkv.stride(0),
+            cos.stride(0), sin.stride(0), *k_cache.stride(), *v_cache.stride(),
             NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, HAS_BIAS=bias is not None,
-            BLOCK_M=t.block_m, BLOCK_H=t.block_h, BLOCK_K=t.block_k, EVEN_K=k % t.block_k == 0,
-            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=t.num_warps,
+            BLOCK_M=t.block_m, BLOCK_H=t.block_h, BLOCK_K=t.block_k, SPLIT_K=t.split_k,
+            EVEN_K=k == t.split_k * k_per_split, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            num_warps=t.num_warps,
             num_stages=t.num_stages if x.element_size() <= 2 else max(1, t.num_stages // 2))

@@ -76,8 +76,10 @@ def assert_same(got, want, slots, tol):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m", [1, 5, 16, 17, 33, 64])
 def test_equals_reference_on_dividing_tiles(dtype, m):
-    """K a multiple of BLOCK_K (unmasked loads); rows that pad a tile; D 64: two programs a head."""
-    ops = case(m, 4, 2, 64, 2 * qrs_mod.tile_config(m, 64).block_k, dtype, seed=m)
+    """K a multiple of the splits' BLOCK_K (unmasked loads); rows that pad a tile; D 64: two programs a
+    head."""
+    t = qrs_mod.tile_config(m, 64)
+    ops = case(m, 4, 2, 64, 2 * t.split_k * t.block_k, dtype, seed=m)
     got, want = run_both(ops, 4, 2)
     assert_same(got, want, ops["slot_mapping"], TOL[dtype])
 
@@ -107,6 +109,20 @@ def test_is_the_two_launches_it_replaces(bias):
                   norm_of=ops["x"], eps=1e-6, bias=ops["bias"])
     for g, w in zip(got, (qkv, k_cache, v_cache), strict=True):
         torch.testing.assert_close(g, w, equal_nan=True, atol=1e-4, rtol=1e-4)
+
+
+@interpreter_only
+@pytest.mark.parametrize("split_k,k", [(1, 64), (2, 256), (3, 200), (4, 40)])
+def test_every_split_count_merges_to_the_reference(monkeypatch, split_k, k):
+    """K split 1-4 ways (whole, even, ragged, and splits with nothing of K left), merged by the last program
+    of each tile; twice, so the tile counters are back at zero after a launch."""
+    tiles = qrs_mod.Tiles(16, 16, 32, split_k, 2, 4)
+    monkeypatch.setattr(qrs_mod, "tile_config", lambda rows, head_dim: tiles)
+    for seed in (1, 2):
+        ops = case(11, 4, 2, 64, k, torch.float32, bias=True, seed=seed)
+        got, want = run_both(ops, 4, 2)
+        assert_same(got, want, ops["slot_mapping"], TOL[torch.float32])
+    assert not qrs_mod.device_tickets(torch.device("cpu")).any()
 
 
 def test_serves_head_dims_of_whole_pair_tiles():

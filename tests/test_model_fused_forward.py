@@ -302,7 +302,7 @@ def test_attention_input_warm_up_compiles_what_steps_launch(tiny, monkeypatch):
 
     def record(self, grid, *args, num_warps, num_stages, **kw):
         if self is qrs_mod._kernel:
-            m = args[10]  # M
+            m = args[12]  # M
             seen.append((tuple(sorted(kw.items())), num_stages, m == 1, m % 16 == 0))
         return original(self, grid, *args, num_warps=num_warps, num_stages=num_stages, **kw)
 

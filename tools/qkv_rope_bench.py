@@ -33,7 +33,8 @@ LAYERS, HQ, HKV, D, K, EPS, BLOCK = 16, 32, 8, 64, 2048, 1e-5, 16
 N = (HQ + 2 * HKV) * D
 ROWS = (2, 8, 16, 32, 48, 64, 128)
 SWEEP_ROWS = (16, 32, 64)
-SWEEP = {"block_h": (16, 32), "block_k": (64, 128), "num_stages": (3, 4), "num_warps": (4, 8)}
+SWEEP = {"block_h": (16, 32), "block_k": (64, 128), "split_k": (1, 2, 4), "num_stages": (4, 6),
+         "num_warps": (4,)}
 ITERS = 20
 
 

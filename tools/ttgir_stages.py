@@ -23,8 +23,8 @@ from tools.gate_up_silu_probe import MODES, _variant_kernel
 TILES = {"INTERMEDIATE": 8192, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128}
 # kernels/qkv_rope_store.py's kernel at the bench shape's 64-row tile
 QKV_TILES = {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HALF": 32, "HAS_BIAS": False, "BLOCK_M": 64,
-             "BLOCK_H": 16, "BLOCK_K": 128, "EVEN_K": True, "DOT_PRECISION": "tf32"}
-POINTER_TYPES = {"COS": "*fp32", "SIN": "*fp32", "SLOTS": "*i64"}  # every other pointer: bf16
+             "BLOCK_H": 16, "BLOCK_K": 128, "SPLIT_K": 4, "EVEN_K": True, "DOT_PRECISION": "tf32"}
+POINTER_TYPES = {"COS": "*fp32", "SIN": "*fp32", "SLOTS": "*i64", "PART": "*fp32", "TICKETS": "*i32"}
 SIZES = ("M", "N", "K")  # upper-case, and i32
 
 
@@ -33,16 +33,25 @@ def ttgir(fn, constexprs: dict, num_stages: int = 3) -> str:
     @triton.jit an InterpretedFunction, whose Python function compiles as ever). The kernels' convention
     names the signature: upper-case parameters but M, N, K are pointers (16-byte aligned), eps is fp32, the
     rest i32;
-    K and the strides but the last dimension's are taken as multiples of 16, as the serving shapes are."""
-    if not isinstance(fn, triton.runtime.jit.JITFunction):
-        fn = triton.runtime.jit.JITFunction(fn.fn)
+    K, k_per_split and the strides but the last dimension's are taken as multiples of 16, as the serving
+    shapes are (Triton specialises an integer argument on that; unaligned, the loads are not pipelined)."""
+    jit = triton.runtime.jit.JITFunction
+    if not isinstance(fn, jit):
+        fn = jit(fn.fn)
+    # the @triton.jit helpers it calls, interpreted too, compile as JITFunctions for the while
+    names = fn.fn.__globals__
+    helpers = {name: f for name, f in names.items() if type(f).__name__ == "InterpretedFunction"}
     signature = {name: _type_of(name, constexprs) for name in fn.arg_names}
-    divisible = [i for i, name in enumerate(signature) if signature[name].startswith("*") or name == "K"
-                 or (name.startswith("stride_") and not name.endswith("d"))]
+    divisible = [i for i, name in enumerate(signature) if signature[name].startswith("*")
+                 or name in ("K", "k_per_split") or (name.startswith("stride_") and not name.endswith("d"))]
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs,
                                     attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4,
-                                                                           "num_stages": num_stages})
+    try:
+        names.update({name: jit(f.fn) for name, f in helpers.items()})
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4,
+                                                                               "num_stages": num_stages})
+    finally:
+        names.update(helpers)
     return kernel.asm["ttgir"]
 
 

@@ -119,12 +119,14 @@ def warm_up_mlp(model: LlamaForCausalLM) -> None:
 
 
 def warm_up_attention_input(model: LlamaForCausalLM, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """Compiles the fused qkv + RoPE + store for every tile class on scratch rows (layer 0's weights and
-    caches; slot -1 stores nothing), so that an eager server compiles none mid-serving, and checks it
+    """Makes the split-K merge's tile counters (before any graph capture) and compiles the fused qkv + RoPE
+    + store for every tile class on scratch rows (layer 0's weights and caches; slot -1 stores nothing), so
+    that an eager server compiles none mid-serving, and checks it
     against the two launches it replaces on the way; where it disagrees, this device keeps them."""
     mod = model.model.layers[0].self_attn
     if not fuses_qkv_rope(QKV_ROPE_MAX_ROWS, mod):
         return
+    warm_up_splitk(mod.qkv_proj.weight.device)  # the split-K merge's tile counters, before any capture
     err = _qkv_rope_error(model, k_cache, v_cache)
     if not err <= FUSED_GEMM_TOLERANCE:
         _QKV_ROPE_REFUSED.add(mod.qkv_proj.weight.device)
