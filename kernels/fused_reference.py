@@ -1,5 +1,5 @@
 """Torch references for the fused decoder ops (kernels/rmsnorm.py, rope_store.py, activation.py, gemv.py,
-splitk_add.py, gate_up_silu.py, qkv_rope_store.py).
+splitk_add.py, gate_up_silu.py).
 
 Each computes in fp32 and rounds once into the output dtype, as its kernel does; the one extra rounding is
 the residual sum, which is stored in the residual's own dtype before it is normed (the unfused `x + h`).
@@ -103,15 +103,4 @@ def gemv_rope_store_reference(x, weight, bias, *, norm_weight, eps, cos, sin, k_
     """kernels.gemv.gemv_rope_store as the unfused ops compute it: gemv, then RoPE + store in place."""
     qkv = gemv_reference(x, weight, bias, norm_weight=norm_weight, eps=eps)
     rope_store_reference(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads)
-    return qkv
-
-
-def qkv_rope_store_reference(x, weight, bias, *, eps: float, cos, sin, k_cache, v_cache, slot_mapping,
-                             num_q_heads: int, num_kv_heads: int) -> torch.Tensor:
-    """kernels.qkv_rope_store.qkv_rope_store as the unfused ops compute it: the product x (M, K) weight (N,
-    K)^T in fp32, rounded to x's dtype (the GEMM's output), then rope_store_reference with x's row scale and
-    the bias, in place -> qkv (M, N)."""
-    qkv = (x.float() @ weight.float().T).to(x.dtype)
-    rope_store_reference(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads,
-                         norm_of=x, eps=eps, bias=bias)
     return qkv

@@ -119,9 +119,7 @@ def warm_up(device: torch.device) -> None:
         _tickets[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
 
 
-def device_tickets(device: torch.device) -> torch.Tensor:
-    """`device`'s zeroed tile counters (kernels/qkv_rope_store.py's merge shares them: every launch leaves
-    them zero)."""
+def _device_tickets(device: torch.device) -> torch.Tensor:
     if device not in _tickets:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("splitk_add's counters are made outside CUDA-graph capture: call "
@@ -150,7 +148,7 @@ def splitk_add(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) ->
     t = tile_config(m)
     k_per_split = triton.cdiv(triton.cdiv(k, t.split_k), t.block_k) * t.block_k
     grid = (triton.cdiv(n, t.block_n), t.split_k, triton.cdiv(m, t.block_m))
-    tickets = device_tickets(x.device)
+    tickets = _device_tickets(x.device)
     if grid[0] * grid[2] > tickets.numel():
         raise ValueError(f"splitk_add holds {tickets.numel()} tile counters, {grid[0] * grid[2]} needed")
     part = torch.empty(t.split_k * grid[2] * t.block_m * n, dtype=torch.float32, device=x.device)

@@ -289,61 +289,6 @@ def test_mlp_warm_up_compiles_what_steps_launch(tiny, monkeypatch):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
-def test_attention_input_warm_up_compiles_what_steps_launch(tiny, monkeypatch):
-    """warm_up_attention_input (start-up on CUDA) must launch every Triton specialisation of the fused qkv +
-    RoPE + store that decode and small prefill steps launch (tile config, M == 1 / M % 16 == 0), and the
-    steps must launch it (tiny's head dim 32 is served)."""
-    from kernels import qkv_rope_store as qrs_mod
-    from kernels.launch_cache import CachedLauncher
-    from server.model.fused_forward import warm_up_attention_input
-
-    seen: list[tuple] = []
-    original = CachedLauncher.__call__
-
-    def record(self, grid, *args, num_warps, num_stages, **kw):
-        if self is qrs_mod._kernel:
-            m = args[12]  # M
-            seen.append((tuple(sorted(kw.items())), num_stages, m == 1, m % 16 == 0))
-        return original(self, grid, *args, num_warps=num_warps, num_stages=num_stages, **kw)
-
-    monkeypatch.setattr(CachedLauncher, "__call__", record)
-    runner = ModelRunner(tiny, block_size=4, num_blocks=32, attention_backend="triton", max_num_seqs=4,
-                         max_model_len=32)
-    seen.clear()
-    warm_up_attention_input(tiny, *runner.kv.layer(0))
-    warm = set(seen)
-    assert len(warm) == 4  # two tile classes, each at its fewest rows past one and its most
-    seen.clear()
-    run_steps(tiny, runner, "fused", teacher_forced_batches([20, 17, 2], 4, 32, steps=2))  # 39 rows, then 3
-    assert seen and set(seen) <= warm
-
-
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
-def test_a_fused_qkv_rope_store_that_disagrees_at_start_up_is_not_used(tiny, monkeypatch, caplog):
-    """warm_up_attention_input checks the fused qkv + RoPE + store against cuBLAS's GEMM + the RoPE + store
-    kernel; where it disagrees, that device keeps the two launches, and the forward is right."""
-    import server.model.fused_forward as ff
-
-    monkeypatch.setattr(ff, "_QKV_ROPE_REFUSED", set())
-    runner = ModelRunner(tiny, block_size=4, num_blocks=32, attention_backend="triton", max_num_seqs=4,
-                         max_model_len=32)
-    ff.warm_up_attention_input(tiny, *runner.kv.layer(0))
-    mod = tiny.model.layers[0].self_attn
-    assert not ff._QKV_ROPE_REFUSED and ff.fuses_qkv_rope(8, mod)
-    batches = teacher_forced_batches([9, 5, 3], 4, 32, steps=2)
-    want = run_steps(tiny, runner, "torch", batches)
-    real = ff.qkv_rope_store
-    monkeypatch.setattr(ff, "qkv_rope_store", lambda *a, **kw: real(*a, **kw) * 1.5)  # wrong
-    with caplog.at_level(logging.WARNING, logger="server.model.fused_forward"):
-        ff.warm_up_attention_input(tiny, *runner.kv.layer(0))
-    assert ff._QKV_ROPE_REFUSED == {torch.device("cpu")} and "keeps the two launches" in caplog.text
-    assert not ff.fuses_qkv_rope(8, mod)
-    got = run_steps(tiny, runner, "fused", batches)  # the wrong kernel is never called
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, atol=1e-3, rtol=1e-3)
-
-
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
 def test_a_fused_gate_up_silu_that_disagrees_at_start_up_is_not_used(tiny, monkeypatch, caplog):
     """warm_up_mlp checks the fused gate_up + SiLU against cuBLAS's GEMM + SiLU-and-mul; where it disagrees
     (a compiler hazard the CPU cannot see), that device keeps the two launches, and the forward is right."""

@@ -21,7 +21,7 @@ def sweep_tiles(module, space: dict[str, tuple], tiles_of: Callable[[dict], obje
             tiles = tiles_of(dict(zip(space, values, strict=True)))
             if tiles is None:
                 continue
-            module.tile_config = lambda *_, t=tiles: t
+            module.tile_config = lambda m, t=tiles: t
             try:
                 us, err = measure()
             except triton.runtime.errors.OutOfResources:

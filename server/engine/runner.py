@@ -199,16 +199,11 @@ class ModelRunner:
             self.sampler.warm_up(self.dtype)
             one_row = ""
             if self.model.decoder_ops_for(self.attention_backend) == "fused":
-                from server.model.fused_forward import (  # triton
-                    warm_up_attention_input,
-                    warm_up_mlp,
-                    warm_up_one_row,
-                )
+                from server.model.fused_forward import warm_up_mlp, warm_up_one_row  # triton
 
                 warm_up_one_row(self.model, *self.kv.layer(0))
-                warm_up_attention_input(self.model, *self.kv.layer(0))
                 warm_up_mlp(self.model)
-                one_row = ", the one-row GEMVs, the qkv and MLP GEMMs"
+                one_row = ", the one-row GEMVs, the MLP's GEMMs"
             log.info("runner: %d decode attention variants, the prefill kernel, the sampling kernel%s "
                      "compiled", variants, one_row)
         if self.cuda_graphs:

@@ -41,8 +41,6 @@ from kernels.activation import silu_and_mul
 from kernels.gate_up_silu import GATE_UP_SILU_MAX_ROWS, gate_up_silu
 from kernels.gate_up_silu import TILE_CLASSES as GATE_UP_TILE_CLASSES
 from kernels.gemv import gemv, gemv_rope_store
-from kernels.qkv_rope_store import QKV_ROPE_MAX_ROWS, qkv_rope_store, serves_head_dim
-from kernels.qkv_rope_store import TILE_CLASSES as QKV_TILE_CLASSES
 from kernels.rmsnorm import rms_norm
 from kernels.rope_store import rope_store_kv
 from kernels.splitk_add import SPLITK_MAX_ROWS, TILE_CLASSES, splitk_add
@@ -111,59 +109,19 @@ def warm_up_mlp(model: LlamaForCausalLM) -> None:
     eps = model.model.layers[0].post_attention_layernorm.eps
     if fuses_gate_up_silu(GATE_UP_SILU_MAX_ROWS, mlp.gate_up_proj):
         err = _gate_up_silu_error(mlp.gate_up_proj.weight, eps)
-        if not err <= FUSED_GEMM_TOLERANCE:
+        if not err <= GATE_UP_SILU_TOLERANCE:
             _GATE_UP_SILU_REFUSED.add(weight.device)
             logger.warning("the fused gate_up + SiLU kernel is %.2g off the cuBLAS GEMM + SiLU-and-mul on %s "
                            "(Triton %s): the MLP keeps the two launches there", err, weight.device,
                            triton.__version__)
 
 
-def warm_up_attention_input(model: LlamaForCausalLM, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """Makes the split-K merge's tile counters (before any graph capture) and compiles the fused qkv + RoPE
-    + store for every tile class on scratch rows (layer 0's weights and caches; slot -1 stores nothing), so
-    that an eager server compiles none mid-serving, and checks it
-    against the two launches it replaces on the way; where it disagrees, this device keeps them."""
-    mod = model.model.layers[0].self_attn
-    if not fuses_qkv_rope(QKV_ROPE_MAX_ROWS, mod):
-        return
-    warm_up_splitk(mod.qkv_proj.weight.device)  # the split-K merge's tile counters, before any capture
-    err = _qkv_rope_error(model, k_cache, v_cache)
-    if not err <= FUSED_GEMM_TOLERANCE:
-        _QKV_ROPE_REFUSED.add(mod.qkv_proj.weight.device)
-        logger.warning("the fused qkv + RoPE + store kernel is %.2g off the cuBLAS GEMM + RoPE + store on %s "
-                       "(Triton %s): attention's input keeps the two launches there", err,
-                       mod.qkv_proj.weight.device, triton.__version__)
-
-
-def _qkv_rope_error(model: LlamaForCausalLM, k_cache: torch.Tensor, v_cache: torch.Tensor) -> float:
-    """The fused kernel's largest relative error against F.linear + rope_store_kv over random rows of every
-    tile class and row-count specialisation (which this compiles, as the warm-up must), layer 0's weights."""
-    layer = model.model.layers[0]
-    mod, eps = layer.self_attn, layer.input_layernorm.eps
-    weight = mod.qkv_proj.weight
-    gen = torch.Generator(device=weight.device).manual_seed(0)
-    worst = 0.0
-    for rows in _warm_up_rows(QKV_TILE_CLASSES):
-        x = (torch.randn(rows, weight.shape[1], generator=gen, device=weight.device) * 2).to(weight.dtype)
-        positions = torch.randint(0, 4096, (rows,), generator=gen, device=weight.device)
-        cos, sin = model.model.rotary.half_angles(positions)
-        slots = torch.full((rows,), -1, dtype=torch.long, device=weight.device)
-        want = _qkv_two_launches(mod, x, eps, cos, sin, k_cache, v_cache, slots).float()
-        got = qkv_rope_store(x, weight, mod.qkv_proj.bias, eps=eps, cos=cos, sin=sin, k_cache=k_cache,
-                             v_cache=v_cache, slot_mapping=slots, num_q_heads=mod.num_heads,
-                             num_kv_heads=mod.num_kv_heads).float()
-        worst = max(worst, float((got - want).abs().max() / want.abs().max()))
-    return worst
-
-
-# Where a fused GEMM disagreed with the launches it replaces at start-up (warm_up_mlp,
-# warm_up_attention_input): that device keeps the launches.
+# Where the fused gate_up + SiLU disagreed with the two launches it replaces at start-up (warm_up_mlp).
 # Why a check at all: its first version computed wrong results at 64-row tiles on Hopper, from a Triton
 # pipelining hazard that no CPU test can see (kernels/gate_up_silu.py); a compiler of another version may
 # bring another, and a wrong MLP would serve wrong tokens without an error.
 _GATE_UP_SILU_REFUSED: set[torch.device] = set()
-_QKV_ROPE_REFUSED: set[torch.device] = set()
-FUSED_GEMM_TOLERANCE = 2e-2  # max abs error / max abs value: bf16 rounds to ~4e-3; the hazard: 0.1-0.5
+GATE_UP_SILU_TOLERANCE = 2e-2  # max abs error / max abs value: bf16 rounds to ~4e-3; the hazard: 0.1-0.5
 
 
 def _gate_up_silu_error(weight: torch.Tensor, eps: float) -> float:
@@ -200,7 +158,10 @@ def _layer(layer: DecoderLayer, residual: torch.Tensor, cos, sin, attn: Attentio
     """residual (T, H) gains this layer's attention and MLP outputs, in place (folded norms) -> residual;
     with out_rows (R,) past the attention only those rows go on, gathered: -> a new (R, H) stream."""
     mod, mlp = layer.self_attn, layer.mlp
-    qkv = _attention_input(mod, residual, cos, sin, attn, layer.input_layernorm.eps)
+    qkv = F.linear(residual, mod.qkv_proj.weight)  # (T, (Hq + 2 Hkv) D): the un-normed stream's projection
+    k_cache, v_cache, slots = attn.kv_destination(mod.layer_idx)
+    rope_store_kv(qkv, cos, sin, k_cache, v_cache, slots, mod.num_heads, mod.num_kv_heads, norm_of=residual,
+                  eps=layer.input_layernorm.eps, bias=mod.qkv_proj.bias)  # scaled, rotated, stored
     attended = _attend(mod, qkv, attn)  # (T, Hq D)
     if out_rows is not None:
         residual, attended = residual.index_select(0, out_rows), attended.index_select(0, out_rows)
@@ -208,36 +169,6 @@ def _layer(layer: DecoderLayer, residual: torch.Tensor, cos, sin, attn: Attentio
     act = _mlp_activation(residual, mlp.gate_up_proj, layer.post_attention_layernorm.eps)  # (T, I)
     _add_down_projection(residual, act, mlp.down_proj)
     return residual
-
-
-def _attention_input(mod: Attention, residual: torch.Tensor, cos, sin, attn: AttentionFn,
-                     eps: float) -> torch.Tensor:
-    """residual (T, H), the un-normed stream -> qkv (T, (Hq + 2 Hkv) D) of its normed rows, q and k rotated,
-    k and v stored into the layer's cache: up to QKV_ROPE_MAX_ROWS rows kernels/qkv_rope_store.py's one
-    launch (the GEMM with the norm's row scale, the bias, RoPE and the store in its epilogue); else cuBLAS's
-    GEMM, then the RoPE + store kernel applies the rest."""
-    k_cache, v_cache, slots = attn.kv_destination(mod.layer_idx)
-    if fuses_qkv_rope(residual.shape[0], mod):
-        return qkv_rope_store(residual, mod.qkv_proj.weight, mod.qkv_proj.bias, eps=eps, cos=cos, sin=sin,
-                              k_cache=k_cache, v_cache=v_cache, slot_mapping=slots,
-                              num_q_heads=mod.num_heads, num_kv_heads=mod.num_kv_heads)
-    return _qkv_two_launches(mod, residual, eps, cos, sin, k_cache, v_cache, slots)
-
-
-def _qkv_two_launches(mod: Attention, residual, eps, cos, sin, k_cache, v_cache, slots) -> torch.Tensor:
-    """The same as qkv_rope_store as cuBLAS's GEMM (T, (Hq + 2 Hkv) D), then the RoPE + store kernel."""
-    qkv = F.linear(residual, mod.qkv_proj.weight)  # the un-normed stream's projection
-    rope_store_kv(qkv, cos, sin, k_cache, v_cache, slots, mod.num_heads, mod.num_kv_heads, norm_of=residual,
-                  eps=eps, bias=mod.qkv_proj.bias)  # scaled, rotated, stored
-    return qkv
-
-
-def fuses_qkv_rope(rows: int, mod: Attention) -> bool:
-    """Whether `rows` rows take the fused qkv + RoPE + store launch (tools/decode_forward_bench times the
-    separate GEMM and RoPE + store too, by replacing this)."""
-    weight = mod.qkv_proj.weight
-    return (rows <= QKV_ROPE_MAX_ROWS and serves_head_dim(mod.head_dim)
-            and weight.device not in _QKV_ROPE_REFUSED)
 
 
 def _mlp_activation(residual: torch.Tensor, proj: nn.Linear, eps: float) -> torch.Tensor:
