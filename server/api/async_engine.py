@@ -127,7 +127,7 @@ class AsyncEngine:
         # a server): each API server admits up to its part, and its refusals name the part and the setting
         count, index = self.api_server.count, self.api_server.index
         self.max_waiting = config.max_waiting // count + (index < config.max_waiting % count)
-        self.waiting_bound = (f"max_waiting={config.max_waiting}" if self.api_server.count == 1 else
+        self.waiting_bound = (f"max_waiting={config.max_waiting}" if count == 1 else
                               f"this API server's {self.max_waiting} of max_waiting={config.max_waiting}")
         # the prompts one request may bring: the smallest part, so that every server gives one answer (the
         # kernel picks the server; with unequal parts a request was a 400 on one and served by another)

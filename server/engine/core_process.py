@@ -48,17 +48,13 @@ def run_core_process(config: EngineConfig, address: str, log_level: str, parent:
     def send(client: Client, msg: FromCore) -> None:
         sock.send_multipart([client, enc.encode(msg)], copy=False)
 
-    def check_parent() -> None:
-        if os.getppid() != parent:
-            _exit_orphaned()
-
     watch = ClientWatch()
 
     def receive(timeout: float | None) -> list[tuple[Client, ToCore]]:
-        check_parent()  # a busy core never blocks below, so it looks here too
+        _exit_if_orphaned(parent)  # a busy core never blocks below, so it looks here too
         if timeout is None:
             while not sock.poll(PARENT_CHECK_MS):
-                check_parent()
+                _exit_if_orphaned(parent)
         elif timeout > 0:
             sock.poll(int(timeout * 1000))
         messages = []
@@ -72,7 +68,7 @@ def run_core_process(config: EngineConfig, address: str, log_level: str, parent:
                 watch.add(client, msg.pid)
             messages.append((client, msg))
 
-    check_parent()  # gone already (killed during the spawn): no model to build
+    _exit_if_orphaned(parent)  # gone already (killed during the spawn): no model to build
     built = _watch_parent_while_building(parent)
     try:
         core, info = build_core(config)
@@ -134,9 +130,11 @@ def _process_alive(pid: int) -> bool:
         return True
 
 
-def _exit_orphaned() -> None:
-    """The parent is gone: no client will ask for anything. Exits at once (the interpreter's teardown of
+def _exit_if_orphaned(parent: int) -> None:
+    """Once the parent is gone no client will ask for anything: exits at once (the interpreter's teardown of
     torch and the model only takes time and logs native leaks)."""
+    if os.getppid() == parent:
+        return
     sys.stderr.write("pagewalk engine core: the process that started it is gone\n")
     sys.stderr.flush()
     os._exit(1)
@@ -150,8 +148,7 @@ def _watch_parent_while_building(parent: int) -> threading.Event:
 
     def watch() -> None:
         while not built.wait(PARENT_CHECK_MS / 1000):
-            if os.getppid() != parent:
-                _exit_orphaned()
+            _exit_if_orphaned(parent)
 
     threading.Thread(target=watch, name="pagewalk-parent-watch", daemon=True).start()
     return built
