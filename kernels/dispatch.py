@@ -58,12 +58,15 @@ def resolve_backend(device, requested: str = "auto") -> str:
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None, sliding_window=None,
-                           num_splits=None, backend="auto", out=None, workspace=None):
+                           num_splits=None, backend="auto", out=None, workspace=None, new_tokens=None):
     """Decode attention over a paged KV cache. q (B, Hq, D) -> (B, Hq, D); docs/ARCHITECTURE.md has the
     kernel contract.
 
     workspace: an optional caller-owned kernels.DecodeWorkspace; the Triton kernel then merges KV splits
     inside its one launch (kernels/workspace.py says when one may be shared). The torch backend needs none.
+    new_tokens: an optional kernels.new_token_rope.NewTokens: q is then the q heads of its qkv rows as
+    projected, and the call first rotates q and k and stores the new tokens' K/V (RoPE + store); the Triton
+    kernel does both in its one launch and leaves qkv as it is.
 
     The Triton wrapper checks its own inputs once per call signature, so the CUDA hot path goes straight
     there; reference.paged_decode_attention_dense is the torch backend.
@@ -76,9 +79,12 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=No
     if chosen == "triton":
         res = _triton_decode()(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
                                sliding_window=sliding_window, num_splits=num_splits, out=out,
-                               workspace=workspace)
+                               workspace=workspace, new_tokens=new_tokens)
     else:
         check_decode_inputs(chosen, q, k_cache, v_cache, block_tables, seq_lens, out)
+        if new_tokens is not None:
+            new_tokens.check(q, k_cache, v_cache)
+            q = new_tokens.reference_query(k_cache, v_cache, q.shape[1])
         res = reference.paged_decode_attention_dense(q, k_cache, v_cache, block_tables, seq_lens, scale=scale,
                                                      sliding_window=sliding_window, out=out)
     _last_backend = chosen

@@ -24,6 +24,8 @@ import triton.language as tl
 
 from kernels.checks import check_decode_inputs
 from kernels.launch_cache import CachedLauncher, CompiledLaunch, current_stream
+from kernels.new_token_rope import NewTokens, rope_lanes, rotated_q, store_new_kv
+from kernels.rmsnorm import row_rstd
 from kernels.split_heuristic import (
     MAX_SPLITS,
     KernelConfig,
@@ -83,19 +85,23 @@ def _softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.con
 # sizes that change between calls of one plan shape are not specialised on (see kernels/paged_prefill.py)
 @triton.jit(do_not_specialize=["window", "num_splits", "table_split_tokens", "table_tokens"])
 def _paged_decode_stage1(
-    Q, K, V, BLOCK_TABLES, SEQ_LENS, O_PART, LSE_PART, OUT, TICKETS,
+    Q, K, V, BLOCK_TABLES, SEQ_LENS, O_PART, LSE_PART, OUT, TICKETS, COS, SIN, SLOTS, RESIDUAL, BIAS,
     qk_scale, window, num_splits, table_split_tokens, table_tokens,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
-    stride_tb, stride_ob, stride_oh, stride_od,
+    stride_tb, stride_ob, stride_oh, stride_od, stride_cos, stride_r, eps,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SPLITS_FROM_TABLE: tl.constexpr, OFFSETS_32: tl.constexpr,
     MERGE: tl.constexpr, MERGE_GROUP_PAD: tl.constexpr, MERGE_BLOCK_S: tl.constexpr,
     MERGE_CHUNK_S: tl.constexpr,
+    NEW_TOKENS: tl.constexpr, NORM: tl.constexpr, HIDDEN: tl.constexpr, H_BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     # MERGE: 0 = one split (write the output), 1 = write partials (stage 2 merges), 2 = merge in this launch
+    # NEW_TOKENS: Q is the qkv rows as projected (kernels/new_token_rope.py): COS, SIN (B, D/2), SLOTS (B,),
+    # RESIDUAL (B, HIDDEN) if NORM, BIAS if HAS_BIAS; else those five are unread
     kvh = tl.program_id(0)
     seq = tl.program_id(1)
     split = tl.program_id(2)
@@ -122,10 +128,30 @@ def _paged_decode_stage1(
     heads = kvh * GROUP + offs_g
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(Q + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     k_base = K + kvh.to(tl.int64) * stride_kh
     v_base = V + kvh.to(tl.int64) * stride_vh
+    if NEW_TOKENS:
+        row = Q + seq.to(tl.int64) * stride_qb                          # (Hq + 2 Hkv) D contiguous values
+        scale = 1.0
+        if NORM:  # the folded pre-attention norm's row scale
+            scale = row_rstd(RESIDUAL + seq.to(tl.int64) * stride_r, eps, HIDDEN, H_BLOCK)
+        first, partner, cos, sin = rope_lanes(COS + seq * stride_cos, SIN + seq * stride_cos, offs_d, d_mask,
+                                              HEAD_DIM // 2)
+        q = rotated_q(row, BIAS, heads, offs_d, g_mask[:, None] & d_mask[None, :], first, partner, cos, sin,
+                      scale, HEAD_DIM, HAS_BIAS)
+        last = seq_len - 1
+        slot = tl.load(SLOTS + seq).to(tl.int64)
+        if (lo <= last) & (last < hi) & (slot >= 0):  # this split reads the new token: it stores it first
+            new_k = k_base + (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt
+            new_v = v_base + (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vt
+            q_heads = num_kv_heads * GROUP
+            store_new_kv(row, BIAS, new_k, new_v, (q_heads + kvh) * HEAD_DIM,
+                         (q_heads + num_kv_heads + kvh) * HEAD_DIM,
+                         offs_d, d_mask, first, partner, cos, sin, scale, stride_kd, stride_vd, HAS_BIAS)
+        tl.debug_barrier()  # the stores reach every thread of the program before the tile loop's loads
+    else:
+        q = tl.load(Q + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)
 
     # -- the tile loop: online softmax over [lo, hi)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)              # running max (log2 units)
@@ -168,7 +194,7 @@ def _paged_decode_stage1(
                 tl.store(counter, 0)         # every ticket drawn: back to zero for the next launch
 
 
-_stage1 = CachedLauncher(_paged_decode_stage1, num_tensors=9)
+_stage1 = CachedLauncher(_paged_decode_stage1, num_tensors=14)
 
 
 class _DecodePlan:
@@ -177,7 +203,7 @@ class _DecodePlan:
     partial-buffer allocation and one or two direct launches. q (B, Hq, D); caches (N, bs, Hkv, D)."""
 
     def __init__(self, q, k_cache, v_cache, block_tables, out, scale, window, num_splits,
-                 cfg: KernelConfig, with_workspace: bool, splits_from_table: bool):
+                 cfg: KernelConfig, with_workspace: bool, splits_from_table: bool, new: NewTokens | None):
         bsz, hq, d = q.shape
         hkv, block_size = k_cache.shape[2], k_cache.shape[1]
         self.bsz, self.hkv, self.d = bsz, hkv, d
@@ -197,19 +223,25 @@ class _DecodePlan:
                         SPLITS_FROM_TABLE=(splits_from_table or num_splits == 1) and window == NO_WINDOW,
                         OFFSETS_32=int32_offsets(block_size, num_splits) and _fits_int32(k_cache, v_cache),
                         MERGE=self.merge, MERGE_GROUP_PAD=group_pad, MERGE_BLOCK_S=block_s,
-                        MERGE_CHUNK_S=chunk1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                        MERGE_CHUNK_S=chunk1, NEW_TOKENS=new is not None,
+                        NORM=new is not None and new.norm_of is not None,
+                        HIDDEN=1 if new is None or new.norm_of is None else new.norm_of.shape[1],
+                        H_BLOCK=1 if new is None or new.norm_of is None else
+                        triton.next_power_of_2(new.norm_of.shape[1]),
+                        HAS_BIAS=new is not None and new.bias is not None,
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         self.kw2 = dict(HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_S=block_s, CHUNK_S=merge_chunk(block_s, d_pad),
                         num_warps=4, num_stages=1)
         self.part_numel = bsz * hq * num_splits * d          # o (B, Hq, S, D) then lse (B, Hq, S), fp32
         self.ints1 = (scale * LOG2E, window, num_splits, split_size(table_tokens, num_splits, cfg.block_n),
                       table_tokens, *q.stride(), *k_cache.stride(), *v_cache.stride(),
-                      block_tables.stride(0), *out_strides)
+                      block_tables.stride(0), *out_strides, *_new_token_ints(new))
         self.ints2 = (num_splits, hq, *out_strides)
         self.grid1 = (hkv, bsz, num_splits)
         self.grid2 = (bsz, hq, 1)
         self.bound = None                                   # (stage-1, stage-2) CompiledLaunch once compiled
 
-    def __call__(self, q, k_cache, v_cache, block_tables, seq_lens, out, workspace):
+    def __call__(self, q, k_cache, v_cache, block_tables, seq_lens, out, workspace, new: NewTokens | None):
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self.bsz == 0:
@@ -221,8 +253,9 @@ class _DecodePlan:
             if workspace.capacity < self.pairs or workspace.device_index != self.device_index:
                 workspace.check(q, self.hkv)
             tickets = workspace.tickets
+        extras = _new_token_tensors(new, q)
         if self.bound is None or not q.is_cuda:
-            return self._first_call(q, k_cache, v_cache, block_tables, seq_lens, out, work, tickets)
+            return self._first_call(q, k_cache, v_cache, block_tables, seq_lens, out, work, tickets, extras)
         stream = current_stream(self.device_index)
         o_ptr = out.data_ptr()
         w_ptr = o_ptr if work is None else work.data_ptr()
@@ -230,17 +263,19 @@ class _DecodePlan:
         stage1, stage2 = self.bound
         stage1(self.grid1, stream, (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                     block_tables.data_ptr(), seq_lens.data_ptr(), w_ptr, l_ptr, o_ptr,
-                                    tickets.data_ptr(), *self.ints1, *self.tail1))
+                                    tickets.data_ptr(), *(t.data_ptr() for t in extras), *self.ints1,
+                                    *self.tail1))
         if stage2 is not None:
             stage2(self.grid2, stream, (w_ptr, l_ptr, o_ptr, *self.ints2, *self.tail2))
         return out
 
-    def _first_call(self, q, k_cache, v_cache, block_tables, seq_lens, out, work, tickets):
+    def _first_call(self, q, k_cache, v_cache, block_tables, seq_lens, out, work, tickets, extras):
         """Through the JIT with tensors (compiling if needed); binds the compiled kernels for later calls."""
         o_part = lse_part = out
         if work is not None:
             o_part, lse_part = work[:self.part_numel], work[self.part_numel:]
-        args1 = (q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, out, tickets, *self.ints1)
+        args1 = (q, k_cache, v_cache, block_tables, seq_lens, o_part, lse_part, out, tickets, *extras,
+                 *self.ints1)
         bound1 = _stage1(self.grid1, *args1, **self.kw1)
         bound2 = None
         if self.merge == 1:
@@ -250,6 +285,21 @@ class _DecodePlan:
             self.tail2 = merge_stage2.tail(3 + len(self.ints2), self.kw2) if bound2 is not None else ()
             self.bound = (bound1, bound2)
         return out
+
+
+def _new_token_tensors(new: NewTokens | None, q) -> tuple:
+    """COS, SIN, SLOTS, RESIDUAL, BIAS of the stage-1 launch (q where a pointer is unread)."""
+    if new is None:
+        return (q,) * 5
+    return (new.cos, new.sin, new.slot_mapping, q if new.norm_of is None else new.norm_of,
+            q if new.bias is None else new.bias)
+
+
+def _new_token_ints(new: NewTokens | None) -> tuple:
+    """stride_cos (sin's too), stride_r, eps of the stage-1 launch."""
+    if new is None:
+        return 0, 0, 0.0
+    return new.cos.stride(0), 0 if new.norm_of is None else new.norm_of.stride(0), float(new.eps)
 
 
 def _fits_int32(*caches) -> bool:
@@ -270,8 +320,18 @@ def _signature(*tensors) -> tuple:
                  (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15 == 0) for t in tensors)
 
 
-def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, sliding_window, num_splits, workspace):
+def _new_token_signature(new: NewTokens | None) -> tuple | None:
+    """What a plan depends on of new tokens: their tensors as _signature sees them, and eps."""
+    if new is None:
+        return None
+    return _signature(new.cos, new.sin, new.slot_mapping, new.norm_of, new.bias), float(new.eps)
+
+
+def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, sliding_window, num_splits, workspace,
+                  new_tokens):
     check_decode_inputs("triton", q, k_cache, v_cache, block_tables, seq_lens, out)
+    if new_tokens is not None:
+        new_tokens.check(q, k_cache, v_cache)
     if seq_lens.stride() != (1,) and q.shape[0] > 1:
         raise ValueError("seq_lens must be contiguous")
     if block_tables.stride(1) != 1 and block_tables.shape[1] > 1:  # the kernel walks a row's entries by 1
@@ -287,8 +347,9 @@ def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, sliding_wind
 
 
 def _make_plan(q, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_window, num_splits, config,
-               workspace) -> _DecodePlan:
-    _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, sliding_window, num_splits, workspace)
+               workspace, new_tokens) -> _DecodePlan:
+    _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out, sliding_window, num_splits, workspace,
+                  new_tokens)
     d, block_size, hkv = q.shape[-1], k_cache.shape[1], k_cache.shape[2]
     window = NO_WINDOW if sliding_window is None else int(sliding_window)
     # a fixed split count promises batch invariance: its split size follows the sequence's own length
@@ -298,24 +359,26 @@ def _make_plan(q, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_
                                     num_sms(q.device), num_splits, config)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     return _DecodePlan(q, k_cache, v_cache, block_tables, out, scale, window, num_splits, cfg,
-                       workspace is not None, splits_from_table)
+                       workspace is not None, splits_from_table, new_tokens)
 
 
 def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale=None,
                                   sliding_window=None, num_splits=None, out=None, config=None,
-                                  workspace=None):
+                                  workspace=None, new_tokens=None):
     """Checked public wrapper: returns out (B, Hq, D). The first call with a given signature validates the
     inputs and builds a plan; later calls with the same signature go straight to the launches.
     workspace: a kernels.DecodeWorkspace; with one, the last split program of each (sequence, KV head)
     merges the splits inside the stage-1 launch (one launch), without one a stage-2 launch merges them.
-    config: a KernelConfig to use instead of the table's (benchmarks and tests)."""
+    config: a KernelConfig to use instead of the table's (benchmarks and tests).
+    new_tokens: a kernels.new_token_rope.NewTokens whose qkv rows q's heads are; the launch rotates q and
+    stores the new K/V itself."""
     key = (_signature(q, k_cache, v_cache, block_tables, seq_lens, out), scale, sliding_window, num_splits,
-           config, workspace is not None)
+           config, workspace is not None, _new_token_signature(new_tokens))
     plan = _PLANS.get(key)
     if plan is None:
         plan = _make_plan(q, k_cache, v_cache, block_tables, seq_lens, out, scale, sliding_window, num_splits,
-                          config, workspace)
+                          config, workspace, new_tokens)
         if len(_PLANS) >= MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = plan
-    return plan(q, k_cache, v_cache, block_tables, seq_lens, out, workspace)
+    return plan(q, k_cache, v_cache, block_tables, seq_lens, out, workspace, new_tokens)

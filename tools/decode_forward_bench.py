@@ -1,9 +1,11 @@
 """Decode-forward benchmark (GPU, not a test): `python -m tools.decode_forward_bench [--out DIR]`.
 
-The `bench` preset (Llama-3.2-1B shape, random weights, bf16) behind four ModelRunners in one process: the
+The `bench` preset (Llama-3.2-1B shape, random weights, bf16) behind five ModelRunners in one process: the
 torch decoder ops (the unfused baseline), the fused Triton ops, the fused ops with a one-row step on the GEMM
-route instead of the GEMVs (fused_gemm, the baseline of that route), and the fused ops with the gate_up GEMM
-and SiLU-and-mul as two launches (fused_silu, the baseline of kernels/gate_up_silu.py), each with its CUDA
+route instead of the GEMVs (fused_gemm, the baseline of that route), the fused ops with the gate_up GEMM
+and SiLU-and-mul as two launches (fused_silu, the baseline of kernels/gate_up_silu.py), and the fused ops
+with the RoPE + K/V store kernel launched before the decode attention (fused_rope, the baseline of
+kernels/new_token_rope.py's RoPE + store inside the attention launch), each with its CUDA
 decode graphs captured as the server captures them (final norm and lm_head inside). Every sequence holds
 --context cached tokens (random K/V in shuffled blocks) and decodes one more. Per batch size, timed with CUDA
 events over back-to-back steps: one step = the graph replay plus the argmax of the real rows' model-dtype
@@ -19,6 +21,7 @@ Prints a table; writes decode_forward_<gpu>.{json,md} under --out.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import platform
@@ -36,12 +39,18 @@ from tests.runner_chunks import Chunk, run_chunks
 from tools.kernel_bench import gpu_tag
 
 TARGETS_MS = {1: 0.75, 64: 1.15, 256: 2.4}  # issue 16, decode forward including logits
-OPS = ("torch", "fused", "fused_gemm", "fused_silu")
-# the baselines of two fused routes, as functions of server/model/fused_forward.py replaced while their
-# runner captures its graphs: fused_gemm, one row on the GEMM route instead of the GEMVs; fused_silu, the
-# gate_up GEMM and SiLU-and-mul as separate launches instead of kernels/gate_up_silu.py's one
-BASELINE_ROUTES = {"fused_gemm": ("takes_one_row", lambda input_ids: False),
-                   "fused_silu": ("fuses_gate_up_silu", lambda rows, proj: False)}
+OPS = ("torch", "fused", "fused_gemm", "fused_silu", "fused_rope")
+# the baselines of three fused routes, as functions of server/model/fused_forward.py or
+# server/engine/attention.py replaced while their runner captures its graphs: fused_gemm, one row on the
+# GEMM route instead of the GEMVs; fused_silu, the gate_up GEMM and SiLU-and-mul as separate launches
+# instead of kernels/gate_up_silu.py's one; fused_rope, the RoPE + store kernel before the decode launch
+BASELINE_ROUTES = {"fused_gemm": ("server.model.fused_forward", "takes_one_row", lambda input_ids: False),
+                   "fused_silu": ("server.model.fused_forward", "fuses_gate_up_silu",
+                                  lambda rows, proj: False),
+                   "fused_rope": ("server.engine.attention", "ropes_in_decode_launch",
+                                  lambda meta, backend: False)}
+BASELINE_TITLES = {"fused_gemm": "fused, GEMM route", "fused_silu": "fused, SiLU apart",
+                   "fused_rope": "fused, RoPE apart"}
 
 
 def cuda_ms(fn, iters: int, repeats: int = 5) -> float:
@@ -103,13 +112,12 @@ class Contexts:
 
 def build_runner(model, ops: str, ctx: Contexts, args) -> tuple[ModelRunner, dict]:
     """A runner whose graphs were captured with `ops`; -> (runner, its start-up time and graph memory)."""
-    import server.model.fused_forward as fused_forward
-
     model.set_decoder_ops("fused" if ops in BASELINE_ROUTES else ops)
-    name, baseline = BASELINE_ROUTES.get(ops, (None, None))
-    shipped = getattr(fused_forward, name) if name else None
+    module, name, baseline = BASELINE_ROUTES.get(ops, (None, None, None))
     if name:
-        setattr(fused_forward, name, baseline)  # the graphs capture the baseline route
+        module = importlib.import_module(module)
+        shipped = getattr(module, name)
+        setattr(module, name, baseline)  # the graphs capture the baseline route
     torch.cuda.synchronize()
     free_before, _ = torch.cuda.mem_get_info()
     start = time.perf_counter()
@@ -120,7 +128,7 @@ def build_runner(model, ops: str, ctx: Contexts, args) -> tuple[ModelRunner, dic
                              max_model_len=args.max_model_len)
     finally:
         if name:
-            setattr(fused_forward, name, shipped)
+            setattr(module, name, shipped)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     free_after, _ = torch.cuda.mem_get_info()
@@ -278,8 +286,8 @@ def print_report(r: dict, path: Path) -> None:
           f"block {r['block_size']}, tables for {r['max_model_len']} tokens; "
           f"copy {r['copy_bw_tb_s']:.2f} TB/s; "
           f"weights {r['weight_bytes'] / 1e9:.2f} GB; JSON {path}")
-    print(f"{'batch':>5} {'roofline':>9} {'torch ms':>9} {'gemm ms':>8} {'silu ms':>8} {'fused ms':>9} "
-          f"{'fused TB/s':>10} "
+    print(f"{'batch':>5} {'roofline':>9} {'torch ms':>9} {'gemm ms':>8} {'silu ms':>8} {'rope ms':>8} "
+          f"{'fused ms':>9} {'fused TB/s':>10} "
           f"{'of roof':>8} {'target':>7} {'exec torch':>10} {'exec fused':>10} {'rel err':>8}")
     for row in r["rows"]:
         t, f = row["torch"], row["fused"]
@@ -287,7 +295,7 @@ def print_report(r: dict, path: Path) -> None:
         verdict = "" if target is None else f"{target:.2f}{'ok' if f['step_ms'] <= target else '!!'}"
         print(f"{row['batch']:>5} {row['roofline_ms']:>9.3f} {t['step_ms']:>9.3f} "
               f"{row['fused_gemm']['step_ms']:>8.3f} {row['fused_silu']['step_ms']:>8.3f} "
-              f"{f['step_ms']:>9.3f} "
+              f"{row['fused_rope']['step_ms']:>8.3f} {f['step_ms']:>9.3f} "
               f"{f['tb_s']:>10.2f} {f['roofline_frac']:>8.1%} {verdict:>7} {t['execute_ms']:>10.3f} "
               f"{f['execute_ms']:>10.3f} {row['fused_vs_torch_rel_err']:>8.1e}")
 
@@ -301,17 +309,17 @@ def markdown(r: dict) -> str:
         f"block size {r['block_size']}, graph tables for {r['max_model_len']} tokens. Roofline: (weights "
         f"{r['weight_bytes'] / 1e9:.2f} GB + KV read) / the device-to-device copy bandwidth measured in "
         f"the same run, {r['copy_bw_tb_s']:.2f} TB/s. `python -m tools.decode_forward_bench --out DIR`.", "",
-        "| batch | roofline ms | torch ms | fused, GEMM route ms | fused, SiLU apart ms | fused ms "
-        "| fused TB/s | of roofline | target ms | execute torch ms | execute fused ms "
+        "| batch | roofline ms | torch ms | " + " | ".join(f"{t} ms" for t in BASELINE_TITLES.values())
+        + " | fused ms | fused TB/s | of roofline | target ms | execute torch ms | execute fused ms "
         "| fused vs torch rel err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in r["rows"]:
         t, f = row["torch"], row["fused"]
         target = "" if row["target_ms"] is None else f"{row['target_ms']:.2f}"
         lines.append(f"| {row['batch']} | {row['roofline_ms']:.3f} | {t['step_ms']:.3f} | "
-                     f"{row['fused_gemm']['step_ms']:.3f} | {row['fused_silu']['step_ms']:.3f} | "
-                     f"{f['step_ms']:.3f} | {f['tb_s']:.2f} | "
+                     + "".join(f"{row[ops]['step_ms']:.3f} | " for ops in BASELINE_TITLES)
+                     + f"{f['step_ms']:.3f} | {f['tb_s']:.2f} | "
                      f"{f['roofline_frac']:.1%} | {target} | "
                      f"{t['execute_ms']:.3f} | {f['execute_ms']:.3f} | {row['fused_vs_torch_rel_err']:.1e} |")
     startup = ", ".join(f"{ops} {s['init_s']:.1f} s and {s['graphs_mib']:.0f} MiB"

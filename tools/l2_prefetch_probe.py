@@ -35,7 +35,7 @@ from tests.runner_chunks import run_chunks
 from tools.decode_forward_bench import Contexts, build_runner, copy_bandwidth, cuda_ms, graph_step
 from tools.kernel_bench import gpu_tag
 
-SHIPPED, SHIPPED_ATTEND = ff.fused_forward, ff._attend
+SHIPPED, SHIPPED_ATTEND, SHIPPED_ROPE_ATTEND = ff.fused_forward, ff._attend, ff._rope_attend
 
 LINE = 128            # bytes a prefetch names (one L2 line)
 LINES_PER_PROGRAM = 1024  # 128 KiB a program: 8 prefetches a thread at 4 warps
@@ -101,8 +101,9 @@ def prefetch_weights(layer, v: Variant) -> None:
 
 def forward_with_prefetch(v: Variant, side: torch.cuda.Stream, layers):
     """The shipped fused_forward with a side-stream prefetch forked after each layer's qkv projection: its
-    own `_attend` (called after the qkv GEMV or GEMM and RoPE + K/V store, on either route) is wrapped for
-    the call, and the side stream joins once the forward returns."""
+    own `_attend` (called after the qkv GEMV with RoPE + K/V store, the one-row route) and `_rope_attend`
+    (called after the qkv GEMM) are wrapped for the call, and the side stream joins once the forward
+    returns."""
 
     def fork(mod) -> None:
         side.wait_stream(torch.cuda.current_stream())
@@ -113,12 +114,16 @@ def forward_with_prefetch(v: Variant, side: torch.cuda.Stream, layers):
         fork(mod)
         return SHIPPED_ATTEND(mod, qkv, attn)
 
+    def rope_attend(layer, qkv, residual, cos, sin, attn):
+        fork(layer.self_attn)
+        return SHIPPED_ROPE_ATTEND(layer, qkv, residual, cos, sin, attn)
+
     def forward(model, input_ids, positions, attn, out_rows=None):
-        ff._attend = attend
+        ff._attend, ff._rope_attend = attend, rope_attend
         try:
             hidden = SHIPPED(model, input_ids, positions, attn, out_rows)
         finally:
-            ff._attend = SHIPPED_ATTEND
+            ff._attend, ff._rope_attend = SHIPPED_ATTEND, SHIPPED_ROPE_ATTEND
         torch.cuda.current_stream().wait_stream(side)
         return hidden
 

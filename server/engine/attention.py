@@ -62,6 +62,28 @@ class PagedAttention:
         k_cache, v_cache = self.kv.layer(layer_idx)
         return k_cache, v_cache, self.meta.slot_mapping
 
+    def rope_attend(self, layer_idx: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    num_q_heads: int, norm_of: torch.Tensor | None, eps: float,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        """qkv (T, (Hq + 2 Hkv) D) as projected -> the attention output (T, Hq, D): q and k rotated (after
+        kernels.rope_store.rope_store_kv's row scale and bias), the new K/V stored, then attention. A
+        decode-only step on the Triton backend does it all in the decode launch (kernels/new_token_rope.py)
+        and leaves qkv as projected; any other step runs the RoPE + store kernel (rotating qkv in place,
+        which the prefill kernel reads), then `attend`."""
+        from kernels.new_token_rope import NewTokens  # triton
+        from kernels.rope_store import rope_store_kv
+
+        k_cache, v_cache = self.kv.layer(layer_idx)
+        hkv, d = k_cache.shape[2], k_cache.shape[3]
+        heads = qkv.view(qkv.shape[0], num_q_heads + 2 * hkv, d)
+        q, k, v = heads.split([num_q_heads, hkv, hkv], dim=1)  # strided views
+        if ropes_in_decode_launch(self.meta, self.backend):
+            new = NewTokens(qkv, cos, sin, self.meta.slot_mapping, norm_of, eps, bias)
+            return self._decode(q, k_cache, v_cache, new_tokens=new)
+        rope_store_kv(qkv, cos, sin, k_cache, v_cache, self.meta.slot_mapping, num_q_heads, hkv,
+                      norm_of=norm_of, eps=eps, bias=bias)
+        return self.attend(layer_idx, q, k, v)
+
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention of the new tokens over the cache, which already holds their K/V."""
         meta = self.meta
@@ -77,7 +99,7 @@ class PagedAttention:
                                 sliding_window=self.sliding_window, backend=self.backend, out=out, k=k, v=v)
         return out
 
-    def _decode(self, q, k_cache, v_cache, out=None) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, out=None, new_tokens=None) -> torch.Tensor:
         ws = self.workspace  # sized for max_num_seqs; an eager batch beyond it merges in a second launch
         if ws is not None and q.shape[0] * k_cache.shape[2] > ws.capacity:
             ws = None
@@ -93,7 +115,15 @@ class PagedAttention:
             backend=self.backend,
             out=out,
             workspace=ws,
+            new_tokens=new_tokens,
         )
+
+
+def ropes_in_decode_launch(meta: AttentionMetadata, backend: str) -> bool:
+    """Whether `rope_attend` does RoPE and the K/V store inside the decode launch: decode-only steps on the
+    Triton backend (tools/decode_forward_bench times the separate RoPE + store kernel too, by replacing
+    this)."""
+    return meta.prefill is None and backend == "triton"
 
 
 def decode_splits(batch: int, k_cache: torch.Tensor, max_blocks: int, fixed: int | None) -> int:
@@ -109,11 +139,13 @@ def decode_splits(batch: int, k_cache: torch.Tensor, max_blocks: int, fixed: int
 
 def warm_up_attention(kv: KVCacheTensors, sliding_window: int | None, max_num_seqs: int, max_blocks: int,
                       num_q_heads: int, decode_num_splits: int | None,
-                      workspace: kernels.DecodeWorkspace | None) -> int:
+                      workspace: kernels.DecodeWorkspace | None, new_tokens=None) -> int:
     """Compiles, before the first request, every attention kernel variant an eager step can launch: the
-    decode kernel at each split count PagedAttention picks for 1..max_num_seqs rows, and the prefill kernel.
-    A Triton compile mid-serving stalls every stream for about a second. The calls read nothing (seq_len 0,
-    or the null block). Returns the number of decode variants."""
+    decode kernel at each split count PagedAttention picks for 1..max_num_seqs rows (also, given
+    new_tokens(rows) -> a NewTokens of scratch rows, its variant that rotates and stores them: the fused
+    forward's `rope_attend`), and the prefill kernel. A Triton compile mid-serving stalls every stream for
+    about a second. The calls read and store nothing (seq_len 0, padding slots, or the null block). Returns
+    the number of decode variants."""
     k_cache, v_cache = kv.layer(0)
     d, device = k_cache.shape[3], k_cache.device
     first_batch: dict[int, int] = {}
@@ -125,6 +157,11 @@ def warm_up_attention(kv: KVCacheTensors, sliding_window: int | None, max_num_se
         lens = torch.zeros(batch, dtype=torch.int32, device=device)
         kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, sliding_window=sliding_window,
                                        num_splits=splits, workspace=workspace)
+        if new_tokens is not None:
+            new = new_tokens(batch)
+            q = new.qkv.view(batch, -1, d)[:, :num_q_heads]
+            kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, sliding_window=sliding_window,
+                                           num_splits=splits, workspace=workspace, new_tokens=new)
     # the prefill kernel as steps call it: q, k, v strided views of one qkv row (T=1)
     hkv = k_cache.shape[2]
     qkv = torch.zeros(1, num_q_heads + 2 * hkv, d, dtype=k_cache.dtype, device=device)

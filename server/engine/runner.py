@@ -193,14 +193,20 @@ class ModelRunner:
             self.kv.data.numel() * self.kv.data.element_size() / 2**20, self.device, self.dtype,
         )
         if self.attention_backend == "triton" and self.device.type == "cuda":
+            fused = self.model.decoder_ops_for(self.attention_backend) == "fused"
+            if fused:
+                from server.model.fused_forward import (  # triton
+                    scratch_new_tokens,
+                    warm_up_mlp,
+                    warm_up_one_row,
+                )
             variants = warm_up_attention(self.kv, self.sliding_window, self.max_num_seqs,
                                          self.state.block_tables.shape[1], self.config.num_heads,
-                                         self.decode_num_splits, self.decode_workspace)
+                                         self.decode_num_splits, self.decode_workspace,
+                                         scratch_new_tokens(self.model) if fused else None)
             self.sampler.warm_up(self.dtype)
             one_row = ""
-            if self.model.decoder_ops_for(self.attention_backend) == "fused":
-                from server.model.fused_forward import warm_up_mlp, warm_up_one_row  # triton
-
+            if fused:
                 warm_up_one_row(self.model, *self.kv.layer(0))
                 warm_up_mlp(self.model)
                 one_row = ", the one-row GEMVs, the MLP's GEMMs"

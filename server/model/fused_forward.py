@@ -5,7 +5,9 @@ after it): qkv GEMM of the residual stream -> the norm's row scale + bias, RoPE(
 kernel) -> paged attention -> o_proj GEMM that adds into the stream -> gate_up GEMM of the stream -> the
 norm's row scale + bias, SiLU-and-mul (one kernel) -> down GEMM that adds into the stream. Five launches a
 layer with attention, no norm kernel: the row scale rsqrt(mean(r^2) + eps) commutes with the GEMM, so the
-kernel reading the GEMM's output applies it; the residual adds are the GEMMs' own (cuBLAS, beta = 1),
+kernel reading the GEMM's output applies it; in a decode-only step the attention launch itself applies it
+with the bias and RoPE and stores the new K/V (`attn.rope_attend`, kernels/new_token_rope.py), one launch
+fewer; the residual adds are the GEMMs' own (cuBLAS, beta = 1),
 rounded to the model dtype once per add as the eager `x = x + sublayer(x)`. Up to SPLITK_MAX_ROWS rows the
 down GEMM is kernels/splitk_add.py's (one launch where cuBLAS takes a split-K GEMM and a reduce kernel),
 rounded the same way, and the gate_up GEMM, the norm's row scale and SiLU-and-mul are one launch
@@ -31,6 +33,8 @@ decode step at batch 1 / 16 / 64 / 256 on an H100, and 1.22x at 64 with max-auto
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +45,8 @@ from kernels.activation import silu_and_mul
 from kernels.gate_up_silu import GATE_UP_SILU_MAX_ROWS, gate_up_silu
 from kernels.gate_up_silu import TILE_CLASSES as GATE_UP_TILE_CLASSES
 from kernels.gemv import gemv, gemv_rope_store
+from kernels.new_token_rope import NewTokens
 from kernels.rmsnorm import rms_norm
-from kernels.rope_store import rope_store_kv
 from kernels.splitk_add import SPLITK_MAX_ROWS, TILE_CLASSES, splitk_add
 from kernels.splitk_add import warm_up as warm_up_splitk
 from server.model.llama import Attention, AttentionFn, DecoderLayer, LlamaForCausalLM
@@ -92,6 +96,15 @@ def warm_up_one_row(model: LlamaForCausalLM, k_cache: torch.Tensor, v_cache: tor
                gated=True)
     gemv(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=row)
     rms_norm(row, inner.norm.weight, inner.norm.eps)
+
+
+def scratch_new_tokens(model: LlamaForCausalLM) -> Callable[[int], NewTokens]:
+    """rows -> zero decode rows with padding slots, shaped as this forward's decode steps pass them to
+    `attn.rope_attend` (server.engine.attention.warm_up_attention compiles that decode variant with them)."""
+    cfg, layer = model.config, model.model.layers[0]
+    return partial(NewTokens.scratch, num_q_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                   head_dim=cfg.head_dim, norm_width=cfg.hidden_size, bias=layer.self_attn.qkv_proj.bias,
+                   eps=layer.input_layernorm.eps, dtype=model.dtype, device=model.device)
 
 
 def warm_up_mlp(model: LlamaForCausalLM) -> None:
@@ -159,10 +172,7 @@ def _layer(layer: DecoderLayer, residual: torch.Tensor, cos, sin, attn: Attentio
     with out_rows (R,) past the attention only those rows go on, gathered: -> a new (R, H) stream."""
     mod, mlp = layer.self_attn, layer.mlp
     qkv = F.linear(residual, mod.qkv_proj.weight)  # (T, (Hq + 2 Hkv) D): the un-normed stream's projection
-    k_cache, v_cache, slots = attn.kv_destination(mod.layer_idx)
-    rope_store_kv(qkv, cos, sin, k_cache, v_cache, slots, mod.num_heads, mod.num_kv_heads, norm_of=residual,
-                  eps=layer.input_layernorm.eps, bias=mod.qkv_proj.bias)  # scaled, rotated, stored
-    attended = _attend(mod, qkv, attn)  # (T, Hq D)
+    attended = _rope_attend(layer, qkv, residual, cos, sin, attn)  # (T, Hq D)
     if out_rows is not None:
         residual, attended = residual.index_select(0, out_rows), attended.index_select(0, out_rows)
     _add_projection(residual, attended, mod.o_proj)
@@ -224,6 +234,17 @@ def _layer_one_row(layer: DecoderLayer, residual: torch.Tensor, cos, sin, attn: 
     act = gemv(residual, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm_weight=norm.weight,
                eps=norm.eps, gated=True)  # (1, I)
     gemv(act, mlp.down_proj.weight, mlp.down_proj.bias, residual=residual)
+
+
+def _rope_attend(layer: DecoderLayer, qkv: torch.Tensor, residual: torch.Tensor, cos, sin,
+                 attn: AttentionFn) -> torch.Tensor:
+    """qkv (T, (Hq + 2 Hkv) D), the projection of the un-normed stream residual (T, H) -> the attention
+    output (T, Hq D): the norm's row scale, the bias and RoPE applied, the new K/V stored (attn.rope_attend:
+    in the decode launch itself on a decode-only step)."""
+    mod = layer.self_attn
+    o = attn.rope_attend(mod.layer_idx, qkv, cos, sin, mod.num_heads, residual, layer.input_layernorm.eps,
+                         mod.qkv_proj.bias)  # (T, Hq, D)
+    return o.reshape(qkv.shape[0], mod.q_size)
 
 
 def _attend(mod: Attention, qkv: torch.Tensor, attn: AttentionFn) -> torch.Tensor:

@@ -28,7 +28,8 @@ DECODER_OPS = ("auto", "torch", "fused")
 
 class AttentionFn(Protocol):
     """Paged attention of one step. `attn(i, q, k, v)` stores the new tokens' K/V, then attends; a fused
-    kernel that stores K/V itself (RoPE + store) asks `kv_destination(i)` where to, then calls `attend`."""
+    kernel that stores K/V itself (RoPE + store) asks `kv_destination(i)` where to, then calls `attend`;
+    `rope_attend` takes the qkv projection as it is and does RoPE, the store and the attention."""
 
     backend: str  # the kernels' backend: "triton" or "torch"
 
@@ -42,6 +43,13 @@ class AttentionFn(Protocol):
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """As __call__, with the new tokens' K/V already stored."""
+        ...
+
+    def rope_attend(self, layer_idx: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    num_q_heads: int, norm_of: torch.Tensor | None, eps: float,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        """qkv (T, (Hq + 2 Hkv) D), the projection before its row scale, bias and RoPE (as
+        kernels.rope_store.rope_store_kv takes it) -> (T, Hq, D), the new K/V stored."""
         ...
 
 
