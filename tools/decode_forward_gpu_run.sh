@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# One GPU call for the fused decode forward (issue 16): its GPU tests, the greedy argmax against torch's
-# (tools/argmax_bench), the fused gate_up + SiLU against cuBLAS + SiLU-and-mul with its tile sweep
-# (tools/gate_up_silu_bench --sweep), then tools/decode_forward_bench on the previous checkout (BEFORE=dir
-# holding it, optional) and on this one in the same run, and with ENGINE=1 the engine core's decode steps
-# and the 64:256 closed loop on each (tools/engine_step_bench); the tables last.
+# One GPU call for the fused decode forward (issue 16): its GPU tests, with SWEEPS=1 the greedy argmax
+# against torch's (tools/argmax_bench) and the fused gate_up + SiLU against cuBLAS + SiLU-and-mul with its
+# tile sweep (tools/gate_up_silu_bench --sweep), then tools/decode_forward_bench on the previous checkout
+# (BEFORE=dir holding it, optional) and on this one in the same run, and with ENGINE=1 the engine core's
+# decode steps and the 64:256 closed loop on each (tools/engine_step_bench); the tables last.
 # Usage on the device machine, from the repo root: OUT=/some/dir [BEFORE=.base] [BATCHES=16,64,256]
-#   [PROFILE=1,64] [ENGINE=1] bash tools/decode_forward_gpu_run.sh
+#   [PROFILE=1,64] [ENGINE=1] [SWEEPS=1] bash tools/decode_forward_gpu_run.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/decode_forward_gpu_run}
 BATCHES=${BATCHES:-1,16,64,256}
@@ -15,12 +15,17 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # msgspec and the rest, for the engine's
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
 fi
-python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_argmax.py tests/test_kernels_splitk_add.py tests/test_kernels_gate_up_silu.py tests/test_model_fused_forward.py \
-  tests/test_kernels_gemv.py tests/test_runner_gpu.py 2>&1 | tail -n 8 | tee "$OUT/gpu_tests.txt"
-python3 -m tools.argmax_bench --out "$OUT/argmax.json" > "$OUT/argmax.txt" 2>&1
-tail -n 11 "$OUT/argmax.txt"
-python3 -m tools.gate_up_silu_bench --sweep --out "$OUT/gate_up_silu.json" > "$OUT/gate_up_silu.txt" 2>&1
-tail -n 20 "$OUT/gate_up_silu.txt"
+python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_argmax.py tests/test_kernels_splitk_add.py \
+  tests/test_kernels_gate_up_silu.py tests/test_kernels_new_token_rope.py tests/test_gpu_kernels.py \
+  tests/test_model_fused_forward.py tests/test_kernels_gemv.py tests/test_runner_gpu.py tests/test_engine_async.py \
+  2>&1 | tail -n 8 \
+  | tee "$OUT/gpu_tests.txt"
+if [ -n "${SWEEPS:-}" ]; then
+  python3 -m tools.argmax_bench --out "$OUT/argmax.json" > "$OUT/argmax.txt" 2>&1
+  tail -n 11 "$OUT/argmax.txt"
+  python3 -m tools.gate_up_silu_bench --sweep --out "$OUT/gate_up_silu.json" > "$OUT/gate_up_silu.txt" 2>&1
+  tail -n 20 "$OUT/gate_up_silu.txt"
+fi
 bench() {  # $1: before | after, run in the current directory
   python3 -m tools.decode_forward_bench --batches "$BATCHES" --profile-batches "$PROFILE" --out "$OUT/$1" \
     > "$OUT/$1/log.txt" 2>&1
