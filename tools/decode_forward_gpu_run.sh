@@ -5,7 +5,7 @@
 # (BEFORE=dir holding it, optional) and on this one in the same run, and with ENGINE=1 the engine core's
 # decode steps and the 64:256 closed loop on each (tools/engine_step_bench); the tables last.
 # Usage on the device machine, from the repo root: OUT=/some/dir [BEFORE=.base] [BATCHES=16,64,256]
-#   [PROFILE=1,64] [ENGINE=1] [SWEEPS=1] bash tools/decode_forward_gpu_run.sh
+#   [PROFILE=1,64] [ENGINE=1] [SWEEPS=1] [BEFORE_FORWARD=0] bash tools/decode_forward_gpu_run.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/decode_forward_gpu_run}
 BATCHES=${BATCHES:-1,16,64,256}
@@ -26,9 +26,11 @@ if [ -n "${SWEEPS:-}" ]; then
   python3 -m tools.gate_up_silu_bench --sweep --out "$OUT/gate_up_silu.json" > "$OUT/gate_up_silu.txt" 2>&1
   tail -n 20 "$OUT/gate_up_silu.txt"
 fi
-bench() {  # $1: before | after, run in the current directory
-  python3 -m tools.decode_forward_bench --batches "$BATCHES" --profile-batches "$PROFILE" --out "$OUT/$1" \
-    > "$OUT/$1/log.txt" 2>&1
+bench() {  # $1: before | after, run in the current directory; BEFORE_FORWARD=0: the engine alone before
+  if [ "$1" = after ] || [ "${BEFORE_FORWARD:-1}" != 0 ]; then
+    python3 -m tools.decode_forward_bench --batches "$BATCHES" --profile-batches "$PROFILE" --out "$OUT/$1" \
+      > "$OUT/$1/log.txt" 2>&1
+  fi
   if [ -n "${ENGINE:-}" ]; then
     python3 -m tools.engine_step_bench --batches 16 64 --modes greedy --steps 32 --closed-loop 64:256 \
       --out "$OUT/$1/engine.json" > "$OUT/$1/engine.txt" 2>&1
@@ -39,8 +41,7 @@ if [ -n "${BEFORE:-}" ]; then
 fi
 bench after
 for side in before after; do
-  [ -s "$OUT/$side/log.txt" ] || continue
   echo "== $side"
-  tail -n $(( $(echo "$BATCHES" | tr ',' '\n' | wc -l) + 4 )) "$OUT/$side/log.txt"
+  [ -s "$OUT/$side/log.txt" ] && tail -n $(( $(echo "$BATCHES" | tr ',' '\n' | wc -l) + 4 )) "$OUT/$side/log.txt"
   [ -s "$OUT/$side/engine.txt" ] && tail -n 8 "$OUT/$side/engine.txt"
 done
