@@ -33,7 +33,7 @@ has() { [[ ",$PARTS," == *",$1,"* ]]; }
 if has tests; then
   timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 tests/test_runner_gpu.py tests/test_runner_cuda_graphs.py \
     tests/test_engine_process.py tests/test_engine_async.py tests/test_model_fused_forward.py \
-    tests/test_kernels_sampling.py tests/test_engine_logit_bias.py tests/test_engine_bad_words.py tests/test_engine_grammar.py tests/test_kernels_token_mask.py tests/test_kernels_gemv.py tests/test_kernels_splitk_add.py tests/test_kernels_gate_up_silu.py tests/test_kernels_argmax.py \
+    tests/test_kernels_sampling.py tests/test_engine_logit_bias.py tests/test_engine_bad_words.py tests/test_engine_grammar.py tests/test_kernels_token_mask.py tests/test_kernels_gemv.py tests/test_kernels_splitk_add.py tests/test_kernels_gate_up_silu.py tests/test_kernels_argmax.py tests/test_kernels_new_token_rope.py \
     tests/test_gpu_kernels.py::test_gpu_step_inputs_match_the_torch_derivation 2>&1 | tail -n 30 | tee "$OUT/gpu_tests.txt"
 fi
 if has hazards; then
