@@ -119,11 +119,20 @@ class PagedAttention:
         )
 
 
+# Up to this many rows a decode-only step's RoPE + store runs inside the decode launch. Measured on an H100
+# (tools/decode_forward_bench, the step with the two launches captured in the same process; docs/kernel.md):
+# the one launch takes the step 2.0-2.6% under the two at 16-96 rows, ties at 128 and 192 (-0.2%, -0.4%) and
+# loses at 256 (+0.9%): its prologue (the norm's row sum and RoPE before the tile loop) lengthens each of
+# the attention's programs, which at 256 rows run in several waves, by more than one launch costs.
+ROPE_IN_DECODE_MAX_ROWS = 128
+
+
 def ropes_in_decode_launch(meta: AttentionMetadata, backend: str) -> bool:
-    """Whether `rope_attend` does RoPE and the K/V store inside the decode launch: decode-only steps on the
-    Triton backend (tools/decode_forward_bench times the separate RoPE + store kernel too, by replacing
-    this)."""
-    return meta.prefill is None and backend == "triton"
+    """Whether `rope_attend` does RoPE and the K/V store inside the decode launch: decode-only steps of up
+    to ROPE_IN_DECODE_MAX_ROWS rows on the Triton backend (tools/decode_forward_bench times the separate
+    RoPE + store kernel too, by replacing this)."""
+    return (meta.prefill is None and backend == "triton"
+            and meta.slot_mapping.shape[0] <= ROPE_IN_DECODE_MAX_ROWS)
 
 
 def decode_splits(batch: int, k_cache: torch.Tensor, max_blocks: int, fixed: int | None) -> int:

@@ -5,17 +5,17 @@ after it): qkv GEMM of the residual stream -> the norm's row scale + bias, RoPE(
 kernel) -> paged attention -> o_proj GEMM that adds into the stream -> gate_up GEMM of the stream -> the
 norm's row scale + bias, SiLU-and-mul (one kernel) -> down GEMM that adds into the stream. Five launches a
 layer with attention, no norm kernel: the row scale rsqrt(mean(r^2) + eps) commutes with the GEMM, so the
-kernel reading the GEMM's output applies it; in a decode-only step the attention launch itself applies it
-with the bias and RoPE and stores the new K/V (`attn.rope_attend`, kernels/new_token_rope.py), one launch
-fewer; the residual adds are the GEMMs' own (cuBLAS, beta = 1),
-rounded to the model dtype once per add as the eager `x = x + sublayer(x)`. Up to SPLITK_MAX_ROWS rows the
+kernel reading the GEMM's output applies it (in a decode-only step of up to 128 rows, the attention launch
+itself, with the bias and RoPE, and it stores the new K/V: `attn.rope_attend`, kernels/new_token_rope.py,
+one launch fewer); the residual adds are the GEMMs' own (cuBLAS, beta = 1), rounded to the model dtype once
+per add as the eager `x = x + sublayer(x)`. Up to SPLITK_MAX_ROWS rows the
 down GEMM is kernels/splitk_add.py's (one launch where cuBLAS takes a split-K GEMM and a reduce kernel),
 rounded the same way, and the gate_up GEMM, the norm's row scale and SiLU-and-mul are one launch
 (kernels/gate_up_silu.py, the row scale summed from the GEMM's own input tiles): four launches a layer. The
 final norm is a kernel.
 
 It reads the same parameters as the torch modules and needs paged attention: RoPE writes the new tokens'
-K/V into the cache itself, then `attn.attend` runs on the stored K/V. A decode step of this forward is what
+K/V into the cache itself (`attn.rope_attend`), then the attention runs on the stored K/V. A decode step of this forward is what
 the runner captures in a CUDA graph, the final norm included. With out_rows (a step that reads a few
 rows' hidden states: a prefill step's samples), the last layer gathers those rows of the stream and of
 the attention output before its o_proj, and its o_proj, MLP and the final norm run on them alone.
