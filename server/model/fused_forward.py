@@ -15,10 +15,11 @@ rounded the same way, and the gate_up GEMM, the norm's row scale and SiLU-and-mu
 final norm is a kernel.
 
 It reads the same parameters as the torch modules and needs paged attention: RoPE writes the new tokens'
-K/V into the cache itself (`attn.rope_attend`), then the attention runs on the stored K/V. A decode step of this forward is what
-the runner captures in a CUDA graph, the final norm included. With out_rows (a step that reads a few
-rows' hidden states: a prefill step's samples), the last layer gathers those rows of the stream and of
-the attention output before its o_proj, and its o_proj, MLP and the final norm run on them alone.
+K/V into the cache itself (`attn.rope_attend`), then the attention runs on the stored K/V. A decode step of
+this forward is what the runner captures in a CUDA graph, the final norm included. With out_rows (a step
+that reads a few rows' hidden states: a prefill step's samples), the last layer gathers those rows of the
+stream and of the attention output before its o_proj, and its o_proj, MLP and the final norm run on them
+alone.
 
 One token row (the batch-1 decode step) takes another route: each projection is kernels/gemv.py's GEMV with
 the ops before and after it fused in (the norms as prologues, their weights ones after folding; RoPE + K/V
