@@ -33,9 +33,8 @@ class NewTokens:
 
     qkv (B, (Hq + 2 Hkv) D) with contiguous rows: the projection; the launch's q must be its q heads,
     qkv.view(B, Hq + 2 Hkv, D)[:, :Hq]. cos, sin (B, D/2) fp32: each row's angles. slot_mapping (B,): the
-    new token's cache slot, that of position seq_len - 1 (< 0: a padding row, nothing stored; the Triton
-    launch stores a row's token only where its seq_len is at least 1, the program reading that position
-    storing it). norm_of (B, H) / eps / bias ((Hq + 2 Hkv) D,) as kernels.rope_store.rope_store_kv's."""
+    new token's cache slot, that of position seq_len - 1 (< 0: a padding row, nothing stored). norm_of
+    (B, H) / eps / bias ((Hq + 2 Hkv) D,) as kernels.rope_store.rope_store_kv's."""
 
     qkv: torch.Tensor
     cos: torch.Tensor

@@ -141,7 +141,8 @@ def _paged_decode_stage1(
                       scale, HEAD_DIM, HAS_BIAS)
         last = seq_len - 1
         slot = tl.load(SLOTS + seq).to(tl.int64)
-        if (lo <= last) & (last < hi) & (slot >= 0):  # this split reads the new token: it stores it first
+        # the split that reads the new token stores it first (split 0 where no token is read: seq_len 0)
+        if (((lo <= last) & (last < hi)) | ((last < 0) & (split == 0))) & (slot >= 0):
             new_k = k_base + (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt
             new_v = v_base + (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vt
             q_heads = num_kv_heads * GROUP

@@ -132,6 +132,22 @@ def test_one_launch_equals_rope_store_then_decode(lens, hq, hkv, d, bs, splits, 
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs the Triton interpreter")
+def test_a_live_slot_of_a_row_that_reads_nothing_is_stored_too():
+    """As rope_store_kv stores every slot >= 0, a row of seq_len 0 with a live slot stores its new token
+    (split 0 does: no split reads a position), and its output is zeros."""
+    case = NewTokenCase([9, 0, 5], 4, 2, 32, 4, F32, True, seed=7)
+    used = set(case.paged.block_tables[case.paged.block_tables >= 0].tolist())
+    spare = min(set(range(1, case.paged.k_cache.shape[0])) - used)  # make_paged_case leaves 3 unused
+    case.slots[1] = spare * 4 + 1
+    for splits in (1, 3):
+        out, k_cache, v_cache, _ = _one_launch(case, num_splits=splits)
+        want, k_want, v_want = _two_launches(case, num_splits=splits)
+        assert torch.equal(out, want) and torch.equal(out[1], torch.zeros_like(out[1]))
+        assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want)
+        assert not torch.equal(k_cache[spare, 1], case.paged.k_cache[spare, 1])
+
+
+@pytest.mark.skipif(not INTERPRET, reason="needs the Triton interpreter")
 def test_torch_backend_takes_the_same_call():
     """backend="torch" rotates and stores through the references and leaves qkv as it is, as the kernel."""
     case = NewTokenCase([7, 20, 1], 4, 2, 32, 4, F32, True, seed=3)
