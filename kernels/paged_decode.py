@@ -224,12 +224,7 @@ class _DecodePlan:
                         SPLITS_FROM_TABLE=(splits_from_table or num_splits == 1) and window == NO_WINDOW,
                         OFFSETS_32=int32_offsets(block_size, num_splits) and _fits_int32(k_cache, v_cache),
                         MERGE=self.merge, MERGE_GROUP_PAD=group_pad, MERGE_BLOCK_S=block_s,
-                        MERGE_CHUNK_S=chunk1, NEW_TOKENS=new is not None,
-                        NORM=new is not None and new.norm_of is not None,
-                        HIDDEN=1 if new is None or new.norm_of is None else new.norm_of.shape[1],
-                        H_BLOCK=1 if new is None or new.norm_of is None else
-                        triton.next_power_of_2(new.norm_of.shape[1]),
-                        HAS_BIAS=new is not None and new.bias is not None,
+                        MERGE_CHUNK_S=chunk1, **_new_token_constexprs(new),
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         self.kw2 = dict(HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_S=block_s, CHUNK_S=merge_chunk(block_s, d_pad),
                         num_warps=4, num_stages=1)
@@ -294,6 +289,14 @@ def _new_token_tensors(new: NewTokens | None, q) -> tuple:
         return (q,) * 5
     return (new.cos, new.sin, new.slot_mapping, q if new.norm_of is None else new.norm_of,
             q if new.bias is None else new.bias)
+
+
+def _new_token_constexprs(new: NewTokens | None) -> dict:
+    """NEW_TOKENS, NORM, HIDDEN, H_BLOCK, HAS_BIAS of the stage-1 launch."""
+    norm = new is not None and new.norm_of is not None
+    hidden = new.norm_of.shape[1] if norm else 1
+    return dict(NEW_TOKENS=new is not None, NORM=norm, HIDDEN=hidden, H_BLOCK=triton.next_power_of_2(hidden),
+                HAS_BIAS=new is not None and new.bias is not None)
 
 
 def _new_token_ints(new: NewTokens | None) -> tuple:
