@@ -67,9 +67,9 @@ class PagedAttention:
                     bias: torch.Tensor | None) -> torch.Tensor:
         """qkv (T, (Hq + 2 Hkv) D) as projected -> the attention output (T, Hq, D): q and k rotated (after
         kernels.rope_store.rope_store_kv's row scale and bias), the new K/V stored, then attention. A
-        decode-only step on the Triton backend does it all in the decode launch (kernels/new_token_rope.py)
-        and leaves qkv as projected; any other step runs the RoPE + store kernel (rotating qkv in place,
-        which the prefill kernel reads), then `attend`."""
+        decode-only step of up to ROPE_IN_DECODE_MAX_ROWS rows on the Triton backend does it all in the
+        decode launch (kernels/new_token_rope.py) and leaves qkv as projected; any other step runs the RoPE +
+        store kernel (rotating qkv in place, which the prefill kernel reads), then `attend`."""
         from kernels.new_token_rope import NewTokens  # triton
         from kernels.rope_store import rope_store_kv
 
@@ -121,7 +121,7 @@ class PagedAttention:
 
 # Up to this many rows a decode-only step's RoPE + store runs inside the decode launch. Measured on an H100
 # (tools/decode_forward_bench, the step with the two launches captured in the same process; docs/kernel.md):
-# the one launch takes the step 2.0-2.6% under the two at 16-96 rows, ties at 128 and 192 (-0.2%, -0.4%) and
+# the one launch takes the step 2.0-2.6% under the two at 16-96 rows, ties at 128 and 192 (-0.1%, -0.4%) and
 # loses at 256 (+0.9%): its prologue (the norm's row sum and RoPE before the tile loop) lengthens each of
 # the attention's programs, which at 256 rows run in several waves, by more than one launch costs.
 ROPE_IN_DECODE_MAX_ROWS = 128
