@@ -32,7 +32,8 @@ def test_one_decode_call_per_split_count_and_nothing_written(monkeypatch):
 
 def test_new_token_variants_warm_up_and_write_nothing(monkeypatch):
     """With a new_tokens factory each split count also runs the decode call that rotates and stores its
-    rows' new tokens (the fused forward's decode steps); the scratch rows' padding slots store nothing."""
+    rows' new tokens (the fused forward's decode steps), and the plain call it is checked against, both on
+    scratch caches: the step's cache is left as it was."""
     from kernels.new_token_rope import NewTokens
 
     kv = KVCacheTensors(2, 8, 4, 2, 16, torch.float32, torch.device("cpu"))
@@ -54,7 +55,7 @@ def test_new_token_variants_warm_up_and_write_nothing(monkeypatch):
                           workspace=None, new_tokens=scratch)
     plain = [(b, s) for b, s, new in seen if not new]
     rotating = [(b, s) for b, s, new in seen if new]
-    assert len(plain) == n > 1 and rotating == plain
+    assert len(rotating) == n > 1 and plain == [call for call in rotating for _ in range(2)]  # + the check's
     assert torch.equal(kv.data, before)
 
 
@@ -76,3 +77,84 @@ def test_the_rope_goes_into_the_decode_launch_of_small_decode_only_steps():
     assert not ropes_in_decode_launch(meta(8), "torch")
     chunks = PrefillMetadata(torch.zeros(1, 4), torch.tensor([8, 9]), torch.tensor([1]))
     assert not ropes_in_decode_launch(meta(8, chunks), "triton")
+
+
+def _warm_up_with_new_tokens(kv, rows=12):
+    from kernels.new_token_rope import NewTokens
+
+    def scratch(batch):
+        return NewTokens.scratch(batch, num_q_heads=4, num_kv_heads=2, head_dim=16, norm_width=24,
+                                 bias=torch.randn(8 * 16), eps=1e-5, dtype=torch.float32, device="cpu")
+
+    return warm_up_attention(kv, None, max_num_seqs=rows, max_blocks=512, num_q_heads=4,
+                             decode_num_splits=None, new_tokens=scratch,
+                             workspace=kernels.DecodeWorkspace(rows, 2, torch.device("cpu")))
+
+
+def test_the_start_up_check_compares_the_one_launch_with_the_two(monkeypatch):
+    """warm_up_attention runs the decode launch with new tokens on random rows over scratch caches against
+    rope_store_kv + the plain launch: equal here (bitwise on the interpreter), so the device keeps it."""
+    import server.engine.attention as attention
+
+    monkeypatch.setattr(attention, "_ROPE_IN_DECODE_REFUSED", set())
+    errors = []
+    real = attention.rope_in_decode_error
+
+    def spy(*args):
+        errors.append(real(*args))
+        return errors[-1]
+
+    monkeypatch.setattr(attention, "rope_in_decode_error", spy)
+    kv = KVCacheTensors(2, 8, 4, 2, 16, torch.float32, torch.device("cpu"))
+    n = _warm_up_with_new_tokens(kv)
+    assert len(errors) == n > 1 and errors == [0.0] * n
+    assert not attention._ROPE_IN_DECODE_REFUSED
+
+
+def test_a_one_launch_that_disagrees_at_start_up_is_not_used(monkeypatch, caplog):
+    """Where the one launch is off (a compiler hazard the CPU cannot see), the check refuses it on that
+    device with a warning and decode steps keep the RoPE + store kernel and the plain launch."""
+    import logging
+
+    import server.engine.attention as attention
+
+    monkeypatch.setattr(attention, "_ROPE_IN_DECODE_REFUSED", set())
+    real = kernels.paged_decode_attention
+
+    def wrong_with_new_tokens(*args, new_tokens=None, **kw):
+        out = real(*args, new_tokens=new_tokens, **kw)
+        return out * 1.5 if new_tokens is not None else out
+
+    monkeypatch.setattr(kernels, "paged_decode_attention", wrong_with_new_tokens)
+    kv = KVCacheTensors(2, 8, 4, 2, 16, torch.float32, torch.device("cpu"))
+    with caplog.at_level(logging.WARNING, logger="server.engine.attention"):
+        _warm_up_with_new_tokens(kv)
+    assert attention._ROPE_IN_DECODE_REFUSED == {torch.device("cpu")}
+    assert "keep the two launches" in caplog.text
+    meta = attention.AttentionMetadata(torch.zeros(4, dtype=torch.long), 4, torch.zeros(4, 4),
+                                       torch.ones(4, dtype=torch.int32))
+    assert not attention.ropes_in_decode_launch(meta, "triton")
+
+
+def test_the_start_up_check_sees_a_wrong_store(monkeypatch):
+    """The check compares the stored K/V too: a launch whose output is right but whose cache store is
+    wrong (here: K stored un-rotated) is off."""
+    import server.engine.attention as attention
+    from kernels.new_token_rope import NewTokens
+
+    kv = KVCacheTensors(1, 8, 4, 2, 16, torch.float32, torch.device("cpu"))
+    real = kernels.paged_decode_attention
+
+    def unrotated_k_store(q, k_cache, v_cache, *args, new_tokens=None, **kw):
+        out = real(q, k_cache, v_cache, *args, new_tokens=new_tokens, **kw)
+        if new_tokens is not None:  # the slot's K as projected (scaled, biased), not rotated
+            slots = new_tokens.slot_mapping
+            flat = k_cache.view(-1, *k_cache.shape[2:])
+            flat[slots] = new_tokens.qkv.view(len(slots), -1, 16)[:, 4:6] * 0.5 + 3.0
+        return out
+
+    monkeypatch.setattr(kernels, "paged_decode_attention", unrotated_k_store)
+    scratch = NewTokens.scratch(6, num_q_heads=4, num_kv_heads=2, head_dim=16, norm_width=None, bias=None,
+                                eps=1e-5, dtype=torch.float32, device="cpu")
+    k_cache, _ = kv.layer(0)
+    assert attention.rope_in_decode_error(scratch, k_cache, 64, 4, 2, None, None) > 0.1

@@ -10,6 +10,8 @@ nothing) while the prefill call still finds its rows.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +19,8 @@ import torch
 import kernels
 from kernels.prefill_dispatch import paged_prefill_attention
 from server.engine.kv_cache_tensors import KVCacheTensors
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -132,7 +136,17 @@ def ropes_in_decode_launch(meta: AttentionMetadata, backend: str) -> bool:
     to ROPE_IN_DECODE_MAX_ROWS rows on the Triton backend (tools/decode_forward_bench times the separate
     RoPE + store kernel too, by replacing this)."""
     return (meta.prefill is None and backend == "triton"
-            and meta.slot_mapping.shape[0] <= ROPE_IN_DECODE_MAX_ROWS)
+            and meta.slot_mapping.shape[0] <= ROPE_IN_DECODE_MAX_ROWS
+            and meta.slot_mapping.device not in _ROPE_IN_DECODE_REFUSED)
+
+
+# Where the one launch disagreed at start-up with the RoPE + store kernel and the plain decode launch it
+# replaces (warm_up_attention). Why a check: the fused gate_up + SiLU's first version was wrong on Hopper
+# from a Triton pipelining hazard no CPU test could see (kernels/gate_up_silu.py); this launch's stores and
+# the tile loop's loads of the same slot are ordered by a CTA barrier, which only the device's compiler
+# and hardware can break, and a wrong attention would serve wrong tokens without an error.
+_ROPE_IN_DECODE_REFUSED: set[torch.device] = set()
+ROPE_IN_DECODE_TOLERANCE = 2e-2  # max abs error / max abs value; the two round alike (bitwise on the CPU)
 
 
 def decode_splits(batch: int, k_cache: torch.Tensor, max_blocks: int, fixed: int | None) -> int:
@@ -151,26 +165,33 @@ def warm_up_attention(kv: KVCacheTensors, sliding_window: int | None, max_num_se
                       workspace: kernels.DecodeWorkspace | None, new_tokens=None) -> int:
     """Compiles, before the first request, every attention kernel variant an eager step can launch: the
     decode kernel at each split count PagedAttention picks for 1..max_num_seqs rows (also, given
-    new_tokens(rows) -> a NewTokens of scratch rows, its variant that rotates and stores them: the fused
-    forward's `rope_attend`), and the prefill kernel. A Triton compile mid-serving stalls every stream for
-    about a second. The calls read and store nothing (seq_len 0, padding slots, or the null block). Returns
-    the number of decode variants."""
+    new_tokens(rows) -> a NewTokens of scratch rows, its variant that rotates and stores them, for the row
+    counts that take it: the fused forward's `rope_attend`), and the prefill kernel. A Triton compile
+    mid-serving stalls every stream for about a second. The calls on kv read and store nothing (seq_len 0,
+    padding slots, or the null block); the variant with new tokens runs on random rows over scratch caches,
+    checked against the two launches it replaces (`rope_in_decode_error`): where it disagrees, decode steps
+    on this device keep the two. Returns the number of decode variants."""
     k_cache, v_cache = kv.layer(0)
     d, device = k_cache.shape[3], k_cache.device
     first_batch: dict[int, int] = {}
     for batch in range(1, max_num_seqs + 1):
         first_batch.setdefault(decode_splits(batch, k_cache, max_blocks, decode_num_splits), batch)
+    worst = 0.0
     for splits, batch in first_batch.items():
         q = torch.zeros(batch, num_q_heads, d, dtype=k_cache.dtype, device=device)      # (B, Hq, D)
         tables = torch.zeros(batch, max_blocks, dtype=torch.int32, device=device)
         lens = torch.zeros(batch, dtype=torch.int32, device=device)
         kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, sliding_window=sliding_window,
                                        num_splits=splits, workspace=workspace)
-        if new_tokens is not None:
-            new = new_tokens(batch)
-            q = new.qkv.view(batch, -1, d)[:, :num_q_heads]
-            kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, sliding_window=sliding_window,
-                                           num_splits=splits, workspace=workspace, new_tokens=new)
+        if new_tokens is not None and batch <= ROPE_IN_DECODE_MAX_ROWS:
+            worst = max(worst, rope_in_decode_error(new_tokens(batch), k_cache, max_blocks, num_q_heads,
+                                                    splits, sliding_window, workspace))
+    if not worst <= ROPE_IN_DECODE_TOLERANCE:
+        _ROPE_IN_DECODE_REFUSED.add(device)
+        logger.warning("the decode launch that rotates and stores its new tokens is %.2g off the RoPE + "
+                       "store kernel and the plain decode launch on %s: decode steps keep the two launches "
+                       "there",
+                       worst, device)
     # the prefill kernel as steps call it: q, k, v strided views of one qkv row (T=1)
     hkv = k_cache.shape[2]
     qkv = torch.zeros(1, num_q_heads + 2 * hkv, d, dtype=k_cache.dtype, device=device)
@@ -180,3 +201,48 @@ def warm_up_attention(kv: KVCacheTensors, sliding_window: int | None, max_num_se
     paged_prefill_attention(q, k_cache, v_cache, tables, qsl, qsl[1:], sliding_window=sliding_window, k=k,
                             v=v)
     return len(first_batch)
+
+
+def rope_in_decode_error(scratch, k_cache: torch.Tensor, max_blocks: int, num_q_heads: int, splits: int,
+                         sliding_window: int | None, workspace: kernels.DecodeWorkspace | None) -> float:
+    """The decode launch with new tokens (kernels/new_token_rope.py) against kernels.rope_store.rope_store_kv
+    then the plain decode launch, on random rows shaped as `scratch` (a NewTokens of zero rows, as steps
+    pass them) over scratch caches laid out as k_cache (N, bs, Hkv, D) with tables max_blocks wide: the
+    largest error of the output and of the stored K/V over their largest value. Compiles the variant."""
+    from kernels.rope_store import rope_store_kv
+
+    rows, (bs, hkv, d), device = scratch.qkv.shape[0], k_cache.shape[1:], k_cache.device
+    gen = torch.Generator(device=device).manual_seed(0)
+    lens = torch.randint(1, min(max_blocks, 3 * splits) * bs + 1, (rows,), generator=gen, device=device)
+    blocks = (lens + bs - 1) // bs
+    tables = torch.zeros(rows, max_blocks, dtype=torch.int32, device=device)
+    ids = 1 + torch.randperm(int(blocks.sum()), generator=gen, device=device).int()  # block 0: the null block
+    tables[torch.arange(max_blocks, device=device) < blocks[:, None]] = ids
+    last = lens - 1
+    slots = tables.gather(1, (last // bs)[:, None]).squeeze(1).long() * bs + last % bs
+    caches = [torch.randn(1 + len(ids), bs, hkv, d, generator=gen, device=device).to(k_cache.dtype)
+              for _ in range(2)]
+    angles = torch.rand(rows, d // 2, generator=gen, device=device) * 6.3
+    new = dataclasses.replace(scratch, cos=angles.cos(), sin=angles.sin(), slot_mapping=slots)
+    new.qkv.copy_(torch.randn(new.qkv.shape, generator=gen, device=device))
+    if new.norm_of is not None:
+        new.norm_of.copy_(torch.randn(new.norm_of.shape, generator=gen, device=device))
+    kw = dict(sliding_window=sliding_window, num_splits=splits, workspace=workspace, backend="triton")
+    one_k, one_v = (c.clone() for c in caches)
+    got = kernels.paged_decode_attention(_q_heads(new.qkv, num_q_heads, d), one_k, one_v, tables, lens.int(),
+                                         new_tokens=new, **kw)
+    qkv = new.qkv.clone()
+    two_k, two_v = caches
+    rope_store_kv(qkv, new.cos, new.sin, two_k, two_v, slots, num_q_heads, hkv, norm_of=new.norm_of,
+                  eps=new.eps, bias=new.bias)
+    want = kernels.paged_decode_attention(_q_heads(qkv, num_q_heads, d), two_k, two_v, tables, lens.int(),
+                                          **kw)
+    return max(_relative_error(got, want), _relative_error(one_k, two_k), _relative_error(one_v, two_v))
+
+
+def _q_heads(qkv: torch.Tensor, num_q_heads: int, head_dim: int) -> torch.Tensor:
+    return qkv.view(qkv.shape[0], -1, head_dim)[:, :num_q_heads]  # (B, Hq, D) strided
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
