@@ -148,6 +148,7 @@ def test_health_and_metrics_after_requests(engine):
     h = engine.health()
     assert h["status"] == "ok" and h["model"] == "tiny" and h["device"] == "cpu"
     assert h["dtype"] == "float32" and h["attention_backend"] == "torch" and h["cuda_graphs"] is False
+    assert h["decoder_ops"] == "torch" and h["kernels_refused"] == []
     assert h["kv_cache"]["num_blocks"] == 256 and h["kv_cache"]["block_size"] == 16
     kv = h["kv_cache"]
     assert kv["free_blocks"] + kv["used_blocks"] == kv["num_blocks"] - 1

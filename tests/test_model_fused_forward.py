@@ -315,3 +315,25 @@ def test_a_fused_gate_up_silu_that_disagrees_at_start_up_is_not_used(tiny, monke
     got = run_steps(tiny, runner, "fused", batches)  # the wrong kernel is never called
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
+def test_the_runner_names_the_fused_kernels_a_start_up_check_refused(tiny, monkeypatch):
+    """/health's decoder_ops and kernels_refused come from ModelRunner.decoder_kernels: the fused ops on
+    the Triton backend name the kernels whose start-up check failed on the runner's device."""
+    import server.engine.attention as attention
+    import server.model.fused_forward as ff
+
+    monkeypatch.setattr(ff, "_GATE_UP_SILU_REFUSED", set())
+    monkeypatch.setattr(attention, "_ROPE_IN_DECODE_REFUSED", set())
+    runner = ModelRunner(tiny, block_size=4, num_blocks=32, attention_backend="triton", max_num_seqs=4,
+                         max_model_len=32)
+    assert runner.decoder_kernels() == ("torch", ())  # "auto" on the CPU
+    tiny.set_decoder_ops("fused")
+    try:
+        assert runner.decoder_kernels() == ("fused", ())
+        ff._GATE_UP_SILU_REFUSED.add(torch.device("cpu"))
+        attention._ROPE_IN_DECODE_REFUSED.add(torch.device("cpu"))
+        assert runner.decoder_kernels() == ("fused", ("gate_up_silu", "rope_in_decode"))
+    finally:
+        tiny.set_decoder_ops("auto")

@@ -388,6 +388,7 @@ class AsyncEngine:
         return {
             "status": status, "model": self.model_name, "device": self.device, "dtype": self.dtype,
             "attention_backend": self.attention_backend, "cuda_graphs": info.cuda_graphs,
+            "decoder_ops": info.decoder_ops, "kernels_refused": list(info.kernels_refused),
             "engine_core": self.client.mode, "api_servers": self.api_server.count,
             "kv_cache": {"block_size": info.block_size, "num_blocks": info.num_blocks,
                          "free_blocks": s.free_blocks, "used_blocks": s.used_blocks,

@@ -149,6 +149,11 @@ _ROPE_IN_DECODE_REFUSED: set[torch.device] = set()
 ROPE_IN_DECODE_TOLERANCE = 2e-2  # max abs error / max abs value; the two round alike (bitwise on the CPU)
 
 
+def rope_in_decode_refused(device: torch.device) -> bool:
+    """Whether the start-up check turned the one launch off on `device` (warm_up_attention)."""
+    return torch.device(device) in _ROPE_IN_DECODE_REFUSED
+
+
 def decode_splits(batch: int, k_cache: torch.Tensor, max_blocks: int, fixed: int | None) -> int:
     """The decode split count, always passed as a fixed count: the runner's tables are as wide as
     max_model_len (a graph's launch config must hold for any length), so the kernel's heuristic mode,

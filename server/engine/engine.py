@@ -71,14 +71,17 @@ def build_core(config: EngineConfig) -> tuple[EngineCore, CoreInfo]:
     core = EngineCore(runner, kv, eos, config.max_num_seqs, config.max_num_batched_tokens, async_scheduling,
                       grammars)
     param = next(model.parameters())
+    decoder_ops, refused = runner.decoder_kernels()
     info = CoreInfo(model=model.config.name, device=str(param.device),
                     dtype=str(param.dtype).removeprefix("torch."), attention_backend=runner.attention_backend,
                     cuda_graphs=bool(runner.cuda_graphs), block_size=config.block_size,
                     num_blocks=runner.num_blocks, capacity_tokens=runner.capacity_tokens,
-                    max_model_len=max_model_len, vocab_size=model.config.vocab_size)
-    logger.info("pagewalk engine core: model=%s device=%s dtype=%s attention_backend=%s "
+                    max_model_len=max_model_len, vocab_size=model.config.vocab_size, decoder_ops=decoder_ops,
+                    kernels_refused=refused)
+    logger.info("pagewalk engine core: model=%s device=%s dtype=%s attention_backend=%s decoder_ops=%s%s "
                 "kv_cache=%d blocks x %d = %d tokens, max_model_len=%d", info.model, info.device, info.dtype,
-                info.attention_backend, info.num_blocks, info.block_size, info.capacity_tokens, max_model_len)
+                info.attention_backend, decoder_ops, f" (refused: {', '.join(refused)})" if refused else "",
+                info.num_blocks, info.block_size, info.capacity_tokens, max_model_len)
     return core, info
 
 

@@ -29,7 +29,12 @@ from dataclasses import dataclass
 import torch
 
 import kernels
-from server.engine.attention import AttentionMetadata, PagedAttention, warm_up_attention
+from server.engine.attention import (
+    AttentionMetadata,
+    PagedAttention,
+    rope_in_decode_refused,
+    warm_up_attention,
+)
 from server.engine.bad_words import placed_rows
 from server.engine.batch_state import BatchState, FlatLayout, StepPacker, floats_as_int32
 from server.engine.bias_table import bias_entries
@@ -500,6 +505,18 @@ class ModelRunner:
         tokens, chunk_rows, qsl, lens, _, out_rows = layout.views(flat)
         chunks = (chunk_rows, qsl, lens) if layout.num_chunks else None
         return *self.state.step_inputs(tokens, num_decode, None, chunks), out_rows.long()
+
+    def decoder_kernels(self) -> tuple[str, tuple[str, ...]]:
+        """The decoder's ops ("fused" | "torch") and the fused kernels a start-up check turned off on this
+        device ("gate_up_silu", "rope_in_decode": their unfused launches run instead)."""
+        ops = self.model.decoder_ops_for(self.attention_backend)
+        if ops != "fused" or self.attention_backend != "triton":
+            return ops, ()
+        from server.model.fused_forward import gate_up_silu_refused  # triton
+
+        refused = {"gate_up_silu": gate_up_silu_refused(self.device),
+                   "rope_in_decode": rope_in_decode_refused(self.device)}
+        return ops, tuple(name for name, off in refused.items() if off)
 
     def _attention_backend(self, requested: str) -> str:
         """The backend that serves this model: resolve_backend's, unless the Triton kernels cannot take its

@@ -26,6 +26,8 @@ class CoreInfo(msgspec.Struct):
     capacity_tokens: int  # usable blocks x block_size
     max_model_len: int
     vocab_size: int
+    decoder_ops: str = "torch"  # "fused": the decoder's Triton kernels (server/model/fused_forward.py)
+    kernels_refused: tuple[str, ...] = ()  # fused kernels a start-up check turned off on this device
 
 
 class Hello(msgspec.Struct, tag="hello"):

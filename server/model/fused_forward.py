@@ -196,6 +196,11 @@ def _two_launches(residual: torch.Tensor, weight: torch.Tensor, eps: float, bias
     return silu_and_mul(F.linear(residual, weight), norm_of=residual, eps=eps, bias=bias)
 
 
+def gate_up_silu_refused(device: torch.device) -> bool:
+    """Whether the start-up check turned the fused gate_up + SiLU off on `device` (warm_up_mlp)."""
+    return torch.device(device) in _GATE_UP_SILU_REFUSED
+
+
 def fuses_gate_up_silu(rows: int, proj: nn.Linear) -> bool:
     """Whether `rows` rows take the fused gate_up + SiLU launch (tools/decode_forward_bench times the
     separate GEMM and SiLU-and-mul too, by replacing this)."""
