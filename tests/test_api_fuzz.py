@@ -97,6 +97,12 @@ NASTY = [
     (CHAT, chat(max_completion_tokens=HUGE), 400),
     (CHAT, chat(logprobs=True, top_logprobs=20, stream=True, n=3), 200),
     (CHAT, b'{"messages": [{"role": "user", "content": {"nested": [1, 2]}}]}', 400),
+    # no JSON numbers, in a free-form schema too (json.loads read NaN, which the grammar took as null)
+    (CHAT, b'{"messages": [{"role": "user", "content": "a"}], "max_tokens": 4, "response_format": {"type": '
+           b'"json_schema", "json_schema": {"name": "x", "schema": {"enum": [NaN]}}}}', 400),
+    (CHAT, b'{"messages": [{"role": "user", "content": "a"}], "max_tokens": 4, "tools": [{"type": '
+           b'"function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": '
+           b'{"const": 1e400}}}}}], "tool_choice": "required"}', 400),
     (CHAT, b'{"messages": [' + b'{"role": "user", "content": "a"},' * 3000 + b'{"role": "user"}], '
            b'"max_tokens": 1}', 400),
 ]

@@ -2,6 +2,7 @@
 body must come out exactly as the json.loads-only decoder gave it, or be refused with the same 400."""
 
 import json
+import math
 import random
 
 import pytest
@@ -11,9 +12,9 @@ from server.api.parsing import _load_json
 
 
 def _reference(raw: bytes):
-    """What the json.loads-only decoder did: the value, or the kind of its 400."""
+    """What json.loads refusing non-finite numbers gives: the value, or the kind of its 400."""
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_constant=_refuse, parse_float=_finite)
     except (ValueError, UnicodeDecodeError):
         return ("refused", "json")
     except RecursionError:
@@ -25,6 +26,16 @@ def _reference(raw: bytes):
     except RecursionError:
         return ("refused", "deep")
     return ("ok", data)
+
+
+def _refuse(text: str):
+    raise ValueError(text)
+
+
+def _finite(text: str) -> float:
+    if not math.isfinite(value := float(text)):
+        raise ValueError(text)
+    return value
 
 
 def _decoded(raw: bytes):
@@ -100,3 +111,22 @@ def test_random_bodies_decode_as_json_loads_did():
             raw = raw.replace(b", ", b" ,\n\t").replace(b": ", b" :  ")
         ref, got = _reference(raw), _decoded(raw)
         assert ref[0] == got[0] == "ok" and _same(ref[1], got[1]), raw[:200]
+
+
+@pytest.mark.parametrize("raw", [b'{"schema": {"enum": [NaN]}}', b'{"a": [1, {"b": -Infinity}]}',
+                                 b'{"a": 1e400}', b'{"a": -1E+999}'])
+def test_non_finite_numbers_are_refused_at_any_depth(raw):
+    """NaN, Infinity and numbers past the float range are no JSON numbers: refused inside free-form objects
+    (a JSON schema, a tool's parameters) too, which no float field's own check sees."""
+    with pytest.raises(APIError) as e:
+        _load_json(raw)
+    assert (e.value.status, e.value.code) == (400, "invalid_json")
+    assert "not a JSON number" in e.value.message or "out of the float range" in e.value.message
+
+
+def test_a_structural_tag_as_json_text_refuses_non_finite_numbers():
+    from server.api.protocol import _json_text
+
+    with pytest.raises(ValueError, match="not a JSON number"):
+        _json_text('{"format": {"type": "const_string", "value": NaN}}')
+    assert _json_text('{"a": 1.5e300}') == {"a": 1.5e300}

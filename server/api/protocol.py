@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from server.api.parsing import loads_finite
 from server.api.request_ids import check_request_id
 from server.api.structural_format import MAX_TAGS, MAX_TRIGGERS, BoundedFormat
 from server.api.trigger_index import TriggerIndex
@@ -172,7 +173,7 @@ def _json_text(value: Any) -> Any:
     object it holds; an object as it is."""
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = loads_finite(value)
         except ValueError as e:
             raise ValueError(f"not a JSON text: {e}") from None
         except RecursionError:  # the body's depth guard (parsing.py) does not see into its strings
