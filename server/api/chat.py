@@ -49,6 +49,7 @@ from server.api.protocol import (
     ToolCallOut,
 )
 from server.api.request_ids import engine_request_id, new_request_id, resolve_request_id
+from server.api.request_work import run_request_work
 from server.api.sampling import sampling_params
 from server.api.streaming import (
     ChunkFrame,
@@ -163,8 +164,9 @@ async def create_chat_completion(request: Request) -> Response:
     req = await parse_body(request, ChatCompletionRequest)
     check_model(engine, req.model)
     request_id = resolve_request_id(request, req.request_id)
-    job = _job(engine, req, request.app.state.limits, request.app.state.tool_call_parser,
-               await request_grammar(request, req, engine.tokenizer), request_id)
+    grammar = await request_grammar(request, req, engine.tokenizer)
+    job = await run_request_work(request, _job, engine, req, request.app.state.limits,
+                                request.app.state.tool_call_parser, grammar, request_id)
     job.reservation = admit(request, [job.prompt], job.params,
                             "top_logprobs" if req.top_logprobs else "logprobs",
                             tokens_field({"max_completion_tokens": req.max_completion_tokens,

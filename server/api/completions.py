@@ -37,6 +37,7 @@ from server.api.parsing import check_model, parse_body
 from server.api.prompts import check_context_length, check_cut_room, truncated
 from server.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from server.api.request_ids import engine_request_id, new_request_id, resolve_request_id
+from server.api.request_work import run_request_work
 from server.api.sampling import DEFAULT_COMPLETION_MAX_TOKENS, check_token_ids, sampling_params
 from server.api.streaming import (
     ChunkFrame,
@@ -162,7 +163,8 @@ async def create_completion(request: Request) -> Response:
     req = await parse_body(request, CompletionRequest)
     check_model(engine, req.model)
     request_id = resolve_request_id(request, req.request_id)
-    job = _job(engine, req, await request_grammar(request, req, engine.tokenizer), request_id)
+    grammar = await request_grammar(request, req, engine.tokenizer)
+    job = await run_request_work(request, _job, engine, req, grammar, request_id)
     job.reservation = admit(request, job.prompts, job.params,
                             tokens_param=tokens_field({"max_tokens": req.max_tokens}, req.n, "prompt"),
                             prompt_ks=_prompt_ks(req))

@@ -12,6 +12,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from server.api.errors import APIError, validation_error
+from server.api.request_work import run_request_work
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -21,6 +22,10 @@ async def parse_body(request: Request, model_cls: type[M]) -> M:
     raw = await request.body()
     if not raw.strip():
         raise APIError(400, "Request body is empty; expected a JSON object.", code="invalid_json")
+    return await run_request_work(request, _validated, raw, model_cls)
+
+
+def _validated(raw: bytes, model_cls: type[M]) -> M:
     data = _load_json(raw)
     if not isinstance(data, dict):
         raise APIError(400, "Request body must be a JSON object.", code="invalid_json")

@@ -1,0 +1,100 @@
+"""The work on a request's body (validation, chat template, tokenization) runs in a worker thread for large
+bodies, so one client's large prompt does not stand the event loop, and every other stream, still while it
+is built; small bodies stay inline (server/api/request_work.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+
+from server.api.app import create_app
+from server.api.request_work import INLINE_BODY_BYTES
+from tests.engine_helpers import started_engine
+
+SLOW_S = 0.5  # the template's or the tokenizer's CPU time on a large body, as a thread would spend it
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with started_engine(model="tiny", device="cpu", attention_backend="torch", num_blocks=64) as eng:
+        yield eng
+
+
+def _slowed(fn, threads: list[int], delay_s: float = SLOW_S):
+    """fn, recording the thread that calls it and taking delay_s longer."""
+    def slow(*args, **kwargs):
+        threads.append(threading.get_ident())
+        time.sleep(delay_s)
+        return fn(*args, **kwargs)
+    return slow
+
+
+async def _longest_stall(app, path: str, body: dict) -> tuple[float, int]:
+    """The longest the loop stood still (a 5 ms ticker's largest gap) while `body` was served."""
+    gaps, done = [], False
+
+    async def tick():
+        last = time.perf_counter()
+        while not done:
+            await asyncio.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticking = asyncio.ensure_future(tick())
+    await asyncio.sleep(0.02)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        r = await c.post(path, json=body, timeout=60)
+    done = True
+    await ticking
+    return max(gaps), r.status_code
+
+
+LARGE = "hello " * (INLINE_BODY_BYTES // 5)  # past the inline limit
+
+
+@pytest.mark.parametrize("path,body,slowed", [
+    ("/v1/completions", {"prompt": LARGE, "max_tokens": 1, "truncate_prompt_tokens": 8}, "encode"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LARGE}], "max_tokens": 1,
+                              "truncate_prompt_tokens": 8}, "chat_token_ids"),
+])
+def test_a_large_body_s_prompt_work_leaves_the_event_loop_turning(engine, monkeypatch, path, body, slowed):
+    tok, threads = engine.tokenizer, []
+    monkeypatch.setattr(tok, slowed, _slowed(getattr(tok, slowed), threads))
+    stall, status = asyncio.run(_longest_stall(create_app(engine), path, body))
+    assert status == 200 and threads and threading.get_ident() not in threads
+    assert stall < SLOW_S / 2, f"{path}: the event loop stood still {stall:.2f} s while the prompt was built"
+
+
+@pytest.mark.parametrize("path,body,slowed", [
+    ("/v1/completions", {"prompt": "hello", "max_tokens": 1}, "encode"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+     "chat_token_ids"),
+])
+def test_a_small_body_s_prompt_work_runs_inline(engine, monkeypatch, path, body, slowed):
+    """No thread hop (~0.26 ms of latency) for the bodies most requests send."""
+    tok, threads = engine.tokenizer, []
+    monkeypatch.setattr(tok, slowed, _slowed(getattr(tok, slowed), threads, delay_s=0.0))
+    app = create_app(engine)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post(path, json=body, timeout=60)
+
+    r = asyncio.run(go())
+    assert r.status_code == 200 and threads == [threading.get_ident()]
+
+
+def test_a_large_body_is_validated_off_the_event_loop(engine, monkeypatch):
+    import server.api.parsing as parsing
+
+    threads: list[int] = []
+    monkeypatch.setattr(parsing, "_load_json", _slowed(parsing._load_json, threads))
+    body = {"prompt": LARGE, "max_tokens": 1, "truncate_prompt_tokens": 8}
+    stall, status = asyncio.run(_longest_stall(create_app(engine), "/v1/completions", body))
+    assert status == 200 and threads and threading.get_ident() not in threads
+    assert stall < SLOW_S / 2, f"the event loop stood still {stall:.2f} s while the body was validated"
