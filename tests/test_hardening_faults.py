@@ -14,6 +14,7 @@ import pytest
 import torch
 from server_helpers import GREEDY, Server
 
+from server.api.async_engine import RequestRejected
 from server.engine.sampling_params import SamplingParams
 from tests.engine_helpers import collect, started_engine, wait_until
 
@@ -46,6 +47,54 @@ def test_out_of_memory_in_a_step_fails_that_step_and_the_engine_goes_on(monkeypa
         assert all(r.error and "OutOfMemoryError" in r.error for r in first), [r.error for r in first]
         assert after.error is None and len(after.choices[0].token_ids) == 12
         assert wait_until(lambda: engine.health()["kv_cache"]["used_blocks"] == 0)
+
+
+def test_an_engine_whose_steps_keep_failing_dies(monkeypatch):
+    """FATAL_FAILED_STEPS failed steps in a row (a sticky CUDA error fails every launch) end the core: each
+    request gets its error (none hangs), /health says dead (503) and the server would exit non-zero for its
+    supervisor to restart it; serving 500s for ever behind a 200 /health helps nobody (a review)."""
+    from server.engine.core import FATAL_FAILED_STEPS
+
+    with started_engine(**CFG) as engine:
+        def broken(step, table_of, token_mask=None):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        monkeypatch.setattr(engine.client.core.runner, "execute", broken)
+        prompt = engine.tokenizer.encode("hello")
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+        async def go():
+            return [await collect(engine, f"r{i}", prompt, params) for i in range(FATAL_FAILED_STEPS)]
+
+        results = asyncio.run(go())
+        assert all(r.error and "illegal memory access" in r.error for r in results), results
+        assert wait_until(lambda: engine.health()["status"] == "dead")
+        assert f"{FATAL_FAILED_STEPS} engine steps in a row failed" in engine.dead
+        with pytest.raises(RequestRejected):  # a 503 from now on
+            asyncio.run(collect(engine, "after", prompt, params))
+
+
+def test_a_device_left_unusable_by_a_failed_step_ends_the_core_at_once(monkeypatch):
+    """After a failed step the runner asks the device (a CUDA synchronize): one that fails it cannot run the
+    next step either, so the core ends there."""
+    with started_engine(**CFG) as engine:
+        runner = engine.client.core.runner
+        execute, calls = runner.execute, {"n": 0}
+
+        def once(step, table_of, token_mask=None):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return execute(step, table_of, token_mask)
+
+        monkeypatch.setattr(runner, "execute", once)
+        monkeypatch.setattr(runner, "device_usable", lambda: False)
+        prompt = engine.tokenizer.encode("hello")
+        res = asyncio.run(collect(engine, "a", prompt, SamplingParams(max_tokens=12, temperature=0,
+                                                                      ignore_eos=True)))
+        assert res.error and "illegal memory access" in res.error
+        assert wait_until(lambda: engine.health()["status"] == "dead")
+        assert "the device is unusable" in engine.dead
 
 
 def test_core_death_under_load_fails_every_request_quickly(tmp_path):

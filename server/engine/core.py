@@ -54,6 +54,11 @@ from server.engine.sequence import SeqStatus, Sequence
 logger = logging.getLogger("pagewalk.engine")
 
 COMPILE_WAIT_S = 0.01  # a core with nothing but grammars compiling waits this long for one, not spinning
+# This many failed steps in a row (none ran between them) and the engine cannot run a step: a sticky device
+# error (CUDA's illegal memory access poisons the context: every later launch fails) or a broken state. One
+# failed step (an out-of-memory batch) fails its requests only; this many end the core, so that /health
+# answers 503 and the server exits non-zero for its supervisor to restart it (a review).
+FATAL_FAILED_STEPS = 3
 
 
 class _Launched(NamedTuple):
@@ -87,6 +92,8 @@ class EngineCore:
         self.prefill_tokens = 0  # prompt (and recomputed) tokens scheduled, all time
         self.steps = 0  # steps that ran tokens, all time
         self.prompt_steps = 0  # of them, those with prompt tokens
+        self.failed_steps = 0  # steps in a row whose batch failed
+        self.fatal: str | None = None  # why this core can run no step: its loop ends once it is set
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self, er: EngineRequest) -> None:
@@ -307,11 +314,19 @@ class EngineCore:
             samples = launched.result.wait()
         except Exception as e:  # the device failed this batch
             return self._fail_batch(launched.sched, e)
+        self.failed_steps = 0
         taken = self.scheduler.postprocess(launched.sched, samples.token_ids)
         return self._process(taken, samples)
 
     def _fail_batch(self, sched: SchedulerOutput, e: Exception) -> list[SeqUpdate]:
+        """Fails the requests the batch ran (the engine goes on), or sets `fatal` when the device is no longer
+        usable or FATAL_FAILED_STEPS steps in a row failed."""
         logger.exception("engine step failed; failing %d sequences", len(sched.samples))
+        self.failed_steps += 1
+        if self.fatal is None and not self.runner.device_usable():
+            self.fatal = f"the device is unusable after a failed step ({_describe(e)})"
+        elif self.fatal is None and self.failed_steps >= FATAL_FAILED_STEPS:
+            self.fatal = f"{self.failed_steps} engine steps in a row failed, the last with {_describe(e)}"
         # the requests the batch ran, by their sequences: with async scheduling the failure shows a step
         # later, when a client may have aborted one and sent a new request under its id (a review)
         batch = set()

@@ -25,6 +25,12 @@ logger = logging.getLogger("pagewalk.engine")
 
 STALL_WAIT_S = 0.01  # a step that could schedule nothing (should not happen) waits this long: no spinning
 
+
+class EngineCoreFatal(RuntimeError):
+    """The core can run no step (EngineCore.fatal): its loop ends, and with it the core process (or thread),
+    which its clients see as the core's death: every request in flight fails, /health answers 503 and the
+    server exits non-zero."""
+
 Client = Hashable  # a client's id: its ZeroMQ routing id, or a constant in-process
 
 
@@ -94,6 +100,8 @@ class CoreLoop:
                 stalled = not step.updates and ran == 0
                 updates += step.updates
                 self._publish(updates, step.stats)
+                if core.fatal is not None:  # its failed requests are told; the rest learn it from the death
+                    raise EngineCoreFatal(core.fatal)
             elif updates or changed:
                 self._publish(updates, core.stats())
 

@@ -21,7 +21,7 @@ import traceback
 
 import zmq
 
-from server.engine.core_loop import Client, CoreLoop
+from server.engine.core_loop import Client, CoreLoop, EngineCoreFatal
 from server.engine.engine import EngineConfig, build_core
 from server.engine.wire import FromCore, Gone, Hello, StartupFailed, ToCore, encoder, to_core_decoder
 from server.heap import freeze_startup_heap
@@ -81,7 +81,13 @@ def run_core_process(config: EngineConfig, address: str, log_level: str, parent:
     built.set()
     logging.getLogger("pagewalk.engine").info("engine core: start-up heap frozen (%d objects)",
                                               freeze_startup_heap())
-    CoreLoop(core, info, receive, send).run()
+    try:
+        CoreLoop(core, info, receive, send).run()
+    except EngineCoreFatal as e:  # its failed requests' errors reach the clients, then its death the rest
+        logging.getLogger("pagewalk.engine").error("engine core: %s; exiting", e)
+        sock.close(linger=5000)
+        logging.shutdown()
+        os._exit(1)
     sock.close(linger=5000)  # the last StepUpdates (the aborts) reach the clients before we go
     ctx.term()
     logging.shutdown()

@@ -506,6 +506,17 @@ class ModelRunner:
         chunks = (chunk_rows, qsl, lens) if layout.num_chunks else None
         return *self.state.step_inputs(tokens, num_decode, None, chunks), out_rows.long()
 
+    def device_usable(self) -> bool:
+        """After a failed step: whether the device still runs work. A CUDA error such as an illegal memory
+        access is sticky (every later call fails, a synchronize included); an out-of-memory error is not."""
+        if self.device.type != "cuda":
+            return True
+        try:
+            torch.cuda.synchronize(self.device)
+        except Exception:  # the error that failed the step, or the next
+            return False
+        return True
+
     def decoder_kernels(self) -> tuple[str, tuple[str, ...]]:
         """The decoder's ops ("fused" | "torch") and the fused kernels a start-up check turned off on this
         device ("gate_up_silu", "rope_in_decode": their unfused launches run instead)."""
