@@ -142,3 +142,37 @@ def test_a_hung_core_is_killed_at_sigterm_its_streams_fail_and_the_server_exits_
         except ProcessLookupError:
             pass
         srv.stop()
+
+
+def test_sigterm_while_a_request_body_is_still_arriving_answers_503(tmp_path):
+    """A client inside its body deadline (1,000 of 20,000 bytes sent) when SIGTERM comes: the drain's 503,
+    one info line, exit 0 in time; not uvicorn's cancelled handler with a traceback and no answer (a
+    review)."""
+    timeout_s = 1.0
+    srv = Server(tmp_path, "--num-blocks", "256", "--shutdown-timeout", str(timeout_s))
+    sock = None
+    try:
+        body = json.dumps({"prompt": "x" * 20000, "max_tokens": 4}).encode()
+        sock = socket.create_connection(("127.0.0.1", srv.port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body[:1000])
+        time.sleep(1.0)  # the rest would come within the body deadline (10 s + len / 64 KiB/s)
+        start = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        code = srv.proc.wait(timeout=30)
+        elapsed = time.monotonic() - start
+        sock.settimeout(5)
+        answer = b""
+        try:
+            while chunk := sock.recv(65536):
+                answer += chunk
+        except OSError:
+            pass
+        log = srv.log.read_text()
+        assert code == 0 and elapsed < timeout_s + 2, (code, elapsed, log[-3000:])
+        assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
+        assert answer.startswith(b"HTTP/1.1 503") and b'"shutting_down"' in answer, answer[:300]
+    finally:
+        if sock is not None:
+            sock.close()
+        srv.stop()

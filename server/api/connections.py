@@ -234,8 +234,23 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         return True
 
     def shutdown(self) -> None:
-        if not self.drop_if_stalled():  # uvicorn closes the connections: the drain is over
+        """uvicorn closes the connections: the drain is over. A request whose body is still arriving would
+        keep its handler waiting past uvicorn's graceful timeout, which cancels it with a traceback and
+        drops the connection unanswered (a review): it gets the drain's 503 and its handler a disconnect."""
+        if self.drop_if_stalled():
+            return
+        cycle = self.cycle
+        if cycle is None or not cycle.more_body or cycle.response_started:
             super().shutdown()
+            return
+        logger.info("closing a connection from %s at shutdown: its request body was still arriving",
+                    _peer(self))
+        self.transport.write(raw_error(503, "Service Unavailable", "The server is shutting down.",
+                                       "shutting_down"))
+        cycle.disconnected = True  # the handler's receive() now answers http.disconnect
+        cycle.message_event.set()
+        self._cancel_timers()
+        self.transport.close()
 
     def _cancel_timers(self) -> None:
         for timer in (self.header_timer, self.body_timer, self.stall_timer):
