@@ -126,3 +126,51 @@ def test_core_death_under_load_fails_every_request_quickly(tmp_path):
         assert srv.proc.wait(timeout=30) != 0
     finally:
         srv.stop()
+
+
+def _drain_during_a_long_step(monkeypatch, step_s: float, burn: bool):
+    """A stream runs; its third step takes `step_s` (burning CPU, or asleep) and the drain (timeout 0.1 s)
+    starts during it, with ABORT_WAIT_S 0.5 s -> (the engine, the stream's result)."""
+    import server.api.async_engine as async_engine
+
+    monkeypatch.setattr(async_engine, "ABORT_WAIT_S", 0.5)
+    with started_engine(**CFG) as engine:
+        runner = engine.client.core.runner
+        execute, calls = runner.execute, {"n": 0}
+
+        def long_third(step, table_of, token_mask=None):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                end = time.monotonic() + step_s
+                while time.monotonic() < end:  # a long step on the CPU works all the while
+                    if not burn:
+                        time.sleep(0.05)
+            return execute(step, table_of, token_mask)
+
+        monkeypatch.setattr(runner, "execute", long_third)
+        prompt = engine.tokenizer.encode("hello")
+        params = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+
+        async def go():
+            task = asyncio.create_task(collect(engine, "long", prompt, params))
+            while calls["n"] < 3:
+                await asyncio.sleep(0.01)
+            await asyncio.to_thread(engine.shutdown, 0.1)
+            return await task
+
+        return engine, asyncio.run(go())
+
+
+def test_a_core_working_through_a_long_step_at_the_drain_deadline_is_not_taken_for_hung(monkeypatch):
+    """The drain's aborts wait past ABORT_WAIT_S while the core keeps using CPU: its stream ends "abort"
+    and the server would exit 0, where a fixed wait took it for hung, killed it and exited 1 (a review)."""
+    engine, res = _drain_during_a_long_step(monkeypatch, step_s=2.0, burn=True)
+    assert engine.dead is None, engine.dead
+    assert res.error is None and res.choices[0].finish_reason == "abort", (res.error, res.choices)
+
+
+def test_a_core_that_uses_no_cpu_past_the_abort_wait_is_hung(monkeypatch):
+    """A core thread that sleeps (as a stopped process or a deadlock) through ABORT_WAIT_S is hung: with a
+    core process it is killed and the server exits 1 (test_hardening_shutdown); a thread cannot be killed."""
+    engine, _ = _drain_during_a_long_step(monkeypatch, step_s=2.0, burn=False)
+    assert engine.dead is not None and "engine core is hung" in engine.dead

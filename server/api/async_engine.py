@@ -40,6 +40,11 @@ from server.model.loader import load_tokenizer, sampling_defaults
 logger = logging.getLogger("pagewalk.engine")
 
 ABORT_WAIT_S = 5.0  # after the drain deadline, how long the aborts of what is left may take
+# ... and longer while the core keeps using CPU (a step longer than ABORT_WAIT_S: a long prompt of a real
+# checkpoint on the CPU), at least this share of a core, up to ABORT_WAIT_MAX_S in all; a hung core (a
+# stopped process, a deadlock) uses none
+CORE_WORKING_SHARE = 0.1
+ABORT_WAIT_MAX_S = 30.0
 RESERVED_POLL_S = 0.05  # how often a drain re-reads the admission's reservations
 
 
@@ -171,13 +176,11 @@ class AsyncEngine:
                 left = list(self._live)
             for rid in left:
                 self.client.send(Abort(rid))
-            self._wait_idle(ABORT_WAIT_S)
-            with self._lock:
-                unanswered = len(self._live) if self.dead is None else 0
+            unanswered, waited = self._wait_for_aborts()
             hung = unanswered > 0  # a working core answers an abort within a step
             if hung:
                 self.dead = (f"the engine core is hung: {unanswered} aborts unanswered in "
-                             f"{ABORT_WAIT_S:.0f} s; it was killed")
+                             f"{waited:.0f} s; it was killed")
                 logger.error("%s", self.dead)
         self.client.close(timeout=STOP_WAIT_S, hung=hung)
         if hung:
@@ -186,6 +189,22 @@ class AsyncEngine:
             calls, self._calls = self._calls, {}
         for loop, future in calls.values():
             call_soon(loop, _resolve, future, None, RequestRejected(503, "the engine core has stopped"))
+
+    def _wait_for_aborts(self) -> tuple[int, float]:
+        """Waits for the drain's aborts to be answered: ABORT_WAIT_S, and on while the core used at least
+        CORE_WORKING_SHARE of a core over the last ABORT_WAIT_S (working through a long step, not hung), up
+        to ABORT_WAIT_MAX_S -> (aborts unanswered, seconds waited)."""
+        waited, cpu = 0.0, self.client.core_cpu_seconds()
+        while True:
+            self._wait_idle(ABORT_WAIT_S)
+            waited += ABORT_WAIT_S
+            with self._lock:
+                unanswered = len(self._live) if self.dead is None else 0
+            used, cpu = _used(cpu, self.client.core_cpu_seconds())
+            if not unanswered or used < CORE_WORKING_SHARE * ABORT_WAIT_S or waited >= ABORT_WAIT_MAX_S:
+                return unanswered, waited
+            logger.info("the engine core is still working (%.1f s of CPU in %.0f s): its %d aborts wait",
+                        used, ABORT_WAIT_S, unanswered)
 
     def _wait_idle(self, timeout: float) -> None:
         """Until no request is live and no admitted prompt is still to come (or the core died, or
@@ -592,3 +611,10 @@ def checked_sampling_defaults(model: str) -> dict[str, float | int]:
     except ValueError as e:
         raise ValueError(f"{model}/generation_config.json: {e}") from None
     return defaults
+
+
+def _used(before: float | None, now: float | None) -> tuple[float, float | None]:
+    """CPU seconds between two readings (0 where either is missing) and the reading to go on from."""
+    if before is None or now is None:
+        return 0.0, now
+    return now - before, now

@@ -27,6 +27,7 @@ import socket
 import tempfile
 import threading
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -71,6 +72,19 @@ class CoreClient(Protocol):
     # Shutdown (if it started the core), then wait for its end; hung: the core answers nothing (a stopped
     # process): a core process of its own is killed at once, not asked and waited for
     def close(self, timeout: float, hung: bool = False) -> None: ...
+
+    # the CPU time the core (its process, or its thread) has used, in seconds; None where it cannot be read
+    def core_cpu_seconds(self) -> float | None: ...
+
+
+def cpu_seconds(stat_path: str) -> float | None:
+    """utime + stime of a process or thread from its /proc stat file (Linux); None elsewhere or once it
+    has gone. The fields after the command's closing parenthesis start at the state (field 3 of proc(5))."""
+    try:
+        fields = Path(stat_path).read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class CoreStartupError(RuntimeError):
@@ -121,6 +135,10 @@ class ThreadCoreClient:
 
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def core_cpu_seconds(self) -> float | None:
+        thread = self._thread
+        return None if thread is None else cpu_seconds(f"/proc/self/task/{thread.native_id}/stat")
 
     def _receive(self, timeout: float | None) -> list[tuple[bytes, ToCore]]:
         try:
@@ -303,6 +321,7 @@ class ProcessCoreClient(_SocketCoreClient):
                                    name="pagewalk-core", daemon=True)
         self.process.start()
         logger.info("engine core process started (pid %d)", self.process.pid)
+        self.core_cpu_seconds = partial(cpu_seconds, f"/proc/{self.process.pid}/stat")
         try:
             self.info = self._handshake(updates)
         except Exception:  # a core that could not start exits by itself
@@ -369,6 +388,9 @@ class AttachedCoreClient(_SocketCoreClient):
 
     def _death_reason(self) -> str:
         return f"pid {self.pid} exited"
+
+    def core_cpu_seconds(self) -> float | None:
+        return cpu_seconds(f"/proc/{self.pid}/stat")
 
     def close(self, timeout: float, hung: bool = False) -> None:
         """Stop reading; the core goes on (the supervisor shuts it down once every API server is done).
