@@ -98,3 +98,29 @@ def test_a_large_body_is_validated_off_the_event_loop(engine, monkeypatch):
     stall, status = asyncio.run(_longest_stall(create_app(engine), "/v1/completions", body))
     assert status == 200 and threads and threading.get_ident() not in threads
     assert stall < SLOW_S / 2, f"the event loop stood still {stall:.2f} s while the body was validated"
+
+
+def test_the_drain_does_not_queue_behind_large_bodies_work(engine, monkeypatch):
+    """The request work has threads of its own: the drain (stop_engine: engine.shutdown on asyncio's default
+    executor) starts at once while 16 large bodies' tokenization waits for them (a review: in the default
+    executor it queued behind them all)."""
+    from server.api.app import stop_engine
+
+    tok, threads = engine.tokenizer, []
+    monkeypatch.setattr(tok, "encode", _slowed(tok.encode, threads, delay_s=0.3))
+    started: dict[str, float] = {}
+    monkeypatch.setattr(engine, "shutdown", lambda timeout: started.setdefault("t", time.monotonic()))
+    body = {"prompt": LARGE, "max_tokens": 1, "truncate_prompt_tokens": 8}
+    app = create_app(engine)
+
+    async def go() -> float:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            posts = [asyncio.ensure_future(c.post("/v1/completions", json=body, timeout=60))
+                     for _ in range(16)]
+            await asyncio.sleep(0.1)  # the bodies are read, their work queued
+            begun = time.monotonic()
+            await stop_engine(app)
+            await asyncio.gather(*posts, return_exceptions=True)
+            return started["t"] - begun
+
+    assert asyncio.run(go()) < 0.3

@@ -55,7 +55,8 @@ def test_new_token_variants_warm_up_and_write_nothing(monkeypatch):
                           workspace=None, new_tokens=scratch)
     plain = [(b, s) for b, s, new in seen if not new]
     rotating = [(b, s) for b, s, new in seen if new]
-    assert len(rotating) == n > 1 and plain == [call for call in rotating for _ in range(2)]  # + the check's
+    # each split count: on the step's cache (zero rows), then the check's pair on scratch caches
+    assert plain == rotating and len(rotating) == 2 * n and n > 1
     assert torch.equal(kv.data, before)
 
 
@@ -158,3 +159,24 @@ def test_the_start_up_check_sees_a_wrong_store(monkeypatch):
                                 eps=1e-5, dtype=torch.float32, device="cpu")
     k_cache, _ = kv.layer(0)
     assert attention.rope_in_decode_error(scratch, k_cache, 64, 4, 2, None, None) > 0.1
+
+
+def test_a_nan_in_the_one_launch_fails_the_check(monkeypatch):
+    """A NaN in the output or in a stored K/V is off by any measure (max() would drop a NaN after a
+    number: a review)."""
+    import server.engine.attention as attention
+    from kernels.new_token_rope import NewTokens
+
+    real = kernels.paged_decode_attention
+
+    def nan_v_store(q, k_cache, v_cache, *args, new_tokens=None, **kw):
+        out = real(q, k_cache, v_cache, *args, new_tokens=new_tokens, **kw)
+        if new_tokens is not None:
+            v_cache.view(-1, *v_cache.shape[2:])[new_tokens.slot_mapping] = float("nan")
+        return out
+
+    monkeypatch.setattr(kernels, "paged_decode_attention", nan_v_store)
+    scratch = NewTokens.scratch(6, num_q_heads=4, num_kv_heads=2, head_dim=16, norm_width=None, bias=None,
+                                eps=1e-5, dtype=torch.float32, device="cpu")
+    k_cache, _ = KVCacheTensors(1, 8, 4, 2, 16, torch.float32, torch.device("cpu")).layer(0)
+    assert not attention.rope_in_decode_error(scratch, k_cache, 64, 4, 2, None, None) <= 1.0

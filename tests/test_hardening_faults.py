@@ -174,3 +174,12 @@ def test_a_core_that_uses_no_cpu_past_the_abort_wait_is_hung(monkeypatch):
     core process it is killed and the server exits 1 (test_hardening_shutdown); a thread cannot be killed."""
     engine, _ = _drain_during_a_long_step(monkeypatch, step_s=2.0, burn=False)
     assert engine.dead is not None and "engine core is hung" in engine.dead
+
+
+def test_one_of_several_api_servers_stops_waiting_for_aborts_before_its_supervisor_kills_it():
+    """With --api-server-count N the supervisor kills a server DRAIN_MARGIN_S past --shutdown-timeout: the
+    longer wait for a working core stops short of it, leaving ~2 s to kill the core and exit (a review)."""
+    from server.api.async_engine import ATTACHED_ABORT_WAIT_MAX_S
+    from server.supervisor import DRAIN_MARGIN_S
+
+    assert ATTACHED_ABORT_WAIT_MAX_S + 2 <= DRAIN_MARGIN_S

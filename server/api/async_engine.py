@@ -45,6 +45,9 @@ ABORT_WAIT_S = 5.0  # after the drain deadline, how long the aborts of what is l
 # stopped process, a deadlock) uses none
 CORE_WORKING_SHARE = 0.1
 ABORT_WAIT_MAX_S = 30.0
+# An API server of several (--api-server-count) is killed by its supervisor DRAIN_MARGIN_S (10 s) past
+# --shutdown-timeout: its wait stops short of that, so it kills a core past it and exits with errors sent
+ATTACHED_ABORT_WAIT_MAX_S = 7.0
 RESERVED_POLL_S = 0.05  # how often a drain re-reads the admission's reservations
 
 
@@ -193,15 +196,17 @@ class AsyncEngine:
     def _wait_for_aborts(self) -> tuple[int, float]:
         """Waits for the drain's aborts to be answered: ABORT_WAIT_S, and on while the core used at least
         CORE_WORKING_SHARE of a core over the last ABORT_WAIT_S (working through a long step, not hung), up
-        to ABORT_WAIT_MAX_S -> (aborts unanswered, seconds waited)."""
+        to ABORT_WAIT_MAX_S (ATTACHED_ABORT_WAIT_MAX_S for one of several API servers) -> (aborts
+        unanswered, seconds waited)."""
         waited, cpu = 0.0, self.client.core_cpu_seconds()
+        most = ATTACHED_ABORT_WAIT_MAX_S if isinstance(self.client, AttachedCoreClient) else ABORT_WAIT_MAX_S
         while True:
             self._wait_idle(ABORT_WAIT_S)
             waited += ABORT_WAIT_S
             with self._lock:
                 unanswered = len(self._live) if self.dead is None else 0
             used, cpu = _used(cpu, self.client.core_cpu_seconds())
-            if not unanswered or used < CORE_WORKING_SHARE * ABORT_WAIT_S or waited >= ABORT_WAIT_MAX_S:
+            if not unanswered or used < CORE_WORKING_SHARE * ABORT_WAIT_S or waited >= most:
                 return unanswered, waited
             logger.info("the engine core is still working (%.1f s of CPU in %.0f s): its %d aborts wait",
                         used, ABORT_WAIT_S, unanswered)

@@ -13,7 +13,10 @@ INLINE_BODY_BYTES stay inline: a 512-token prompt's body is ~2-3 KB.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from fastapi import Request
@@ -21,6 +24,10 @@ from fastapi import Request
 T = TypeVar("T")
 
 INLINE_BODY_BYTES = 4096
+# The work's own threads, not asyncio's default executor: that one also runs the drain (server/api/app.py
+# stop_engine), which would otherwise queue behind every large body waiting for a thread (a review: 24
+# queued bodies held the drain's start 1.1 s). The GIL lets few of them run at once anyway.
+_WORKERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pagewalk-request")
 
 
 async def run_request_work(request: Request, work: Callable[..., T], *args) -> T:
@@ -28,4 +35,11 @@ async def run_request_work(request: Request, work: Callable[..., T], *args) -> T
     exceptions, the 400s included, propagate either way)."""
     if len(await request.body()) <= INLINE_BODY_BYTES:  # starlette keeps the body once read
         return work(*args)
-    return await asyncio.to_thread(work, *args)
+    return await run_in_worker(work, *args)
+
+
+async def run_in_worker(work: Callable[..., T], *args, **kwargs) -> T:
+    """work(*args, **kwargs) on one of the request work's threads, in this task's context (as
+    asyncio.to_thread runs it)."""
+    call = functools.partial(contextvars.copy_context().run, work, *args, **kwargs)
+    return await asyncio.get_running_loop().run_in_executor(_WORKERS, call)

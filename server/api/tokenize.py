@@ -9,8 +9,6 @@ preset, this 2-core box: a 1 MB /tokenize held the loop for its whole 130-350 ms
 
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
@@ -18,6 +16,7 @@ from server.api.openapi_bodies import request_body
 from server.api.parsing import check_model, parse_body
 from server.api.prompts import chat_prompt_ids, template_variables
 from server.api.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from server.api.request_work import run_in_worker
 from server.api.sampling import check_token_ids
 
 router = APIRouter()
@@ -31,9 +30,9 @@ async def tokenize(request: Request) -> Response:
     check_model(engine, req.model)
     tok = engine.tokenizer
     if req.prompt is not None:
-        ids = await asyncio.to_thread(tok.encode, req.prompt, add_bos=req.add_special_tokens is not False)
+        ids = await run_in_worker(tok.encode, req.prompt, add_bos=req.add_special_tokens is not False)
     else:
-        ids = await asyncio.to_thread(chat_prompt_ids, tok, req.messages, req.add_generation_prompt,
+        ids = await run_in_worker(chat_prompt_ids, tok, req.messages, req.add_generation_prompt,
                                       req.add_special_tokens,
                                       template_variables(req.chat_template_kwargs, req.tools))
     body = TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
@@ -47,5 +46,5 @@ async def detokenize(request: Request) -> Response:
     check_model(engine, req.model)
     check_token_ids(req.tokens, engine.tokenizer.vocab_size, "tokens")
     # special tokens are kept, as vLLM's /detokenize keeps them: the text tokenizes back to the same ids
-    text = await asyncio.to_thread(engine.tokenizer.decode, req.tokens, skip_special_tokens=False)
+    text = await run_in_worker(engine.tokenizer.decode, req.tokens, skip_special_tokens=False)
     return Response(DetokenizeResponse(prompt=text).model_dump_json(), media_type="application/json")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -173,9 +174,10 @@ def warm_up_attention(kv: KVCacheTensors, sliding_window: int | None, max_num_se
     new_tokens(rows) -> a NewTokens of scratch rows, its variant that rotates and stores them, for the row
     counts that take it: the fused forward's `rope_attend`), and the prefill kernel. A Triton compile
     mid-serving stalls every stream for about a second. The calls on kv read and store nothing (seq_len 0,
-    padding slots, or the null block); the variant with new tokens runs on random rows over scratch caches,
-    checked against the two launches it replaces (`rope_in_decode_error`): where it disagrees, decode steps
-    on this device keep the two. Returns the number of decode variants."""
+    padding slots, or the null block). The variant with new tokens then runs on random rows over scratch
+    caches, checked against the two launches it replaces (`rope_in_decode_error`; its small caches take
+    32-bit offsets, where a cache past them runs the same code on 64-bit ones): where it disagrees, decode
+    steps on this device keep the two. Returns the number of decode variants."""
     k_cache, v_cache = kv.layer(0)
     d, device = k_cache.shape[3], k_cache.device
     first_batch: dict[int, int] = {}
@@ -189,14 +191,18 @@ def warm_up_attention(kv: KVCacheTensors, sliding_window: int | None, max_num_se
         kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, sliding_window=sliding_window,
                                        num_splits=splits, workspace=workspace)
         if new_tokens is not None and batch <= ROPE_IN_DECODE_MAX_ROWS:
-            worst = max(worst, rope_in_decode_error(new_tokens(batch), k_cache, max_blocks, num_q_heads,
-                                                    splits, sliding_window, workspace))
+            new = new_tokens(batch)  # the variant steps launch, on this cache's layout (its offsets' width)
+            kernels.paged_decode_attention(new.qkv.view(batch, -1, d)[:, :num_q_heads], k_cache, v_cache,
+                                           tables, lens, sliding_window=sliding_window, num_splits=splits,
+                                           workspace=workspace, new_tokens=new)
+            err = rope_in_decode_error(new_tokens(batch), k_cache, max_blocks, num_q_heads, splits,
+                                       sliding_window, workspace)
+            worst = err if not err <= worst else worst  # a NaN stays (max() keeps whichever comes first)
     if not worst <= ROPE_IN_DECODE_TOLERANCE:
         _ROPE_IN_DECODE_REFUSED.add(device)
         logger.warning("the decode launch that rotates and stores its new tokens is %.2g off the RoPE + "
                        "store kernel and the plain decode launch on %s: decode steps keep the two launches "
-                       "there",
-                       worst, device)
+                       "there", worst, device)
     # the prefill kernel as steps call it: q, k, v strided views of one qkv row (T=1)
     hkv = k_cache.shape[2]
     qkv = torch.zeros(1, num_q_heads + 2 * hkv, d, dtype=k_cache.dtype, device=device)
@@ -250,4 +256,6 @@ def _q_heads(qkv: torch.Tensor, num_q_heads: int, head_dim: int) -> torch.Tensor
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+    """max |got - want| / max |want|; inf where either holds a NaN (which max() would otherwise drop)."""
+    err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
+    return math.inf if math.isnan(err) else err

@@ -86,6 +86,7 @@ def run_core_process(config: EngineConfig, address: str, log_level: str, parent:
     except EngineCoreFatal as e:  # its failed requests' errors reach the clients, then its death the rest
         logging.getLogger("pagewalk.engine").error("engine core: %s; exiting", e)
         sock.close(linger=5000)
+        ctx.term()  # the io thread flushes the failed requests' errors before the exit
         logging.shutdown()
         os._exit(1)
     sock.close(linger=5000)  # the last StepUpdates (the aborts) reach the clients before we go
