@@ -6,6 +6,8 @@ never promises what a check does not test.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -66,3 +68,10 @@ def check_decode_inputs(backend: str, q, k_cache, v_cache, block_tables, seq_len
     ints = (torch.int32, torch.int64)
     if block_tables.dtype not in ints or seq_lens.dtype not in ints:
         raise ValueError("block_tables and seq_lens must be int32 or int64")
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want| in fp32, inf where either holds a NaN (which Python's max() would drop):
+    what the start-up checks of the fused kernels compare with their unfused twins."""
+    err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
+    return math.inf if math.isnan(err) else err

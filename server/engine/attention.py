@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from dataclasses import dataclass
 
 import torch
 
 import kernels
+from kernels.checks import relative_error
 from kernels.prefill_dispatch import paged_prefill_attention
 from server.engine.kv_cache_tensors import KVCacheTensors
 
@@ -192,8 +192,8 @@ def warm_up_attention(kv: KVCacheTensors, sliding_window: int | None, max_num_se
                                        num_splits=splits, workspace=workspace)
         if new_tokens is not None and batch <= ROPE_IN_DECODE_MAX_ROWS:
             new = new_tokens(batch)  # the variant steps launch, on this cache's layout (its offsets' width)
-            kernels.paged_decode_attention(new.qkv.view(batch, -1, d)[:, :num_q_heads], k_cache, v_cache,
-                                           tables, lens, sliding_window=sliding_window, num_splits=splits,
+            kernels.paged_decode_attention(_q_heads(new.qkv, num_q_heads, d), k_cache, v_cache, tables, lens,
+                                           sliding_window=sliding_window, num_splits=splits,
                                            workspace=workspace, new_tokens=new)
             err = rope_in_decode_error(new_tokens(batch), k_cache, max_blocks, num_q_heads, splits,
                                        sliding_window, workspace)
@@ -248,14 +248,9 @@ def rope_in_decode_error(scratch, k_cache: torch.Tensor, max_blocks: int, num_q_
                   eps=new.eps, bias=new.bias)
     want = kernels.paged_decode_attention(_q_heads(qkv, num_q_heads, d), two_k, two_v, tables, lens.int(),
                                           **kw)
-    return max(_relative_error(got, want), _relative_error(one_k, two_k), _relative_error(one_v, two_v))
+    return max(relative_error(got, want), relative_error(one_k, two_k), relative_error(one_v, two_v))
 
 
 def _q_heads(qkv: torch.Tensor, num_q_heads: int, head_dim: int) -> torch.Tensor:
     return qkv.view(qkv.shape[0], -1, head_dim)[:, :num_q_heads]  # (B, Hq, D) strided
 
-
-def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    """max |got - want| / max |want|; inf where either holds a NaN (which max() would otherwise drop)."""
-    err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
-    return math.inf if math.isnan(err) else err

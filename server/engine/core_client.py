@@ -27,7 +27,6 @@ import socket
 import tempfile
 import threading
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -321,7 +320,6 @@ class ProcessCoreClient(_SocketCoreClient):
                                    name="pagewalk-core", daemon=True)
         self.process.start()
         logger.info("engine core process started (pid %d)", self.process.pid)
-        self.core_cpu_seconds = partial(cpu_seconds, f"/proc/{self.process.pid}/stat")
         try:
             self.info = self._handshake(updates)
         except Exception:  # a core that could not start exits by itself
@@ -333,6 +331,9 @@ class ProcessCoreClient(_SocketCoreClient):
             self._release()
             raise
 
+
+    def core_cpu_seconds(self) -> float | None:
+        return cpu_seconds(f"/proc/{self.process.pid}/stat")
     def _death_fd(self) -> int:
         return self.process.sentinel
 

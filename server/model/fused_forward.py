@@ -43,6 +43,7 @@ import triton
 from torch import nn
 
 from kernels.activation import silu_and_mul
+from kernels.checks import relative_error
 from kernels.gate_up_silu import GATE_UP_SILU_MAX_ROWS, gate_up_silu
 from kernels.gate_up_silu import TILE_CLASSES as GATE_UP_TILE_CLASSES
 from kernels.gemv import gemv, gemv_rope_store
@@ -147,7 +148,7 @@ def _gate_up_silu_error(weight: torch.Tensor, eps: float) -> float:
         x = (torch.randn(rows, weight.shape[1], generator=gen, device=weight.device) * 2).to(weight.dtype)
         want = _two_launches(x, weight, eps).float()
         got = gate_up_silu(x, weight, eps).float()
-        worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+        worst = max(worst, relative_error(got, want))
     return worst
 
 
