@@ -14,6 +14,7 @@ import pytest
 from server.api.app import create_app
 from server.api.request_work import INLINE_BODY_BYTES
 from tests.engine_helpers import started_engine
+from tests.test_api_structural_tag_bounds import held_loop
 
 SLOW_S = 0.5  # the template's or the tokenizer's CPU time on a large body, as a thread would spend it
 
@@ -33,27 +34,6 @@ def _slowed(fn, threads: list[int], delay_s: float = SLOW_S):
     return slow
 
 
-async def _longest_stall(app, path: str, body: dict) -> tuple[float, int]:
-    """The longest the loop stood still (a 5 ms ticker's largest gap) while `body` was served."""
-    gaps, done = [], False
-
-    async def tick():
-        last = time.perf_counter()
-        while not done:
-            await asyncio.sleep(0.005)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
-
-    ticking = asyncio.ensure_future(tick())
-    await asyncio.sleep(0.02)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-        r = await c.post(path, json=body, timeout=60)
-    done = True
-    await ticking
-    return max(gaps), r.status_code
-
-
 LARGE = "hello " * (INLINE_BODY_BYTES // 5)  # past the inline limit
 
 
@@ -65,7 +45,7 @@ LARGE = "hello " * (INLINE_BODY_BYTES // 5)  # past the inline limit
 def test_a_large_body_s_prompt_work_leaves_the_event_loop_turning(engine, monkeypatch, path, body, slowed):
     tok, threads = engine.tokenizer, []
     monkeypatch.setattr(tok, slowed, _slowed(getattr(tok, slowed), threads))
-    stall, status = asyncio.run(_longest_stall(create_app(engine), path, body))
+    stall, _, status = held_loop(create_app(engine), body, path)
     assert status == 200 and threads and threading.get_ident() not in threads
     assert stall < SLOW_S / 2, f"{path}: the event loop stood still {stall:.2f} s while the prompt was built"
 
@@ -95,7 +75,7 @@ def test_a_large_body_is_validated_off_the_event_loop(engine, monkeypatch):
     threads: list[int] = []
     monkeypatch.setattr(parsing, "_load_json", _slowed(parsing._load_json, threads))
     body = {"prompt": LARGE, "max_tokens": 1, "truncate_prompt_tokens": 8}
-    stall, status = asyncio.run(_longest_stall(create_app(engine), "/v1/completions", body))
+    stall, _, status = held_loop(create_app(engine), body)
     assert status == 200 and threads and threading.get_ident() not in threads
     assert stall < SLOW_S / 2, f"the event loop stood still {stall:.2f} s while the body was validated"
 

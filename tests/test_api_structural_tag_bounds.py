@@ -27,8 +27,9 @@ def app():
         yield create_app(engine)
 
 
-def held_loop(app, body: dict) -> tuple[float, float, int]:
-    """-> (the longest the API's event loop was held while `body` was served, the request's time, status)"""
+def held_loop(app, body: dict, path: str = "/v1/completions") -> tuple[float, float, int]:
+    """-> (the longest the API's event loop was held while `body` was served at `path`, the request's time,
+    status)"""
     gaps = []
 
     async def go():
@@ -44,7 +45,7 @@ def held_loop(app, body: dict) -> tuple[float, float, int]:
         await asyncio.sleep(0.05)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             start = time.perf_counter()
-            r = await c.post("/v1/completions", json=body, timeout=600)
+            r = await c.post(path, json=body, timeout=600)
             took = time.perf_counter() - start
         beat.cancel()
         return r, took

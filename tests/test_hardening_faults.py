@@ -23,18 +23,28 @@ pytestmark = pytest.mark.timeout(120)
 CFG = dict(model="tiny", device="cpu", attention_backend="torch", num_blocks=64, max_num_seqs=8)
 
 
+def on_third_step(monkeypatch, runner, act) -> dict[str, int]:
+    """runner.execute, with act() before its third call (mid-decode of the first batch) -> its call count."""
+    execute, calls = runner.execute, {"n": 0}
+
+    def patched(step, table_of, token_mask=None):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            act()
+        return execute(step, table_of, token_mask)
+
+    monkeypatch.setattr(runner, "execute", patched)
+    return calls
+
+
+def _raise(error: Exception):
+    raise error
+
+
 def test_out_of_memory_in_a_step_fails_that_step_and_the_engine_goes_on(monkeypatch):
     with started_engine(**CFG) as engine:
-        runner = engine.client.core.runner
-        execute, calls = runner.execute, {"n": 0}
-
-        def flaky(step, table_of, token_mask=None):
-            calls["n"] += 1
-            if calls["n"] == 3:  # mid-decode of the first batch
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-            return execute(step, table_of, token_mask)
-
-        monkeypatch.setattr(runner, "execute", flaky)
+        oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        on_third_step(monkeypatch, engine.client.core.runner, lambda: _raise(oom))
         prompt = engine.tokenizer.encode("hello")
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -79,15 +89,8 @@ def test_a_device_left_unusable_by_a_failed_step_ends_the_core_at_once(monkeypat
     next step either, so the core ends there."""
     with started_engine(**CFG) as engine:
         runner = engine.client.core.runner
-        execute, calls = runner.execute, {"n": 0}
-
-        def once(step, table_of, token_mask=None):
-            calls["n"] += 1
-            if calls["n"] == 3:
-                raise RuntimeError("CUDA error: an illegal memory access was encountered")
-            return execute(step, table_of, token_mask)
-
-        monkeypatch.setattr(runner, "execute", once)
+        on_third_step(monkeypatch, runner,
+                      lambda: _raise(RuntimeError("CUDA error: an illegal memory access was encountered")))
         monkeypatch.setattr(runner, "device_usable", lambda: False)
         prompt = engine.tokenizer.encode("hello")
         res = asyncio.run(collect(engine, "a", prompt, SamplingParams(max_tokens=12, temperature=0,
@@ -135,19 +138,13 @@ def _drain_during_a_long_step(monkeypatch, step_s: float, burn: bool):
 
     monkeypatch.setattr(async_engine, "ABORT_WAIT_S", 0.5)
     with started_engine(**CFG) as engine:
-        runner = engine.client.core.runner
-        execute, calls = runner.execute, {"n": 0}
+        def long_step():
+            end = time.monotonic() + step_s
+            while time.monotonic() < end:  # a long step on the CPU works all the while
+                if not burn:
+                    time.sleep(0.05)
 
-        def long_third(step, table_of, token_mask=None):
-            calls["n"] += 1
-            if calls["n"] == 3:
-                end = time.monotonic() + step_s
-                while time.monotonic() < end:  # a long step on the CPU works all the while
-                    if not burn:
-                        time.sleep(0.05)
-            return execute(step, table_of, token_mask)
-
-        monkeypatch.setattr(runner, "execute", long_third)
+        calls = on_third_step(monkeypatch, engine.client.core.runner, long_step)
         prompt = engine.tokenizer.encode("hello")
         params = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
 
