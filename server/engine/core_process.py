@@ -81,20 +81,18 @@ def run_core_process(config: EngineConfig, address: str, log_level: str, parent:
     built.set()
     logging.getLogger("pagewalk.engine").info("engine core: start-up heap frozen (%d objects)",
                                               freeze_startup_heap())
+    exit_code = 0
     try:
         CoreLoop(core, info, receive, send).run()
     except EngineCoreFatal as e:  # its failed requests' errors reach the clients, then its death the rest
         logging.getLogger("pagewalk.engine").error("engine core: %s; exiting", e)
-        sock.close(linger=5000)
-        ctx.term()  # the io thread flushes the failed requests' errors before the exit
-        logging.shutdown()
-        os._exit(1)
-    sock.close(linger=5000)  # the last StepUpdates (the aborts) reach the clients before we go
+        exit_code = 1
+    sock.close(linger=5000)  # the last StepUpdates (the aborts, or the failed batch) reach the clients first
     ctx.term()
     logging.shutdown()
     # The interpreter's own teardown (torch's modules, the model's tensors) takes ~0.8 s of the API process's
     # shutdown budget on a 2-core machine and has nothing left to do: the socket is flushed, logs written.
-    os._exit(0)
+    os._exit(exit_code)
 
 
 class ClientWatch:
