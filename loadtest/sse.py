@@ -56,6 +56,15 @@ class _Chunk(msgspec.Struct):
 
 _NO_ERROR = msgspec.Raw(b"")
 _DECODE = msgspec.json.Decoder(_Chunk).decode
+_DECODE_ANY = msgspec.json.Decoder().decode
+
+
+def _is_json(payload: bytes) -> bool:
+    try:
+        _DECODE_ANY(payload)
+    except msgspec.DecodeError:
+        return False
+    return True
 
 
 def unary_counts(body: bytes) -> tuple[int | None, int | None, int, str | None]:
@@ -83,7 +92,7 @@ class StreamReader:
     """
 
     __slots__ = ("chunk_times", "done", "completion_tokens", "prompt_tokens", "streamed_ids", "finish_reason",
-                 "failure", "last_choices_time", "_tail")  # fmt: skip
+                 "failure", "last_choices_time", "_tail", "_data", "_started")  # fmt: skip
 
     def __init__(self, chunk_times: list[float]) -> None:
         self.chunk_times = chunk_times
@@ -96,21 +105,54 @@ class StreamReader:
         # the arrival of the last event with choices (a finish chunk without text too; not a usage block or
         # [DONE]): where vLLM's latency ends ("only token chunks advance the request end")
         self.last_choices_time: float | None = None
-        self._tail = b""  # a line not yet ended by its newline
+        self._tail = b""  # a line not yet ended (a CR last in a piece waits: its LF may start the next)
+        self._data: list[bytes] = []  # the `data:` values of the event the next blank line ends
+        self._started = False  # the first piece is in (its byte-order mark, if any, is dropped)
 
     def feed(self, data: bytes, now: float) -> bool:
-        """Takes the next piece of the body; False once a failure is seen (stop reading)."""
-        lines = (self._tail + data).split(b"\n") if self._tail else data.split(b"\n")
+        """Takes the next piece of the body; False once a failure is seen (stop reading). Framing as the
+        event-stream spec reads it: lines end with LF, CRLF or a lone CR; an event's `data:` lines are joined
+        with LF and it ends at a blank line; a leading byte-order mark is dropped; other fields (event, id,
+        comments) are skipped."""
+        if not self._started:
+            self._started, data = True, data.removeprefix(b"\xef\xbb\xbf")
+        if self._tail:
+            data = self._tail + data
+        if b"\r" in data:
+            keep_cr = data.endswith(b"\r")
+            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+            if keep_cr:  # the CR may be half of a CRLF: read it as the line's end once the next piece is in
+                data = data[:-1] + b"\r"
+        lines = data.split(b"\n")
         self._tail = lines.pop()
+        pending = self._data
         for line in lines:
-            if line.startswith(b"data:") and not self._event(line[5:].strip(), now):
-                return False
+            if line.startswith(b"data:"):
+                pending.append(line[5:])
+            elif not line and pending:  # a blank line ends the event
+                if not self._dispatch(now):
+                    return False
+                pending = self._data
         return True
 
     def close(self, now: float) -> bool:
-        """The body ended: a last line without its newline still counts."""
-        tail, self._tail = self._tail, b""
-        return not tail.startswith(b"data:") or self._event(tail[5:].strip(), now)
+        """The body ended: a last event without its blank line (or its newline) still counts."""
+        tail, self._tail = self._tail.removesuffix(b"\r"), b""
+        if tail.startswith(b"data:"):
+            self._data.append(tail[5:])
+        return not self._data or self._dispatch(now)
+
+    def _dispatch(self, now: float) -> bool:
+        """The pending event's data -> its payload read (False on a failure)."""
+        values, self._data = self._data, []
+        if len(values) == 1:
+            payload = values[0].strip()
+            return not payload or self._event(payload, now)  # `data:` with nothing (a keep-alive): no event
+        payload = b"\n".join(values).strip()
+        if _is_json(payload):
+            return self._event(payload, now)
+        # a server leaving out the blank lines between one-line events
+        return all(self._event(v.strip(), now) for v in values if v.strip())
 
     def _event(self, payload: bytes, now: float) -> bool:
         if payload == b"[DONE]":

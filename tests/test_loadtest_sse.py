@@ -88,3 +88,32 @@ def test_a_reasoning_delta_is_a_content_chunk(field):
     reader = read([event(chat({"role": "assistant", "content": ""})), event(chat({field: "hm"})),
                    event(chat({field: "m"})), event(chat({"content": "ok"})), b"data: [DONE]\n\n"])
     assert reader.chunk_times == [1.0, 2.0, 3.0]
+
+
+SPEC_BODY = b"".join([
+    b"\xef\xbb\xbf",  # a byte-order mark first: dropped (the spec), not a prefix hiding the first event
+    b"data:\n\n",  # an empty data field (a keep-alive): no event
+    b"event: message\nid: 1\n",  # other fields: skipped
+    b'data: {"choices": [{"index": 0,\ndata:  "text": "a", "token_ids": [97]}]}\n\n',  # one event, two lines
+    event(completion("cd", [99, 100])),
+    event({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}}),
+    b"data: [DONE]\n\n",
+])  # fmt: skip
+
+
+@pytest.mark.parametrize("ending", [b"\n", b"\r\n", b"\r"])
+@pytest.mark.parametrize("size", [1, 2, 5, 10_000])
+def test_event_stream_framing_as_the_spec_reads_it(ending, size):
+    """A review: LF, CRLF or a lone CR end a line (a CRLF split between reads is one ending); an event's data
+    lines join with LF; a leading byte-order mark and an empty data field hide no event."""
+    body = SPEC_BODY.replace(b"\n", ending)
+    reader = read([body[i : i + size] for i in range(0, len(body), size)])
+    assert (reader.done, reader.failure, reader.streamed_ids, reader.completion_tokens) == (True, None, 3, 3)
+    assert len(reader.chunk_times) == 2
+
+
+def test_events_without_the_blank_lines_between_them_still_count():
+    # a server writing one `data:` line per event and no blank line: the joined lines are no JSON, each is
+    body = b"".join(event(completion(t, [ord(t)])).removesuffix(b"\n") for t in "abc") + b"data: [DONE]\n"
+    reader = read([body])
+    assert (reader.done, reader.failure, reader.streamed_ids) == (True, None, 3)
