@@ -19,7 +19,7 @@ from rich.console import Console
 from loadtest.metrics import SLO
 from loadtest.plot import plot_run, plot_sweep
 from loadtest.processes import STREAMS_PER_PROCESS, WorkerError
-from loadtest.report import load_report, print_compare, print_report, save_report
+from loadtest.report import failed_share, load_report, print_compare, print_report, save_report
 from loadtest.session import RunSettings, SetupError, discover, measure, warm_up
 from loadtest.sweep import parse_levels, run_sweep, sweep_table, sweep_warnings
 from loadtest.workload import LengthRange, check_arrivals
@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="do not ask for per-chunk token_ids (for servers that reject unknown fields)")
     a("--save-detailed", action="store_true", help="also store every chunk's timestamp in the JSON")
     a("--no-progress", action="store_true")
+    a("--max-failed-frac", type=float, default=0.0, metavar="F",
+      help="exit 1 when more than this share of a level's measured requests failed (default 0: any; the "
+           "report is written either way)")
     a("--processes", type=parse_processes, default=1, metavar="N|auto",
       help="worker processes sharing the requests and the concurrency (default 1: this process); auto = "
       f"max(1, min(ceil(concurrency / {STREAMS_PER_PROCESS}), CPUs // 2)) at each level")
@@ -108,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     if settings.num_requests < 1 or (settings.concurrency is not None and settings.concurrency < 1):
         parser.error("--num-requests and --concurrency must be >= 1")
+    if not 0 <= args.max_failed_frac <= 1:
+        parser.error(f"--max-failed-frac must be in [0, 1], got {args.max_failed_frac}")
     if settings.seed < 0:  # numpy's seeds are >= 0: a traceback from the workload before (a review)
         parser.error(f"--seed must be >= 0, got {settings.seed}")
     try:  # before any request: the arrival schedule is built only once the warm-up has run
@@ -117,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     if not settings.stream and settings.slo.tpot_ms is not None:
         parser.error("--slo-tpot-ms needs streamed responses (--no-stream measures no TPOT)")
     try:
-        return asyncio.run(_run(settings, levels, args.out, args.plot))
+        return asyncio.run(_run(settings, levels, args.out, args.plot, args.max_failed_frac))
     except KeyboardInterrupt:
         return 130
     except WorkerError as e:
@@ -125,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-async def _run(settings: RunSettings, levels: list[int] | None, out: str | None, plot: str | None) -> int:
+async def _run(settings: RunSettings, levels: list[int] | None, out: str | None, plot: str | None,
+               max_failed_frac: float) -> int:
     stop = _install_sigint(asyncio.Event())
     console, err = stdout_console(), Console(stderr=True)
     try:
@@ -162,7 +168,8 @@ async def _run(settings: RunSettings, levels: list[int] | None, out: str | None,
             plot_run(run, plot)
     if any(r["interrupted"] for r in reports):
         return 130
-    return 0 if all(r["completed"] > 0 for r in reports) else 1
+    ok = all(r["completed"] > 0 and failed_share(r) <= max_failed_frac for r in reports)
+    return 0 if ok else 1
 
 
 def stdout_console() -> Console:

@@ -96,6 +96,23 @@ def fmt(value: float | int | None) -> str:
     return f"{value:,.2f}"
 
 
+def failure_warning(report: dict) -> str | None:
+    """A line when measured requests failed: the throughputs and latencies count the completed ones only."""
+    failed = report.get("failed") or 0
+    if not failed:
+        return None
+    kinds = ", ".join(f"{kind} {n}" for kind, n in report.get("errors", {}).items())
+    total = failed + report.get("completed", 0)
+    return (f"{failed} of {total} measured requests failed ({kinds}): the figures count the completed ones "
+            "only")
+
+
+def failed_share(report: dict) -> float:
+    """The share of a report's measured requests that failed (0 when none finished)."""
+    total = (report.get("failed") or 0) + report.get("completed", 0)
+    return (report.get("failed") or 0) / total if total else 0.0
+
+
 def print_report(report: dict, console: Console | None = None) -> None:
     console = console or Console()
     title = "pagewalk loadtest" + (" (INTERRUPTED: partial results)" if report.get("interrupted") else "")
@@ -120,7 +137,7 @@ def print_report(report: dict, console: Console | None = None) -> None:
             table.add_row(key, fmt(report[key]))
     console.print(table)
     console.print(distribution_table(report))
-    for warning in (busy_warning(report), cache_warning(report)):
+    for warning in (failure_warning(report), busy_warning(report), cache_warning(report)):
         if warning:
             console.print(f"[yellow]{warning}[/]", soft_wrap=True)
     health = report.get("server_health")

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from loadtest.cpu import busy_warning
 from loadtest.prefix_cache import cache_warning
-from loadtest.report import fmt
+from loadtest.report import failure_warning, fmt
 from loadtest.session import RunSettings, Server, measure
 
 COLUMNS = (
@@ -75,11 +75,11 @@ def sweep_table(reports: list[dict]) -> Table:
 
 
 def sweep_warnings(reports: list[dict]) -> list[str]:
-    """One line per level whose load generator may have been the bottleneck or whose prompts the server
-    mostly found in its prefix cache."""
+    """One line per level whose requests failed, whose load generator may have been the bottleneck or whose
+    prompts the server mostly found in its prefix cache."""
     lines = []
     for r in reports:
-        for warning in (busy_warning(r), cache_warning(r)):
+        for warning in (failure_warning(r), busy_warning(r), cache_warning(r)):
             if warning:
                 lines.append(f"concurrency {r['config']['concurrency']}: {warning}")
     return lines

@@ -81,6 +81,21 @@ def test_all_failed_exits_nonzero_and_reports_errors(tmp_path):
     assert report["errors"] == {"connect_error": 3} and report["server_health"] is None
 
 
+@pytest.mark.parametrize("max_failed_frac, rc", [(None, 1), ("0.75", 0), ("0.7", 1)])
+def test_failed_requests_warn_and_fail_the_exit_above_the_allowed_share(tmp_path, capsys, max_failed_frac,
+                                                                       rc):
+    """A review: 6 of 8 requests failing exited 0 without a word, and tools/serving_bench published its
+    throughput. The report is written either way; the warning names the failures."""
+    out = tmp_path / "r.json"
+    extra = [] if max_failed_frac is None else ["--max-failed-frac", max_failed_frac]
+    server = MockServer(MockScript(0.005, 0.002, behaviours=("ok", "500", "500", "500")))
+    with serve_in_thread(server) as url:
+        code = main(args(url, "--num-requests", "8", "--concurrency", "2", "--out", str(out), *extra))
+    report = json.loads(out.read_text())
+    assert (report["completed"], report["failed"], code) == (2, 6, rc)
+    assert "6 of 8 measured requests failed" in capsys.readouterr().out
+
+
 def report(**fields):
     base = {"completed": 10, "failed": 0, "duration_s": 2.0, "request_throughput": 5.0,
             "output_throughput": 100.0, "tpot_ms": None,
