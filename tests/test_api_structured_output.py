@@ -232,12 +232,22 @@ def test_required_leaves_a_tool_with_its_own_id_as_written():
     {"tool_choice": NAMED},
     {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_news"}}},
     {"tools": TOOLS, "tool_choice": "required", "guided_json": SCHEMA},  # one structured output a request
-    {"tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "json_object"}},
 ])
 def test_bad_forced_tool_choices_are_400s(fields):
     with pytest.raises(APIError) as e:
         grammar(chat_request(**fields))
     assert e.value.status == 400 and e.value.param == "tool_choice"
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED])
+@pytest.mark.parametrize("response_format", [
+    {"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}])
+def test_a_forcing_tool_choice_wins_over_response_format(tool_choice, response_format):
+    """A review: OpenAI takes the two together (its Agents SDK sends an agent's output type beside
+    tool_choice "required"); the turn's reply is calls, so the tools' grammar binds it, as vLLM's does."""
+    alone = grammar(chat_request(tools=TOOLS, tool_choice=tool_choice))
+    both = grammar(chat_request(tools=TOOLS, tool_choice=tool_choice, response_format=response_format))
+    assert both == alone and both[1] == "tool_choice"
 
 
 def test_forced_replies_parse_into_calls():

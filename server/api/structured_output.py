@@ -213,9 +213,12 @@ async def request_grammar(request: Request, req: _SamplingRequest, tokenizer) ->
 
 
 def _sources(req: _SamplingRequest) -> list[tuple[str, Builder]]:
-    """(field, grammar builder) of every structured output the request sets."""
+    """(field, grammar builder) of every structured output the request sets. A forcing `tool_choice` wins
+    over `response_format`, which shapes a text reply that such a turn does not give (OpenAI accepts the
+    two together, its Agents SDK sends them, vLLM's tool schema overrides the format)."""
     sources = []
-    fmt = req.response_format
+    forced = forced_schema(req) if isinstance(req, ChatCompletionRequest) else None
+    fmt = None if forced is not None else req.response_format
     if fmt is not None and fmt.type == "structural_tag":
         sources.append(("response_format", partial(tag_grammar, fmt)))
     elif fmt is not None and fmt.type != "text":
@@ -231,10 +234,8 @@ def _sources(req: _SamplingRequest) -> list[tuple[str, Builder]]:
             sources.append((f"guided_{kind}", partial(_vllm_grammar, kind, value)))
     if req.structural_tag is not None:
         sources.append(("structural_tag", partial(_vllm_grammar, "structural_tag", req.structural_tag)))
-    if isinstance(req, ChatCompletionRequest):
-        schema = forced_schema(req)
-        if schema is not None:
-            sources.append(("tool_choice", partial(_schema_grammar, schema)))
+    if forced is not None:
+        sources.append(("tool_choice", partial(_schema_grammar, forced)))
     return sources
 
 
