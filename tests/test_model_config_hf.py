@@ -97,6 +97,40 @@ def test_bias_flags_count_for_llama_only_as_in_transformers(tmp_path, arch, flag
     config = model_config(str(path))
     assert (config.qkv_bias, config.o_bias, config.mlp_bias) == (arch == "qwen2", False, False)
     assert logits_error(path) < 1e-4
+    # ... and with the bias tensors the flag names stored, as a checkpoint saved with it carries them:
+    # transformers drops them (unexpected keys), and so does the loader, with a warning (a review)
+    names = {"attention_bias": [f"self_attn.{p}_proj" for p in "qkvo"],
+             "mlp_bias": [f"mlp.{p}_proj" for p in ("gate", "up", "down")]}[flag]
+    with_biases(path, [f"model.layers.{i}.{n}.bias" for i in range(2) for n in names
+                       if not (arch == "qwen2" and n[-6] in "qkv" and n.startswith("self_attn"))])
+    assert logits_error(path) < 1e-4
+
+
+def with_biases(path: Path, names: list[str]) -> None:
+    """Adds random bias tensors of these names to the checkpoint's weights."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    for name in names:
+        tensors[name] = torch.randn(tensors[name.replace(".bias", ".weight")].shape[0])
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_a_llama_bias_its_config_turns_off_is_still_an_unexpected_tensor(tmp_path):
+    path = checkpoint(tmp_path, "llama")
+    with_biases(path, ["model.layers.0.self_attn.o_proj.bias"])
+    with pytest.raises(ValueError, match="unexpected tensor 'model.layers.0.self_attn.o_proj.bias'"):
+        load_model(str(path), "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("arch,kv_heads", [("llama", 16), ("mistral", 8)])
+def test_a_missing_num_key_value_heads_is_transformers_default(tmp_path, arch, kv_heads):
+    """Llama's default is num_attention_heads, Mistral's 8 (Qwen2's 32): a Mistral checkpoint of 16 heads
+    over 8 without the key was read as 16 KV heads and refused for its k_proj's shape (a review)."""
+    path = checkpoint(tmp_path, arch, edits={"num_key_value_heads": DELETE}, hidden_size=128,
+                      num_attention_heads=16, num_key_value_heads=kv_heads, sliding_window=None)
+    assert model_config(str(path)).num_kv_heads == kv_heads
+    assert logits_error(path) < 1e-4
 
 
 @pytest.mark.parametrize("arch,model_type", [("mistral", "llama"), ("llama", "mistral"), ("qwen2", "llama")])

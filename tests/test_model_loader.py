@@ -326,6 +326,41 @@ def test_special_tokens_map_supplies_what_tokenizer_config_lacks(tmp_path):
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "<s>hi<pad></s>"
 
 
+@pytest.mark.parametrize("config, expected", [
+    ({"eos_token": "</s>"}, ("<pad>", {0})),  # legacy: the map's token over the config's
+    ({"eos_token": None}, ("<pad>", {0})),  # legacy: the map's token where the config has null
+    ({"eos_token": "</s>", "added_tokens_decoder": {}}, ("</s>", {2})),  # newer: the config's own
+])
+def test_special_tokens_map_over_a_legacy_tokenizer_config(tmp_path, config, expected):
+    """transformers lets special_tokens_map.json override a tokenizer_config.json saved before 4.34 (no
+    added_tokens_decoder), and reads no map beside a newer one; the config won both ways here (a review)."""
+    from server.model.tokenizer import HFTokenizer
+
+    write_hf_checkpoint(tmp_path, hf_config("llama"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {**config, "chat_template": "{{ messages[0]['content'] }}{{ eos_token }}"}))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<pad>"}))
+    tok = HFTokenizer.from_dir(tmp_path)
+    eos, ids = expected
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == f"hi{eos}"
+    assert tok.eos_token_ids == ids
+
+
+def test_a_tool_use_template_file_beside_a_tokenizer_config_template(tmp_path):
+    """additional_chat_templates/tool_use.jinja renders requests with tools whichever file holds the main
+    template (it was read only beside chat_template.jinja: a review)."""
+    from server.model.tokenizer import HFTokenizer
+
+    write_hf_checkpoint(tmp_path, hf_config("llama"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "DEFAULT"}))
+    (tmp_path / "additional_chat_templates").mkdir()
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("TOOLS {{ tools | length }}")
+    tok = HFTokenizer.from_dir(tmp_path)
+    messages = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(messages, True, {"tools": [{"type": "function"}]}) == "TOOLS 1"
+    assert tok.apply_chat_template(messages, True) == "DEFAULT"
+
+
 def test_tools_and_documents_are_none_in_the_template():
     from server.model.chat_template import ChatTemplate
 

@@ -135,7 +135,7 @@ class ModelConfig:
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or DEFAULT_KV_HEADS.get(arch, num_heads),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             max_position_embeddings=max_positions,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
@@ -154,6 +154,8 @@ class ModelConfig:
 # transformers' config defaults where config.json omits max_position_embeddings (LlamaConfig, MistralConfig
 # 4096 * 32, Qwen2Config)
 DEFAULT_POSITIONS = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 131072, "Qwen2ForCausalLM": 32768}
+# transformers' defaults for a config without num_key_value_heads (or null): Llama's is num_attention_heads
+DEFAULT_KV_HEADS = {"MistralForCausalLM": 8, "Qwen2ForCausalLM": 32}
 QWEN2_MAX_WINDOW_LAYERS = 28  # transformers' Qwen2Config default: the layers from here on slide
 DEFAULT_SLIDING_WINDOW = 4096  # transformers' MistralConfig and Qwen2Config default (an explicit null: none)
 

@@ -37,7 +37,10 @@ _FUSED = {
 _FUSED_RE = re.compile(
     r"^(model\.layers\.\d+\.)(" + "|".join(re.escape(k) for k in _FUSED) + r")\.(weight|bias)$"
 )
-_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+# buffers older transformers saved with the weights (RoPE's, recomputed from config.json)
+_IGNORED = re.compile(r"rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
+_PROJECTION_BIAS = re.compile(
+    r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.bias$")
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -139,11 +142,15 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
     params = dict(model.named_parameters())
     pending = {(name, shard) for name, p in params.items() for shard in _shards_of(name)}
     tied_head = None  # a tied checkpoint's lm_head.weight, if it stores one
+    dropped: list[str] = []  # biases the architecture never applies
     for file in checkpoint_files(path):
         with _open_weights(file) as f:
             for key in f.keys():
                 if key == TIED_HEAD and model.config.tie_word_embeddings:
                     tied_head = _weight(f, key, file)
+                    continue
+                if _bias_the_architecture_lacks(key, model.config):
+                    dropped.append(key)
                     continue
                 target = _target(key, model.config)
                 if target is None:
@@ -158,6 +165,9 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
                                      f"expected {tuple(dest.shape)} from config.json")
                 dest.copy_(tensor)
                 pending.discard((name, shard))
+    if dropped:
+        log.warning("%d bias tensors that %s never applies are not loaded (as transformers ignores them), "
+                       "e.g. %s", len(dropped), model.config.architecture, dropped[0])
     if tied_head is not None:
         _check_tied_head(params[TIED_EMBEDDING], tied_head, (TIED_EMBEDDING, None) in pending)
         pending.discard((TIED_EMBEDDING, None))
@@ -236,6 +246,17 @@ def checkpoint_files(path: Path) -> list[Path]:
         if not f.is_file():
             raise FileNotFoundError(f"weight shard {f} listed in model.safetensors.index.json is missing")
     return files
+
+
+def _bias_the_architecture_lacks(key: str, cfg: ModelConfig) -> bool:
+    """A projection's bias that the architecture has no config flag for and never applies: Mistral's (any),
+    Qwen2's o_proj and MLP ones. transformers loads such a checkpoint and ignores them (its config's
+    `attention_bias` / `mlp_bias` are Llama's alone), so its output is the model without them. A Llama bias
+    that its config's flag turns off is still an unexpected tensor."""
+    if cfg.architecture == "LlamaForCausalLM" or not _PROJECTION_BIAS.match(key):
+        return False
+    return cfg.architecture == "MistralForCausalLM" or not key.endswith(("q_proj.bias", "k_proj.bias",
+                                                                         "v_proj.bias"))
 
 
 def _target(key: str, cfg: ModelConfig) -> tuple[str, int | None] | None:

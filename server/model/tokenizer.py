@@ -143,9 +143,7 @@ class HFTokenizer:
             tokenizer = Tokenizer.from_file(str(tok_file))
         except Exception as e:  # noqa: BLE001 -- `tokenizers` raises a bare Exception for a bad file
             raise ValueError(f"{tok_file} does not load: {e}") from None
-        # special_tokens_map.json first, tokenizer_config.json over it (as transformers reads them)
-        cfg = {**read_json_object(path / "special_tokens_map.json"),
-               **read_json_object(path / "tokenizer_config.json")}
+        cfg = _tokenizer_config(path)
         try:
             eos = _token_str(cfg.get("eos_token"))
             return cls(
@@ -256,6 +254,18 @@ def _token_str(token) -> str | None:
     return token
 
 
+def _tokenizer_config(path: Path) -> dict:
+    """tokenizer_config.json with special_tokens_map.json's tokens, merged as transformers merges them: a
+    legacy config (no `added_tokens_decoder`: saved before transformers 4.34) takes the map's tokens over its
+    own and where it has null (a review); a newer one keeps its own, the map supplying only the tokens it
+    lacks (transformers reads no map then)."""
+    config = read_json_object(path / "tokenizer_config.json")
+    tokens = read_json_object(path / "special_tokens_map.json")
+    if "added_tokens_decoder" in config:
+        return {**tokens, **config}
+    return {**config, **{k: v for k, v in tokens.items() if v is not None}}
+
+
 def _chat_template(path: Path, cfg: dict) -> ChatTemplate | None:
     """The directory's chat template, with its "tool_use" one (Hermes-2-Pro's and Hermes-3's layout), which
     transformers and vLLM render for a request with tools (a review: it was never used)."""
@@ -274,4 +284,6 @@ def _chat_template(path: Path, cfg: dict) -> ChatTemplate | None:
         template = named.get("default", next(iter(named.values()), None))
         if "default" in named and named.get("tool_use"):
             tool_use = ChatTemplate(named["tool_use"], f"{origin} (tool_use)")
+    elif tool_file.is_file():  # one template here, the tool one in its file (a review: it went unread)
+        tool_use = template_file(tool_file)
     return ChatTemplate(template, origin, tool_use) if template else None
