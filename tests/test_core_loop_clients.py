@@ -73,6 +73,18 @@ def test_aborts_and_duplicate_ids_cannot_touch_another_clients_request():
     assert [u.finish_reason for u in b["r1"]] == ["error"] and "already in the engine" in b["r1"][0].error
 
 
+def test_a_client_may_reuse_an_id_it_aborted_in_the_same_turn():
+    """An abort and a new add under the same id in one turn: the add was refused as a duplicate, the id's
+    owner forgotten only once the turn's updates went out (a review)."""
+    sent = run_loop([[(b"a", Hello()), (b"b", Hello())], [(b"a", request("x", 50))],
+                     [(b"a", Abort("x")), (b"a", request("x", 3)), (b"b", request("x"))]])
+    a, b = updates_of(sent, b"a"), updates_of(sent, b"b")
+    assert [u.finish_reason for u in a["x"] if u.finish_reason] == ["abort", "length"]
+    after = a["x"][[u.finish_reason for u in a["x"]].index("abort") + 1:]
+    assert sum(len(u.new_token_ids) for u in after) == 3  # the new request's own tokens
+    assert [u.finish_reason for u in b["x"]] == ["error"]  # another client's: still refused
+
+
 def test_queries_are_answered_to_the_asker():
     sent = run_loop([[(b"a", Hello()), (b"b", Hello())], [(b"b", Query(7, "stats"))]])
     replies = [(c, m) for c, m in sent if isinstance(m, Reply)]

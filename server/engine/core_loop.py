@@ -143,7 +143,9 @@ class CoreLoop:
 
     def _add(self, client: Client, req: EngineRequest) -> list[SeqUpdate]:
         rid = req.request_id
-        if rid in self.owners:  # a request in the engine has this id: its updates must not be taken over
+        # a request in the engine has this id, or another client's ended this turn (this turn's updates still
+        # route by it): its updates must not be taken over. Its own client may reuse an id it aborted.
+        if rid in self.owners and (self.owners[rid] != client or rid in self.core.requests):
             self.rejected.append((client, _failed(req, f"ValueError: request id {rid!r} is already in the "
                                                        "engine")))
             return []
