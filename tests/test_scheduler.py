@@ -93,6 +93,8 @@ class Harness:
 
     def step(self):
         out = self.sched.schedule()
+        # the runner sets the state of each new row: a sequence preempted in the step it took one is not there
+        assert all(s.row >= 0 and s.status is SeqStatus.RUNNING for s in out.new_rows)
         launched = (out, self.launch(out)) if not out.is_empty else None
         done = launched
         if self.async_:

@@ -292,6 +292,8 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.free(seq.seq_id)
         self._release_row(seq)
+        if seq in out.new_rows:  # given its row this step (a child forked in it): the runner sets no state
+            out.new_rows.remove(seq)  # for it at row -1 (a review)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
