@@ -214,11 +214,14 @@ async def request_grammar(request: Request, req: _SamplingRequest, tokenizer) ->
 
 def _sources(req: _SamplingRequest) -> list[tuple[str, Builder]]:
     """(field, grammar builder) of every structured output the request sets. A forcing `tool_choice` wins
-    over `response_format`, which shapes a text reply that such a turn does not give (OpenAI accepts the
-    two together, its Agents SDK sends them, vLLM's tool schema overrides the format)."""
+    over OpenAI's JSON `response_format`, which shapes a text reply that such a turn does not give (OpenAI
+    accepts the two together, its Agents SDK sends them, vLLM's tool schema overrides the format's); vLLM's
+    structural tag, which shapes calls itself, stays a second source."""
     sources = []
     forced = forced_schema(req) if isinstance(req, ChatCompletionRequest) else None
-    fmt = None if forced is not None else req.response_format
+    fmt = req.response_format
+    if forced is not None and fmt is not None and fmt.type != "structural_tag":
+        fmt = None
     if fmt is not None and fmt.type == "structural_tag":
         sources.append(("response_format", partial(tag_grammar, fmt)))
     elif fmt is not None and fmt.type != "text":
