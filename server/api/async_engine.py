@@ -298,18 +298,22 @@ class AsyncEngine:
         return max(0, len(self._live) - self._running_here)
 
     def _waiting_everywhere(self) -> int:
-        """Requests waiting, as /health and the gauge report them: this process's (its in-transit ones
-        included), or the core's count when that is larger (other API servers' requests)."""
-        return max(self._stats.waiting, self._num_waiting())
+        """Requests waiting, as /health and the gauge report them: this process's (its in-transit ones and
+        the prompts admitted and not handed over yet, a request's held behind its window included: a
+        review), or the core's count when that is larger (other API servers' requests)."""
+        return max(self._stats.waiting, self._num_waiting() + self.reserved)
 
     # ---- requests ---------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        admitted: bool = False, group: str | None = None,
-                       label: tuple[str, int] | None = None) -> AsyncIterator[RequestOutput]:
+                       label: tuple[str, int] | None = None,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
         """Stream of RequestOutputs, the last with finished=True; what arrived while the reader was busy
         comes merged into one. Closing the stream early aborts the request. `admitted`: as
         check_admissible's; `group`: EngineRequest.group; `label`: the id the client sees for it and its
-        response's index of this request's choice 0 (the block map names its choices so), else its own."""
+        response's index of this request's choice 0 (the block map names its choices so), else its own;
+        `arrival_time` (time.monotonic()): its HTTP request's, where it waited for its turn before (a
+        request's later prompts), else now: the latencies count from it."""
         try:
             params.validate(self.vocab_size)
         except ValueError as e:
@@ -318,7 +322,8 @@ class AsyncEngine:
         live = LiveRequest(request_id, list(prompt_token_ids), loop, OutputChannel(loop),
                            [ChoiceStream(i, params, self.tokenizer, self._text_of, prompt_token_ids)
                             for i in range(params.n)],
-                           time.monotonic(), params.n, [None] * params.n, label=label or (request_id, 0))
+                           arrival_time or time.monotonic(), params.n, [None] * params.n,
+                           label=label or (request_id, 0))
         with self._lock:
             drain_ended = admitted and self._drain_ended()
             if not drain_ended:
@@ -326,6 +331,7 @@ class AsyncEngine:
         if drain_ended:  # its own prompts that ran ended "abort" at the deadline too
             for _ in range(params.n):
                 self.metrics.finished("abort")
+            self._observe_finished(live, time.monotonic())  # every request counted finished is observed
             yield RequestOutput(request_id, live.prompt_token_ids,
                                 [ChoiceDelta(i, "", [], None, "abort", None) for i in range(params.n)], True)
             return
@@ -570,6 +576,7 @@ class AsyncEngine:
                 c.finish_reason = "error"
                 self.metrics.finished("error")
                 deltas.append(ChoiceDelta(c.index, "", [], None, "error", None))
+        self._observe_finished(live, time.monotonic())  # as a request the core failed is (a review)
         live.channel.put(RequestOutput(live.request_id, live.prompt_token_ids, deltas, True, error))
 
     def _observe_finished(self, live: LiveRequest, now: float) -> None:

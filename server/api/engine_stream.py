@@ -8,6 +8,7 @@ those requests and frees their KV blocks.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -142,14 +143,16 @@ async def merged_outputs(engine, engine_id: str, response_id: str, prompts: list
         return
     queue: asyncio.Queue = asyncio.Queue()
     window = asyncio.Semaphore(max(1, (max_seqs or len(prompts) * params.n) // params.n))
+    arrival = time.monotonic()  # every prompt's: the wait for a place in the window is latency too
 
     async def pump(i: int, ids: list[int]) -> None:
         try:
             async with window:
                 take()
                 label = (response_id, i * params.n)
-                async with aclosing(engine.generate(f"{engine_id}-{i}", ids, params, reservation is not None,
-                                                    group=engine_id, label=label)) as gen:
+                gen = engine.generate(f"{engine_id}-{i}", ids, params, reservation is not None,
+                                      group=engine_id, label=label, arrival_time=arrival)
+                async with aclosing(gen):
                     async for out in gen:
                         queue.put_nowait((i, out))
         except Exception as e:  # handed to the consumer, which raises it
