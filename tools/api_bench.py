@@ -44,6 +44,7 @@ class SyntheticCore:
         self.requests: dict[str, tuple[EngineRequest, list[int]]] = {}  # id -> (request, tokens per choice)
         self.next_step = time.monotonic()
         self.steps = 0
+        self.fatal: str | None = None  # (EngineCore's: a synthetic step never fails)
 
     def add_request(self, er: EngineRequest) -> None:
         if er.request_id in self.requests:
