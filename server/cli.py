@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -69,6 +70,29 @@ def positive_int(value: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
     return n
+
+
+_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kmgKMG]?)")
+_HUMAN_SCALE = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def model_len(value: str) -> int:
+    """An argparse type: --max-model-len, in vLLM's spellings (1k = 1000, 1K = 1024, 25.6k = 25,600), at
+    least 2 tokens (a prompt of one token, BOS, and one generated: a length of 1 serves nothing)."""
+    match = _HUMAN_INT.fullmatch(value.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected a token count such as 4096, 32k or 32K, got {value!r}")
+    n = float(match.group(1)) * _HUMAN_SCALE[match.group(2)]
+    if n != int(n) or n < 2:
+        raise argparse.ArgumentTypeError(f"must be a whole number of tokens >= 2, got {value!r}")
+    return int(n)
+
+
+def model_name(value: str) -> str:
+    """An argparse type: a --served-model-name, not empty (an id no client can send or fetch)."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("a served model name must not be empty")
+    return value
 
 
 MAX_NUM_SEQS = 65536  # per-row state on the device and the host: 10**8 rows never finished starting (review)
@@ -132,7 +156,7 @@ def add_model_flags(s: argparse.ArgumentParser) -> None:
                    help="tiny | bench (presets with random weights) | PATH to a local Hugging Face "
                         "checkpoint directory; pagewalk does not download from the Hub (default: tiny)")
     s.add_argument("--model", default=None, help="the same as the positional MODEL")
-    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+    s.add_argument("--served-model-name", nargs="+", type=model_name, default=None, metavar="NAME",
                    help="model ids clients may send; the first is the one responses carry (default: the "
                         "preset or checkpoint directory name; the --model value as given is accepted too)")
     s.add_argument("--tokenizer", default=None,
@@ -168,9 +192,9 @@ def add_engine_flags(s: argparse.ArgumentParser) -> None:
                    help="tokens in one engine step")
     s.add_argument("--max-waiting", type=positive_int, default=1024,
                    help="queued requests before new ones get 429 (vLLM queues without a bound)")
-    s.add_argument("--max-model-len", type=positive_int, default=None,
-                   help="prompt + completion tokens per sequence "
-                        "(default: the model's max_position_embeddings)")
+    s.add_argument("--max-model-len", type=model_len, default=None,
+                   help="prompt + completion tokens per sequence, as vLLM spells it (4096, 32k = 32,000, "
+                        "32K = 32,768; default: the model's max_position_embeddings)")
     s.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],
                    help="paged attention kernels: auto = triton on CUDA, the torch reference on CPU")
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -511,7 +535,8 @@ def serve_api(args: argparse.Namespace, api_server=None, sock=None) -> int:
 
 
 def http_url(host: str, port: int) -> str:
-    """The URL a client uses: an IPv6 host in brackets."""
+    """The URL a client uses: an IPv6 host in brackets; "" (every interface, as 0.0.0.0) as 0.0.0.0."""
+    host = host or "0.0.0.0"
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 

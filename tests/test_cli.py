@@ -57,7 +57,12 @@ def test_vllm_flags_reach_the_engine_config():
     (["--max-num-seqs", "100000000"], "must be at most 65536"),  # never finished starting
     (["--max-waiting", "0"], "must be an integer >= 1"),
     (["--max-connections", "0"], "must be an integer >= 1"),
-    (["--max-model-len", "0"], "must be an integer >= 1"),
+    (["--max-model-len", "0"], "must be a whole number of tokens >= 2"),
+    (["--max-model-len", "1"], "must be a whole number of tokens >= 2"),  # served nothing (a review)
+    (["--max-model-len", "32kb"], "expected a token count"),
+    (["--max-model-len", "0.0005k"], "must be a whole number of tokens"),
+    (["--served-model-name", ""], "a served model name must not be empty"),  # an id no client can use
+    (["tiny", "--served-model-name", " "], "a served model name must not be empty"),
     (["--max-body-bytes", "0"], "must be an integer >= 1"),
     (["--port", "70000"], "must be a port number in [0, 65535]"),
     (["--max-stop-strings", "-1"], "must be an integer >= 1"),  # every request was refused
@@ -78,6 +83,18 @@ def test_bad_flags_are_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
         parse_serve_args(["serve", *argv])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value, tokens", [("4096", 4096), ("1k", 1000), ("2K", 2048), ("25.6k", 25600),
+                                          ("1M", 1 << 20)])
+def test_max_model_len_takes_vllms_spellings(value, tokens):
+    assert parse_serve_args(["serve", "--max-model-len", value]).max_model_len == tokens
+
+
+def test_the_url_of_every_interface_is_one_a_client_can_use():
+    from server.cli import http_url
+
+    assert (http_url("", 8000), http_url("::", 8000)) == ("http://0.0.0.0:8000", "http://[::]:8000")
 
 
 def test_api_key_defaults_to_the_environment_but_help_never_shows_it(monkeypatch):

@@ -481,3 +481,25 @@ def test_the_tokenizer_is_held_to_the_embedding_by_its_largest_id(tmp_path, llam
             continue
         tok = load_tokenizer(str(tmp_path))
         assert tok.vocab_size == 311 and tok.encode(word, add_bos=False) == [310]
+
+
+def test_a_checkpoint_served_as_dot_is_named_after_its_directory(tmp_path, monkeypatch):
+    """`cd ckpt && pagewalk serve .`: responses, /v1/models and the metrics' labels carried model "" (a
+    review); the default id is the directory's name, as for any other path."""
+    from server.model.loader import model_config
+
+    write_hf_checkpoint(tmp_path / "ckpt", hf_config("llama"))
+    monkeypatch.chdir(tmp_path / "ckpt")
+    assert model_config(".").name == model_config("./").name == "ckpt"
+
+
+def test_gpu_memory_utilization_on_cpu_is_said_to_size_nothing(caplog):
+    """On CPU the cache has its fixed size: a --gpu-memory-utilization given there is said to do nothing,
+    not silently dropped (a review)."""
+    model, _ = load_model("tiny", "cpu", torch.float32)
+    with caplog.at_level("WARNING", logger="server.engine.runner"):
+        runner = ModelRunner(model, block_size=16, attention_backend="torch", gpu_memory_utilization=0.01)
+    assert "--gpu-memory-utilization sizes a GPU's cache" in caplog.text
+    caplog.clear()
+    assert ModelRunner(model, block_size=16, attention_backend="torch").num_blocks == runner.num_blocks
+    assert "gpu-memory-utilization" not in caplog.text

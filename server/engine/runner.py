@@ -630,6 +630,9 @@ class ModelRunner:
 
     def _auto_num_blocks(self, gpu_memory_utilization: float | None) -> int:
         if self.device.type != "cuda":
+            if gpu_memory_utilization is not None:  # said, not silently dropped (a review)
+                log.warning("--gpu-memory-utilization sizes a GPU's cache; on %s the KV cache holds up to %d "
+                            "tokens (--num-blocks sets it)", self.device.type, CPU_CACHE_TOKENS)
             by_memory = CPU_CACHE_MAX_BYTES // self._bytes_per_block()
             return max(2, min(CPU_CACHE_TOKENS // self.block_size, by_memory))
         fraction = DEFAULT_GPU_MEMORY_UTILIZATION if gpu_memory_utilization is None \

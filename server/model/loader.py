@@ -121,7 +121,8 @@ def model_config(name_or_path: str) -> ModelConfig:
                 "and pass DIR")
         raise FileNotFoundError(
             f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
-    return ModelConfig.from_hf(read_json_object(path / "config.json", required=True), name=path.name)
+    return ModelConfig.from_hf(read_json_object(path / "config.json", required=True),
+                              name=path.resolve().name)  # `serve .` is its directory's name (a review)
 
 
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # "org/name", as the Hub spells model ids
