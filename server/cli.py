@@ -142,9 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagewalk", description="paged-KV decode inference microserver")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("loadtest", help="load generator (see `pagewalk loadtest --help`)", add_help=False)
+    # no abbreviations: `--max-seqs 4` silently meant --max-seqs-per-request (a review)
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API", formatter_class=HelpFormatter,
                        description="Serve a model over the OpenAI-compatible HTTP API "
-                                   "(as `vllm serve MODEL`).")
+                                   "(as `vllm serve MODEL`).", allow_abbrev=False)
     add_model_flags(s)
     add_engine_flags(s)
     add_server_flags(s)
@@ -301,6 +302,8 @@ def parse_serve_args(argv: list[str]) -> argparse.Namespace:
             parser.error(f"--served-model-name took {swallowed[0]!r}, which looks like MODEL: put MODEL "
                          "first or give it as --model")
     args.model = args.model_tag or args.model or "tiny"
+    if args.served_model_name:  # a name given twice is listed once
+        args.served_model_name = list(dict.fromkeys(args.served_model_name))
     if args.api_server_count < 1:
         parser.error("--api-server-count must be at least 1")
     if args.max_waiting < args.api_server_count:

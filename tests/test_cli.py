@@ -62,6 +62,7 @@ def test_vllm_flags_reach_the_engine_config():
     (["--max-model-len", "32kb"], "expected a token count"),
     (["--max-model-len", "0.0005k"], "must be a whole number of tokens"),
     (["--served-model-name", ""], "a served model name must not be empty"),  # an id no client can use
+    (["--max-seqs", "4"], "unrecognized arguments: --max-seqs"),  # meant --max-seqs-per-request
     (["tiny", "--served-model-name", " "], "a served model name must not be empty"),
     (["--max-body-bytes", "0"], "must be an integer >= 1"),
     (["--port", "70000"], "must be a port number in [0, 65535]"),
@@ -89,6 +90,11 @@ def test_bad_flags_are_usage_errors(capsys, argv, message):
                                           ("1M", 1 << 20)])
 def test_max_model_len_takes_vllms_spellings(value, tokens):
     assert parse_serve_args(["serve", "--max-model-len", value]).max_model_len == tokens
+
+
+def test_a_served_name_given_twice_is_listed_once():
+    args = parse_serve_args(["serve", "tiny", "--served-model-name", "a", "b", "a"])
+    assert args.served_model_name == ["a", "b"]
 
 
 def test_the_url_of_every_interface_is_one_a_client_can_use():

@@ -621,7 +621,8 @@ class ModelRunner:
         except RuntimeError as e:  # (torch.OutOfMemoryError among them) the allocator's message names no flag
             gib = num_blocks * self._bytes_per_block() / 2**30
             raise ValueError(f"the KV cache of {num_blocks} blocks ({gib:.1f} GiB) does not fit on "
-                             f"{self.device}: lower --num-blocks (or --gpu-memory-utilization)") from e
+                             f"{self.device}: lower --num-blocks, or size it with --gpu-memory-utilization "
+                             "instead") from e
 
     def _bytes_per_block(self) -> int:
         cfg = self.config
