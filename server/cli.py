@@ -16,6 +16,7 @@ import re
 import signal
 import sys
 import threading
+from decimal import Decimal
 from typing import NoReturn
 
 logger = logging.getLogger("pagewalk")
@@ -82,7 +83,7 @@ def model_len(value: str) -> int:
     match = _HUMAN_INT.fullmatch(value.strip())
     if match is None:
         raise argparse.ArgumentTypeError(f"expected a token count such as 4096, 32k or 32K, got {value!r}")
-    n = float(match.group(1)) * _HUMAN_SCALE[match.group(2)]
+    n = Decimal(match.group(1)) * _HUMAN_SCALE[match.group(2)]  # exact: 1.1k is 1,100
     if n != int(n) or n < 2:
         raise argparse.ArgumentTypeError(f"must be a whole number of tokens >= 2, got {value!r}")
     return int(n)

@@ -87,7 +87,7 @@ def test_bad_flags_are_usage_errors(capsys, argv, message):
 
 
 @pytest.mark.parametrize("value, tokens", [("4096", 4096), ("1k", 1000), ("2K", 2048), ("25.6k", 25600),
-                                          ("1M", 1 << 20)])
+                                          ("1.1k", 1100), ("1M", 1 << 20)])
 def test_max_model_len_takes_vllms_spellings(value, tokens):
     assert parse_serve_args(["serve", "--max-model-len", value]).max_model_len == tokens
 
