@@ -312,6 +312,9 @@ def parse_serve_args(argv: list[str]) -> argparse.Namespace:
                      f"least --api-server-count ({args.api_server_count})")
     if args.api_server_count > 1 and args.engine_in_process:
         parser.error("--engine-in-process (the core inside the one API process) excludes --api-server-count")
+    if "*" in args.allowed_origins and args.allow_credentials:  # would reflect any origin, with cookies
+        parser.error('--allow-credentials with --allowed-origins \'["*"]\' would let any site send a user\'s '
+                     "credentials and read the answers: name the origins")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser (the format of the model's calls)")
     if args.api_key is None:
@@ -455,6 +458,7 @@ def serve_api(args: argparse.Namespace, api_server=None, sock=None) -> int:
 
     from server.api.app import create_app, stop_engine
     from server.api.async_engine import AsyncEngine
+    from server.api.browser_guard import listens_on_loopback_only
     from server.api.connections import drop_stalled, guarded_protocol
     from server.api.cors import CorsPolicy
     from server.api.limits import DEFAULT_MAX_BODY_BYTES
@@ -496,7 +500,8 @@ def serve_api(args: argparse.Namespace, api_server=None, sock=None) -> int:
                          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                          shutdown_timeout_s=args.shutdown_timeout, limits=request_limits(args),
                          cors=CorsPolicy(tuple(args.allowed_origins), args.allow_credentials,
-                                         tuple(args.allowed_methods), tuple(args.allowed_headers)))
+                                         tuple(args.allowed_methods), tuple(args.allowed_headers)),
+                         loopback_only=listens_on_loopback_only(args.host))
         logger.info(startup_line(engine, http_url(args.host, sock.getsockname()[1])))
         if engine.sampling_defaults:  # as vLLM says it: the model's own values replace OpenAI's defaults
             logger.info("sampling defaults from the model's generation_config.json (for fields a request "

@@ -63,6 +63,7 @@ def test_vllm_flags_reach_the_engine_config():
     (["--max-model-len", "0.0005k"], "must be a whole number of tokens"),
     (["--served-model-name", ""], "a served model name must not be empty"),  # an id no client can use
     (["--max-seqs", "4"], "unrecognized arguments: --max-seqs"),  # meant --max-seqs-per-request
+    (["--allowed-origins", '["*"]', "--allow-credentials"], "name the origins"),  # reflected any (a review)
     (["tiny", "--served-model-name", " "], "a served model name must not be empty"),
     (["--max-body-bytes", "0"], "must be an integer >= 1"),
     (["--port", "70000"], "must be a port number in [0, 65535]"),

@@ -57,7 +57,7 @@ def test_slowloris_connections_are_closed_at_the_header_deadline(server):
     socks = [connect(server) for _ in range(6)]
     start = time.monotonic()
     for s in socks:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
     deadline = start + HEADER_TIMEOUT_S + 3
     for i in range(40):  # a header line's byte every 0.1 s: never complete
         if time.monotonic() > HEADER_TIMEOUT_S + start + 0.5:
@@ -106,11 +106,11 @@ def test_oversized_request_headers_get_431(server, where):
     answers 431 with the OpenAI body, closes the connection, and keeps serving."""
     big = MAX_HEADER_BYTES + 1024
     if where == "url":
-        head = b"GET /health?" + b"a" * big + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+        head = b"GET /health?" + b"a" * big + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
     elif where == "one header":
-        head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * big + b"\r\n\r\n"
+        head = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * big + b"\r\n\r\n"
     else:
-        head = b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-H: aaaaaaaaaaaaaaaa\r\n" * (big // 20) + b"\r\n"
+        head = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-H: aaaaaaaaaaaaaaaa\r\n" * (big // 20) + b"\r\n"
     s = connect(server)
     try:
         s.sendall(head)
@@ -126,14 +126,14 @@ def test_oversized_request_headers_get_431(server, where):
 
 def test_the_header_deadline_applies_to_each_request_of_a_keep_alive_connection(server):
     s = connect(server)
-    s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     first = b""
     while b"\r\n\r\n" not in first or not first.rstrip().endswith(b"}"):
         first += s.recv(65536)
     assert first.startswith(b"HTTP/1.1 200"), first
     time.sleep(HEADER_TIMEOUT_S + 0.5)  # idle between requests: the keep-alive timeout's business
     start = time.monotonic()
-    s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # never completes its headers
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never completes its headers
     raw = read_all(s)
     assert raw.startswith(b"HTTP/1.1 408"), raw
     assert HEADER_TIMEOUT_S - 0.3 < time.monotonic() - start < HEADER_TIMEOUT_S + 2
@@ -145,7 +145,7 @@ def test_a_connection_queues_a_bounded_number_of_pipelined_requests(server):
     (uvicorn read on after every response, and such a client grew the process by 75 MB/s: a review); another
     client is served meanwhile and after."""
     s = connect(server)
-    s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" * 4000)
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * 4000)
     raw = b""
     try:  # ends when the server closes the connection (a reset: it closed with requests unread)
         while chunk := s.recv(65536):
@@ -164,7 +164,7 @@ def test_pipelined_headers_that_trickle_meet_the_header_deadline(server):
     s = connect(server)
     # a stream that outlasts the header deadline (hundreds of tokens of the tiny preset on a CPU)
     body = json.dumps({"prompt": "hi", "max_tokens": 600, "ignore_eos": True, "stream": True}).encode()
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
             b"content-length: " + str(len(body)).encode() + b"\r\n\r\n")
     s.sendall(head + body + b"GET /health HTTP/1.1\r\nX-A: ")
     # read the stream as it comes: a client that reads nothing while the socket's buffers fill is dropped
@@ -190,7 +190,7 @@ def test_a_body_that_trickles_is_cut_at_its_deadline(server, framing):
     (header timeout + length / MIN_BODY_RATE; a chunked body counts as the body limit), so the connection
     gets a 408 and is closed when it passes; the server keeps serving. The client stops sending just before
     the deadline (bytes sent to a closed socket would reset the connection and lose the 408)."""
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
     if framing == "content-length":
         head += b"Content-Length: 1000\r\n\r\n{"
         limit, byte = HEADER_TIMEOUT_S + 1000 / MIN_BODY_RATE, b" "
@@ -220,7 +220,7 @@ def test_head_health_is_200(server):
 def test_client_gone_mid_body_is_one_info_line(server):
     before = server.log.read_text()
     s = connect(server)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
               b"Content-Length: 1000\r\n\r\n{\"prompt\": \"he")
     time.sleep(0.2)
     s.close()
@@ -236,7 +236,7 @@ def test_a_client_that_stops_reading_is_disconnected_and_aborted(server):
     body = json.dumps({"prompt": "hi", "max_tokens": 1500, "n": 4, "logprobs": 20, "stream": True,
                        "ignore_eos": True}).encode()
     s = connect(server, rcvbuf=4096)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     # read nothing: the server's buffers fill, it waits STALL_TIMEOUT_S, then drops the connection
     deadline = time.monotonic() + 30

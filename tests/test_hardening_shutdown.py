@@ -29,7 +29,7 @@ SHUTDOWN_TIMEOUT_S = 1.0
 def stream_body(**fields) -> bytes:
     fields = {"prompt": "hi", "max_tokens": 1500, "stream": True, "ignore_eos": True, **fields}
     body = json.dumps(fields).encode()
-    return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
 
 
@@ -88,7 +88,7 @@ def test_signal_exits_0_in_time_whatever_the_clients_do(tmp_path, sig, core):
         assert flowing.wait(60), srv.log.read_text()[-3000:]  # the reader's tokens come
         wait_full(stalled)  # the stalled client's buffers are full: the server's writes to it pause ...
         half = socket.create_connection(("127.0.0.1", srv.port))  # (within its 10 s header deadline)
-        half.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # never completes its headers
+        half.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never completes its headers
         time.sleep(SHUTDOWN_STALL_S + 0.5)  # ... past SHUTDOWN_STALL_S: dropped as the drain starts
         start = time.monotonic()
         srv.proc.send_signal(sig)
@@ -154,7 +154,7 @@ def test_sigterm_while_a_request_body_is_still_arriving_answers_503(tmp_path):
     try:
         body = json.dumps({"prompt": "x" * 20000, "max_tokens": 4}).encode()
         sock = socket.create_connection(("127.0.0.1", srv.port))
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(body) + body[:1000])
         time.sleep(1.0)  # the rest would come within the body deadline (10 s + len / 64 KiB/s)
         start = time.monotonic()

@@ -158,7 +158,7 @@ async def stream_one(port: int, body: bytes) -> int:
     """One streamed completion over its own connection -> the number of SSE data events (the [DONE] one
     excluded). Counts `data: ` across read boundaries without parsing the chunked framing."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
     events, tail = 0, b""
     while data := await reader.read(1 << 16):

@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from server.api import chat, completions, debug, models, monitoring, openapi_bodies, playground, tokenize
 from server.api.admission import AdmissionGate, RequestLimits
 from server.api.auth import BearerAuthMiddleware
+from server.api.browser_guard import BrowserGuardMiddleware
 from server.api.cors import CorsPolicy, add_cors
 from server.api.errors import CatchAllMiddleware, install_error_handlers
 from server.api.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimitMiddleware
@@ -27,12 +28,13 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
 def create_app(engine, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
                limits: RequestLimits | None = None, tool_call_parser: str | None = None,
-               cors: CorsPolicy = CorsPolicy()) -> FastAPI:
+               cors: CorsPolicy = CorsPolicy(), loopback_only: bool = False) -> FastAPI:
     """The lifespan starts the engine and shuts it down (finishing or aborting in-flight requests).
     Tests that drive the app through httpx's ASGITransport start and stop the engine themselves.
     `tool_call_parser`: the format chat replies write tool calls in (server/api/tool_calls.py); None:
     tool_choice "auto" with tools is refused, as vLLM refuses it without --enable-auto-tool-choice.
-    `cors`: the origins browsers may call it from (server/api/cors.py; none by default)."""
+    `cors`: the origins browsers may call it from (server/api/cors.py; none by default); `loopback_only`: it
+    listens on loopback alone, so it answers Host names of loopback alone (server/api/browser_guard.py)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -57,12 +59,15 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = DEFAULT
         app.include_router(module.router)
     openapi_bodies.install(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest,
                                  DetokenizeRequest])
-    # the last added runs first: CORS preflights answered before auth (401), auth before the body size
-    # (413), all inside the catch-all, and every answer, the catch-all's included, with its X-Request-Id
+    # the last added runs first: a foreign Host or a cross-site write refused first, CORS preflights answered
+    # before auth (401), auth before the body size (413), all inside the catch-all, and every answer, the
+    # catch-all's included, with its X-Request-Id
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
     if api_key:
         app.add_middleware(BearerAuthMiddleware, api_key=api_key)
     add_cors(app, cors)
+    app.add_middleware(BrowserGuardMiddleware, loopback_only=loopback_only,
+                       allowed_origins=cors.allowed_origins)
     app.add_middleware(CatchAllMiddleware)
     app.add_middleware(RequestIdMiddleware)
     return app

@@ -23,6 +23,10 @@ class CorsPolicy:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
 
+    def __post_init__(self) -> None:
+        if "*" in self.allowed_origins and self.allow_credentials:  # Starlette then reflects any origin
+            raise ValueError("credentials with any origin would let every site read a user's answers")
+
 
 def add_cors(app: FastAPI, policy: CorsPolicy) -> None:
     """Adds the middleware where the policy allows any origin (call it after the bearer-token middleware:

@@ -1,0 +1,69 @@
+"""What a page on another site can make a browser send to this server, refused before any work.
+
+CORS (cors.py) only stops a page from reading answers, and only where the browser sees another origin. Two
+ways around it reached a server on the user's own machine (a hostile review):
+- **DNS rebinding**: a site's own name made to resolve to 127.0.0.1 is same-origin with itself, so its page
+  reads every answer. A server listening on loopback alone (the default, 127.0.0.1) therefore answers only
+  requests whose Host names loopback (`localhost`, `127.0.0.1`, `::1`, any port); one listening on other
+  interfaces is reached by names it cannot list, and takes any Host.
+- **Simple cross-site requests**: a page's `fetch(url, {method: "POST", mode: "no-cors", body})` goes out
+  without a preflight (text/plain), and the body is read as JSON (parsing.py), so it ran completions. A
+  request that changes something (not GET, HEAD or OPTIONS) whose `Origin` is neither this server's own (the
+  playground's) nor one --allowed-origins names is refused. Clients outside browsers (curl, SDKs) send no
+  Origin and are not concerned.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from server.api.errors import APIError, error_response
+
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def listens_on_loopback_only(host: str) -> bool:
+    """Whether `--host` binds loopback alone ("" and 0.0.0.0 / :: are every interface)."""
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def host_name(authority: str) -> str:
+    """A Host header's name without its port: "127.0.0.1:8000" -> "127.0.0.1", "[::1]:8000" -> "::1"."""
+    return (urlsplit(f"//{authority}").hostname or "").lower()
+
+
+class BrowserGuardMiddleware:
+    """400 for a Host that is not loopback where `loopback_only`; 403 for a cross-site request that changes
+    something from an origin CORS does not allow (`allowed_origins`: --allowed-origins, "*" any)."""
+
+    def __init__(self, app: ASGIApp, loopback_only: bool, allowed_origins: tuple[str, ...] = ()):
+        self.app = app
+        self.loopback_only = loopback_only
+        self.any_origin = "*" in allowed_origins
+        self.allowed_origins = frozenset(allowed_origins)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            err = self._refusal(scope)
+            if err is not None:
+                await error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope: Scope) -> APIError | None:
+        headers = Headers(scope=scope)
+        host = headers.get("host", "")
+        if self.loopback_only and host_name(host) not in LOOPBACK_HOSTS:
+            return APIError(400, f"This server answers requests for localhost only, not for host {host!r}.",
+                            code="invalid_host")
+        origin = headers.get("origin")
+        if origin is None or scope["method"] in SAFE_METHODS or self.any_origin:
+            return None
+        if origin in self.allowed_origins or urlsplit(origin).netloc.lower() == host.lower():
+            return None
+        return APIError(403, f"Requests from the page at {origin!r} are not allowed: --allowed-origins "
+                             "names the origins a browser may call this server from.", code="cross_origin")
