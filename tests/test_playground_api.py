@@ -171,3 +171,25 @@ def test_stream_ends_with_an_error_body_when_the_engine_stops_answering():
     events = asyncio.run(go())
     assert events[0] == 'data: {"v":1}\n\n' and len(events) == 2
     assert json.loads(events[1].removeprefix("data: "))["error"]["type"] == "service_unavailable_error"
+
+
+def test_watchers_share_the_engines_maps():
+    """Each stream asked the engine for its own map: 32 watchers cost it 32 times what one does (a review).
+    The maps are shared: one request in flight, each map reused until it is due again."""
+    engine = FakeEngine()
+    shared = debug.SharedMap(engine, interval_s=0.05)
+
+    async def watch(seconds: float) -> int:
+        end = time.monotonic() + seconds
+
+        async def gone() -> bool:
+            return time.monotonic() >= end
+
+        return len([e async for e in debug.snapshot_events(shared.take, gone, interval_s=0.05)])
+
+    async def go(watchers: int) -> list[int]:
+        return await asyncio.gather(*(watch(0.5) for _ in range(watchers)))
+
+    events = asyncio.run(go(32))
+    assert all(n == 1 for n in events)  # the map never changed: each watcher got it once
+    assert engine.calls <= 0.5 / 0.05 + 2, engine.calls  # one engine map per interval, not per watcher
