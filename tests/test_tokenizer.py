@@ -225,6 +225,22 @@ def test_a_completion_streams_what_the_whole_decode_adds(sp_tok, hf_tok, prompt_
         assert not any(d.endswith("\ufffd") for d in deltas)
 
 
+def test_a_context_ending_inside_a_character_leaves_it_to_the_completion():
+    """A client continuing a reply from its ids, cut inside a character: the character the first generated
+    token completes was lost, with byte fallback the next word's space too (a review). '中' is E4 B8 AD."""
+    byte_level = HFTokenizer(byte_bpe_tokenizer())
+    b = byte_level._tok.token_to_id  # byte-level alphabet: one token per byte
+    detok = detokenizer_for(byte_level, [b("a"), b("ä"), b("¸")])
+    assert "".join([detok.push(b("Ń")), detok.push(b("b")), detok.flush()]) == "中b"
+    fallback = HFTokenizer(sentencepiece_tokenizer())
+    t = fallback._tok.token_to_id
+    detok = detokenizer_for(fallback, [1, t("▁a"), t("<0xE4>"), t("<0xB8>")])
+    assert "".join([detok.push(t("<0xAD>")), detok.push(t("▁fox")), detok.flush()]) == "中 fox"
+    # a context ending in a real U+FFFD (its bytes complete) keeps it: the completion starts after it
+    detok = detokenizer_for(byte_level, byte_level.encode("ok\ufffd", add_bos=False))
+    assert "".join([detok.push(b("b")), detok.flush()]) == "b"
+
+
 def test_token_text_is_what_a_token_adds_after_other_text(sp_tok, hf_tok):
     the = sp_tok.encode("the", add_bos=False)[0]  # '▁the' (or '▁t'): a word's first piece
     assert sp_tok.token_text(the).startswith(" t") and sp_tok.decode([the]).startswith("t")

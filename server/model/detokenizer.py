@@ -10,7 +10,8 @@ Mistral) drops the leading space of a sequence's first token, so a completion's 
 would lose it. Concatenating every delta and `flush()` gives exactly
 `decode(context + ids, skip)[len(decode(context, skip)):]` (with no context: `decode(ids, skip)`), `skip`
 being the stream's `skip_special_tokens` (False: special tokens are spelled, e.g. `<|start_header_id|>`),
-less the U+FFFD that ends it, if any (the window cannot tell a decoded U+FFFD from an incomplete character).
+less the U+FFFD that ends it, if any (the window cannot tell a decoded U+FFFD from an incomplete character);
+a context that ends inside a character leaves that character to the completion that completes it.
 
 A tokenizer whose ids are bytes (ByteTokenizer, the presets') has a cheaper exact way: `token_bytes` maps each
 id to its bytes and the stdlib's incremental UTF-8 decoder holds an incomplete character until it completes,
@@ -41,6 +42,9 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(context[-CONTEXT_IDS:])  # the context's tail, then the pushed ids
         self.prefix_offset = 0  # start of the decode window
         self.read_offset = len(self.ids)  # ids before this are emitted (or the context's)
+        # a context that ends inside a character (a reply cut there, continued from its ids): the ids of that
+        # character are the completion's, which completes it (it was lost before: a review)
+        self.read_offset -= _unfinished_ids(tokenizer, self.ids)
 
     def push(self, token_id: int) -> str:
         """Add one id; return the new text it completes ("" while a character is still incomplete)."""
@@ -62,6 +66,22 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
         return new_text[len(prefix_text) :]
+
+
+def _unfinished_ids(tokenizer, ids: list[int]) -> int:
+    """How many of the last ids hold the bytes of a character they leave unfinished (0 where the tokenizer
+    has no `bytes_of`): by bytes, as a decoded U+FFFD may be the text's own."""
+    bytes_of = getattr(tokenizer, "bytes_of", None)
+    if bytes_of is None:
+        return 0
+    tail = ids[-4:]  # a UTF-8 character has at most 4 bytes, each id at least one
+    decoder = UTF8_DECODER(errors="replace")
+    decoder.decode(b"".join(bytes_of(i) for i in tail), final=False)
+    unfinished, n = len(decoder.getstate()[0]), 0
+    while unfinished > 0 and n < len(tail):
+        n += 1
+        unfinished -= len(bytes_of(tail[-n]))
+    return n
 
 
 class Utf8Detokenizer:
