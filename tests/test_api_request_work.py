@@ -104,3 +104,31 @@ def test_the_drain_does_not_queue_behind_large_bodies_work(engine, monkeypatch):
             return started["t"] - begun
 
     assert asyncio.run(go()) < 0.3
+
+
+def test_keyless_tokenize_calls_have_a_thread_of_their_own_and_a_bound(engine, monkeypatch):
+    """/tokenize is open without the key where the server has one: 16 keyless large tokenize bodies queued a
+    keyed completion's work behind them (0.8-1.4 s, a review). Tokenize calls take their own thread, and past
+    UTILITY_PENDING in flight they get a 429; a large completion body's work starts at once meanwhile."""
+    from server.api import request_work
+
+    tok, threads = engine.tokenizer, []
+    encode = tok.encode
+    monkeypatch.setattr(tok, "encode", _slowed(encode, threads, delay_s=0.2))
+    app = create_app(engine)
+    body = {"prompt": LARGE, "max_tokens": 1, "truncate_prompt_tokens": 8}
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            flood = [asyncio.ensure_future(c.post("/tokenize", json={"prompt": "word " * 1000}, timeout=60))
+                     for _ in range(request_work.UTILITY_PENDING + 4)]
+            await asyncio.sleep(0.1)
+            monkeypatch.setattr(tok, "encode", encode)  # the completion's own encode is quick
+            start = time.monotonic()
+            completion = await c.post("/v1/completions", json=body, timeout=60)
+            waited = time.monotonic() - start
+            return [r.status_code for r in await asyncio.gather(*flood)], completion.status_code, waited
+
+    statuses, completion, waited = asyncio.run(go())
+    assert sorted(statuses) == [200] * request_work.UTILITY_PENDING + [429] * 4
+    assert completion == 200 and waited < 0.5, waited  # not behind 8 x 0.2 s of tokenize work

@@ -1,7 +1,8 @@
 """POST /tokenize and /detokenize, in vLLM's shapes: text or chat messages -> the ids the server would run,
 and ids -> text. Outside /v1, as in vLLM (the bearer-token check guards /v1/* only).
 
-A body may hold a megabyte of text or a quarter million ids: the tokenizer runs on a worker thread and the
+A body may hold a megabyte of text or a quarter million ids: the tokenizer runs on a worker thread (its own:
+these routes are open without the key, request_work.run_utility_work) and the
 answer is serialised by pydantic's own JSON, not FastAPI's encoder, so the event loop keeps serving the
 streams (a review: one client's large /tokenize bodies made every other stream's TPOT 17x). In process, tiny
 preset, this 2-core box: a 1 MB /tokenize held the loop for its whole 130-350 ms before, its longest pause is
@@ -16,7 +17,7 @@ from server.api.openapi_bodies import request_body
 from server.api.parsing import check_model, parse_body
 from server.api.prompts import chat_prompt_ids, template_variables
 from server.api.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
-from server.api.request_work import run_in_worker
+from server.api.request_work import run_utility_work
 from server.api.sampling import check_token_ids
 
 router = APIRouter()
@@ -30,9 +31,9 @@ async def tokenize(request: Request) -> Response:
     check_model(engine, req.model)
     tok = engine.tokenizer
     if req.prompt is not None:
-        ids = await run_in_worker(tok.encode, req.prompt, add_bos=req.add_special_tokens is not False)
+        ids = await run_utility_work(tok.encode, req.prompt, add_bos=req.add_special_tokens is not False)
     else:
-        ids = await run_in_worker(chat_prompt_ids, tok, req.messages, req.add_generation_prompt,
+        ids = await run_utility_work(chat_prompt_ids, tok, req.messages, req.add_generation_prompt,
                                   req.add_special_tokens,
                                   template_variables(req.chat_template_kwargs, req.tools))
     body = TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
@@ -46,5 +47,5 @@ async def detokenize(request: Request) -> Response:
     check_model(engine, req.model)
     check_token_ids(req.tokens, engine.tokenizer.vocab_size, "tokens")
     # special tokens are kept, as vLLM's /detokenize keeps them: the text tokenizes back to the same ids
-    text = await run_in_worker(engine.tokenizer.decode, req.tokens, skip_special_tokens=False)
+    text = await run_utility_work(engine.tokenizer.decode, req.tokens, skip_special_tokens=False)
     return Response(DetokenizeResponse(prompt=text).model_dump_json(), media_type="application/json")
