@@ -222,6 +222,10 @@ def add_server_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--allowed-origins", type=json_list, default=[],
                    help='origins browsers may call the API from, a JSON list (\'["*"]\': any); default none '
                         '(vLLM allows any)')
+    s.add_argument("--allowed-hosts", type=json_list, default=[],
+                   help='Host names a server on loopback answers besides localhost, a JSON list (\'["*"]\': '
+                        "any): a reverse proxy's public name where it passes on the client's Host; other "
+                        "names are refused against DNS rebinding (a server on other interfaces takes any)")
     s.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and credentials")
     s.add_argument("--allowed-methods", type=json_list, default=["*"], help="CORS: a JSON list of methods")
     s.add_argument("--allowed-headers", type=json_list, default=["*"], help="CORS: a JSON list of headers")
@@ -501,7 +505,8 @@ def serve_api(args: argparse.Namespace, api_server=None, sock=None) -> int:
                          shutdown_timeout_s=args.shutdown_timeout, limits=request_limits(args),
                          cors=CorsPolicy(tuple(args.allowed_origins), args.allow_credentials,
                                          tuple(args.allowed_methods), tuple(args.allowed_headers)),
-                         loopback_only=listens_on_loopback_only(args.host))
+                         loopback_only=listens_on_loopback_only(args.host),
+                         allowed_hosts=tuple(args.allowed_hosts))
         logger.info(startup_line(engine, http_url(args.host, sock.getsockname()[1])))
         if engine.sampling_defaults:  # as vLLM says it: the model's own values replace OpenAI's defaults
             logger.info("sampling defaults from the model's generation_config.json (for fields a request "

@@ -37,6 +37,20 @@ def test_a_loopback_server_refuses_a_rebound_host(engine, path):
     assert call(create_app(engine), "GET", "/v1/models", {"Host": "rebind.example"}).status_code == 200
 
 
+def test_allowed_hosts_add_a_proxys_name(engine):
+    """A reverse proxy on the machine that passes on its public Host (nginx `proxy_set_header Host $host`)
+    names it with --allowed-hosts; "*" turns the check off; the refusal names the flag."""
+    app = create_app(engine, loopback_only=True, allowed_hosts=("api.example.com",))
+    assert call(app, "GET", "/v1/models", {"Host": "API.example.com"}).status_code == 200
+    refused = call(app, "GET", "/v1/models", {"Host": "other.example"})
+    assert refused.status_code == 400 and "--allowed-hosts" in refused.json()["error"]["message"]
+    anyone = create_app(engine, loopback_only=True, allowed_hosts=("*",))
+    assert call(anyone, "GET", "/v1/models", {"Host": "other.example"}).status_code == 200
+    # the page a proxy serves posts from its public origin: the Host or X-Forwarded-Host it passes on
+    page = {**TEXT_PLAIN, "Origin": "https://api.example.com", "X-Forwarded-Host": "api.example.com"}
+    assert call(create_app(engine), "POST", "/v1/completions", page, BODY).status_code == 200
+
+
 def test_only_a_loopback_listener_checks_hosts():
     assert all(map(listens_on_loopback_only, ["127.0.0.1", "localhost", "::1", "127.0.0.2"]))
     assert not any(map(listens_on_loopback_only, ["", "0.0.0.0", "::", "10.0.0.5"]))

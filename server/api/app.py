@@ -28,13 +28,15 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
 def create_app(engine, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
                limits: RequestLimits | None = None, tool_call_parser: str | None = None,
-               cors: CorsPolicy = CorsPolicy(), loopback_only: bool = False) -> FastAPI:
+               cors: CorsPolicy = CorsPolicy(), loopback_only: bool = False,
+               allowed_hosts: tuple[str, ...] = ()) -> FastAPI:
     """The lifespan starts the engine and shuts it down (finishing or aborting in-flight requests).
     Tests that drive the app through httpx's ASGITransport start and stop the engine themselves.
     `tool_call_parser`: the format chat replies write tool calls in (server/api/tool_calls.py); None:
     tool_choice "auto" with tools is refused, as vLLM refuses it without --enable-auto-tool-choice.
     `cors`: the origins browsers may call it from (server/api/cors.py; none by default); `loopback_only`: it
-    listens on loopback alone, so it answers Host names of loopback alone (server/api/browser_guard.py)."""
+    listens on loopback alone, so it answers Host names of loopback and `allowed_hosts` alone
+    (server/api/browser_guard.py)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -67,7 +69,7 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = DEFAULT
         app.add_middleware(BearerAuthMiddleware, api_key=api_key)
     add_cors(app, cors)
     app.add_middleware(BrowserGuardMiddleware, loopback_only=loopback_only,
-                       allowed_origins=cors.allowed_origins)
+                       allowed_origins=cors.allowed_origins, allowed_hosts=allowed_hosts)
     app.add_middleware(CatchAllMiddleware)
     app.add_middleware(RequestIdMiddleware)
     return app

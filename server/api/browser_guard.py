@@ -4,13 +4,14 @@ CORS (cors.py) only stops a page from reading answers, and only where the browse
 ways around it reached a server on the user's own machine (a hostile review):
 - **DNS rebinding**: a site's own name made to resolve to 127.0.0.1 is same-origin with itself, so its page
   reads every answer. A server listening on loopback alone (the default, 127.0.0.1) therefore answers only
-  requests whose Host names loopback (`localhost`, `127.0.0.1`, `::1`, any port); one listening on other
-  interfaces is reached by names it cannot list, and takes any Host.
+  requests whose Host names loopback (`localhost`, `127.0.0.1`, `::1`, any port) or a name --allowed-hosts
+  adds (a reverse proxy on the same machine that passes on its public Host; "*": any), as Jupyter guards
+  its loopback server; one listening on other interfaces is reached by names it cannot list, and takes any.
 - **Simple cross-site requests**: a page's `fetch(url, {method: "POST", mode: "no-cors", body})` goes out
   without a preflight (text/plain), and the body is read as JSON (parsing.py), so it ran completions. A
   request that changes something (not GET, HEAD or OPTIONS) whose `Origin` is neither this server's own (the
-  playground's) nor one --allowed-origins names is refused. Clients outside browsers (curl, SDKs) send no
-  Origin and are not concerned.
+  playground's: its Host, or the X-Forwarded-Host a proxy passes on) nor one --allowed-origins names is
+  refused. Clients outside browsers (curl, SDKs) send no Origin and are not concerned.
 """
 
 from __future__ import annotations
@@ -37,12 +38,15 @@ def host_name(authority: str) -> str:
 
 
 class BrowserGuardMiddleware:
-    """400 for a Host that is not loopback where `loopback_only`; 403 for a cross-site request that changes
-    something from an origin CORS does not allow (`allowed_origins`: --allowed-origins, "*" any)."""
+    """400 for a Host that is neither loopback nor in `allowed_hosts` where `loopback_only`; 403 for a
+    cross-site request that changes something from an origin CORS does not allow (`allowed_origins`:
+    --allowed-origins, "*" any)."""
 
-    def __init__(self, app: ASGIApp, loopback_only: bool, allowed_origins: tuple[str, ...] = ()):
+    def __init__(self, app: ASGIApp, loopback_only: bool, allowed_origins: tuple[str, ...] = (),
+                 allowed_hosts: tuple[str, ...] = ()):
         self.app = app
-        self.loopback_only = loopback_only
+        self.loopback_only = loopback_only and "*" not in allowed_hosts
+        self.hosts = LOOPBACK_HOSTS | {h.lower() for h in allowed_hosts}
         self.any_origin = "*" in allowed_origins
         self.allowed_origins = frozenset(allowed_origins)
 
@@ -57,13 +61,16 @@ class BrowserGuardMiddleware:
     def _refusal(self, scope: Scope) -> APIError | None:
         headers = Headers(scope=scope)
         host = headers.get("host", "")
-        if self.loopback_only and host_name(host) not in LOOPBACK_HOSTS:
-            return APIError(400, f"This server answers requests for localhost only, not for host {host!r}.",
+        if self.loopback_only and host_name(host) not in self.hosts:
+            return APIError(400, f"This server listens on loopback and answers requests for localhost, not "
+                                 f"for host {host!r}: name it with --allowed-hosts (behind a proxy).",
                             code="invalid_host")
         origin = headers.get("origin")
         if origin is None or scope["method"] in SAFE_METHODS or self.any_origin:
             return None
-        if origin in self.allowed_origins or urlsplit(origin).netloc.lower() == host.lower():
+        own = {host.lower(), headers.get("x-forwarded-host", host).lower()}
+        netloc = urlsplit(origin).netloc.lower()  # "" for the opaque origin "null"
+        if origin in self.allowed_origins or (netloc and netloc in own):
             return None
         return APIError(403, f"Requests from the page at {origin!r} are not allowed: --allowed-origins "
                              "names the origins a browser may call this server from.", code="cross_origin")
