@@ -110,7 +110,8 @@ def test_oversized_request_headers_get_431(server, where):
     elif where == "one header":
         head = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * big + b"\r\n\r\n"
     else:
-        head = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-H: aaaaaaaaaaaaaaaa\r\n" * (big // 20) + b"\r\n"
+        head = (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-H: aaaaaaaaaaaaaaaa\r\n" * (big // 20)
+                + b"\r\n")
     s = connect(server)
     try:
         s.sendall(head)
