@@ -98,8 +98,7 @@ class SharedMap:
             self.pending = asyncio.ensure_future(self._read())
         if self.pending is None:
             return self.snapshot
-        pending = self.pending
-        return await asyncio.shield(pending)  # a watcher leaving does not cancel the others' map
+        return await asyncio.shield(self.pending)  # a watcher leaving does not cancel the others' map
 
     async def _read(self) -> dict:
         start = time.monotonic()

@@ -41,10 +41,14 @@ async def run_request_work(request: Request, work: Callable[..., T], *args) -> T
 
 
 async def run_in_worker(work: Callable[..., T], *args, **kwargs) -> T:
-    """work(*args, **kwargs) on one of the request work's threads, in this task's context (as
-    asyncio.to_thread runs it)."""
+    """work(*args, **kwargs) on one of the request work's threads."""
+    return await _run_on(_WORKERS, work, *args, **kwargs)
+
+
+async def _run_on(executor: ThreadPoolExecutor, work: Callable[..., T], *args, **kwargs) -> T:
+    """work(*args, **kwargs) on `executor`, in this task's context (as asyncio.to_thread runs it)."""
     call = functools.partial(contextvars.copy_context().run, work, *args, **kwargs)
-    return await asyncio.get_running_loop().run_in_executor(_WORKERS, call)
+    return await asyncio.get_running_loop().run_in_executor(executor, call)
 
 
 # /tokenize and /detokenize, open without the key where the server has one: a thread of their own and at
@@ -63,7 +67,6 @@ async def run_utility_work(work: Callable[..., T], *args, **kwargs) -> T:
                        code="rate_limit_exceeded", headers={"Retry-After": "1"})
     _utility_calls += 1
     try:
-        call = functools.partial(contextvars.copy_context().run, work, *args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(_UTILITY, call)
+        return await _run_on(_UTILITY, work, *args, **kwargs)
     finally:
         _utility_calls -= 1

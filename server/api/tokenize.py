@@ -34,8 +34,8 @@ async def tokenize(request: Request) -> Response:
         ids = await run_utility_work(tok.encode, req.prompt, add_bos=req.add_special_tokens is not False)
     else:
         ids = await run_utility_work(chat_prompt_ids, tok, req.messages, req.add_generation_prompt,
-                                  req.add_special_tokens,
-                                  template_variables(req.chat_template_kwargs, req.tools))
+                                     req.add_special_tokens,
+                                     template_variables(req.chat_template_kwargs, req.tools))
     body = TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
     return Response(body.model_dump_json(), media_type="application/json")
 

@@ -195,9 +195,8 @@ def warm_up_attention(kv: KVCacheTensors, sliding_window: int | None, max_num_se
             kernels.paged_decode_attention(_q_heads(new.qkv, num_q_heads, d), k_cache, v_cache, tables, lens,
                                            sliding_window=sliding_window, num_splits=splits,
                                            workspace=workspace, new_tokens=new)
-            err = rope_in_decode_error(new_tokens(batch), k_cache, max_blocks, num_q_heads, splits,
-                                       sliding_window, workspace)
-            worst = err if not err <= worst else worst  # a NaN stays (max() keeps whichever comes first)
+            worst = max(worst, rope_in_decode_error(new_tokens(batch), k_cache, max_blocks, num_q_heads,
+                                                    splits, sliding_window, workspace))  # NaN-free: inf
     if not worst <= ROPE_IN_DECODE_TOLERANCE:
         _ROPE_IN_DECODE_REFUSED.add(device)
         logger.warning("the decode launch that rotates and stores its new tokens is %.2g off the RoPE + "

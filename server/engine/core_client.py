@@ -331,9 +331,9 @@ class ProcessCoreClient(_SocketCoreClient):
             self._release()
             raise
 
-
     def core_cpu_seconds(self) -> float | None:
         return cpu_seconds(f"/proc/{self.process.pid}/stat")
+
     def _death_fd(self) -> int:
         return self.process.sentinel
 

@@ -122,7 +122,7 @@ def model_config(name_or_path: str) -> ModelConfig:
         raise FileNotFoundError(
             f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
     return ModelConfig.from_hf(read_json_object(path / "config.json", required=True),
-                              name=path.resolve().name)  # `serve .` is its directory's name (a review)
+                               name=path.resolve().name)  # `serve .` is its directory's name (a review)
 
 
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # "org/name", as the Hub spells model ids
@@ -168,7 +168,7 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
                 pending.discard((name, shard))
     if dropped:
         log.warning("%d bias tensors that %s never applies are not loaded (as transformers ignores them), "
-                       "e.g. %s", len(dropped), model.config.architecture, dropped[0])
+                    "e.g. %s", len(dropped), model.config.architecture, dropped[0])
     if tied_head is not None:
         _check_tied_head(params[TIED_EMBEDDING], tied_head, (TIED_EMBEDDING, None) in pending)
         pending.discard((TIED_EMBEDDING, None))
