@@ -2,7 +2,9 @@
 
 What it runs, in order, each beside the memory roofline computed from the copy bandwidth measured here:
 1. copy bandwidth (a 1 GiB device-to-device copy) -> roofline of a decode step at batch B with ~576-token
-   contexts: (weights + KV bytes read) / bandwidth, as output tokens/s;
+   contexts: (weights + KV bytes read) / bandwidth, as output tokens/s; and cuBLAS's rate at the prompt
+   steps' largest product -> each level's workload bounds (tools/workload_bound.py: the prompts' FLOPs
+   counted too), "serial" (prompt steps, then decode steps) and "overlap" (every byte and FLOP overlapped);
 2. `pagewalk serve --model bench` (bf16, block 16, --max-num-seqs 256 --max-num-batched-tokens 8192) under
    the project's loadtest: 512 prompt / 128 output tokens, greedy, ignore_eos, streaming, concurrency
    1/16/64/256 (32 requests at 1, 256 at the others), plus sampled decoding (temperature 0.8,
@@ -40,6 +42,14 @@ import torch
 from tools.kernel_bench import gpu_tag
 from tools.server_load import CpuSampler
 from tools.server_wait import ServerNotHealthy, wait_healthy
+from tools.workload_bound import (
+    Device,
+    Workload,
+    kv_bytes_per_token,
+    overlap_bound_tok_s,
+    serial_bound_tok_s,
+    weight_bytes,
+)
 
 PORT = 8011
 URL = f"http://127.0.0.1:{PORT}"
@@ -57,18 +67,39 @@ def copy_tbps() -> float:
     return 2 * n / (ms * 1e-3) / 1e12
 
 
-def model_bytes() -> tuple[int, int]:
-    """(bytes of weights one decode step reads, KV bytes per token) of the `bench` preset in bf16: every
-    linear layer's weight and the lm_head (tied to the embedding, read whole once per step)."""
+def gemm_tflops(tokens: int = 8192) -> float:
+    """cuBLAS's bf16 rate (TFLOP/s) at the prompt steps' largest product: `tokens` rows of the bench
+    preset's hidden size times its gate_up weight (2 x intermediate rows)."""
+    from triton.testing import do_bench
+
     from server.model.config import preset
     c = preset("bench")
-    qkv = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    o = c.num_heads * c.head_dim * c.hidden_size
-    mlp = 3 * c.hidden_size * c.intermediate_size
-    layer = qkv + o + mlp + 2 * c.hidden_size
-    weights = 2 * (c.num_layers * layer + c.vocab_size * c.hidden_size + c.hidden_size)
-    kv_per_token = 2 * c.num_layers * 2 * c.num_kv_heads * c.head_dim
-    return weights, kv_per_token
+    x = torch.randn(tokens, c.hidden_size, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2 * c.intermediate_size, c.hidden_size, device="cuda", dtype=torch.bfloat16)
+    ms = do_bench(lambda: torch.nn.functional.linear(x, w), warmup=25, rep=200, return_mode="median")
+    return 2 * tokens * c.hidden_size * w.shape[0] / (ms * 1e-3) / 1e12
+
+
+def bounds_tok_s(res: dict, concurrency: int, num_requests: int, hit_rate: float | None = None,
+                 budget: int = 8192) -> tuple[float, float] | None:
+    """(serial, overlap) workload bounds of a level in output tokens/s (tools/workload_bound.py), from the
+    copy bandwidth and GEMM rate measured in the run; a prefix-cache hit rate leaves that share of each
+    prompt uncomputed (at least its last token runs). None for a run without a measured GEMM rate."""
+    if not res.get("gemm_TFLOPs"):
+        return None
+    from server.model.config import preset
+    cfg = preset("bench")
+    computed = None if not hit_rate else max(1, round(IN_LEN * (1 - hit_rate)))
+    w = Workload(num_requests, concurrency, IN_LEN, OUT_LEN, computed, budget)
+    dev = Device(res["copy_TBps"] * 1e12, res["gemm_TFLOPs"] * 1e12)
+    return serial_bound_tok_s(cfg, w, dev), overlap_bound_tok_s(cfg, w, dev)
+
+
+def model_bytes() -> tuple[int, int]:
+    """(bytes of weights one decode step reads, KV bytes per token) of the `bench` preset in bf16."""
+    from server.model.config import preset
+    c = preset("bench")
+    return weight_bytes(c), kv_bytes_per_token(c)
 
 
 def roofline_tok_s(batch: int, tbps: float, ctx: int = IN_LEN + OUT_LEN // 2) -> float:
@@ -235,20 +266,33 @@ def _f(x, spec=",.0f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _bounds(bound: tuple[float, float] | None) -> str:
+    return "-" if bound is None else f"{bound[0]:,.0f} / {bound[1]:,.0f}"
+
+
 def table(res: dict) -> str:
     tbps = res["copy_TBps"]
     hf_tok_s = (res.get("hf") or {}).get("output_throughput")
+    gemm = res.get("gemm_TFLOPs")
     lines = [f"{res['gpu']}, torch {res['torch']}, triton {res['triton']}; copy {tbps:.2f} TB/s; "
+             f"cuBLAS bf16 GEMM {_f(gemm, '.0f')} TFLOP/s; "
              f"HF static generate batch {HF_BATCH}: {_f(hf_tok_s)} tok/s", "",
-             "| HTTP run | out tok/s | roofline tok/s | of roofline | TPOT p50 ms | TTFT p50 ms "
-             "| client CPU | API CPU | core CPU | prefix hits |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| HTTP run | out tok/s | roofline tok/s | of roofline | bound tok/s serial / overlap "
+             "| of serial bound | TPOT p50 ms | TTFT p50 ms | client CPU | API CPU | core CPU "
+             "| prefix hits |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, rep in res["serving"]["reports"].items():
         c = int(name[1:].split("_")[0])
         roof = roofline_tok_s(c, tbps)
         thr = rep.get("output_throughput") if rep else None
         cpu = (rep or {}).get("server_cpu") or {}
+        n = ((rep or {}).get("config") or {}).get("num_requests")
+        budget = re.search(r"_b(\d+)", name)
+        bound = (bounds_tok_s(res, c, n, _hit_rate(rep),
+                              int(budget.group(1)) if budget else res["serving"].get("budgets", [8192])[0])
+                 if n else None)
         lines.append(f"| {name} | {_f(thr)} | {_f(roof)} | {_f(thr / roof if thr else None, '.0%')} | "
+                     f"{_bounds(bound)} | {_f(thr / bound[0] if thr and bound else None, '.0%')} | "
                      f"{_f(_pct(rep, 'tpot_ms'), '.2f')} | {_f(_pct(rep, 'ttft_ms'), '.0f')} | "
                      f"{_f((rep or {}).get('client_busy_max'), '.0%')} | {_f(cpu.get('api'), '.0%')} | "
                      f"{_f(cpu.get('core'), '.0%')} | "
@@ -265,9 +309,10 @@ def table(res: dict) -> str:
                      f"{_f(row.get('replay_ms'), '.3f')} | {_f(row.get('host_ms'), '.3f')} |")
     loops = (res.get("engine") or {}).get("closed_loop", [])
     if loops:
-        lines += ["", "| same workload | engine, no HTTP, tok/s | HTTP tok/s | HTTP / engine "
-                  "| engine steps (with prompt tokens) | HTTP steps (with prompt tokens) | HTTP handoff ms |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["", "| same workload | engine, no HTTP, tok/s | engine of serial bound | HTTP tok/s "
+                  "| HTTP / engine | engine steps (with prompt tokens) | HTTP steps (with prompt tokens) "
+                  "| HTTP handoff ms |",
+                  "|---|---|---|---|---|---|---|---|"]
     for r in loops:
         name = (f"c{r['concurrency']}" + ("_long" if r["num_requests"] > 256 else "")
                 + ("_cached" if r.get("cached") else "") + ("_sampled" if r.get("sampled") else ""))
@@ -280,7 +325,11 @@ def table(res: dict) -> str:
         engine_steps = f"{prompt + kinds.get('decode_only', {}).get('steps', 0)} ({prompt})" if kinds else "-"
         http_steps = (f"{_f(rep['server_steps'])} ({_f(rep.get('server_prompt_steps'))})"
                       if rep.get("server_steps") else "-")
-        lines.append(f"| {what} | {_f(r['tok_s'])} | "
+        # a cached loop's prompts hit as its HTTP twin's did (no twin: no bound)
+        hits = _hit_rate(rep) if r.get("cached") else None
+        bound = None if r.get("cached") and hits is None else bounds_tok_s(
+            res, r["concurrency"], r["num_requests"], hits)
+        lines.append(f"| {what} | {_f(r['tok_s'])} | {_f(r['tok_s'] / bound[0] if bound else None, '.0%')} | "
                      f"{_f(thr)} | {_f(thr / r['tok_s'] if thr else None, '.0%')} | {engine_steps} | "
                      f"{http_steps} | {_f(rep.get('server_handoff_ms'), '.2f')} |")
     return "\n".join(lines)
@@ -306,7 +355,12 @@ def plot(res: dict, path: Path) -> None:
         points.sort()
         ax.plot([c for c, _ in points], [t for _, t in points], marker="o", label=f"HTTP {kind}")
     levels = sorted({c for points in series.values() for c, _ in points})
-    ax.plot(levels, [roofline_tok_s(c, res["copy_TBps"]) for c in levels], "k--", label="memory roofline")
+    ax.plot(levels, [roofline_tok_s(c, res["copy_TBps"]) for c in levels], "k--",
+            label="memory roofline of a decode step")
+    if res.get("gemm_TFLOPs"):
+        n = res["workload"]["num_requests"]
+        ax.plot(levels, [bounds_tok_s(res, c, 32 if c == 1 else n)[0] for c in levels], "k:",
+                label="workload bound, prompt steps then decode steps")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("concurrency")
@@ -341,7 +395,7 @@ def main(argv=None) -> None:
     skip = set(filter(None, args.skip.split(",")))
     import triton
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "copy_TBps": copy_tbps(),
+           "copy_TBps": copy_tbps(), "gemm_TFLOPs": gemm_tflops(),
            "workload": {"input_len": IN_LEN, "output_len": OUT_LEN, "levels": args.levels,
                         "num_requests": args.num_requests},
            "model_bytes": dict(zip(("weights", "kv_per_token"), model_bytes(), strict=True))}
