@@ -241,6 +241,31 @@ def test_a_context_ending_inside_a_character_leaves_it_to_the_completion():
     assert "".join([detok.push(b("b")), detok.flush()]) == "b"
 
 
+def test_a_byte_run_made_invalid_by_a_later_byte_streams_what_the_whole_decode_adds(sp_tok):
+    """ByteFallback reads C3 A9 as 'é' but C3 A9 FF as three U+FFFD: the stream held the run until a
+    non-byte id ended it, so it does not read 'é' then two U+FFFD (a review)."""
+    t = sp_tok._tok.token_to_id
+    prompt, ids = sp_tok.encode("The"), [t("<0xC3>"), t("<0xA9>"), t("<0xFF>"), t("▁fox")]
+    detok = detokenizer_for(sp_tok, prompt)
+    deltas = [detok.push(i) for i in ids]
+    assert deltas == ["", "", "", "\ufffd\ufffd\ufffd fox"]
+    assert "".join(deltas) + detok.flush() == completion(sp_tok, prompt, ids)
+    assert sp_tok.byte_fallback_ids == {t(f"<0x{b:02X}>") for b in range(256)}
+    assert HFTokenizer(byte_bpe_tokenizer()).byte_fallback_ids == frozenset()  # byte-level: no runs
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.one_of(st.integers(0x00, 0xFF).map(lambda b: f"<0x{b:02X}>"),
+                          st.sampled_from(["▁fox", "▁the", "e", "é"])), max_size=12))
+def test_any_mix_of_byte_and_word_ids_streams_what_the_whole_decode_adds(sp_tok, pieces):
+    ids = [sp_tok._tok.token_to_id(p) for p in pieces]
+    ids = [i for i in ids if i is not None]
+    prompt = sp_tok.encode("The")
+    detok = detokenizer_for(sp_tok, prompt)
+    deltas = [detok.push(i) for i in ids]
+    assert "".join(deltas) + detok.flush() == completion(sp_tok, prompt, ids).rstrip("\ufffd")
+
+
 def test_token_text_is_what_a_token_adds_after_other_text(sp_tok, hf_tok):
     the = sp_tok.encode("the", add_bos=False)[0]  # '▁the' (or '▁t'): a word's first piece
     assert sp_tok.token_text(the).startswith(" t") and sp_tok.decode([the]).startswith("t")

@@ -11,7 +11,10 @@ would lose it. Concatenating every delta and `flush()` gives exactly
 `decode(context + ids, skip)[len(decode(context, skip)):]` (with no context: `decode(ids, skip)`), `skip`
 being the stream's `skip_special_tokens` (False: special tokens are spelled, e.g. `<|start_header_id|>`),
 less the U+FFFD that ends it, if any (the window cannot tell a decoded U+FFFD from an incomplete character);
-a context that ends inside a character leaves that character to the completion that completes it.
+a context that ends inside a character leaves that character to the completion that completes it. A
+ByteFallback decoder (Llama-2, Mistral) reads a run of <0xHH> ids as one UTF-8 string, or as one U+FFFD a
+byte if any of it is invalid: a later byte can rewrite what the run's first bytes gave ('é' from C3 A9 turns
+into three U+FFFD once FF follows), so a run is held until an id that is not a byte ends it.
 
 A tokenizer whose ids are bytes (ByteTokenizer, the presets') has a cheaper exact way: `token_bytes` maps each
 id to its bytes and the stdlib's incremental UTF-8 decoder holds an incomplete character until it completes,
@@ -45,10 +48,14 @@ class IncrementalDetokenizer:
         # a context that ends inside a character (a reply cut there, continued from its ids): the ids of that
         # character are the completion's, which completes it (it was lost before: a review)
         self.read_offset -= _unfinished_ids(tokenizer, self.ids)
+        self.byte_ids: frozenset[int] = getattr(tokenizer, "byte_fallback_ids", frozenset())
 
     def push(self, token_id: int) -> str:
-        """Add one id; return the new text it completes ("" while a character is still incomplete)."""
+        """Add one id; return the new text it completes ("" while a character is still incomplete, or a run
+        of byte-fallback ids still open)."""
         self.ids.append(token_id)
+        if token_id in self.byte_ids:
+            return ""
         return self._delta(final=False)
 
     def flush(self) -> str:

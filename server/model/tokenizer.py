@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -117,7 +118,6 @@ class HFTokenizer:
         self.chat_template = chat_template
         anchor = tokenizer.encode("a", add_special_tokens=False).ids  # token_text's plain left neighbour
         self._anchor: tuple[int, str] | None = (anchor[-1], tokenizer.decode(anchor[-1:])) if anchor else None
-        self._byte_level: bool | None = None  # bytes_of's: found on first use (it reads the whole json)
 
     def to_json(self) -> str:
         """The tokenizer.json text (`tokenizers`' own serialisation): what llguidance reads."""
@@ -197,11 +197,23 @@ class HFTokenizer:
 
     def _is_byte_level(self) -> bool:
         """Whether the decoder maps pieces through GPT-2's byte-to-character table (Llama-3, Qwen2)."""
-        if self._byte_level is None:
-            decoder = json.loads(self._tok.to_str()).get("decoder") or {}
-            kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders") or []]
-            self._byte_level = "ByteLevel" in kinds
-        return self._byte_level
+        return "ByteLevel" in self._decoder_kinds
+
+    @functools.cached_property
+    def _decoder_kinds(self) -> frozenset[str]:
+        """The decoder's type and its sequence's (found on first use: it reads the whole json)."""
+        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        return frozenset([decoder.get("type")] + [d.get("type") for d in decoder.get("decoders") or []])
+
+    @functools.cached_property
+    def byte_fallback_ids(self) -> frozenset[int]:
+        """The <0xHH> ids where the decoder is ByteFallback (Llama-2, Mistral): it decodes a run of them as
+        UTF-8 as a whole, or as one U+FFFD a byte if any of it is invalid, so a later byte of a run can
+        rewrite the text of its earlier ones (the detokenizer holds a run until it ends). Empty otherwise."""
+        if "ByteFallback" not in self._decoder_kinds:
+            return frozenset()
+        vocab = self._tok.get_vocab(with_added_tokens=False)
+        return frozenset(i for piece, i in vocab.items() if _BYTE_PIECE.fullmatch(piece))
 
     @functools.cached_property
     def added_tokens(self) -> dict[str, int]:
@@ -229,6 +241,9 @@ class HFTokenizer:
                        variables: dict | None = None) -> list[int]:
         text = self.apply_chat_template(messages, add_generation_prompt, variables)
         return self.encode(text, add_bos=False)
+
+
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a piece the ByteFallback decoder reads as its byte
 
 
 @functools.cache
