@@ -97,6 +97,8 @@ def _build(param: str, build: Builder, literals: Literals) -> Grammar:
         text = build(literals)
     except ValueError as e:  # JSON text that does not parse, GBNF that does not convert
         raise APIError(400, f"Invalid '{param}': {e}", param, "invalid_grammar") from None
+    except RecursionError:
+        raise _too_deep(param) from None
     if len(text) > MAX_GRAMMAR_CHARS:
         raise APIError(400, f"Invalid '{param}': the grammar has {len(text)} characters, more than "
                             f"{MAX_GRAMMAR_CHARS}.", param, "invalid_grammar")
@@ -165,9 +167,13 @@ class GrammarChecks:
         if self.pending >= limit:
             raise APIError(429, f"{limit} structured outputs are being checked; retry later.", param,
                            "too_many_grammar_checks", {"Retry-After": str(RETRY_AFTER_S)})
+        try:
+            chars = _source_chars(build)
+        except (RecursionError, ValueError):  # json.dumps's stack, pydantic's serialisation depth limit
+            raise _too_deep(param) from None
         self.pending += 1
         try:
-            pool = self.small_pool if _source_chars(build) <= core_grammar.SMALL_GRAMMAR_CHARS else self.pool
+            pool = self.small_pool if chars <= core_grammar.SMALL_GRAMMAR_CHARS else self.pool
             work = asyncio.get_running_loop().run_in_executor(pool, _checked, param, build, tokenizer, salt)
             return await unless_disconnected(request, work, stopping)
         except ClientDisconnected:
@@ -188,6 +194,12 @@ def _source_chars(build: Builder) -> int:
         else:
             chars += len(json.dumps(arg, default=str))
     return chars
+
+
+def _too_deep(param: str) -> APIError:
+    """A source nested past what Python serialises or walks (~1,000 levels; the body parser takes them): a
+    500 before (a review)."""
+    return APIError(400, f"Invalid '{param}': it nests too deeply.", param, "invalid_grammar")
 
 
 def pending_limit(engine) -> int:
