@@ -157,3 +157,14 @@ def test_echo_offsets_run_on_from_the_prompts_token_strings(app, checkpoint, str
         offsets = echo_offsets(app, {**CMPL, **prompt, "echo": True, "logprobs": 0, "max_tokens": 3,
                                      "stream": stream})
         assert offsets == sorted(offsets) and len(offsets) >= 5, (prompt, offsets)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_eos_that_ends_a_choice_is_spelled_only_as_a_kept_stop(app, stream):
+    """README: the ending EOS is spelled with include_stop_str_in_output (the stop token kept, as vLLM's),
+    with skip_special_tokens false; never otherwise (a review found the README saying never)."""
+    body = {**CMPL, "stream": stream, "skip_special_tokens": False}
+    assert not completion_text(app, body).endswith("</s>")
+    assert completion_text(app, {**body, "include_stop_str_in_output": True}) == SPELLED + "</s>"
+    assert completion_text(app, {**body, "include_stop_str_in_output": True, "skip_special_tokens": True}) \
+        == SKIPPED

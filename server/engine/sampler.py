@@ -11,8 +11,12 @@ Penalties read per-row output-token counts and a prompt-token mask on the device
 Two draws with one semantics: on CUDA a sampled step is one Triton launch (kernels/sampling.py: rejection
 with a rising pivot, no sort of the vocabulary, greedy rows' argmax included); on CPU (and where the kernel is
 turned off, e.g. as a benchmark baseline) the torch path below, which sorts the rows that use top-k / top-p.
-Both keep every token tied with the k-th of top-k (as vLLM's); they differ in ties at the top-p threshold (the
-kernel keeps all of them) and in which token a given uniform picks.
+Both keep every token tied with the k-th of top-k (as vLLM's), but for one case of the CUDA path: a row
+whose top_k is at most COMPACT_TOP_K draws from its COMPACT_TOP_K best tokens, so where the tokens tied with
+its k-th value reach past those (more than COMPACT_TOP_K - k + 1 of them), torch.topk keeps an arbitrary
+subset of the tie (a review; each of them is as likely as the k-th token, the least likely one kept). They
+differ in ties at the top-p threshold (the kernel keeps all of them) and in which token a given uniform
+picks.
 """
 
 from __future__ import annotations
@@ -294,7 +298,8 @@ class Sampler:
     def _sample_best(self, logits: torch.Tensor, floats: torch.Tensor, ints: torch.Tensor,
                      compact: torch.Tensor) -> torch.Tensor:
         """The kernel's draw for the compact samples (K,), over their COMPACT_TOP_K best tokens -> (K,) ids.
-        Same semantics as over the whole row (top-k, top-p over it, min-p): the kept tokens are among them."""
+        Same semantics as over the whole row (top-k, top-p over it, min-p): the kept tokens are among them,
+        but for ties at the k-th value that reach past them (the module's docstring)."""
         values, ids = _best_tokens(logits.index_select(0, compact), COMPACT_TOP_K)  # (K, C)
         f, i = floats.index_select(0, compact), ints.index_select(0, compact)
         picked = self._sample_logits(values, f[:, 0], f[:, 1], f[:, 2], i[:, 0], i[:, 1], i[:, 2],
