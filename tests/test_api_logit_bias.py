@@ -225,3 +225,28 @@ def test_bad_words_encode_bare_and_after_a_space():
     tok = ByteTokenizer()
     ids = bad_words_ids(tok, ["  ab", "ab", "\n"])
     assert ids == [tok.encode(t, add_bos=False) for t in ("ab", " ab", "\n", " \n")]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("fields", [
+    {"structured_outputs": {"regex": "[ab]"}, "bad_words": ["a", "b"]},
+    {"structured_outputs": {"choice": ["yes", "no"]}, "bad_words": ["yes", "no"]},
+    {"allowed_token_ids": [A, A + 1], "bad_words": ["a", "b"]},
+])
+def test_bad_words_that_ban_every_token_left_are_a_400(app, fields, stream):
+    """A banned token is drawn only where the grammar or allowed_token_ids leave no other: the request fails
+    with a 400 naming bad_words (its reply was a banned word with finish_reason "stop": a review). Streamed,
+    the error comes as the stream's error event."""
+    body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stream": stream, **fields}
+    r = post(app, "/v1/completions", body)
+    if not stream:
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+    else:
+        events = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        error = next(e["error"] for e in events if "error" in e)
+    assert error["code"] == "bad_words_conflict" and error["param"] == "bad_words", error
+    assert "ban every token" in error["message"]
+    allowed = {k: v for k, v in fields.items() if k != "bad_words"}
+    assert complete(app, **allowed, bad_words=["zz"])["choices"][0]["finish_reason"] in ("stop", "length")

@@ -21,7 +21,7 @@ from server.api.async_engine import RequestRejected
 from server.api.errors import APIError
 from server.api.outputs import ChoiceDelta, RequestOutput, TokenLogprob
 from server.api.protocol import Usage
-from server.engine.outputs import STRUCTURED_OUTPUT_FAILED
+from server.engine.outputs import BAD_WORDS_CONFLICT, STRUCTURED_OUTPUT_FAILED
 from server.engine.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -239,4 +239,7 @@ def engine_error(out: RequestOutput) -> APIError:
     if out.error_kind == STRUCTURED_OUTPUT_FAILED:
         return APIError(400, f"The structured output failed this request: {out.error}",
                         code="structured_output_failed")
+    if out.error_kind == BAD_WORDS_CONFLICT:
+        return APIError(400, f"This request's constraints conflict: {out.error}", "bad_words",
+                        "bad_words_conflict")
     return APIError(500, f"The engine failed this request: {out.error}", code="engine_error")

@@ -9,7 +9,8 @@ with no host sync:
 - recent (R, L - 1) int64: each row's last L - 1 sampled tokens, the latest in the last column, NONE where it
   has sampled fewer.
 A step compares the two for its rows and moves each banned token to HOLD_BACK: finite, so a row whose every
-allowed token completes a bad word (a grammar or allowed_token_ids that leave no other) still draws one.
+allowed token completes a bad word (a grammar or allowed_token_ids that leave no other) still draws one, and
+the core then fails its request (core.BadWordsConflict: a 400), its constraints being in conflict.
 The tables grow (B words, L tokens) when a new row needs more; a row that takes a slot writes its words and
 its recent tokens from the host (after a preemption it has sampled some already).
 """

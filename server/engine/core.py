@@ -36,6 +36,7 @@ from kvcache.snapshot import block_map
 from server.engine import grammar
 from server.engine.grammar import GrammarError, Grammars, TokenMask, too_costly
 from server.engine.outputs import (
+    BAD_WORDS_CONFLICT,
     STRUCTURED_OUTPUT_FAILED,
     CoreStats,
     EngineRequest,
@@ -371,6 +372,9 @@ class EngineCore:
                 logger.warning("request %s failed: %s", seq.request_id, e)
                 failed[seq.request_id] = _describe(e), STRUCTURED_OUTPUT_FAILED
                 self.grammars.forget(seq.params.grammar, seq.params.cache_salt)
+            except BadWordsConflict as e:
+                logger.warning("request %s failed: %s", seq.request_id, e)
+                failed[seq.request_id] = str(e), BAD_WORDS_CONFLICT
             except Exception as e:  # this request only
                 logger.exception("request %s failed", seq.request_id)
                 failed[seq.request_id] = _describe(e), None
@@ -386,6 +390,8 @@ class EngineCore:
         logprobs = [self._logprobs(seq, samples, r)] \
             if samples.logprobs is not None and p.logprobs is not None else None
         num_output = len(token_ids) - len(seq.prompt_token_ids)
+        if p.bad_words_ids:
+            _check_bad_words(p, token_ids, num_output)
         reason, stop_token = None, None
         complete = seq.matcher is not None and self._accept(seq, token)
         if token in self.eos_token_ids and not p.ignore_eos:  # first, as vLLM: EOS has no stop_reason
@@ -423,6 +429,22 @@ def _check_prompt(token_ids: list[int], vocab_size: int) -> None:
     bad = bad_token_ids(token_ids, vocab_size, numbers.Integral)
     if bad:
         raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}), got {bad[0]!r}")
+
+
+class BadWordsConflict(Exception):
+    """A choice completed one of its bad_words: the sampler draws a banned token (HOLD_BACK, finite) only
+    where nothing else is left (bad_words.py), so its other constraints and its bad words cannot both hold
+    (a reply of a banned word with finish_reason "stop" before: a review)."""
+
+
+def _check_bad_words(p: SamplingParams, token_ids: list[int], num_output: int) -> None:
+    """BadWordsConflict where the output's last tokens (sampled ones only, vLLM's rule) are a bad word."""
+    for word in p.bad_words_by_last.get(token_ids[-1], ()):
+        if len(word) <= num_output and token_ids[len(token_ids) - len(word):] == word:
+            left = ("its structured output" if p.grammar is not None else
+                    "allowed_token_ids" if p.allowed_token_ids is not None else "the model")
+            raise BadWordsConflict(f"bad_words ban every token {left} leaves at output token {num_output} "
+                                   f"(it completed the bad word of token ids {word})")
 
 
 def _describe(e: BaseException) -> str:

@@ -12,6 +12,7 @@ import msgspec
 from server.engine.sampling_params import SamplingParams
 
 STRUCTURED_OUTPUT_FAILED = "structured_output"  # SeqUpdate.error_kind
+BAD_WORDS_CONFLICT = "bad_words"  # SeqUpdate.error_kind: bad_words left nothing else to draw
 
 # one new token's logprob and the top-k (token id, logprob) pairs, best first
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
@@ -51,8 +52,9 @@ class SeqUpdate(msgspec.Struct, array_like=True, gc=False):
     # on a choice's first update: time.monotonic() when the core took the request in (between its steps)
     received_time: float | None = None
     # finish "error" caused by the request itself, not the engine: STRUCTURED_OUTPUT_FAILED (its grammar does
-    # not compile in the core, holds every step too long, or allows no token the model can draw). The API
-    # answers it with a 400, which clients do not retry; None: the engine's failure, a 500
+    # not compile in the core, holds every step too long, or allows no token the model can draw) or
+    # BAD_WORDS_CONFLICT (its bad_words ban every token its grammar, allowed_token_ids or the model leave).
+    # The API answers it with a 400, which clients do not retry; None: the engine's failure, a 500
     error_kind: str | None = None
 
 

@@ -84,6 +84,14 @@ class SamplingParams:
 
         return word_entries(self.bad_words_ids)
 
+    @functools.cached_property
+    def bad_words_by_last(self) -> dict[int, list[list[int]]]:
+        """bad_words_ids by their last token: the core's check of each sampled token, computed once."""
+        words: dict[int, list[list[int]]] = {}
+        for word in self.bad_words_ids:
+            words.setdefault(word[-1], []).append(word)
+        return words
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
