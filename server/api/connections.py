@@ -107,6 +107,16 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._cancel_timers()
         super().connection_lost(exc)
 
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if (self.header_timer is None and self.body_timer is None and not self.pipeline
+                and (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing()):
+            # bytes that began no request (llhttp skips the CRLFs between requests) cancelled uvicorn's
+            # keep-alive timer: the next request's header deadline runs from them (one bare CRLF after a
+            # response held a connection slot forever: a review)
+            self.awaiting_headers, self.header_bytes = True, 0
+            self._arm_header_timer()
+
     # ---- parser callbacks: the header deadline and size bound -----------------------------------
     def on_message_begin(self) -> None:
         if len(self.pipeline) >= MAX_PIPELINED:
