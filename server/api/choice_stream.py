@@ -31,7 +31,8 @@ class ChoiceStream:
         # choice has no text (detokenize false), its deltas carry ids alone
         self.detokenizer = (detokenizer_for(tokenizer, prompt_token_ids, params.skip_special_tokens)
                             if params.detokenize else None)
-        self.stops = StopStrings(params.stop, params.include_stop_str_in_output) if params.stop else None
+        self.stops = (StopStrings(params.stop, params.include_stop_str_in_output, params.cache_salt)
+                      if params.stop else None)
         self.min_tokens = params.min_tokens  # stop strings count in the tokens after this many
         self.stop_text_kept = params.include_stop_str_in_output  # a stop token's text too
         # a structured output's EOS ids: its "stop" may come on a content token (the grammar complete)
