@@ -226,6 +226,10 @@ def add_server_flags(s: argparse.ArgumentParser) -> None:
                    help='Host names a server on loopback answers besides localhost, a JSON list (\'["*"]\': '
                         "any): a reverse proxy's public name where it passes on the client's Host; other "
                         "names are refused against DNS rebinding (a server on other interfaces takes any)")
+    s.add_argument("--debug-endpoints", action=argparse.BooleanOptionalAction, default=None,
+                   help="serve /debug/kvcache (the playground's live KV block map: every client's request "
+                        "names, lengths and shared prefixes); default on for a server on loopback only, "
+                        "off for one on other interfaces")
     s.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and credentials")
     s.add_argument("--allowed-methods", type=json_list, default=["*"], help="CORS: a JSON list of methods")
     s.add_argument("--allowed-headers", type=json_list, default=["*"], help="CORS: a JSON list of headers")
@@ -456,6 +460,15 @@ def run_api_server(args: argparse.Namespace, api_server, sock) -> None:
     exit_now(code)
 
 
+def debug_endpoints(args: argparse.Namespace) -> bool:
+    """--debug-endpoints, or by default whether the server listens on loopback alone: the block map names
+    every client's requests and shows which share prefixes (across cache salts: a review), for the operator
+    of a local server, not the clients of a shared one."""
+    from server.api.browser_guard import listens_on_loopback_only
+
+    return listens_on_loopback_only(args.host) if args.debug_endpoints is None else args.debug_endpoints
+
+
 def serve_api(args: argparse.Namespace, api_server=None, sock=None) -> int:
     """One API process: its own engine core, or (`api_server`) the supervisor's, on `sock` if given."""
     import uvicorn
@@ -506,14 +519,15 @@ def serve_api(args: argparse.Namespace, api_server=None, sock=None) -> int:
                          cors=CorsPolicy(tuple(args.allowed_origins), args.allow_credentials,
                                          tuple(args.allowed_methods), tuple(args.allowed_headers)),
                          loopback_only=listens_on_loopback_only(args.host),
-                         allowed_hosts=tuple(args.allowed_hosts))
+                         allowed_hosts=tuple(args.allowed_hosts), debug_endpoints=debug_endpoints(args))
         logger.info(startup_line(engine, http_url(args.host, sock.getsockname()[1])))
         if engine.sampling_defaults:  # as vLLM says it: the model's own values replace OpenAI's defaults
             logger.info("sampling defaults from the model's generation_config.json (for fields a request "
                         "leaves out): %s", ", ".join(f"{k}={v}" for k, v in engine.sampling_defaults.items()))
-        logger.info("prefix caching %s; bearer-token auth on /v1/* %s; tool calls %s",
+        logger.info("prefix caching %s; bearer-token auth on /v1/* %s; tool calls %s; debug endpoints %s",
                     "on" if args.enable_prefix_caching else "off", "required" if args.api_key else "off",
-                    f"parsed ({args.tool_call_parser})" if args.enable_auto_tool_choice else "off")
+                    f"parsed ({args.tool_call_parser})" if args.enable_auto_tool_choice else "off",
+                    "on" if debug_endpoints(args) else "off")
         # the engine has drained (or aborted what was left) before uvicorn's own graceful shutdown starts,
         # and GuardedHttpProtocol drops clients that are not reading: what remains finishes in a second or
         # is cut

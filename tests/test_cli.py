@@ -7,7 +7,7 @@ import argparse
 import pytest
 import torch
 
-from server.cli import build_parser, engine_config, main, parse_serve_args
+from server.cli import build_parser, debug_endpoints, engine_config, main, parse_serve_args
 from server.model.loader import resolve_dtype
 
 
@@ -226,3 +226,12 @@ def test_the_open_file_limit_is_raised_to_the_hard_one(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="pagewalk"):
         raise_open_file_limit(1024)
     assert "below --max-connections 1024" in caplog.text
+
+
+@pytest.mark.parametrize("argv, on", [
+    ([], True), (["--host", "127.0.0.1"], True), (["--host", "::1"], True),
+    (["--host", "0.0.0.0"], False), (["--host", ""], False),
+    (["--host", "0.0.0.0", "--debug-endpoints"], True), (["--no-debug-endpoints"], False),
+])
+def test_debug_endpoints_default_to_a_server_on_loopback_only(argv, on):
+    assert debug_endpoints(parse_serve_args(["serve", *argv])) is on

@@ -103,6 +103,16 @@ def test_debug_routes_require_the_api_key(path):
         assert get(app, path, headers={"Authorization": "Bearer s3cret"}).status_code == 200
 
 
+@pytest.mark.parametrize("path", ["/debug/kvcache", "/debug/kvcache/stream"])
+def test_debug_routes_turned_off_are_a_404_that_says_how_to_turn_them_on(path):
+    """A map names every client's requests and which share prefixes across cache salts (a review): a server
+    on other interfaces serves none by default (server.cli.debug_endpoints)."""
+    engine = FakeEngine()
+    r = get(create_app(engine, debug_endpoints=False), path)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "debug_endpoints_off"
+    assert "--debug-endpoints" in r.json()["error"]["message"] and engine.calls == 0
+
+
 def test_engine_without_a_block_map_answers_503():
     r = get(create_app(FakeEngine(with_snapshot=False)), "/debug/kvcache/stream")
     assert r.status_code == 503 and r.json()["error"]["code"] == "kv_snapshot_unavailable"

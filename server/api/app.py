@@ -29,14 +29,15 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = DEFAULT
                shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
                limits: RequestLimits | None = None, tool_call_parser: str | None = None,
                cors: CorsPolicy = CorsPolicy(), loopback_only: bool = False,
-               allowed_hosts: tuple[str, ...] = ()) -> FastAPI:
+               allowed_hosts: tuple[str, ...] = (), debug_endpoints: bool = True) -> FastAPI:
     """The lifespan starts the engine and shuts it down (finishing or aborting in-flight requests).
     Tests that drive the app through httpx's ASGITransport start and stop the engine themselves.
     `tool_call_parser`: the format chat replies write tool calls in (server/api/tool_calls.py); None:
     tool_choice "auto" with tools is refused, as vLLM refuses it without --enable-auto-tool-choice.
     `cors`: the origins browsers may call it from (server/api/cors.py; none by default); `loopback_only`: it
     listens on loopback alone, so it answers Host names of loopback and `allowed_hosts` alone
-    (server/api/browser_guard.py)."""
+    (server/api/browser_guard.py); `debug_endpoints`: /debug/kvcache answers (else a 404 that says how to turn
+    it on: server/api/debug.py)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -57,6 +58,7 @@ def create_app(engine, api_key: str | None = None, max_body_bytes: int = DEFAULT
     app.state.admission = AdmissionGate(engine)
     install_error_handlers(app)
     app.state.api_key = api_key  # /debug/* checks it itself (the middleware guards /v1/* only)
+    app.state.debug_endpoints = debug_endpoints
     for module in (completions, chat, models, monitoring, debug, playground, tokenize):
         app.include_router(module.router)
     openapi_bodies.install(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest,

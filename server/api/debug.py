@@ -7,7 +7,9 @@ ran between two maps.
 The engine builds a map only when asked: the stream asks a few times a second while a client is connected
 and sends a map only when it changed, so nobody watching costs the engine nothing.
 
-Both require the API key when the server has one (``Authorization: Bearer <key>``, as /v1/*).
+Both require the API key when the server has one (``Authorization: Bearer <key>``, as /v1/*), and answer
+only where the server turns them on (``--debug-endpoints``; by default a server on loopback only): a map
+names every client's requests and shows which of them share prefixes, across cache salts (a review).
 """
 
 from __future__ import annotations
@@ -33,7 +35,11 @@ POLL_INTERVAL_S = 0.25  # the page redraws at this rate; a step of the tiny mode
 MAX_WATCH_SHARE = 0.1
 
 
-def require_api_key(request: Request) -> None:
+def require_debug_access(request: Request) -> None:
+    """A 404 where the server does not serve the debug endpoints; a 401 without the API key it has."""
+    if not getattr(request.app.state, "debug_endpoints", True):
+        raise APIError(404, "The KV block map is off on this server (it names every client's requests); "
+                            "start it with --debug-endpoints to serve it.", code="debug_endpoints_off")
     api_key = getattr(request.app.state, "api_key", None)
     if not api_key:
         return
@@ -44,7 +50,7 @@ def require_api_key(request: Request) -> None:
         raise APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
-router = APIRouter(dependencies=[Depends(require_api_key)], include_in_schema=False)
+router = APIRouter(dependencies=[Depends(require_debug_access)], include_in_schema=False)
 
 
 async def read_snapshot(engine) -> dict:
