@@ -11,8 +11,10 @@ import time
 import httpx
 import pytest
 
+from server.api import request_work
 from server.api.app import create_app
-from server.api.request_work import INLINE_BODY_BYTES
+from server.api.errors import APIError
+from server.api.request_work import INLINE_BODY_BYTES, SMALL_BODY_BYTES, run_request_work
 from tests.engine_helpers import started_engine
 from tests.test_api_structural_tag_bounds import held_loop
 
@@ -132,3 +134,51 @@ def test_keyless_tokenize_calls_have_a_thread_of_their_own_and_a_bound(engine, m
     statuses, completion, waited = asyncio.run(go())
     assert sorted(statuses) == [200] * request_work.UTILITY_PENDING + [429] * 4
     assert completion == 200 and waited < 0.5, waited  # not behind 8 x 0.2 s of tokenize work
+
+
+class BodyRequest:
+    """What run_request_work reads of a request: its body, and whether its client has gone."""
+
+    def __init__(self, size: int, gone_after_s: float | None = None):
+        self.raw, self.start, self.gone_after_s = b" " * size, time.monotonic(), gone_after_s
+
+    async def body(self) -> bytes:
+        return self.raw
+
+    async def is_disconnected(self) -> bool:
+        return self.gone_after_s is not None and time.monotonic() - self.start >= self.gone_after_s
+
+
+def test_a_gone_clients_queued_work_never_runs():
+    """24 clients that sent 1 MB bodies and hung up held a 6 KB body's work 3.9 s (a review): work whose
+    client is gone before a thread takes it never runs (a 499), and bodies up to SMALL_BODY_BYTES have threads
+    of their own, so the 6 KB body does not queue behind the large ones either."""
+    ran: list[float] = []
+
+    def work(delay_s: float) -> None:
+        time.sleep(delay_s)
+        ran.append(delay_s)
+
+    async def go():
+        gone = [asyncio.ensure_future(run_request_work(BodyRequest(1 << 20, gone_after_s=0.05), work, 0.3))
+                for _ in range(12)]
+        await asyncio.sleep(0.01)
+        start = time.monotonic()
+        await run_request_work(BodyRequest(6000), work, 0.0)  # the small lane: no wait behind the large
+        small_s = time.monotonic() - start
+        outcomes = await asyncio.gather(*gone, return_exceptions=True)
+        return small_s, outcomes
+
+    small_s, outcomes = asyncio.run(go())
+    assert small_s < 0.2, small_s
+    assert all(isinstance(o, APIError) and o.status == 499 for o in outcomes), outcomes
+    # the large lane's threads took their first bodies before the clients went; the rest never ran
+    assert ran.count(0.3) <= request_work._WORKERS._max_workers
+    assert 6000 <= SMALL_BODY_BYTES < 1 << 20
+
+
+def test_a_client_gone_before_its_work_is_queued_costs_no_thread():
+    ran = []
+    with pytest.raises(APIError) as e:
+        asyncio.run(run_request_work(BodyRequest(1 << 20, gone_after_s=0.0), ran.append, 1))
+    assert e.value.status == 499 and ran == []

@@ -1,4 +1,4 @@
-"""engine_stream.unless_disconnected: the work it awaits ends as its caller is cancelled; the work's error is
+"""disconnects.unless_disconnected: the work it awaits ends as its caller is cancelled; the work's error is
 read all the same, so asyncio logs no "Future exception was never retrieved" (a review saw it when a handler
 was cancelled during its grammar check)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 
-from server.api.engine_stream import unless_disconnected
+from server.api.disconnects import unless_disconnected
 from server.api.errors import APIError
 
 

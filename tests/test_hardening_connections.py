@@ -141,6 +141,22 @@ def test_the_header_deadline_applies_to_each_request_of_a_keep_alive_connection(
     s.close()
 
 
+def test_a_bare_crlf_after_a_response_starts_the_header_deadline(server):
+    """llhttp skips the CRLFs between requests and uvicorn's keep-alive timer stops at any byte: one CRLF
+    after a response held the connection (and its slot under --max-connections) forever (a review)."""
+    s = connect(server)
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    first = b""
+    while b"\r\n\r\n" not in first or not first.rstrip().endswith(b"}"):
+        first += s.recv(65536)
+    start = time.monotonic()
+    s.sendall(b"\r\n")
+    raw = read_all(s)
+    assert raw.startswith(b"HTTP/1.1 408"), raw
+    assert time.monotonic() - start < HEADER_TIMEOUT_S + 2
+    s.close()
+
+
 def test_a_connection_queues_a_bounded_number_of_pipelined_requests(server):
     """4,000 pipelined requests in one write: the connection is answered a bounded number of them, then closed
     (uvicorn read on after every response, and such a client grew the process by 75 MB/s: a review); another

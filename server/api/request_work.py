@@ -21,23 +21,38 @@ from typing import TypeVar
 
 from fastapi import Request
 
+from server.api.disconnects import ClientDisconnected, unless_disconnected
 from server.api.errors import APIError
 
 T = TypeVar("T")
 
 INLINE_BODY_BYTES = 4096
+SMALL_BODY_BYTES = 64 * 1024  # a long conversation's body; past it, work of up to ~0.5 s (the module doc)
 # The work's own threads, not asyncio's default executor: that one also runs the drain (server/api/app.py
 # stop_engine), which would otherwise queue behind every large body waiting for a thread (a review: 24
-# queued bodies held the drain's start 1.1 s). The GIL lets few of them run at once anyway.
-_WORKERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pagewalk-request")
+# queued bodies held the drain's start 1.1 s). The GIL lets few of them run at once anyway (four threads on
+# gone clients' bodies held a small request 1.3 s where two held it 0.4: a review's case). Bodies up to
+# SMALL_BODY_BYTES have threads of their own: a 6 KB chat body waited 3.9 s behind 24 bodies of 1 MB (a
+# review), as the grammar checks keep small sources apart.
+_WORKERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagewalk-request")
+_SMALL_WORKERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagewalk-request-small")
 
 
 async def run_request_work(request: Request, work: Callable[..., T], *args) -> T:
     """work(*args), in a worker thread when the request's body is larger than INLINE_BODY_BYTES (its
-    exceptions, the 400s included, propagate either way)."""
-    if len(await request.body()) <= INLINE_BODY_BYTES:  # starlette keeps the body once read
+    exceptions, the 400s included, propagate either way). Work whose client goes away before a thread takes
+    it never runs (a 499): queued, it held every later body's (the same review: those 24 clients had hung
+    up at once)."""
+    size = len(await request.body())  # starlette keeps the body once read
+    if size <= INLINE_BODY_BYTES:
         return work(*args)
-    return await run_in_worker(work, *args)
+    pool = _SMALL_WORKERS if size <= SMALL_BODY_BYTES else _WORKERS
+    try:
+        if await request.is_disconnected():  # (gone already: its second stage, after the parse, never queues)
+            raise ClientDisconnected
+        return await unless_disconnected(request, _run_on(pool, work, *args))
+    except ClientDisconnected:
+        raise APIError(499, "The client went away while its request was read.") from None
 
 
 async def run_in_worker(work: Callable[..., T], *args, **kwargs) -> T:

@@ -16,7 +16,8 @@ from starlette.types import Receive, Scope, Send
 
 from server.api.admission import Reservation, rejected_to_api_error
 from server.api.async_engine import RequestRejected
-from server.api.engine_stream import ClientDisconnected, RunningUsage, unless_disconnected
+from server.api.disconnects import ClientDisconnected, unless_disconnected
+from server.api.engine_stream import RunningUsage
 from server.api.errors import APIError, error_body
 from server.api.protocol import dump
 from server.api.request_ids import request_id_of

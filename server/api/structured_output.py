@@ -39,7 +39,7 @@ from llguidance import LLMatcher
 from pydantic import BaseModel
 
 from server.api.admission import RETRY_AFTER_S
-from server.api.engine_stream import ClientDisconnected, unless_disconnected
+from server.api.disconnects import ClientDisconnected, unless_disconnected
 from server.api.errors import APIError
 from server.api.forced_tool_calls import forced_schema
 from server.api.format_grammar import format_grammar
