@@ -157,6 +157,33 @@ def test_a_bare_crlf_after_a_response_starts_the_header_deadline(server):
     s.close()
 
 
+def until(check, limit_s: float) -> float:
+    """Seconds until check() holds (inf past limit_s)."""
+    start = time.monotonic()
+    while time.monotonic() - start < limit_s:
+        if check():
+            return time.monotonic() - start
+        time.sleep(0.05)
+    return float("inf")
+
+
+def test_a_client_gone_with_a_request_pipelined_is_noticed(server):
+    """uvicorn reads nothing while a request waits pipelined, so a client's FIN went unread, and its hang-up
+    would not reach the running request anyway (a pipelined cycle replaced it): its non-streamed request ran
+    to max_tokens, holding its row and blocks (a review). Now it is aborted within a second or so."""
+    body = json.dumps({"prompt": "hello", "max_tokens": 1800, "temperature": 0, "ignore_eos": True}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    socks = [connect(server) for _ in range(3)]
+    for s in socks:
+        s.sendall(request + b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    assert until(lambda: server.health()["running"] == 3, 20) < 20
+    for s in socks:
+        s.close()
+    assert until(lambda: server.health()["running"] == 0, 10) < 3
+    assert until(lambda: server.health()["kv_cache"]["used_blocks"] == 0, 10) < 10
+
+
 def test_a_connection_queues_a_bounded_number_of_pipelined_requests(server):
     """4,000 pipelined requests in one write: the connection is answered a bounded number of them, then closed
     (uvicorn read on after every response, and such a client grew the process by 75 MB/s: a review); another

@@ -19,7 +19,10 @@ the response lasts. GuardedHttpProtocol adds, per connection:
   a stream holds is bounded by the time it may stall;
 - a pipelining bound: a connection reads no further while requests wait behind the one being answered (uvicorn
   read on after every response, and one client's pipelined /health requests grew the process by 75 MB/s: a
-  review), and one that queues over MAX_PIPELINED is closed;
+  review), and one that queues over MAX_PIPELINED is closed. While it reads nothing, its socket is polled for
+  the client's hang-up every EOF_POLL_S, and the request being answered sees the disconnect (uvicorn neither
+  reads the FIN then nor tells the running request, whose cycle a pipelined one replaced: a review found a
+  gone client's non-streamed request running to max_tokens);
 - at shutdown, a connection whose client is not reading is disconnected at once (before the engine drains,
   and again when uvicorn closes connections), so a stalled client cannot hold the exit;
 - the OpenAI error body on every answer it writes itself (400, 408, 431, 503).
@@ -34,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import select
 import socket
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -55,6 +59,9 @@ MIN_BODY_RATE = 64 * 1024  # bytes/s a request body must average after its heade
 # A token stream needs a small fraction of this per round trip.
 SEND_BUFFER_BYTES = 256 * 1024
 MAX_PIPELINED = 16  # requests queued on one connection behind the one being answered (browsers send none)
+EOF_POLL_S = 0.25  # how often a connection that reads nothing (requests pipelined) is checked for a hang-up
+# the peer's FIN with data still unread (Linux); POLLHUP and POLLERR (a reset) are reported regardless
+_HANG_UP = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR
 
 
 def raw_error(status: int, reason: str, message: str, code: str | None = None) -> bytes:
@@ -85,6 +92,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.header_timer: asyncio.TimerHandle | None = None
         self.body_timer: asyncio.TimerHandle | None = None
         self.stall_timer: asyncio.TimerHandle | None = None
+        self.eof_timer: asyncio.TimerHandle | None = None  # polls for a hang-up while requests are pipelined
+        self.running_cycle = None  # the request being answered (uvicorn's self.cycle is the last one read)
         self.paused_since: float | None = None  # loop time its writes paused (a full socket buffer)
         self.awaiting_headers = True  # the next request's headers are not complete yet
         self.header_bytes = 0  # of the request being read: its line and headers so far
@@ -105,10 +114,20 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
-        super().connection_lost(exc)
+        running = self.running_cycle
+        super().connection_lost(exc)  # tells self.cycle alone: a pipelined request's, not the running one's
+        if running is not None and running is not self.cycle and not running.response_complete:
+            running.disconnected = True
+            running.message_event.set()
+
+    def _start_asgi_task(self, cycle, app) -> None:
+        self.running_cycle = cycle
+        super()._start_asgi_task(cycle, app)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
+        if self.pipeline and self.eof_timer is None:  # uvicorn reads no further: the FIN would go unread
+            self.eof_timer = self.loop.call_later(EOF_POLL_S, self._watch_hang_up)
         if (self.header_timer is None and self.body_timer is None and not self.pipeline
                 and (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing()):
             # bytes that began no request (llhttp skips the CRLFs between requests) cancelled uvicorn's
@@ -203,6 +222,19 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                                        "request_timeout"))
         self.transport.close()
 
+    def _watch_hang_up(self) -> None:
+        self.eof_timer = None
+        if not self.pipeline or self.transport.is_closing():
+            return  # reading again: the FIN reaches uvicorn (or the connection is already going)
+        sock = self.transport.get_extra_info("socket")
+        poller = select.poll()
+        poller.register(sock.fileno(), _HANG_UP)
+        if poller.poll(0):
+            logger.info("closing a connection from %s: it hung up with requests pipelined", _peer(self))
+            self.transport.abort()  # connection_lost tells the running request
+            return
+        self.eof_timer = self.loop.call_later(EOF_POLL_S, self._watch_hang_up)
+
     def _body_timeout(self) -> None:
         self.body_timer = None
         if self.transport.is_closing():
@@ -263,10 +295,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.transport.close()
 
     def _cancel_timers(self) -> None:
-        for timer in (self.header_timer, self.body_timer, self.stall_timer):
+        for timer in (self.header_timer, self.body_timer, self.stall_timer, self.eof_timer):
             if timer is not None:
                 timer.cancel()
-        self.header_timer = self.body_timer = self.stall_timer = None
+        self.header_timer = self.body_timer = self.stall_timer = self.eof_timer = None
 
 
 SHUTDOWN_STALL_S = 1.0  # paused this long when the drain starts: a client that stopped reading
