@@ -182,3 +182,42 @@ def test_a_client_gone_before_its_work_is_queued_costs_no_thread():
     with pytest.raises(APIError) as e:
         asyncio.run(run_request_work(BodyRequest(1 << 20, gone_after_s=0.0), ran.append, 1))
     assert e.value.status == 499 and ran == []
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "hello there", "max_tokens": 4, "logprobs": 5, "n": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                              "logprobs": True, "top_logprobs": 5}),
+])
+def test_a_non_streamed_answer_with_logprobs_is_built_off_the_event_loop(engine, monkeypatch, path, body):
+    """Its models and JSON (up to max_logprob_entries records: a million took 1.1 s of the loop, stalling
+    every stream: a review) are built in a worker thread; an answer without logprobs inline."""
+    from server.api import chat, completions
+
+    module = completions if path == "/v1/completions" else chat
+    threads: list[int] = []
+    monkeypatch.setattr(module, "_response_body", _slowed(module._response_body, threads))
+    stall, _, status = held_loop(create_app(engine), body, path)
+    assert status == 200 and threads and threading.get_ident() not in threads
+    assert stall < SLOW_S / 2, f"{path}: the event loop stood still {stall:.2f} s while the answer was built"
+    threads.clear()
+    plain = {k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs")}
+    _, _, status = held_loop(create_app(engine), plain, path)
+    assert status == 200 and threads == [threading.get_ident()]
+
+
+def test_a_large_json_answer_is_written_in_slices():
+    from server.api.streaming import BODY_SLICE_BYTES, SlicedResponse
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    body = bytes(range(256)) * (BODY_SLICE_BYTES // 100)
+    asyncio.run(SlicedResponse(content=body)({"type": "http"}, None, send))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    assert (b"content-length", str(len(body)).encode()) in sent[0]["headers"]
+    parts = [m["body"] for m in sent[1:]]
+    assert b"".join(parts) == body and max(map(len, parts)) == BODY_SLICE_BYTES and len(parts) == 4
+    assert [m["more_body"] for m in sent[1:]] == [True, True, True, False]

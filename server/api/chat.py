@@ -54,6 +54,7 @@ from server.api.sampling import sampling_params
 from server.api.streaming import (
     ChunkFrame,
     UsageChunkFrame,
+    build_response,
     chunk_frame,
     job_response,
     json_member,
@@ -226,6 +227,11 @@ async def _complete(job: ChatJob) -> bytes:
     states = [ChoiceState() for _ in range(job.params.n)]
     await collect_choices(job.engine, job.engine_id, job.response_id, [job.prompt], job.params, states,
                           job.reservation)
+    return await build_response(_response_body, job, states,
+                                heavy=bool(job.req.logprobs) or job.req.prompt_logprobs is not None)
+
+
+def _response_body(job: ChatJob, states: list[ChoiceState]) -> bytes:
     tok = job.engine.tokenizer
     choices = [
         ChatChoice(index=i, message=_message(job, st.text),

@@ -42,6 +42,7 @@ from server.api.sampling import DEFAULT_COMPLETION_MAX_TOKENS, check_token_ids, 
 from server.api.streaming import (
     ChunkFrame,
     UsageChunkFrame,
+    build_response,
     chunk_frame,
     job_response,
     json_member,
@@ -238,6 +239,11 @@ def _prompt_only(delta: ChoiceDelta) -> ChoiceDelta:
 async def _complete(job: CompletionJob) -> bytes:
     states = await collect_choices(job.engine, job.engine_id, job.response_id, job.prompts, job.params,
                                    job.new_states(), job.reservation, job.max_seqs)
+    return await build_response(_response_body, job, states, heavy=job.req.logprobs is not None
+                                or job.req.prompt_logprobs is not None)
+
+
+def _response_body(job: CompletionJob, states: list[ChoiceState]) -> bytes:
     n = job.params.n
     choices = []
     for index, st in enumerate(states):

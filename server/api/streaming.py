@@ -21,6 +21,7 @@ from server.api.engine_stream import RunningUsage
 from server.api.errors import APIError, error_body
 from server.api.protocol import dump
 from server.api.request_ids import request_id_of
+from server.api.request_work import run_in_worker
 
 logger = logging.getLogger("pagewalk.api")
 
@@ -176,6 +177,33 @@ def _spec_version(scope: Scope) -> tuple[int, ...]:
     return tuple(map(int, scope.get("asgi", {}).get("spec_version", "2.0").split(".")))
 
 
+BODY_SLICE_BYTES = 256 * 1024  # a JSON answer larger than this is written a slice at a time
+
+
+async def build_response(build: Callable[..., bytes], *args, heavy: bool) -> bytes:
+    """build(*args): a non-streamed answer's JSON, in a request-work thread where it is `heavy` (logprobs:
+    up to max_logprob_entries records, a million by default, whose models and JSON took 1.1 s of the event
+    loop and stalled every stream: a review), inline otherwise."""
+    return await run_in_worker(build, *args) if heavy else build(*args)
+
+
+class SlicedResponse(Response):
+    """A JSON body written BODY_SLICE_BYTES at a time, each write waiting while the client's socket buffer is
+    full: a client that reads nothing then meets the connection's stall deadline (server/api/connections.py)
+    rather than having the whole answer copied into the transport's buffer at once (megabytes of an echo
+    with logprobs for a request of kilobytes: a review)."""
+
+    media_type = "application/json"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        body = memoryview(self.body)
+        for start in range(0, len(body), BODY_SLICE_BYTES):
+            await send({"type": "http.response.body", "body": bytes(body[start:start + BODY_SLICE_BYTES]),
+                        "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
 async def job_response(request: Request, stream: bool, events: Callable[[], AsyncIterator[str]],
                        body: Callable[[], Awaitable[str]],
                        reservation: Reservation | None = None) -> Response:
@@ -193,4 +221,6 @@ async def job_response(request: Request, stream: bool, events: Callable[[], Asyn
     finally:
         if reservation is not None:
             reservation.release()
+    if len(content) > BODY_SLICE_BYTES:
+        return SlicedResponse(content=content)
     return Response(content=content, media_type="application/json")
