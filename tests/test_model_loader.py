@@ -266,7 +266,7 @@ def test_windows_on_some_layers_only_are_refused(extra):
 @pytest.mark.parametrize("cfg,message", [
     ({k: v for k, v in QWEN2.items() if k != "intermediate_size"}, "lacks the field 'intermediate_size'"),
     ([1, 2], "must hold a JSON object"),
-    ({**QWEN2, "rope_scaling": [1, 2]}, "wrong type"),
+    ({**QWEN2, "rope_scaling": [1, 2]}, "rope_scaling must be an object"),
     ({**QWEN2, "rope_parameters": {"rope_type": "llama3"}}, "lacks the field 'factor'"),
     ({**QWEN2, "sliding_window": 0, "layer_types": ["sliding_attention"] * 2, "use_sliding_window": True},
      "sliding_window must"),

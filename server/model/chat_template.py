@@ -75,6 +75,8 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"chat template from {origin} does not compile: {e.message} (line {e.lineno})") \
                 from None
+        except RecursionError:  # the parser's own stack: a traceback at start-up before (a review)
+            raise ValueError(f"chat template from {origin} nests too deeply to compile") from None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, variables: dict | None = None,
                **named) -> str:

@@ -59,6 +59,8 @@ class ModelConfig:
         w = self.sliding_window
         if w is not None and not (isinstance(w, int) and not isinstance(w, bool) and w >= 1):
             raise ValueError(f"sliding_window must be None or an integer >= 1, got {w!r}")
+        if self.head_dim % 2:  # RoPE rotates the halves of a head (transformers refuses it as well)
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
@@ -200,8 +202,14 @@ def _rope_params(cfg: dict) -> dict:
     reads them: a `rope_scaling` replaces `rope_parameters` whole (where a config holds both, merging them
     let the latter's "rope_type": "default" hide the former's "type": "llama3", a review), and the dict's
     rope_theta comes before the top level's."""
-    params = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+    given = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if not isinstance(given, dict):  # dict("llama3") failed with a line naming nothing (a review)
+        raise ValueError(f"config.json's rope_scaling must be an object, got {given!r}")
+    params = dict(given)
     params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    theta = params["rope_theta"]
+    if isinstance(theta, bool) or not isinstance(theta, int | float):
+        raise ValueError(f"config.json's rope_theta must be a number, got {theta!r}")
     return params
 
 

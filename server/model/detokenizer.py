@@ -10,7 +10,8 @@ Mistral) drops the leading space of a sequence's first token, so a completion's 
 would lose it. Concatenating every delta and `flush()` gives exactly
 `decode(context + ids, skip)[len(decode(context, skip)):]` (with no context: `decode(ids, skip)`), `skip`
 being the stream's `skip_special_tokens` (False: special tokens are spelled, e.g. `<|start_header_id|>`),
-less the U+FFFD that ends it, if any (the window cannot tell a decoded U+FFFD from an incomplete character);
+less an incomplete character at its end (a tokenizer with `bytes_of` tells one from a U+FFFD of the text's
+own and leaves its ids out; without, the window cannot, and drops a trailing U+FFFD whatever gave it);
 a context that ends inside a character leaves that character to the completion that completes it. A
 ByteFallback decoder (Llama-2, Mistral) reads a run of <0xHH> ids as one UTF-8 string, or as one U+FFFD a
 byte if any of it is invalid: a later byte can rewrite what the run's first bytes gave ('é' from C3 A9 turns
@@ -59,8 +60,22 @@ class IncrementalDetokenizer:
         return self._delta(final=False)
 
     def flush(self) -> str:
-        """End of stream: return what is held back, less the incomplete character at its end."""
-        return self._delta(final=True).rstrip(REPLACEMENT)
+        """End of stream: return what is held back, less the incomplete character at its end: the ids that
+        hold its bytes are left out (by bytes_of; a tokenizer without it: every trailing U+FFFD)."""
+        if not hasattr(self.tokenizer, "bytes_of"):
+            return self._delta(final=True).rstrip(REPLACEMENT)
+        unfinished = _unfinished_ids(self.tokenizer, self.ids)
+        if unfinished:  # never emitted: text ending inside a character is held
+            del self.ids[len(self.ids) - unfinished:]
+        return self._delta(final=True)
+
+    def _unfinished(self, text: str) -> bool:
+        """Whether `text` (the window's decode) ends inside a character: a trailing U+FFFD, which the
+        tokenizer's bytes (bytes_of) tell from a U+FFFD of the text's own (that one was held to the end of
+        the stream, and then dropped: a review's property test)."""
+        if not text.endswith(REPLACEMENT):
+            return False
+        return not hasattr(self.tokenizer, "bytes_of") or _unfinished_ids(self.tokenizer, self.ids) > 0
 
     def _delta(self, final: bool) -> str:
         if self.read_offset == len(self.ids):
@@ -68,7 +83,7 @@ class IncrementalDetokenizer:
         skip = self.skip_special_tokens
         prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], skip)
         new_text = self.tokenizer.decode(self.ids[self.prefix_offset :], skip)
-        if not final and (len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT)):
+        if not final and (len(new_text) <= len(prefix_text) or self._unfinished(new_text)):
             return ""
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
@@ -77,18 +92,27 @@ class IncrementalDetokenizer:
 
 def _unfinished_ids(tokenizer, ids: list[int]) -> int:
     """How many of the last ids hold the bytes of a character they leave unfinished (0 where the tokenizer
-    has no `bytes_of`): by bytes, as a decoded U+FFFD may be the text's own."""
+    has no `bytes_of`): by bytes, as a decoded U+FFFD may be the text's own. The last ids with 4 bytes (a
+    character's most) are read: special ids hold none (at most MAX_TAIL_IDS)."""
     bytes_of = getattr(tokenizer, "bytes_of", None)
     if bytes_of is None:
         return 0
-    tail = ids[-4:]  # a UTF-8 character has at most 4 bytes, each id at least one
+    tail: list[bytes] = []
+    for token_id in reversed(ids[-MAX_TAIL_IDS:]):
+        tail.append(bytes_of(token_id))
+        if sum(map(len, tail)) >= 4:
+            break
+    tail.reverse()
     decoder = UTF8_DECODER(errors="replace")
-    decoder.decode(b"".join(bytes_of(i) for i in tail), final=False)
+    decoder.decode(b"".join(tail), final=False)
     unfinished, n = len(decoder.getstate()[0]), 0
     while unfinished > 0 and n < len(tail):
         n += 1
-        unfinished -= len(bytes_of(tail[-n]))
+        unfinished -= len(tail[-n])
     return n
+
+
+MAX_TAIL_IDS = 64  # ids _unfinished_ids reads back at most (special ids between a character's bytes)
 
 
 class Utf8Detokenizer:

@@ -18,6 +18,8 @@ def read_json_object(path: Path, required: bool = False) -> dict:
         value = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
+    except RecursionError:  # a traceback at start-up before (a review)
+        raise ValueError(f"{path} nests too deeply to read") from None
     if not isinstance(value, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(value).__name__}")
     return value

@@ -75,6 +75,8 @@ def load_model(name_or_path: str, device=None, dtype=None, tokenizer: str | None
     dt = resolve_dtype(dtype, dev)
     cfg = model_config(name_or_path)
     tok = load_tokenizer(name_or_path, tokenizer, chat_template)
+    if name_or_path not in PRESETS:
+        check_sizes(cfg, Path(name_or_path))
     model = build_model(cfg, dev, dt)
     if name_or_path in PRESETS:
         init_random_weights(model, cfg)
@@ -138,6 +140,29 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> L
     return model.eval().requires_grad_(False)
 
 
+_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def check_sizes(cfg: ModelConfig, path: Path) -> None:
+    """config.json's layer count and embedding against the checkpoint's tensor names and shapes (headers
+    alone), before the model is allocated: a 2-layer checkpoint whose config said 5,000 layers was refused
+    only after 13 s of allocation, a vocabulary of 10^9 in the allocator (a review)."""
+    layers, embedding = 0, None
+    for file in checkpoint_files(path):
+        with _open_weights(file) as f:
+            for key in f.keys():
+                if match := _LAYER_KEY.match(key):
+                    layers = max(layers, int(match.group(1)) + 1)
+                elif key == TIED_EMBEDDING or (key == TIED_HEAD and embedding is None):
+                    embedding = tuple(f.get_slice(key).get_shape())
+    if layers != cfg.num_layers:
+        raise ValueError(f"config.json says {cfg.num_layers} layers (num_hidden_layers) but checkpoint "
+                         f"{path} holds {layers}")
+    if embedding is not None and embedding != (cfg.vocab_size, cfg.hidden_size):
+        raise ValueError(f"config.json says vocab_size {cfg.vocab_size} and hidden_size {cfg.hidden_size} "
+                         f"but the checkpoint's embedding is {embedding}")
+
+
 @torch.no_grad()
 def load_weights(model: LlamaForCausalLM, path: Path) -> None:
     params = dict(model.named_parameters())
@@ -165,6 +190,7 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
                     raise ValueError(f"tensor {key!r} in {file.name} has shape {tuple(tensor.shape)}, "
                                      f"expected {tuple(dest.shape)} from config.json")
                 dest.copy_(tensor)
+                _check_finite(dest, key, file)
                 pending.discard((name, shard))
     if dropped:
         log.warning("%d bias tensors that %s never applies are not loaded (as transformers ignores them), "
@@ -193,6 +219,14 @@ def _weight(f, key: str, file: Path) -> torch.Tensor:
     return tensor
 
 
+def _check_finite(dest: torch.Tensor, key: str, file: Path) -> None:
+    """A weight that is NaN or infinite in the serving dtype (stored so, or past fp16's 65504) makes every
+    reply garbage: served before without a word, token 0 on repeat (a review)."""
+    if not bool(torch.isfinite(dest).all()):
+        raise ValueError(f"tensor {key!r} in {file.name} holds NaN or infinite values in {dest.dtype} "
+                         "(stored so, or past the serving dtype's range: serve it in a wider --dtype)")
+
+
 def _check_tied_head(embedding: torch.Tensor, head: torch.Tensor, embedding_missing: bool) -> None:
     """config.json ties the head to the embedding and the checkpoint stores lm_head.weight: with no embedding
     stored it is the embedding (transformers ties them the same way); a head that differs from the stored
@@ -202,6 +236,7 @@ def _check_tied_head(embedding: torch.Tensor, head: torch.Tensor, embedding_miss
                          f"{tuple(embedding.shape)} from config.json")
     if embedding_missing:
         embedding.copy_(head)
+        _check_finite(embedding, TIED_HEAD, Path("the checkpoint"))
     elif not torch.equal(embedding, head.to(embedding.device, embedding.dtype)):
         raise ValueError(f"config.json sets tie_word_embeddings but the checkpoint's {TIED_HEAD} differs "
                          f"from its {TIED_EMBEDDING}: set tie_word_embeddings to false in config.json to "
@@ -227,7 +262,7 @@ def checkpoint_files(path: Path) -> list[Path]:
         weight_map = read_json_object(index, required=True).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index} has no weight_map object")
-        names = sorted(set(weight_map.values()))
+        names = sorted(set(map(_shard_name_in(index), weight_map.values())))
         if names != ["model.safetensors"] and (path / "model.safetensors").is_file():  # one of them is left
             # from another save (save_pretrained deletes stale shards, not a stale single file): transformers
             # loads the single file, vLLM the index's shards; neither can be known to be the checkpoint meant
@@ -247,6 +282,17 @@ def checkpoint_files(path: Path) -> list[Path]:
         if not f.is_file():
             raise FileNotFoundError(f"weight shard {f} listed in model.safetensors.index.json is missing")
     return files
+
+
+def _shard_name_in(index: Path):
+    """A shard's name from the index, which must name a file in the checkpoint's directory: "../x" or an
+    absolute path loaded weights from anywhere on the host (a review; vLLM reads only the directory's files,
+    a symlink there stays a file there)."""
+    def checked(name) -> str:
+        if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
+            raise ValueError(f"{index} names the shard {name!r}: shards are file names in its directory")
+        return name
+    return checked
 
 
 def _bias_the_architecture_lacks(key: str, cfg: ModelConfig) -> bool:
