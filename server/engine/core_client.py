@@ -256,6 +256,7 @@ class _SocketCoreClient:
                 self._flush_outbox()
             if self._sock in ready:
                 self._drain(on_message)
+                self._flush_outbox()  # (the wake byte, if any, is read by the next round's flush)
             elif death in ready:
                 self._drain(on_message)  # whatever it sent before it ended
                 if not self._closing:  # closing: close() reaps it (two threads reaping race on waitpid)
@@ -265,7 +266,12 @@ class _SocketCoreClient:
                 return
 
     def _drain(self, on_message: OnMessage) -> None:
-        while True:
+        """The frames waiting, up to DRAIN_FRAMES: then the loop flushes the outbox and looks at the stop flag
+        again. Draining until the socket was empty sent no add or abort, and let close() release the socket
+        under it, for as long as the core sent faster than the handler took its frames (a review)."""
+        for _ in range(DRAIN_FRAMES):
+            if self._closing:
+                return
             try:
                 frame = self._sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -281,6 +287,8 @@ class _SocketCoreClient:
         self._wake_r.close()
         self._wake_w.close()
 
+
+DRAIN_FRAMES = 64  # frames the receiver takes in a row before it sends what waits to go out
 
 SUN_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path holds 108 with the NUL)
 
