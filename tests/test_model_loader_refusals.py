@@ -133,3 +133,31 @@ def test_an_ill_typed_rope_field_is_named(base_dir, change, field):
 def test_finite_weights_in_range_load_as_before(ckpt):
     model, _ = load_model(str(ckpt), "cpu", "float16")
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_template_that_loops_on_every_input_stops_start_up(monkeypatch):
+    """A template that never finishes rendering held the API's event loop at its first chat request (a
+    review): start-up renders a conversation in a thread and gives up after its timeout."""
+    import time as clock
+
+    from server.model.chat_template import ChatTemplate
+
+    template = ChatTemplate("{{ messages[0]['content'] }}", "a test")
+    template.check_renders()  # renders in about a millisecond
+    monkeypatch.setattr(ChatTemplate, "_render", lambda self, context: clock.sleep(2))
+    with pytest.raises(ValueError, match="did not render a two-message conversation in 0 s"):
+        template.check_renders(timeout_s=0.2)
+
+
+def test_a_template_asking_for_too_many_range_elements_fails_its_request():
+    """The sandbox bounds each range() at 100,000, not a range in a range: one render makes at most
+    MAX_RANGE_ELEMENTS, and each render starts afresh."""
+    from server.model.chat_template import MAX_RANGE_ELEMENTS, ChatTemplate, ChatTemplateError
+
+    looping = ChatTemplate("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+                           "{{ messages[0]['content'] }}", "a test")
+    with pytest.raises(ChatTemplateError, match="range"):
+        looping.render([{"role": "user", "content": "hi"}])
+    per_render = ChatTemplate(f"{{% for i in range({MAX_RANGE_ELEMENTS // 20}) %}}{{% endfor %}}ok", "a test")
+    for _ in range(30):  # more than MAX_RANGE_ELEMENTS over the renders, within it in each
+        assert per_render.render([{"role": "user", "content": "hi"}]) == "ok"

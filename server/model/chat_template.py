@@ -8,15 +8,17 @@ json.dumps' indent/separators/sort_keys, `raise_exception(message)` and `strftim
 
 from __future__ import annotations
 
+import contextvars
 import json
 import re
+import threading
 from datetime import datetime
 from pathlib import Path
 
 import jinja2
 import jinja2.ext
 from jinja2 import nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
 
 class ChatTemplateError(ValueError):
@@ -47,16 +49,34 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+# range() elements one render may make in all: the sandbox bounds each range at 100,000 but not a loop in a
+# loop (two nested ranges held the API's event loop for good: a review); a Hub template's loops run over the
+# messages and the tools, not over ranges of this size
+MAX_RANGE_ELEMENTS = 1_000_000
+_range_left: contextvars.ContextVar[int] = contextvars.ContextVar("range_left", default=MAX_RANGE_ELEMENTS)
+
+
+def _bounded_range(*args) -> range:
+    r = safe_range(*args)
+    left = _range_left.get() - len(r)
+    if left < 0:
+        raise ChatTemplateError(f"the chat template asked for over {MAX_RANGE_ELEMENTS} range() elements")
+    _range_left.set(left)
+    return r
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[jinja2.ext.loopcontrols, GenerationBlock])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.globals["range"] = _bounded_range
     return env
 
 
 _ENV = _environment()
+RENDER_CHECK_S = 5.0  # a two-message conversation renders in about a millisecond
 
 
 class ChatTemplate:
@@ -92,7 +112,7 @@ class ChatTemplate:
                    "messages": [self._as_known_role(_plain_message(m)) for m in messages],
                    "add_generation_prompt": add_generation_prompt}
         try:
-            return self._template.render(context)
+            return contextvars.copy_context().run(self._render, context)
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as e:
@@ -103,6 +123,28 @@ class ChatTemplate:
             raise ChatTemplateError(f"the chat template failed on this request: {type(e).__name__}: {e}") \
                 from None
 
+
+    def _render(self, context: dict) -> str:
+        _range_left.set(MAX_RANGE_ELEMENTS)  # (in a copied context: each render its own budget)
+        return self._template.render(context)
+
+    def check_renders(self, timeout_s: float = RENDER_CHECK_S) -> None:
+        """A ValueError unless a two-message conversation renders within `timeout_s` (its own errors are
+        the request's): a template that loops on every input stops start-up, not the server's event loop
+        at its first chat request (a review). The render runs in a daemon thread, left behind on failure."""
+        done = threading.Event()
+
+        def render():
+            try:
+                self.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}])
+            except Exception:  # noqa: BLE001 -- a template refusing these messages renders others
+                pass
+            done.set()
+
+        threading.Thread(target=render, name="pagewalk-template-check", daemon=True).start()
+        if not done.wait(timeout_s):
+            raise ValueError(f"chat template from {self.origin} did not render a two-message conversation "
+                             f"in {timeout_s:.0f} s")
 
     def _as_known_role(self, message: dict) -> dict:
         if message.get("role") == "developer" and not self.knows_developer:

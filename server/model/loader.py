@@ -96,7 +96,7 @@ def load_tokenizer(name_or_path: str, tokenizer: str | None = None, chat_templat
     cfg = model_config(name_or_path)
     template = load_chat_template(chat_template) if chat_template is not None else None
     if name_or_path in PRESETS and tokenizer is None:
-        return ByteTokenizer(cfg.vocab_size, template)
+        return _templates_checked(ByteTokenizer(cfg.vocab_size, template))
     eos_ids = cfg.eos_token_ids
     if name_or_path not in PRESETS:
         eos_ids = _generation_eos_ids(Path(name_or_path)) or eos_ids
@@ -107,6 +107,15 @@ def load_tokenizer(name_or_path: str, tokenizer: str | None = None, chat_templat
     if tok.vocab_size > cfg.vocab_size:
         raise ValueError(f"the tokenizer in {tok_dir} has ids up to {tok.vocab_size - 1} but the model only "
                          f"{cfg.vocab_size} embedding rows")
+    return _templates_checked(tok)
+
+
+def _templates_checked(tok):
+    """The tokenizer, once its chat templates render a conversation in time (ChatTemplate.check_renders)."""
+    template = tok.chat_template
+    for t in (template, template.tool_use if template is not None else None):
+        if t is not None:
+            t.check_renders()
     return tok
 
 
