@@ -26,6 +26,7 @@ import signal
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -36,9 +37,11 @@ from server.engine.core_loop import CoreLoop
 from server.engine.core_process import run_core_process
 from server.engine.engine import EngineConfig, build_core
 from server.engine.wire import (
+    HEARTBEAT_S,
     CoreInfo,
     FromCore,
     Hello,
+    Ping,
     Ready,
     Shutdown,
     StartupFailed,
@@ -178,6 +181,8 @@ class _SocketCoreClient:
         self._wake_w.setblocking(False)
         self._receiving = False  # the receiver thread owns the socket
         self._closing = False
+        self._ping = self._enc.encode(Ping())  # the receiver's, sent when nothing else went for HEARTBEAT_S
+        self._last_sent = time.monotonic()
         self._receiver: threading.Thread | None = None
 
     def _death_fd(self) -> int: ...
@@ -228,6 +233,7 @@ class _SocketCoreClient:
                 pass
         while self._outbox:
             self._sock.send(self._outbox.popleft(), copy=False)
+            self._last_sent = time.monotonic()
 
     def _stop_receiving(self, timeout: float) -> None:
         """closing is set: the receiver leaves its loop; the socket is then this thread's, with what the
@@ -252,6 +258,9 @@ class _SocketCoreClient:
         # another server's streams run on)
         while not self._closing:
             ready = dict(poller.poll(RECEIVE_POLL_MS))
+            if time.monotonic() - self._last_sent >= HEARTBEAT_S:  # alive: the core ends silent clients
+                self._sock.send(self._ping)
+                self._last_sent = time.monotonic()
             if wake in ready:
                 self._flush_outbox()
             if self._sock in ready:

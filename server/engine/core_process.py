@@ -11,6 +11,7 @@ first and then one sends Shutdown. It exits by itself when its parent is gone.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -23,8 +24,20 @@ import zmq
 
 from server.engine.core_loop import Client, CoreLoop, EngineCoreFatal
 from server.engine.engine import EngineConfig, build_core
-from server.engine.wire import FromCore, Gone, Hello, StartupFailed, ToCore, encoder, to_core_decoder
+from server.engine.wire import (
+    SILENT_S,
+    FromCore,
+    Gone,
+    Hello,
+    Ping,
+    StartupFailed,
+    ToCore,
+    encoder,
+    to_core_decoder,
+)
 from server.heap import freeze_startup_heap
+
+logger = logging.getLogger("pagewalk.engine")
 
 PARENT_CHECK_MS = 1000  # an idle core looks for its parent this often
 STARTUP_FAILED_WAIT_S = 5.0  # a core that could not be built waits this long for a Hello to answer
@@ -64,8 +77,11 @@ def run_core_process(config: EngineConfig, address: str, log_level: str, parent:
             except zmq.Again:  # a client's last messages come before its Gone
                 return messages + watch.gone()
             msg = dec.decode(frame)
+            watch.heard(client)
+            if isinstance(msg, Ping):
+                continue
             if isinstance(msg, Hello):
-                watch.add(client, msg.pid)
+                watch.add(client, msg.pid, msg.updates)
             messages.append((client, msg))
 
     _exit_if_orphaned(parent)  # gone already (killed during the spawn): no model to build
@@ -99,15 +115,25 @@ class ClientWatch:
     """The clients' processes (their Hellos name them), looked at once a PARENT_CHECK_MS: a client whose
     process has ended (an API server killed; its sockets send nothing on their own) is reported once as
     Gone, so the core stops running its requests, which held their rows and blocks against the other
-    servers' requests until the whole server's drain ended (a review)."""
+    servers' requests until the whole server's drain ended (a review). A client that takes StepUpdates and
+    has sent nothing, not even its Ping, for SILENT_S is hung (stopped, deadlocked): it is killed, which its
+    supervisor sees as any API server's death, and reported Gone (a review: a SIGSTOPped API server's
+    requests ran on to max_tokens while the core queued its StepUpdates without bound)."""
 
     def __init__(self) -> None:
         self.pids: dict[Client, int] = {}
+        self.heard_at: dict[Client, float] = {}  # the clients that take StepUpdates: their last message
         self.next_look = 0.0
 
-    def add(self, client: Client, pid: int) -> None:
+    def add(self, client: Client, pid: int, updates: bool = True) -> None:
         if pid:
             self.pids[client] = pid
+            if updates:
+                self.heard_at[client] = time.monotonic()
+
+    def heard(self, client: Client) -> None:
+        if client in self.heard_at:
+            self.heard_at[client] = time.monotonic()
 
     def gone(self) -> list[tuple[Client, Gone]]:
         now = time.monotonic()
@@ -115,9 +141,17 @@ class ClientWatch:
             return []
         self.next_look = now + PARENT_CHECK_MS / 1000
         ended = [c for c, pid in self.pids.items() if not _process_alive(pid)]
-        for client in ended:
+        hung = [c for c, at in self.heard_at.items() if now - at > SILENT_S and c not in ended]
+        for client in hung:
+            pid = self.pids[client]
+            logger.error("engine core: client process %d sent nothing for %.0f s (hung): killing it", pid,
+                         now - self.heard_at[client])
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        for client in ended + hung:
             del self.pids[client]
-        return [(client, Gone()) for client in ended]
+            self.heard_at.pop(client, None)
+        return [(client, Gone()) for client in ended + hung]
 
 
 def _process_alive(pid: int) -> bool:

@@ -39,6 +39,15 @@ class Hello(msgspec.Struct, tag="hello"):
     pid: int = 0  # the client's process (0: none to watch, as in-process): its end ends its requests
 
 
+class Ping(msgspec.Struct, tag="ping"):
+    """A client's sign of life, sent once a HEARTBEAT_S when it has sent nothing else: the core takes a client
+    that takes StepUpdates and is silent for SILENT_S as hung (core_process.ClientWatch) and ends it."""
+
+
+HEARTBEAT_S = 1.0
+SILENT_S = 15.0  # a process whose every thread stood still this long (SIGSTOP, a deadlock, swapping)
+
+
 class Gone(msgspec.Struct, tag="gone"):
     """No message on the wire: the core's receiver reports a client whose process has ended (an API server
     killed), so the core aborts its requests rather than run them for nobody."""
@@ -73,7 +82,7 @@ class Reply(msgspec.Struct, tag="reply"):
     value: dict
 
 
-ToCore = Hello | EngineRequest | Abort | Query | Shutdown | Gone
+ToCore = Hello | EngineRequest | Abort | Query | Shutdown | Gone | Ping
 FromCore = StepUpdate | Reply | Ready | StartupFailed
 
 
