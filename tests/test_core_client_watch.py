@@ -20,7 +20,6 @@ from server.engine.core_process import ClientWatch
 from server.engine.wire import (
     HEARTBEAT_S,
     SILENT_S,
-    CoreInfo,
     Gone,
     Hello,
     Ping,
@@ -28,6 +27,7 @@ from server.engine.wire import (
     encoder,
     to_core_decoder,
 )
+from tests.test_core_link_receiver import INFO
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -77,10 +77,6 @@ def test_a_control_client_is_never_taken_for_hung(sleeper, monkeypatch):
     watch.add(b"supervisor", sleeper.pid, updates=False)
     later(monkeypatch, 10 * SILENT_S)
     assert watch.gone() == [] and sleeper.poll() is None
-
-
-INFO = CoreInfo(model="tiny", device="cpu", dtype="float32", attention_backend="torch", cuda_graphs=False,
-                block_size=16, num_blocks=64, capacity_tokens=1008, max_model_len=512, vocab_size=259)
 
 
 def test_an_idle_client_pings_its_core():

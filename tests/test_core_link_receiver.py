@@ -21,6 +21,8 @@ INFO = CoreInfo(model="tiny", device="cpu", dtype="float32", attention_backend="
 
 
 def _flooding_core(address):
+    """A core on `address` that answers Hello and then sends its client a StepUpdate every 0.5 ms, until the
+    returned stop event; -> (set once an Abort arrives, stop, its thread)."""
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.bind(address)
@@ -58,7 +60,7 @@ def test_close_under_a_steady_flow_stops_the_receiver_before_closing_its_socket(
     ZMQError 'Socket operation on non-socket' in the receiver; zmq sockets are not thread-safe, so worse is
     possible)."""
     d = tempfile.mkdtemp(prefix="rl-")
-    got_abort, stop, t = _flooding_core(f"ipc://{d}/core")
+    _, stop, t = _flooding_core(f"ipc://{d}/core")
     errors = []
     old_hook = threading.excepthook
     threading.excepthook = lambda a: errors.append(repr(a.exc_value))
@@ -82,33 +84,8 @@ def test_outbound_messages_are_not_starved_while_the_core_keeps_sending():
     the socket's only user and only flushes the outbox between drains, and _drain reads until the socket is
     empty -- which it never is. An Abort (a client's hang-up, a stop string) or a new request is then never
     sent while the flow lasts."""
-    d = tempfile.mkdtemp(prefix="rl-")
-    address = f"ipc://{d}/core"
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.bind(address)
-    enc, dec = encoder(), to_core_decoder()
-    got_abort = threading.Event()
-    stop = threading.Event()
-
-    def core():
-        client = None
-        stats = CoreStats(1, 0, 10, 1, 0, 0.0)
-        while not stop.is_set():
-            while router.poll(0):
-                ident, frame = router.recv_multipart()
-                msg = dec.decode(frame)
-                if isinstance(msg, Hello):
-                    client = ident
-                    router.send_multipart([ident, enc.encode(Ready(INFO))])
-                elif isinstance(msg, Abort):
-                    got_abort.set()
-            if client is not None:
-                router.send_multipart([client, enc.encode(StepUpdate([], stats, 1))])
-            time.sleep(0.0005)
-
-    t = threading.Thread(target=core, daemon=True)
-    t.start()
+    address = f"ipc://{tempfile.mkdtemp(prefix='rl-')}/core"
+    got_abort, stop, t = _flooding_core(address)
     client = AttachedCoreClient(address, os.getpid())
     try:
         client.start(lambda msg: time.sleep(0.001), lambda reason: None)
@@ -122,5 +99,3 @@ def test_outbound_messages_are_not_starved_while_the_core_keeps_sending():
         stop.set()
         t.join(2)
         client.close(timeout=2)
-        router.close(linger=0)
-        ctx.term()
