@@ -4,6 +4,7 @@ a context-free grammar (Lark, or llama.cpp's GBNF) as Lark, bounded before it is
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
@@ -26,12 +27,10 @@ _DATA_KEYWORDS = ("const", "enum", "default", "examples")  # values that are dat
 def json_grammar(schema: dict[str, Any] | str | None) -> str:
     """A JSON schema (a dict or its JSON text; None: any JSON object) -> its compact JSON grammar; a
     ValueError for number bounds that llguidance does not enforce (check_number_bounds)."""
-    if isinstance(schema, str):
-        try:
-            check_number_bounds(json.loads(schema))
-        except (json.JSONDecodeError, RecursionError):
-            pass  # llguidance reports the text itself
-    elif schema is not None:
+    if isinstance(schema, str):  # parsed once, here: text that is not JSON goes on, for llguidance to say why
+        with contextlib.suppress(json.JSONDecodeError, RecursionError):
+            schema = json.loads(schema)
+    if not isinstance(schema, str):
         check_number_bounds(schema)
     return LLMatcher.grammar_from_json_schema(ANY_OBJECT if schema is None else schema,
                                               defaults=JSON_DEFAULTS)
@@ -42,8 +41,7 @@ def check_number_bounds(schema: Any) -> None:
     schema with finish_reason "stop"; a review): a bound past 2**53, and an exclusive bound at an integer N
     whose range lies between N and the next integer away from 0, its other end's integer part N
     ({"exclusiveMinimum": 0, "maximum": 0.5} took "0", {"exclusiveMinimum": -2, "maximum": -1.7} is
-    right). Walks
-    every subschema without recursion (a schema may nest a thousand levels)."""
+    right). Walks every subschema without recursion (a schema may nest a thousand levels)."""
     stack = [schema]
     while stack:
         node = stack.pop()

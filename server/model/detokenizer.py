@@ -98,9 +98,11 @@ def _unfinished_ids(tokenizer, ids: list[int]) -> int:
     if bytes_of is None:
         return 0
     tail: list[bytes] = []
+    held = 0  # bytes of the tail
     for token_id in reversed(ids[-MAX_TAIL_IDS:]):
         tail.append(bytes_of(token_id))
-        if sum(map(len, tail)) >= 4:
+        held += len(tail[-1])
+        if held >= 4:
             break
     tail.reverse()
     decoder = UTF8_DECODER(errors="replace")

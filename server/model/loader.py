@@ -199,7 +199,7 @@ def load_weights(model: LlamaForCausalLM, path: Path) -> None:
                     raise ValueError(f"tensor {key!r} in {file.name} has shape {tuple(tensor.shape)}, "
                                      f"expected {tuple(dest.shape)} from config.json")
                 dest.copy_(tensor)
-                _check_finite(dest, key, file)
+                _check_finite(dest, key, file.name)
                 pending.discard((name, shard))
     if dropped:
         log.warning("%d bias tensors that %s never applies are not loaded (as transformers ignores them), "
@@ -228,11 +228,11 @@ def _weight(f, key: str, file: Path) -> torch.Tensor:
     return tensor
 
 
-def _check_finite(dest: torch.Tensor, key: str, file: Path) -> None:
+def _check_finite(dest: torch.Tensor, key: str, where: str) -> None:
     """A weight that is NaN or infinite in the serving dtype (stored so, or past fp16's 65504) makes every
     reply garbage: served before without a word, token 0 on repeat (a review)."""
     if not bool(torch.isfinite(dest).all()):
-        raise ValueError(f"tensor {key!r} in {file.name} holds NaN or infinite values in {dest.dtype} "
+        raise ValueError(f"tensor {key!r} in {where} holds NaN or infinite values in {dest.dtype} "
                          "(stored so, or past the serving dtype's range: serve it in a wider --dtype)")
 
 
@@ -245,7 +245,7 @@ def _check_tied_head(embedding: torch.Tensor, head: torch.Tensor, embedding_miss
                          f"{tuple(embedding.shape)} from config.json")
     if embedding_missing:
         embedding.copy_(head)
-        _check_finite(embedding, TIED_HEAD, Path("the checkpoint"))
+        _check_finite(embedding, TIED_HEAD, "the checkpoint")
     elif not torch.equal(embedding, head.to(embedding.device, embedding.dtype)):
         raise ValueError(f"config.json sets tie_word_embeddings but the checkpoint's {TIED_HEAD} differs "
                          f"from its {TIED_EMBEDDING}: set tie_word_embeddings to false in config.json to "
@@ -271,7 +271,7 @@ def checkpoint_files(path: Path) -> list[Path]:
         weight_map = read_json_object(index, required=True).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index} has no weight_map object")
-        names = sorted(set(map(_shard_name_in(index), weight_map.values())))
+        names = sorted({_shard_name(index, name) for name in weight_map.values()})
         if names != ["model.safetensors"] and (path / "model.safetensors").is_file():  # one of them is left
             # from another save (save_pretrained deletes stale shards, not a stale single file): transformers
             # loads the single file, vLLM the index's shards; neither can be known to be the checkpoint meant
@@ -293,15 +293,13 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def _shard_name_in(index: Path):
+def _shard_name(index: Path, name) -> str:
     """A shard's name from the index, which must name a file in the checkpoint's directory: "../x" or an
     absolute path loaded weights from anywhere on the host (a review; vLLM reads only the directory's files,
     a symlink there stays a file there)."""
-    def checked(name) -> str:
-        if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
-            raise ValueError(f"{index} names the shard {name!r}: shards are file names in its directory")
-        return name
-    return checked
+    if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
+        raise ValueError(f"{index} names the shard {name!r}: shards are file names in its directory")
+    return name
 
 
 def _bias_the_architecture_lacks(key: str, cfg: ModelConfig) -> bool:
