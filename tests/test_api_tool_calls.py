@@ -169,3 +169,41 @@ def test_no_empty_deltas_while_a_call_is_written(engine, monkeypatch, per_token)
     assert bool(empty) == bool(per_token), deltas
     text, calls, finishes = streamed(r)
     assert text == "Let me look.\n" and len(calls) == 1 and finishes == ["tool_calls"]
+
+
+@pytest.mark.parametrize("parser,reply", [
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "\\ud800"}}</tool_call>'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "\\ud800"}}')])
+def test_a_call_holding_a_lone_surrogate_escape_arrives(engine, monkeypatch, parser, reply):
+    """The model wrote "\\ud800" (six ASCII characters) in a call: the unary answer was a 500 and the stream
+    stopped without the call or [DONE] (a review). Both carry the call, the escape kept."""
+    monkeypatch.setattr(engine, "generate", scripted(engine, reply))
+    app = create_app(engine, tool_call_parser=parser)
+    r = chat(app, tools=TOOLS)
+    assert r.status_code == 200, r.text
+    (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"city": "\ud800"}
+    r = chat(app, stream=True, tools=TOOLS)
+    _, calls, finishes = streamed(r)
+    assert finishes == ["tool_calls"] and [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert r.text.rstrip().endswith("data: [DONE]")
+
+
+def test_an_earlier_call_holding_a_lone_surrogate_escape_is_a_400(engine, monkeypatch):
+    """An earlier turn's arguments '{"city": "\\ud800"}' pass the body's surrogate check (the escape is
+    inside a string) and decode for the template into a str no tokenizer encodes: a 500 before (a review)."""
+    template = ("{%- for m in messages %}{%- for tc in m.tool_calls or [] %}"
+                "{%- for k, v in tc.function.arguments|items %}<parameter={{ k }}>{{ v }}</parameter>"
+                "{%- endfor %}{%- endfor %}"
+                "{{ m.role }}: {{ m.content }}\n{%- endfor %}assistant:")  # strings raw, as Qwen3-Coder's
+    monkeypatch.setattr(engine.tokenizer, "chat_template", ChatTemplate(template, "test"))
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "\\ud800"}'}}
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    app = create_app(engine)
+    r = post(app, "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].tool_calls", r.text
+    call["function"]["arguments"] = '{"city": "\\u00e9"}'  # an escape of a character is fine
+    assert post(app, "/v1/chat/completions", {"messages": messages, "max_tokens": 2}).status_code == 200

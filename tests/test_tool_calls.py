@@ -110,3 +110,50 @@ def test_no_depth_near_pythons_stack_makes_the_parse_raise(parser, wrap):
         text = wrap.format("[" * depth + "]" * depth)
         content, calls = parse(parser, text)
         assert (content, calls) == (text, []) or [c.name for c in calls] == ["f"], depth
+
+
+def _strict_json(text: str):
+    """json.loads refusing NaN / Infinity, as a client's strict parser (JSON.parse) does."""
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("parser,text", [
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": 1e400}}</tool_call>'),  # past the float range
+    ("llama3_json", '{"name": "f", "parameters": {"x": -1e400}}'),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>'),  # no JSON
+    ("llama3_json", '{"name": "f", "parameters": {"x": Infinity}}'),
+    ("hermes", '<tool_call>{"name": "f", "arguments": "city=Paris"}</tool_call>'),  # a string, no JSON text
+])
+def test_a_call_whose_arguments_are_no_json_is_content(parser, text):
+    """Python's json reads NaN and writes 1e400 back as Infinity: such a call was sent with arguments that
+    strict parsers refuse (a review); it is the reply's content, as any call that is no JSON."""
+    assert parse(parser, text) == (text, [])
+    stream = ToolCallStream(parser)
+    assert stream.feed(text) + stream.finish()[0] == text and stream.finish()[1] == []
+
+
+@pytest.mark.parametrize("args,expected", [('"{\\"city\\": \\"Paris\\"}"', {"city": "Paris"}),
+                                           ('{"x": 1.5e300, "n": -0}', {"x": 1.5e300, "n": 0})])
+def test_arguments_are_strict_json_text(args, expected):
+    """Arguments written as a string of JSON text are that JSON; numbers in range stay numbers."""
+    _, (call,) = parse("hermes", f'<tool_call>{{"name": "f", "arguments": {args}}}</tool_call>')
+    assert _strict_json(call.arguments) == expected
+
+
+@pytest.mark.parametrize("parser,text", [
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"city": "\\ud800 é"}}</tool_call>'),
+    ("llama3_json", '{"name": "f", "parameters": {"city": "\\ud800 é"}}'),
+])
+def test_a_lone_surrogate_escape_stays_an_escape(parser, text):
+    """json.loads makes an unpaired surrogate of "\\ud800", which UTF-8 cannot encode: the unary reply was
+    a 500 and the stream stopped (a review). The arguments keep the escape, so they encode and decode back."""
+    _, (call,) = parse(parser, text)
+    call.arguments.encode("utf-8")
+    assert json.loads(call.arguments) == {"city": "\ud800 é"}
+
+
+def test_a_name_with_a_lone_surrogate_makes_the_call_content():
+    text = '<tool_call>{"name": "f\\udc00", "arguments": {}}</tool_call>'
+    assert parse("hermes", text) == (text, [])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import re
 from typing import TypeVar
 
@@ -12,6 +11,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from server.api.errors import APIError, validation_error
+from server.api.json_text import NonFiniteNumber, loads_finite
 from server.api.request_work import run_request_work
 
 M = TypeVar("M", bound=BaseModel)
@@ -69,27 +69,6 @@ def _load_json_stdlib(raw: bytes) -> object:
         raise APIError(400, "Request body is not valid JSON.", code="invalid_json") from None
     except RecursionError:
         raise APIError(400, "Request body is nested too deeply.", code="invalid_json") from None
-
-
-class NonFiniteNumber(ValueError):
-    """NaN, Infinity, -Infinity or a number past the float range in a JSON text."""
-
-
-def loads_finite(text: str | bytes) -> object:
-    """json.loads refusing what is no JSON number (RFC 8259) as msgspec does: NaN, Infinity, -Infinity and
-    numbers past the float range (1e400, which json.loads reads as inf) raise NonFiniteNumber."""
-    return json.loads(text, parse_constant=_non_finite, parse_float=_finite_float)
-
-
-def _non_finite(text: str) -> float:
-    raise NonFiniteNumber(f"{text} is not a JSON number.")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise NonFiniteNumber(f"{text} is out of the float range.")
-    return value
 
 
 # a \uD800-\uDFFF escape (or text that only looks like one, e.g. after an escaped backslash: the full check

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from server.api.errors import APIError
-from server.api.protocol import ChatMessage
+from server.api.protocol import ChatMessage, ToolCallArgumentsError
 from server.model.chat_template import ChatTemplateError
 from server.model.tokenizer import NoChatTemplateError
 
@@ -17,6 +17,8 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
     for i, m in enumerate(messages):
         try:
             out.append(m.for_template())
+        except ToolCallArgumentsError as e:
+            raise APIError(400, str(e), f"messages[{i}].tool_calls") from None
         except ValueError as e:
             raise APIError(400, str(e), f"messages[{i}].content") from None
     return out

@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from server.api.parsing import loads_finite
+from server.api.json_text import is_unicode, loads_finite
 from server.api.request_ids import check_request_id
 from server.api.structural_format import MAX_TAGS, MAX_TRIGGERS, BoundedFormat
 from server.api.trigger_index import TriggerIndex
@@ -380,6 +380,10 @@ class ContentPart(_Request):
     refusal: str | None = None  # an assistant turn's {"type": "refusal"} part: its text, as vLLM reads it
 
 
+class ToolCallArgumentsError(ValueError):
+    """An earlier turn's tool call whose arguments no prompt can hold."""
+
+
 def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
     """An earlier turn's tool call as templates render it: OpenAI's clients send its arguments as JSON text,
     templates write them with `| tojson`, so they get the value (transformers' convention, as vLLM does);
@@ -392,9 +396,12 @@ def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
     if not (arguments is None or isinstance(arguments, str)):
         return call
     try:
-        value = json.loads(arguments or "{}")
-    except (ValueError, RecursionError):  # not JSON, or nested past Python's stack
+        value = loads_finite(arguments or "{}")
+    except (ValueError, RecursionError):  # not JSON (NaN included), or nested past Python's stack
         value = {}
+    if "\\u" in (arguments or "") and not is_unicode(json.dumps(value, ensure_ascii=False)):  # "\\ud800"
+        raise ToolCallArgumentsError("a tool call's function.arguments holds an unpaired UTF-16 surrogate "
+                                     "escape (e.g. \"\\ud800\"); strings must be valid Unicode.")
     return {**call, "function": {**function, "arguments": value}}
 
 

@@ -6,17 +6,21 @@ parser that `--tool-call-parser` names turns that text into OpenAI's tool_calls:
   </tool_call>`, one block per call, after any plain text;
 - llama3_json (Llama 3.1 / 3.2): the whole reply is one JSON object `{"name": ..., "parameters": ...}`, or
   several separated by ";".
-A reply whose calls are not valid JSON objects with a string "name" is plain content, as it was written.
+A reply whose calls are not valid JSON objects with a string "name" is plain content, as it was written:
+the JSON of RFC 8259 (no NaN or Infinity, no number past the float range; `json_text`), so that every call's
+arguments are JSON text a client's strict parser reads. Arguments the model wrote as a string are taken as
+that string's JSON text; a string that is none makes the call invalid.
 Streamed, text is sent until a call opens and held from there until the choice ends (ToolCallStream); the
 calls then go out whole in one delta, which OpenAI's clients accumulate like any other.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import uuid
 from dataclasses import dataclass
+
+from server.api.json_text import FINITE_DECODER, dumps_unicode, is_unicode, loads_finite
 
 PARSERS = ("hermes", "llama3_json")
 HERMES_OPEN = "<tool_call>"
@@ -55,12 +59,12 @@ def _llama3_json(text: str) -> tuple[str | None, list[ToolCall] | None]:
     body = text.strip().removeprefix(_PYTHON_TAG).strip()
     if not body.startswith("{"):
         return text, None
-    decoder, calls, i = json.JSONDecoder(), [], 0
+    calls, i = [], 0
     while i < len(body):
         try:
-            obj, end = decoder.raw_decode(body, i)
+            obj, end = FINITE_DECODER.raw_decode(body, i)
             calls.append(_named_call(obj, "parameters"))  # (its json.dumps recurses one frame deeper)
-        except (json.JSONDecodeError, RecursionError):  # nested past Python's stack: a 500 before (a review)
+        except (ValueError, RecursionError):  # nested past Python's stack: a 500 before (a review)
             return text, None
         i = end
         while i < len(body) and body[i] in " \t\r\n;":
@@ -70,17 +74,21 @@ def _llama3_json(text: str) -> tuple[str | None, list[ToolCall] | None]:
 
 def _call(body: str, arguments_key: str) -> ToolCall | None:
     try:
-        return _named_call(json.loads(body), arguments_key)
-    except (json.JSONDecodeError, RecursionError):  # the model's text: any JSON, nested arbitrarily deep
+        return _named_call(loads_finite(body), arguments_key)
+    except (ValueError, RecursionError):  # the model's text: any JSON, nested arbitrarily deep
         return None
 
 
 def _named_call(obj, arguments_key: str) -> ToolCall | None:
-    """{"name": str, arguments_key or "arguments": object or JSON text} -> a ToolCall; else None."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    """{"name": str, arguments_key or "arguments": a value or its JSON text} -> a ToolCall; else None. Where
+    the model escaped a lone surrogate ("\\ud800"), the arguments keep the escape (dumps_unicode); in the
+    name, which the reply carries as a str, it makes the call invalid."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not is_unicode(obj["name"]):
         return None
     args = obj.get(arguments_key, obj.get("arguments", {}))
-    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+    if isinstance(args, str):
+        args = loads_finite(args)  # (a ValueError, as the call's own syntax: the caller's None)
+    return ToolCall(obj["name"], dumps_unicode(args))
 
 
 class ToolCallStream:
