@@ -80,3 +80,23 @@ def test_bad_values_are_400s(app, value, message):
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] == "truncate_prompt_tokens" and message in err["message"]
+
+
+@pytest.mark.parametrize("logprobs", [None, 0])
+def test_a_prompt_that_fills_the_context_can_be_scored(app, logprobs):
+    """echo with max_tokens 0 needs no room beside the prompt (OpenAI: prompt + max_tokens <= the context;
+    vLLM checks the 0 asked): a prompt of exactly the context was a 400 (a review). One more is a 400."""
+    ids = [5 + i % 90 for i in range(MAX_MODEL_LEN)]
+    fields = {"max_tokens": 0, "echo": True} | ({} if logprobs is None else {"logprobs": logprobs})
+    body = complete(app, prompt=ids, **fields)
+    assert body["usage"] == {"prompt_tokens": MAX_MODEL_LEN, "completion_tokens": 0,
+                             "total_tokens": MAX_MODEL_LEN}
+    if logprobs is not None:
+        lp = body["choices"][0]["logprobs"]
+        assert len(lp["tokens"]) == MAX_MODEL_LEN and lp["token_logprobs"][0] is None
+    cut = complete(app, prompt=ids + [7, 8], truncate_prompt_tokens=-1, **fields)
+    assert cut["usage"]["prompt_tokens"] == MAX_MODEL_LEN
+    r = post(app, "/v1/completions", {"prompt": ids + [7], **fields})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = post(app, "/v1/completions", {"prompt": ids, "max_tokens": 1})  # a completion needs its room
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"

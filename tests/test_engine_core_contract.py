@@ -50,7 +50,7 @@ def test_aborting_a_prefilling_parent_finishes_the_choices_waiting_to_fork(core)
 @pytest.mark.parametrize("prompt_len,params,match", [
     (0, greedy(3), "at least one token"),  # accepted, it failed the next step and every request in it
     (64, greedy(3), "max_model_len"),
-    (60, greedy(5), "max_model_len"),
+    (60, greedy(6), "max_model_len"),  # 65 positions: the last token is never forwarded, 64 would fit
     (4, greedy(2, n=7), "max_num_seqs"),
 ])
 def test_a_request_it_can_never_run_is_refused_alone(core, prompt_len, params, match):
@@ -58,6 +58,14 @@ def test_a_request_it_can_never_run_is_refused_alone(core, prompt_len, params, m
         core.add_request(EngineRequest("over", [5] * prompt_len, params, 0.0))
     core.add_request(EngineRequest("y", [5] * 10, greedy(10), 0.0))  # its neighbour runs as ever
     assert run(core) == {("y", 0): "length"}
+
+
+def test_a_prompt_of_max_model_len_tokens_samples_one_token(core):
+    """Scoring a full-context prompt (echo, max_tokens 0: one token sampled and dropped): the prompt takes
+    every position, the sampled token none; its blocks come back."""
+    core.add_request(EngineRequest("full", [5 + i % 90 for i in range(64)], greedy(1), 0.0))
+    assert run(core) == {("full", 0): "length"}
+    assert core.kv.usage().used_blocks == 0
 
 
 def test_max_model_len_fits_the_cache():

@@ -36,6 +36,13 @@ class RequestLimits:
         return self.max_seqs_per_request or max(1, max_num_seqs // 2)
 
 
+def check_prompt_count(limits: RequestLimits, count: int) -> None:
+    """400 for more prompts than a request may carry; checked before any prompt is tokenized, so that the
+    work a refused request costs stays bounded by the limit (10x the limit was tokenized first: a review)."""
+    if count > limits.max_prompts:
+        _refuse("prompt", f"{count} prompts", f"max_prompts={limits.max_prompts}")
+
+
 def check_limits(limits: RequestLimits, engine, prompts: list[list[int]], params: SamplingParams,
                  logprobs_param: str = "logprobs", tokens_param: str = "max_tokens",
                  prompt_ks: dict[str, int] | None = None) -> None:
@@ -48,8 +55,7 @@ def check_limits(limits: RequestLimits, engine, prompts: list[list[int]], params
     if longest_stop > limits.max_stop_string_length:
         _refuse("stop", f"a stop string of {longest_stop} characters",
                 f"max_stop_string_length={limits.max_stop_string_length}")
-    if len(prompts) > limits.max_prompts:
-        _refuse("prompt", f"{len(prompts)} prompts", f"max_prompts={limits.max_prompts}")
+    check_prompt_count(limits, len(prompts))
     choices = len(prompts) * params.n
     if choices > limits.max_choices:
         _refuse("n", f"{len(prompts)} prompts x n={params.n} = {choices} choices",

@@ -11,7 +11,7 @@ from functools import cached_property
 
 from fastapi import APIRouter, Request, Response
 
-from server.api.admission import Reservation
+from server.api.admission import Reservation, check_prompt_count
 from server.api.engine_stream import (
     ChoiceState,
     RunningUsage,
@@ -164,6 +164,7 @@ async def create_completion(request: Request) -> Response:
     req = await parse_body(request, CompletionRequest)
     check_model(engine, req.model)
     request_id = resolve_request_id(request, req.request_id)
+    check_prompt_count(request.app.state.limits, _prompt_count(req.prompt))
     grammar = await request_grammar(request, req, engine.tokenizer)
     job = await run_request_work(request, _job, engine, req, grammar, request_id)
     job.reservation = admit(request, job.prompts, job.params,
@@ -172,6 +173,11 @@ async def create_completion(request: Request) -> Response:
     job.max_seqs = request.app.state.limits.seqs_per_request(engine.config.max_num_seqs)
     return await job_response(request, req.stream, lambda: _stream(job), lambda: _complete(job),
                               job.reservation)
+
+
+def _prompt_count(prompt: str | list) -> int:
+    """A text, a list of texts, a list of ids (one prompt) or a list of id lists: how many prompts."""
+    return 1 if isinstance(prompt, str) or isinstance(prompt[0], int) else len(prompt)
 
 
 def _job(engine, req: CompletionRequest, grammar: Grammar | None = None,
@@ -204,9 +210,10 @@ def _job(engine, req: CompletionRequest, grammar: Grammar | None = None,
         raise APIError(400, f"min_tokens must be an integer in [0, max_tokens=0], got {req.min_tokens}",
                        "min_tokens")
     max_tokens = req.max_tokens if req.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
-    max_tokens = max(1, max_tokens)  # scoring: the one sampled token is dropped
-    check_cut_room(cut_to, max_tokens, engine.max_model_len, "max_tokens")
-    check_context_length(engine, prompts, max_tokens, "prompt")
+    completion = 0 if scores_prompt else max_tokens  # what the context must hold beside the prompt
+    check_cut_room(cut_to, completion, engine.max_model_len, "max_tokens")
+    check_context_length(engine, prompts, completion, "prompt")
+    max_tokens = max(1, max_tokens)  # scoring: the one token sampled is dropped (the core never forwards it)
     params = sampling_params(req, max_tokens, req.logprobs, tok, engine.sampling_defaults, grammar)
     if req.echo and req.logprobs is not None:  # the echoed prompt comes with its logprobs
         params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)

@@ -75,6 +75,30 @@ def _loc_to_param(loc: tuple) -> str | None:
     return out
 
 
+_NOUNS = {"str": ("a string", "strings"), "int": ("an integer", "integers"), "float": ("a number", "numbers"),
+          "bool": ("a boolean", "booleans"), "none": ("null", "nulls")}
+
+
+def _form(tag: str, plural: bool = False) -> str | None:
+    """A union member's tag ("list[list[int]]") in words ("a list of lists of integers"); None if unknown."""
+    if tag.startswith("list[") and tag.endswith("]"):
+        inner = _form(tag[5:-1], plural=True)
+        return inner and ("lists of " if plural else "a list of ") + inner
+    return _NOUNS[tag][plural] if tag in _NOUNS else None
+
+
+def _union_forms(errors: list[dict], loc: tuple) -> list[str]:
+    """Where every member of a union field failed (pydantic reports each, its tag in loc after the field):
+    the members' forms in words, in order; [] otherwise."""
+    at = next((i for i, p in enumerate(loc) if isinstance(p, str) and (p in _TYPE_TAGS or "[" in p)), None)
+    if at is None:
+        return []
+    tags = list(dict.fromkeys(e["loc"][at] for e in errors
+                              if len(e.get("loc", ())) > at and tuple(e["loc"][:at]) == loc[:at]))
+    forms = [_form(str(t)) for t in tags]
+    return forms if len(forms) > 1 and None not in forms else []
+
+
 def validation_error(errors: list[dict]) -> APIError:
     """Turns pydantic/FastAPI validation errors into a 400 naming the first offending field."""
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
@@ -83,6 +107,9 @@ def validation_error(errors: list[dict]) -> APIError:
     if first.get("type") == "json_invalid":
         return APIError(400, "Request body is not valid JSON.", None, "invalid_json")
     msg = first.get("msg", "invalid value").removeprefix("Value error, ")
+    forms = _union_forms(errors, loc)
+    if forms:  # the first member's complaint ("a valid string") would say a list is never taken
+        msg = f"it must be {', '.join(forms[:-1])} or {forms[-1]}"
     if first.get("type") == "missing":
         return APIError(400, f"Missing required field '{param}'.", param, "missing_field")
     message = f"Invalid value for '{param}': {msg}" if param else f"Invalid request body: {msg}"

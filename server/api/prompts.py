@@ -86,11 +86,11 @@ def template_errors() -> Iterator[None]:
 
 def check_context_length(engine, prompts: list[list[int]], max_tokens: int, prompt_param: str,
                          max_tokens_param: str = "max_tokens") -> None:
-    """OpenAI's context_length_exceeded: blames the prompt when it leaves no room for one token, else
-    the requested completion length."""
+    """OpenAI's context_length_exceeded: blames the prompt when it leaves no room for one token (max_tokens
+    0, scoring the prompt: when it is longer than the context), else the requested completion length."""
     limit = engine.max_model_len
     longest = max(len(ids) for ids in prompts)
-    if longest >= limit:
+    if longest > limit or (longest == limit and max_tokens > 0):
         raise APIError(400, f"This model's maximum context length is {limit} tokens, but the {prompt_param} "
                             f"has {longest} tokens, which leaves no room for a completion; shorten the "
                             f"{prompt_param}.", prompt_param, "context_length_exceeded")

@@ -135,10 +135,12 @@ class EngineCore:
             self._compiling[req.request_id] = self.grammars.compile(er.params.grammar, er.params.cache_salt)
 
     def _check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        total = num_prompt_tokens + params.max_tokens
+        # the positions a choice takes: its last token is sampled, never forwarded (the scheduler stops a
+        # choice at max_tokens), so a prompt of max_model_len tokens can be scored (max_tokens 1, dropped)
+        total = num_prompt_tokens + params.max_tokens - 1
         if total > self.runner.max_model_len:
-            raise ValueError(f"prompt ({num_prompt_tokens}) + max_tokens ({params.max_tokens}) = {total} "
-                             f"tokens exceeds max_model_len ({self.runner.max_model_len})")
+            raise ValueError(f"prompt ({num_prompt_tokens}) + max_tokens ({params.max_tokens}) - 1 = {total} "
+                             f"positions exceeds max_model_len ({self.runner.max_model_len})")
         if params.prompt_logprobs is not None and num_prompt_tokens > self.scheduler.max_num_batched_tokens:
             # one dense forward on this thread: no longer than the steps memory was sized for
             raise ValueError(f"prompt logprobs take a prompt of at most max_num_batched_tokens "
