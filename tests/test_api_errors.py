@@ -12,6 +12,7 @@ import pytest
 from server.api.app import create_app
 from server.api.async_engine import AsyncEngine
 from server.engine.engine import EngineConfig
+from server.model.chat_template import ChatTemplate
 from tests.engine_helpers import started_engine
 
 pytestmark = pytest.mark.timeout(120)
@@ -226,6 +227,18 @@ def test_an_empty_text_prompt_is_its_bos(engine):
         r = request(app, "POST", "/v1/completions", json={**CMPL, "prompt": prompt, "return_token_ids": True})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["prompt_token_ids"] == [engine.tokenizer.bos_token_id]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chat_template_rendering_no_token_is_a_400_naming_messages(engine, monkeypatch, stream):
+    """The engine's admission refused it naming "prompt", a field chat has not (a review)."""
+    monkeypatch.setattr(engine.tokenizer, "chat_template",
+                        ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}", "test"))
+    body = {**CHAT, "messages": [{"role": "user", "content": ""}], "add_special_tokens": False,
+            "stream": stream}
+    r = request(create_app(engine), "POST", "/v1/chat/completions", json=body)
+    err = assert_error(r, 400, "messages")
+    assert "no token" in err["message"]
 
 
 def test_tool_choice_required_over_no_tools_calls_nothing(engine):

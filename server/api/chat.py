@@ -191,6 +191,9 @@ def _job(engine, req: ChatCompletionRequest, limits: RequestLimits | None = None
                             'tool_choice "none" shows the tools without calls.', "tool_choice")
     prompt = chat_prompt_ids(engine.tokenizer, req.messages, req.add_generation_prompt,
                              req.add_special_tokens, template_variables(req.chat_template_kwargs, req.tools))
+    if not prompt:  # a template that renders these messages to nothing: nothing for the model to read
+        raise APIError(400, "The chat template renders these messages to no token; the prompt must not be "
+                            "empty.", "messages")
     (prompt,), cut_to = truncated([prompt], req.truncate_prompt_tokens, engine.max_model_len)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
