@@ -182,7 +182,7 @@ def add_engine_flags(s: argparse.ArgumentParser) -> None:
     kv.add_argument("--gpu-memory-utilization", type=fraction, default=None,
                     help="fraction of the GPU's total memory this server may use: weights, activations, CUDA "
                          "graphs and the KV cache, which gets the rest (vLLM's meaning; default 0.9; CPU: "
-                         "a KV cache of 8192 tokens)")
+                         "a KV cache of 8192 tokens, one block of them the null block)")
     kv.add_argument("--num-blocks", type=int, default=None,
                     help="KV cache size in blocks, instead of sizing it from --gpu-memory-utilization "
                          "(vLLM: --num-gpu-blocks-override)")
@@ -196,7 +196,8 @@ def add_engine_flags(s: argparse.ArgumentParser) -> None:
                    help="queued requests before new ones get 429 (vLLM queues without a bound)")
     s.add_argument("--max-model-len", type=model_len, default=None,
                    help="prompt + completion tokens per sequence, as vLLM spells it (4096, 32k = 32,000, "
-                        "32K = 32,768; default: the model's max_position_embeddings)")
+                        "32K = 32,768; default: the model's max_position_embeddings, or what the KV cache "
+                        "holds if that is less)")
     s.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"],
                    help="paged attention kernels: auto = triton on CUDA, the torch reference on CPU")
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -279,7 +280,8 @@ def add_limit_flags(s: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout-keep-alive", type=positive_int, default=c.DEFAULT_TIMEOUT_KEEP_ALIVE_S,
                    help="seconds an idle keep-alive connection stays open (uvicorn's)")
     g.add_argument("--max-connections", type=positive_int, default=c.DEFAULT_MAX_CONNECTIONS,
-                   help="open connections; one more gets a 503 and is closed")
+                   help="open connections of each API server (--api-server-count); one more gets a 503 and "
+                        "is closed")
     g.add_argument("--client-stall-timeout", type=positive_seconds, default=c.DEFAULT_STALL_TIMEOUT_S,
                    help="seconds a client may read nothing of its response before it is disconnected "
                         "(its requests aborted, their KV blocks freed)")
@@ -349,13 +351,16 @@ def main(argv: list[str] | None = None) -> int:
         from loadtest.cli import main as loadtest_main
 
         return loadtest_main(argv[1:]) or 0
-    args = parse_serve_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # until the server's own handlers replace it; put back after (main may run inside another program)
+    # until the server's own handlers replace them; put back after (main may run inside another program)
     main_thread = threading.current_thread() is threading.main_thread()  # (signals are set from it alone)
-    previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
+    held = HeldStops() if main_thread else None
     try:
+        args = parse_serve_args(argv)
+        logging.basicConfig(level=args.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        import_serving()
+        if held is not None:
+            held.release()
         return serve(args)
     except (ValueError, OSError) as e:  # a bad model, tokenizer, template or flag value found at start-up
         return startup_failed(e)
@@ -366,8 +371,42 @@ def main(argv: list[str] | None = None) -> int:
         print("pagewalk serve: interrupted during start-up", file=sys.stderr)
         return 130
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        if held is not None:
+            held.restore()
+
+
+def import_serving() -> None:
+    """torch, Triton and the server's modules (~3 s on a 2-core box), loaded while HeldStops holds stops."""
+    import uvicorn  # noqa: F401
+
+    import server.api.app  # noqa: F401
+    import server.supervisor  # noqa: F401
+
+
+class HeldStops:
+    """SIGTERM and SIGINT while the flags parse and the modules load: noted, not raised. Raised there, they
+    interrupted a C extension's import halfway (under load: "cannot load module more than once per process",
+    or an exit that hung: a review; and before this handler, SIGTERM ended the process by default).
+    `release` sets the start-up's handlers and raises the stop noted, if any."""
+
+    def __init__(self) -> None:
+        self.noted: int | None = None
+        self.previous = {sig: signal.signal(sig, self._note) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def _note(self, signum, frame) -> None:
+        self.noted = self.noted or signum
+
+    def release(self) -> None:
+        signal.signal(signal.SIGTERM, _terminated)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if self.noted == signal.SIGTERM:
+            raise Terminated
+        if self.noted == signal.SIGINT:
+            raise KeyboardInterrupt
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 class Terminated(KeyboardInterrupt):

@@ -89,6 +89,19 @@ def test_a_signal_while_the_core_starts_stops_at_once_and_leaves_nothing(tmp_pat
             proc.kill()
 
 
+@pytest.mark.parametrize("sig,code,line", [(signal.SIGINT, 130, "interrupted during start-up"),
+                                           (signal.SIGTERM, 0, "stopped during start-up")])
+def test_a_signal_while_torch_loads_stops_cleanly(sig, code, line):
+    """The handler was set after the flags' parsing and torch's import (~3 s): a SIGTERM then ended the
+    process by default (-15), a Ctrl-C printed a traceback (a review). 1 s in, torch is still loading."""
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--device", "cpu", "--port",
+                             str(free_port())], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    time.sleep(1.0)
+    proc.send_signal(sig)
+    out = proc.communicate(timeout=60)[0].decode()
+    assert proc.returncode == code and line in out and "Traceback" not in out, (proc.returncode, out[-1500:])
+
+
 def test_a_second_ctrl_c_during_the_drain_leaves_no_traceback(tmp_path):
     srv = Server(tmp_path, "--num-blocks", "256", "--shutdown-timeout", "20")
     events, started = [], threading.Event()

@@ -9,7 +9,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/serving_ab}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONUNBUFFERED=1
 if [[ -n "${TESTS:-}" ]]; then
   # shellcheck disable=SC2086
