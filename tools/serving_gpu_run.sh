@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One GPU call for the serving issues (run from the repo root on the GPU machine with .whl carried):
 # install the carried wheels (`../shared/tools/device-wheels pyzmq msgspec jinja2 markupsafe httptools`: the
-# FastAPI stack and those), then the parts named in PARTS (default: all):
+# FastAPI stack and those; and llguidance >= 1.9, whose wheels are manylinux_2_31, which device-wheels does not
+# ask for: `python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
+# manylinux_2_31_x86_64 -d .whl llguidance==1.9.1`), then the parts named in PARTS (default: all):
 #   tests    the runner/engine GPU tests
 #   hazards  tools/step_hazards (Triton compiles after start-up, host-device syncs, under random traffic)
 #   forward  tools/decode_forward_bench (the decode step's graph replay, torch vs fused ops, per-kernel split);
