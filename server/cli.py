@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         if held is not None:
             held.release()
         return serve(args)
-    except (ValueError, OSError) as e:  # a bad model, tokenizer, template or flag value found at start-up
+    except (ValueError, OSError, ImportError) as e:  # a bad model, tokenizer, template, flag or library
         return startup_failed(e)
     except Terminated:  # a stop asked for before there was anything to drain
         print("pagewalk serve: stopped during start-up (SIGTERM)", file=sys.stderr)

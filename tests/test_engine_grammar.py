@@ -1116,3 +1116,15 @@ def test_tenants_that_salt_apart_share_no_compile(monkeypatch):
     assert compiles.count == {grammar: 3}
     grammars.forget(grammar, "tenant-a")  # its own salt's compile alone
     assert set(grammars._compiled) == {(None, grammar), ("tenant-b", grammar)}
+
+
+@pytest.mark.parametrize("version,ok", [("1.6.1", False), ("1.8.9", False), ("1.9.0", True), ("1.10.2", True),
+                                        ("2.0.0rc1", True)])
+def test_an_llguidance_older_than_pagewalk_needs_is_named_at_import(version, ok):
+    """A GPU host's carried wheels brought 1.6.1: every guided request failed with "expected an integer"
+    (its tokenizer takes one EOS id). The import now says which version it found."""
+    if ok:
+        grammar_module.check_llguidance(version)
+    else:
+        with pytest.raises(ImportError, match=f"llguidance {version} is installed"):
+            grammar_module.check_llguidance(version)

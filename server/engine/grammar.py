@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import importlib.metadata
 import itertools
 import os
 import threading
@@ -42,6 +43,20 @@ import torch
 
 from server.engine.forced_specials import ForcedSpecials
 from server.model.tokenizer import ByteTokenizer, HFTokenizer
+
+LLGUIDANCE_MIN = (1, 9)  # 1.6 takes one EOS id where the tokenizer gives a list: every guided request failed
+
+
+def check_llguidance(version: str) -> None:
+    """ImportError naming the version where llguidance is older than LLGUIDANCE_MIN (pyproject asks it, but a
+    carried wheel set or a pinned environment may bring an older one)."""
+    parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    if parts < LLGUIDANCE_MIN:
+        raise ImportError(f"llguidance {version} is installed; pagewalk needs >= "
+                          f"{'.'.join(map(str, LLGUIDANCE_MIN))} (pip install -U llguidance)")
+
+
+check_llguidance(importlib.metadata.version("llguidance"))
 
 COMPILE_THREADS = 2  # grammars compiling at once, beside the core's own thread
 # grammars of up to this many characters compile on a thread of their own: a realistic schema (~1 ms) never
