@@ -9,9 +9,12 @@ the response lasts. GuardedHttpProtocol adds, per connection:
   the connection opened); otherwise the connection gets a 408 and is closed (slowloris);
 - a header size bound: a request line plus headers over MAX_HEADER_BYTES get a 431 and the connection is
   closed (what h11 bounds by itself; llhttp hands uvicorn every fragment);
-- a body deadline: once its headers are in, a request's body must be complete within `header_timeout_s` plus
-  its length (a chunked body: the server's body limit) at MIN_BODY_RATE; otherwise a 408 and the
-  connection is closed (a body that trickles in would otherwise hold a connection slot forever);
+- a body deadline: once it runs (at once, or when its turn comes behind pipelined answers), a request's body
+  must be complete within `header_timeout_s` plus its length (a chunked body: the server's body limit) at
+  MIN_BODY_RATE; otherwise a 408 and the connection is closed (a body that trickles in would otherwise hold
+  a connection slot forever);
+- one valid Host line (host_header.py: 400 otherwise), an absolute-form target's authority as the Host the
+  app sees, and HTTP/1.0 answered as that version asks (http10.py: no 100 Continue, no chunked body);
 - a cap: a connection over `max_connections` open ones gets a 503 and is closed at once;
 - a write-stall deadline: a client that reads nothing of a response for `stall_timeout_s` (the socket's send
   buffer, capped at SEND_BUFFER_BYTES, stays full) is disconnected; the app sees the disconnect, which aborts
@@ -25,7 +28,7 @@ the response lasts. GuardedHttpProtocol adds, per connection:
   gone client's non-streamed request running to max_tokens);
 - at shutdown, a connection whose client is not reading is disconnected at once (before the engine drains,
   and again when uvicorn closes connections), so a stalled client cannot hold the exit;
-- the OpenAI error body on every answer it writes itself (400, 408, 431, 503).
+- the OpenAI error body on every answer it writes itself (400, 408, 414, 431, 503).
 
 httptools (llhttp) rather than h11: the API process streams every token of every stream through this
 protocol, and its per-event cost is most of the API process's time at high concurrency (tools/api_bench,
@@ -43,6 +46,8 @@ import socket
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from server.api.errors import error_body
+from server.api.host_header import host_problem, target_authority
+from server.api.http10 import CloseDelimitedCycle
 from server.api.limits import DEFAULT_MAX_BODY_BYTES
 from server.api.request_ids import HEADER, new_request_id
 
@@ -78,6 +83,10 @@ class HeadersTooLarge(Exception):
     """A request's line and headers passed MAX_HEADER_BYTES (raised from a parser callback)."""
 
 
+class BadHost(Exception):
+    """A request's Host lines are not one valid value (host_header.py; raised from a parser callback)."""
+
+
 class PipelineTooDeep(Exception):
     """A request began with MAX_PIPELINED queued ahead of it (raised from a parser callback)."""
 
@@ -99,6 +108,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.header_bytes = 0  # of the request being read: its line and headers so far
         self.header_deadline = 0.0  # loop time the request being read must have its headers by
         self.pipeline_overflow = False
+        self.body_length = 0  # of the last request whose headers were read
+        self.awaiting_url = True  # the request being read has no header line yet (its target may be growing)
+        self.host_problem: str | None = None  # the request being read's Host lines, if not one valid value
         super().connection_made(transport)
         sock = transport.get_extra_info("socket")
         if sock is not None:
@@ -123,6 +135,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def _start_asgi_task(self, cycle, app) -> None:
         self.running_cycle = cycle
         super()._start_asgi_task(cycle, app)
+        if self.body_length and cycle.more_body and cycle.scope is self.scope and self.body_timer is None:
+            # the body deadline runs from the request's start: a request queued behind an answer may have its
+            # body held back by its client until then (Expect: 100-continue), and a deadline armed with its
+            # headers wrote a 408 into the answer ahead of it (a review). (body_length: the last request
+            # read's, this one's; one with more queued behind it has its body whole.)
+            self.body_timer = self.loop.call_later(self.header_timeout_s + self.body_length / MIN_BODY_RATE,
+                                                   self._body_timeout)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -142,7 +161,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self.pipeline_overflow = True
             raise PipelineTooDeep
         super().on_message_begin()
-        self.awaiting_headers, self.header_bytes = True, 0
+        self.awaiting_headers, self.header_bytes, self.awaiting_url = True, 0, True
         self._arm_header_timer()  # from the request's first byte
 
     def on_url(self, url: bytes) -> None:
@@ -150,6 +169,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self.awaiting_url = False
         self._count_header_bytes(len(name) + len(value) + 4)
         super().on_header(name, value)
 
@@ -158,11 +178,20 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self.header_timer is not None:
             self.header_timer.cancel()
             self.header_timer = None
-        length = _body_length(self.headers, self.max_body_bytes)
-        if length:
-            self.body_timer = self.loop.call_later(self.header_timeout_s + length / MIN_BODY_RATE,
-                                                   self._body_timeout)
-        super().on_headers_complete()
+        version = self.parser.get_http_version()
+        self.host_problem = host_problem([v for n, v in self.headers if n == b"host"], version)
+        if self.host_problem is not None:
+            raise BadHost  # (answered by send_400_response, as a parse error)
+        authority = target_authority(self.url)
+        if authority is not None:  # RFC 9112 §3.2.2: the target's authority names the host, not the Host line
+            self.headers[:] = [(n, v) for n, v in self.headers if n != b"host"] + [(b"host", authority)]
+        http10 = version == "1.0"
+        if http10:
+            self.expect_100_continue = False  # RFC 9110 §10.1.1: ignored in an HTTP/1.0 request (http10.py)
+        self.body_length = _body_length(self.headers, self.max_body_bytes)
+        super().on_headers_complete()  # (starts the request at once, or queues it: _start_asgi_task)
+        if http10 and self.cycle is not None and self.cycle.scope is self.scope:
+            self.cycle.__class__ = CloseDelimitedCycle
 
     def on_message_complete(self) -> None:
         if self.body_timer is not None:
@@ -191,12 +220,19 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                         MAX_PIPELINED)
             self.transport.close()
             return
-        if self.header_bytes > MAX_HEADER_BYTES:
+        if self.header_bytes > MAX_HEADER_BYTES and self.awaiting_url:  # RFC 9112 §3: the target's own status
+            logger.info("closing a connection from %s: request target over %d bytes", _peer(self),
+                        MAX_HEADER_BYTES)
+            message = f"The request target exceeds {MAX_HEADER_BYTES} bytes."
+            self.transport.write(raw_error(414, "URI Too Long", message, "uri_too_long"))
+        elif self.header_bytes > MAX_HEADER_BYTES:
             logger.info("closing a connection from %s: request line and headers over %d bytes", _peer(self),
                         MAX_HEADER_BYTES)
             self.transport.write(raw_error(431, "Request Header Fields Too Large",
                                            f"Request line and headers exceed {MAX_HEADER_BYTES} bytes.",
                                            "headers_too_large"))
+        elif self.host_problem is not None:
+            self.transport.write(raw_error(400, "Bad Request", self.host_problem, "invalid_host"))
         else:
             self.transport.write(raw_error(400, "Bad Request", f"{msg} (malformed HTTP)", "invalid_http"))
         self.transport.close()
@@ -240,7 +276,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         logger.info("closing a connection from %s: request body not received in time", _peer(self))
-        if self.cycle is None or not self.cycle.response_started:
+        running = self.running_cycle
+        if running is None or not running.response_started:
             self.transport.write(raw_error(408, "Request Timeout", "Request body not received in time.",
                                            "request_timeout"))
         self.transport.close()
