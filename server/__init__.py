@@ -7,9 +7,18 @@ to be this project's by a file it holds, without importing it."""
 import importlib.util as _util
 from pathlib import Path as _Path
 
+
+def _is_pagewalks(where: str) -> bool:
+    """Whether the `kernels` package at `where` is this project's: its own module file, and an __init__
+    that exports the dispatch (another package's __init__ over pagewalk's files, as installing Hugging
+    Face's `kernels` after a wheel install of pagewalk leaves them, passed a file check alone: a review)."""
+    init = _Path(where) / "__init__.py"
+    return (_Path(where) / "paged_decode.py").is_file() and init.is_file() and \
+        "paged_decode_attention" in init.read_text(errors="replace")
+
+
 _spec = _util.find_spec("kernels")
-if _spec is not None and not any((_Path(p) / "paged_decode.py").is_file()
-                                 for p in _spec.submodule_search_locations or ()):
+if _spec is not None and not any(_is_pagewalks(p) for p in _spec.submodule_search_locations or ()):
     _where = _spec.origin or list(_spec.submodule_search_locations or ())
     raise ImportError(
         f"the module 'kernels' found at {_where} is not pagewalk's: Hugging Face's `kernels` package (a "

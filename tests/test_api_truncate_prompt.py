@@ -100,3 +100,18 @@ def test_a_prompt_that_fills_the_context_can_be_scored(app, logprobs):
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     r = post(app, "/v1/completions", {"prompt": ids, "max_tokens": 1})  # a completion needs its room
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_a_prompt_as_long_as_the_whole_cache_can_be_scored():
+    """max_model_len cut to what the KV cache holds (the default when it is smaller than the model's
+    positions): the admission's capacity checks counted the dropped token too, a 400 (a review)."""
+    with started_engine(model="tiny", device="cpu", attention_backend="torch", num_blocks=8,
+                        block_size=16) as engine:
+        limit = engine.max_model_len
+        assert limit == engine.capacity_tokens
+        body = {"prompt": [5 + i % 90 for i in range(limit)], "max_tokens": 0, "echo": True, "logprobs": 0}
+        r = post(create_app(engine), "/v1/completions", body)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == limit, r.text
+        body = {**body, "n": 2}  # two such choices are more than the cache
+        r = post(create_app(engine), "/v1/completions", body)
+        assert r.status_code == 400 and "KV cache capacity" in r.json()["error"]["message"], r.text

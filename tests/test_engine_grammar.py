@@ -1119,7 +1119,7 @@ def test_tenants_that_salt_apart_share_no_compile(monkeypatch):
 
 
 @pytest.mark.parametrize("version,ok", [("1.6.1", False), ("1.8.9", False), ("1.9.0", True), ("1.10.2", True),
-                                        ("2.0.0rc1", True)])
+                                        ("2.0.0rc1", True), ("1.10+local", True)])
 def test_an_llguidance_older_than_pagewalk_needs_is_named_at_import(version, ok):
     """A GPU host's carried wheels brought 1.6.1: every guided request failed with "expected an integer"
     (its tokenizer takes one EOS id). The import now says which version it found."""

@@ -6,6 +6,7 @@ failed before a review's fixes."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 
 import pytest
@@ -160,3 +161,33 @@ def test_host_problem(hosts, version, ok):
 def test_target_authority():
     assert target_authority(b"http://evil.example:81/health?x") == b"evil.example:81"
     assert target_authority(b"/health") is None and target_authority(b"*") is None
+
+
+def long_post(stream: bool) -> bytes:
+    data = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 300, "ignore_eos": True,
+                       "stream": stream}).encode()
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(data)) + data
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("second,status", [
+    (b"GET /health HTTP/1.1\r\nHost: localhost\r\nHost: evil.example\r\nConnection: close\r\n\r\n", b"400"),
+    (b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n", b"431")])
+def test_a_bad_request_pipelined_behind_an_answer_is_answered_after_it(server, stream, second, status):
+    """RFC 9112 §9.3.2: answers in request order. A bad Host's 400 and an oversized head's 431, written at
+    once, landed inside the stream ahead or stood first on the wire (a review)."""
+    s = connect(server, timeout=30)
+    s.sendall(long_post(stream))
+    first = s.recv(65536) if stream else b""  # the stream has begun
+    s.sendall(second)
+    raw = first + read_all(s)
+    s.close()
+    statuses = re.findall(rb"HTTP/1\.1 (\d{3}) ", raw)  # (a non-streamed body ends with no line break)
+    assert statuses == [b"200", status], statuses
+    if stream:
+        assert raw.index(b"data: [DONE]") < raw.index(b"HTTP/1.1 " + status)
+
+
+def test_an_absolute_form_authority_is_checked_as_a_host_line_is():
+    assert host_problem([target_authority(b"http://evil.example@localhost/health")], "1.1") is not None

@@ -131,7 +131,9 @@ def test_a_call_whose_arguments_are_no_json_is_content(parser, text):
     strict parsers refuse (a review); it is the reply's content, as any call that is no JSON."""
     assert parse(parser, text) == (text, [])
     stream = ToolCallStream(parser)
-    assert stream.feed(text) + stream.finish()[0] == text and stream.finish()[1] == []
+    sent = stream.feed(text)
+    held, calls = stream.finish()
+    assert sent + held == text and calls == []
 
 
 @pytest.mark.parametrize("args,expected", [('"{\\"city\\": \\"Paris\\"}"', {"city": "Paris"}),

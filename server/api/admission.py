@@ -67,8 +67,12 @@ def check_limits(limits: RequestLimits, engine, prompts: list[list[int]], params
     _check_logprob_entries(limits, choices, params, prompt_tokens, prompt_ks, logprobs_param)
     total = params.n * (prompt_tokens + len(prompts) * params.max_tokens)
     what = f"{total} tokens (n x (prompt + max_tokens), over all prompts)"
-    if total > engine.capacity_tokens:
-        _refuse(tokens_param, what, f"the KV cache capacity of {engine.capacity_tokens} tokens")
+    # KV positions: a choice's last token is sampled and never forwarded (the core's _check_fits), so a
+    # scored prompt (max_tokens 1, dropped) as long as a cache of max_model_len tokens fits (a review)
+    positions = total - params.n * len(prompts)
+    if positions > engine.capacity_tokens:
+        _refuse(tokens_param, f"{positions} KV positions (n x (prompt + max_tokens - 1), over all prompts)",
+                f"the KV cache capacity of {engine.capacity_tokens} tokens")
     if total > limits.max_request_tokens:
         _refuse(tokens_param, what, f"max_request_tokens={limits.max_request_tokens}")
 

@@ -255,11 +255,12 @@ class AsyncEngine:
                 400, f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {total} "
                 f"tokens exceeds the maximum context length of {self.max_model_len} tokens by more than the "
                 f"last token sampled", "max_tokens")
-        if total * params.n > self.capacity_tokens:
+        positions = total - 1  # KV positions a choice takes, as above
+        if positions * params.n > self.capacity_tokens:
             raise RequestRejected(
-                400, f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"tokens per choice x n={params.n} = {total * params.n} tokens exceeds the whole KV cache "
-                f"capacity of {self.capacity_tokens} tokens", "max_tokens")
+                400, f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) - 1 = "
+                f"{positions} KV positions per choice x n={params.n} = {positions * params.n} exceeds the "
+                f"whole KV cache capacity of {self.capacity_tokens} tokens", "max_tokens")
         if not admitted:
             self._refuse_if_queue_full(self._num_waiting(), 1)
 

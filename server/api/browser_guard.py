@@ -22,6 +22,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.api.errors import APIError, error_response
+from server.api.host_header import HOST_PROBLEM
 
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -59,6 +60,9 @@ class BrowserGuardMiddleware:
         await self.app(scope, receive, send)
 
     def _refusal(self, scope: Scope) -> APIError | None:
+        problem = scope.get(HOST_PROBLEM)
+        if problem is not None:  # RFC 9112 §3.2: several Host lines or an invalid one, whatever the address
+            return APIError(400, problem, code="invalid_host")
         headers = Headers(scope=scope)
         host = headers.get("host", "")
         if self.loopback_only and host_name(host) not in self.hosts:

@@ -46,7 +46,7 @@ import socket
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from server.api.errors import error_body
-from server.api.host_header import host_problem, target_authority
+from server.api.host_header import HOST_PROBLEM, host_problem, target_authority
 from server.api.http10 import CloseDelimitedCycle
 from server.api.limits import DEFAULT_MAX_BODY_BYTES
 from server.api.request_ids import HEADER, new_request_id
@@ -83,10 +83,6 @@ class HeadersTooLarge(Exception):
     """A request's line and headers passed MAX_HEADER_BYTES (raised from a parser callback)."""
 
 
-class BadHost(Exception):
-    """A request's Host lines are not one valid value (host_header.py; raised from a parser callback)."""
-
-
 class PipelineTooDeep(Exception):
     """A request began with MAX_PIPELINED queued ahead of it (raised from a parser callback)."""
 
@@ -110,7 +106,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.pipeline_overflow = False
         self.body_length = 0  # of the last request whose headers were read
         self.awaiting_url = True  # the request being read has no header line yet (its target may be growing)
-        self.host_problem: str | None = None  # the request being read's Host lines, if not one valid value
+        self.deferred_error: bytes | None = None  # a parse error's answer, due once the answers ahead are out
         super().connection_made(transport)
         sock = transport.get_extra_info("socket")
         if sock is not None:
@@ -179,12 +175,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self.header_timer.cancel()
             self.header_timer = None
         version = self.parser.get_http_version()
-        self.host_problem = host_problem([v for n, v in self.headers if n == b"host"], version)
-        if self.host_problem is not None:
-            raise BadHost  # (answered by send_400_response, as a parse error)
+        problem = host_problem([v for n, v in self.headers if n == b"host"], version)
         authority = target_authority(self.url)
-        if authority is not None:  # RFC 9112 §3.2.2: the target's authority names the host, not the Host line
+        if authority is not None and problem is None:  # RFC 9112 §3.2.2: the target's authority is the host
+            problem = host_problem([authority], version)
             self.headers[:] = [(n, v) for n, v in self.headers if n != b"host"] + [(b"host", authority)]
+        if problem is not None:  # answered by the browser guard, in its turn behind answers pipelined ahead
+            self.scope[HOST_PROBLEM] = problem
         http10 = version == "1.0"
         if http10:
             self.expect_100_continue = False  # RFC 9110 §10.1.1: ignored in an HTTP/1.0 request (http10.py)
@@ -208,6 +205,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # starts the next queued request, and reads on
+        if self.deferred_error is not None and not self._answering() and not self.transport.is_closing():
+            self.transport.write(self.deferred_error)  # a malformed request's answer, after those ahead of it
+            self.transport.close()
+            return
         if self.pipeline and not self.transport.is_closing():
             self.flow.pause_reading()  # not while requests still wait: what one connection queues is bounded
         elif self.awaiting_headers and self.header_timer is None and not self.transport.is_closing():
@@ -220,22 +221,32 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                         MAX_PIPELINED)
             self.transport.close()
             return
+        if self.deferred_error is not None or self.transport.is_closing():
+            return  # said already (the parser repeats its error on every later read)
         if self.header_bytes > MAX_HEADER_BYTES and self.awaiting_url:  # RFC 9112 §3: the target's own status
             logger.info("closing a connection from %s: request target over %d bytes", _peer(self),
                         MAX_HEADER_BYTES)
-            message = f"The request target exceeds {MAX_HEADER_BYTES} bytes."
-            self.transport.write(raw_error(414, "URI Too Long", message, "uri_too_long"))
+            error = raw_error(414, "URI Too Long", f"The request target exceeds {MAX_HEADER_BYTES} bytes.",
+                              "uri_too_long")
         elif self.header_bytes > MAX_HEADER_BYTES:
             logger.info("closing a connection from %s: request line and headers over %d bytes", _peer(self),
                         MAX_HEADER_BYTES)
-            self.transport.write(raw_error(431, "Request Header Fields Too Large",
-                                           f"Request line and headers exceed {MAX_HEADER_BYTES} bytes.",
-                                           "headers_too_large"))
-        elif self.host_problem is not None:
-            self.transport.write(raw_error(400, "Bad Request", self.host_problem, "invalid_host"))
+            error = raw_error(431, "Request Header Fields Too Large",
+                              f"Request line and headers exceed {MAX_HEADER_BYTES} bytes.",
+                              "headers_too_large")
         else:
-            self.transport.write(raw_error(400, "Bad Request", f"{msg} (malformed HTTP)", "invalid_http"))
+            error = raw_error(400, "Bad Request", f"{msg} (malformed HTTP)", "invalid_http")
+        if self._answering():  # the answers ahead of it go out first, whole (RFC 9112 §9.3.2: request
+            # order; written at once it landed inside the stream being sent: a review)
+            self.deferred_error = error
+            self.flow.pause_reading()
+            return
+        self.transport.write(error)
         self.transport.close()
+
+    def _answering(self) -> bool:
+        """Whether an answer is being written or queued on this connection."""
+        return bool(self.pipeline) or (self.cycle is not None and not self.cycle.response_complete)
 
     # ---- deadlines --------------------------------------------------------------------------------
     def _arm_header_timer(self) -> None:

@@ -4,13 +4,16 @@ absolute-form target's authority in its place.
 uvicorn passes every Host line on and the target's authority nowhere, and the loopback guard
 (browser_guard.py) reads the first Host line: a second one (which a proxy in front may read instead) or a
 value such as "evil.example@localhost" passed it, and `GET http://evil.example/ HTTP/1.1` with `Host:
-localhost` was answered as localhost's (a review). The connection guard (connections.py) answers what
-`host_problem` names with a 400 before the request runs, and gives the app the target's authority as Host.
+localhost` was answered as localhost's (a review). The connection guard (connections.py) gives the app the
+target's authority as Host and puts what `host_problem` names in the request's scope; the browser guard
+answers it with a 400 before any work, in the request's turn (behind answers pipelined ahead of it).
 """
 
 from __future__ import annotations
 
 import re
+
+HOST_PROBLEM = "pagewalk.host_problem"  # the scope's key for host_problem's answer (the browser guard's)
 
 # RFC 3986 authority without userinfo: an IP literal or a reg-name (IPv4 included), then an optional port
 _HOST = re.compile(rb"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9\-._~!$&'()*+,;=%]*)(:[0-9]*)?")

@@ -31,6 +31,7 @@ import heapq
 import importlib.metadata
 import itertools
 import os
+import re
 import threading
 import time
 import weakref
@@ -50,7 +51,7 @@ LLGUIDANCE_MIN = (1, 9)  # 1.6 takes one EOS id where the tokenizer gives a list
 def check_llguidance(version: str) -> None:
     """ImportError naming the version where llguidance is older than LLGUIDANCE_MIN (pyproject asks it, but a
     carried wheel set or a pinned environment may bring an older one)."""
-    parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    parts = tuple(int(p) for p in re.findall(r"\d+", version)[:2])  # "1.10+local" -> (1, 10)
     if parts < LLGUIDANCE_MIN:
         raise ImportError(f"llguidance {version} is installed; pagewalk needs >= "
                           f"{'.'.join(map(str, LLGUIDANCE_MIN))} (pip install -U llguidance)")
