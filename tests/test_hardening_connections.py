@@ -6,7 +6,9 @@ line (no traceback), HEAD /health works."""
 from __future__ import annotations
 
 import json
+import shutil
 import socket
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -317,3 +319,29 @@ def test_the_shutdown_drop_spares_a_reader_whose_buffer_is_full_for_a_moment():
     drop_stalled([moment, stopped])
     assert moment_aborted == [] and stopped_aborted == [True]
     assert moment.drop_if_stalled() and moment_aborted == [True]  # uvicorn closing: any pause is dropped
+
+
+def _server_side_state(port: int, client_port: int) -> str:
+    return subprocess.run(["ss", "-tnH", "state", "all", f"( sport = :{port} and dport = :{client_port} )"],
+                          capture_output=True, text=True).stdout.strip()
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
+def test_a_client_that_reads_nothing_is_dropped_below_the_pause_level(server):
+    """Answers that overflow the kernel's buffers by less than asyncio's 64 KiB pause level never paused
+    writing, so no stall timer ran; the keep-alive close (or a deferred error's) then waited for a drain
+    forever (a review: connections held a minute on). Pipelines of 8-16 /metrics answers put some
+    connection's leftover in that window."""
+    socks = []
+    for depth in range(8, 17):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the client reads nothing
+        s.connect(("127.0.0.1", server.port))
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n" * depth + b"BAD\r\n\r\n")
+        socks.append(s)
+    time.sleep(STALL_TIMEOUT_S + 5 + 4)  # the stall timeout, keep-alive's 5 s, slack
+    held = [state for s in socks if (state := _server_side_state(server.port, s.getsockname()[1]))
+            .startswith("ESTAB")]
+    for s in socks:
+        s.close()
+    assert not held, held

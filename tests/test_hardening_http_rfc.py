@@ -191,3 +191,14 @@ def test_a_bad_request_pipelined_behind_an_answer_is_answered_after_it(server, s
 
 def test_an_absolute_form_authority_is_checked_as_a_host_line_is():
     assert host_problem([target_authority(b"http://evil.example@localhost/health")], "1.1") is not None
+
+
+def test_a_malformed_body_of_the_running_request_is_answered_400_at_once(server):
+    """Its own unanswered request counted as an answer ahead: the 400 waited, and the body deadline answered
+    408 seconds later (a review of the deferral)."""
+    s = connect(server, timeout=30)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+              b"Transfer-Encoding: chunked\r\n\r\nzz\r\n")
+    raw = read_all(s)
+    s.close()
+    assert raw.startswith(b"HTTP/1.1 400 ") and b"invalid_http" in raw, raw[:200]

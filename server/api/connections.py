@@ -106,7 +106,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.pipeline_overflow = False
         self.body_length = 0  # of the last request whose headers were read
         self.awaiting_url = True  # the request being read has no header line yet (its target may be growing)
-        self.deferred_error: bytes | None = None  # a parse error's answer, due once the answers ahead are out
+        self.deferred_error: bytes | None = None  # a parse error's answer, due once `deferred_after` is out
+        self.deferred_after = None  # the cycle answered just ahead of the malformed request
+        self.unsent_timer: asyncio.TimerHandle | None = None  # watches bytes left unsent after an answer
+        self.unsent_bytes = 0
         super().connection_made(transport)
         sock = transport.get_extra_info("socket")
         if sock is not None:
@@ -204,10 +207,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             raise HeadersTooLarge
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()  # starts the next queued request, and reads on
-        if self.deferred_error is not None and not self._answering() and not self.transport.is_closing():
+        if self.deferred_error is not None and self.deferred_after.response_complete \
+                and not self.transport.is_closing():
             self.transport.write(self.deferred_error)  # a malformed request's answer, after those ahead of it
             self.transport.close()
+        super().on_response_complete()  # starts the next queued request, and reads on (not once closing)
+        self._watch_unsent()
+        if self.transport.is_closing():
             return
         if self.pipeline and not self.transport.is_closing():
             self.flow.pause_reading()  # not while requests still wait: what one connection queues is bounded
@@ -236,17 +242,27 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                               "headers_too_large")
         else:
             error = raw_error(400, "Bad Request", f"{msg} (malformed HTTP)", "invalid_http")
-        if self._answering():  # the answers ahead of it go out first, whole (RFC 9112 §9.3.2: request
-            # order; written at once it landed inside the stream being sent: a review)
-            self.deferred_error = error
+        ahead = self._answer_ahead()
+        if ahead is not None and not ahead.response_complete:  # the answers ahead of it go out first, whole
+            # (RFC 9112 §9.3.2: request order; written at once it landed inside the stream being sent: a
+            # review)
+            self.deferred_error, self.deferred_after = error, ahead
             self.flow.pause_reading()
             return
         self.transport.write(error)
         self.transport.close()
+        self._watch_unsent()
 
-    def _answering(self) -> bool:
-        """Whether an answer is being written or queued on this connection."""
-        return bool(self.pipeline) or (self.cycle is not None and not self.cycle.response_complete)
+    def _answer_ahead(self):
+        """The cycle answered just before the malformed request: the last one read if the error is in a new
+        request's head; if in the body of the last one read, the one queued or running ahead of it (None
+        when it runs itself: its answer is the error)."""
+        if self.awaiting_headers:
+            return self.cycle
+        queued = [cycle for cycle, _ in self.pipeline]  # newest first (uvicorn appends left)
+        if queued and queued[0] is self.cycle:
+            return queued[1] if len(queued) > 1 else self.running_cycle
+        return None
 
     # ---- deadlines --------------------------------------------------------------------------------
     def _arm_header_timer(self) -> None:
@@ -307,6 +323,26 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self.stall_timer.cancel()
             self.stall_timer = None
 
+    def _watch_unsent(self) -> None:
+        """After an answer, bytes the client has not read may stay in the transport's buffer below the level
+        that pauses writing (64 KiB): no stall timer runs then, and a close (keep-alive's, an error's)
+        waits for a drain that never comes (a review: connections held open a minute on). If none of them
+        leaves within the stall timeout, the connection is aborted."""
+        size = self.transport.get_write_buffer_size()
+        if self.unsent_timer is None and size:
+            self.unsent_bytes = size
+            self.unsent_timer = self.loop.call_later(self.stall_timeout_s, self._unsent_check)
+
+    def _unsent_check(self) -> None:
+        self.unsent_timer = None
+        size = self.transport.get_write_buffer_size()
+        if not size or self.flow.write_paused:  # drained, or the stall timer watches now
+            return
+        if size < self.unsent_bytes:  # the client reads on, slowly
+            self._watch_unsent()
+            return
+        self._stalled()
+
     def _stalled(self) -> None:
         self.stall_timer = None
         logger.info("disconnecting %s: it read nothing for %.0f s (its requests are aborted)", _peer(self),
@@ -343,10 +379,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.transport.close()
 
     def _cancel_timers(self) -> None:
-        for timer in (self.header_timer, self.body_timer, self.stall_timer, self.eof_timer):
+        timers = (self.header_timer, self.body_timer, self.stall_timer, self.eof_timer, self.unsent_timer)
+        for timer in timers:
             if timer is not None:
                 timer.cancel()
-        self.header_timer = self.body_timer = self.stall_timer = self.eof_timer = None
+        self.header_timer = self.body_timer = self.stall_timer = self.eof_timer = self.unsent_timer = None
 
 
 SHUTDOWN_STALL_S = 1.0  # paused this long when the drain starts: a client that stopped reading
