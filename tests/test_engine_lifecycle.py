@@ -114,7 +114,8 @@ def test_admission_refusals_name_both_numbers(engine):
     with pytest.raises(RequestRejected) as too_big:
         engine.check_admissible(100, SamplingParams(max_tokens=1000, n=5))
     assert too_big.value.status == 400
-    assert "5500" in too_big.value.message and str(cap) in too_big.value.message
+    # (100 + 1000 - 1) KV positions x 5: a choice's last token takes none
+    assert "5495" in too_big.value.message and str(cap) in too_big.value.message
     engine.check_admissible(100, SamplingParams(max_tokens=1000, n=3))  # 3300 fits
     with pytest.raises(RequestRejected) as empty:
         engine.check_admissible(0, SamplingParams())
