@@ -18,6 +18,24 @@ REPO = Path(__file__).resolve().parents[1]
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
+def connect(server: Server, timeout: float = 10.0, rcvbuf: int | None = None) -> socket.socket:
+    """A raw socket to `server`; `rcvbuf` set before connecting keeps the advertised window that small."""
+    s = socket.socket()
+    if rcvbuf is not None:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.connect(("127.0.0.1", server.port))
+    s.settimeout(timeout)
+    return s
+
+
+def read_all(s: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    chunks = []
+    while chunk := s.recv(65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

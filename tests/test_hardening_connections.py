@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from server_helpers import Server
+from server_helpers import Server, connect, read_all
 
 from server.api.connections import MAX_HEADER_BYTES, MAX_PIPELINED, MIN_BODY_RATE
 
@@ -33,22 +33,6 @@ def server(tmp_path_factory):
                  "--max-connections", str(MAX_CONNECTIONS), "--max-body-bytes", str(MAX_BODY_BYTES))
     yield srv
     srv.stop()
-
-
-def connect(server: Server, rcvbuf: int | None = None) -> socket.socket:
-    s = socket.socket()
-    if rcvbuf is not None:  # set before connecting: the advertised window stays this small
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    s.connect(("127.0.0.1", server.port))
-    s.settimeout(10)
-    return s
-
-
-def read_all(s: socket.socket) -> bytes:
-    chunks = []
-    while chunk := s.recv(65536):
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def json_body(raw: bytes) -> dict:

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 
 import pytest
-from server_helpers import Server
+from server_helpers import Server, connect, read_all
 
 from server.api.host_header import host_problem, target_authority
 
@@ -24,19 +23,6 @@ def server(tmp_path_factory):
     srv = Server(tmp_path_factory.mktemp("http1"), "--header-timeout", str(HEADER_TIMEOUT_S))
     yield srv
     srv.stop()
-
-
-def connect(server: Server, timeout: float = 20) -> socket.socket:
-    s = socket.create_connection(("127.0.0.1", server.port))
-    s.settimeout(timeout)
-    return s
-
-
-def read_all(s: socket.socket) -> bytes:
-    chunks = []
-    while chunk := s.recv(65536):
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def post(path: bytes, body: dict, version: bytes = b"HTTP/1.1", extra: bytes = b"") -> tuple[bytes, bytes]:
@@ -57,7 +43,7 @@ def test_stream_to_http10_client_is_not_chunked(server):
     HTTP/1.0 client reads the body to EOF, so the chunk sizes ("d0\\r\\n") land in its SSE text."""
     head, body = post(b"/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 3, "stream": True},
                       version=b"HTTP/1.0")
-    s = connect(server)
+    s = connect(server, timeout=20)
     s.sendall(head + body)
     raw = read_all(s)
     s.close()
@@ -127,7 +113,7 @@ def test_pipelined_expect_request_does_not_cut_the_answer_ahead(server, stream):
 def test_duplicate_or_invalid_host_is_400(server, host_lines):
     """RFC 9112 §3.2: a server MUST respond 400 to any request message that contains more than one Host
     header field line or a Host header field with an invalid field value (uri-host [":" port])."""
-    s = connect(server)
+    s = connect(server, timeout=20)
     s.sendall(b"GET /health HTTP/1.1\r\n" + host_lines + b"Connection: close\r\n\r\n")
     raw = read_all(s)
     s.close()
@@ -142,7 +128,7 @@ def test_duplicate_or_invalid_host_is_400(server, host_lines):
 def test_absolute_form_target_authority_wins_over_host(server, target, host, status):
     """RFC 9112 §3.2.2: an origin server that receives an absolute-form request-target MUST ignore the Host
     header field and use the target's host; the loopback guard (browser_guard.py) reads the Host header."""
-    s = connect(server)
+    s = connect(server, timeout=20)
     s.sendall(b"GET " + target + b" HTTP/1.1\r\nHost: " + host + b"\r\nConnection: close\r\n\r\n")
     raw = read_all(s)
     s.close()

@@ -250,12 +250,12 @@ class AsyncEngine:
                 f"max_num_batched_tokens ({self.config.max_num_batched_tokens}) tokens; this prompt has "
                 f"{num_prompt_tokens}", "prompt_logprobs")
         total = num_prompt_tokens + params.max_tokens
-        if total - 1 > self.max_model_len:  # the last token sampled takes no position (the core's rule)
+        positions = total - 1  # KV positions a choice takes: its last token, sampled, none (the core's rule)
+        if positions > self.max_model_len:
             raise RequestRejected(
                 400, f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {total} "
                 f"tokens exceeds the maximum context length of {self.max_model_len} tokens by more than the "
                 f"last token sampled", "max_tokens")
-        positions = total - 1  # KV positions a choice takes, as above
         if positions * params.n > self.capacity_tokens:
             raise RequestRejected(
                 400, f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) - 1 = "

@@ -215,9 +215,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._watch_unsent()
         if self.transport.is_closing():
             return
-        if self.pipeline and not self.transport.is_closing():
+        if self.pipeline:
             self.flow.pause_reading()  # not while requests still wait: what one connection queues is bounded
-        elif self.awaiting_headers and self.header_timer is None and not self.transport.is_closing():
+        elif self.awaiting_headers and self.header_timer is None:
             # a request's headers began while this response was written: its deadline, from its first byte
             self.header_timer = self.loop.call_at(self.header_deadline, self._header_timeout)
 
